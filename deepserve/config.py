@@ -1,0 +1,194 @@
+"""Engine arguments (what a user sets) and the engine configuration derived from them.
+
+`EngineArgs` is the flat, user-facing bag of options (also the `LLM(...)` keywords and CLI flags).
+`EngineArgs.create_engine_config()` resolves defaults against the model and the device and returns an
+`EngineConfig` made of small per-concept configs that the engine's stages read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    model: str                      # path of an HF checkpoint directory or a .gguf file
+    hf_config: dict[str, Any]       # the model's config.json (or its GGUF equivalent)
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str                # "auto" | "dummy"
+    skip_tokenizer_init: bool
+    seed: int
+
+    @property
+    def architecture(self) -> str:
+        return self.hf_config.get("architectures", ["LlamaForCausalLM"])[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int
+    enable_prefix_caching: bool
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+    num_blocks: int | None = None   # filled in by the model runner once the budget is known
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    # Fraction of blocks kept free when admitting new prompts, so that a request resumed after
+    # preemption is not preempted again at once by the next admission (vLLM uses 1%).
+    watermark: float = 0.01
+
+
+@dataclass
+class DeviceConfig:
+    device: torch.device
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+        need(self.dtype in ("auto", *_DTYPES), f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             f"device must be auto, cpu or cuda; got {self.device!r}")
+        need(self.load_format in ("auto", "dummy"), f"load_format must be auto or dummy; got {self.load_format!r}")
+        need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             f"block_size must be a power of two >= 1; got {self.block_size}")
+        need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
+        need(self.max_model_len is None or self.max_model_len >= 1,
+             f"max_model_len must be >= 1; got {self.max_model_len}")
+        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
+        need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+             f"kv_cache_memory_bytes must be > 0; got {self.kv_cache_memory_bytes}")
+        need(0.0 < self.gpu_memory_utilization <= 1.0,
+             f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+
+    def resolve_model_path(self) -> str:
+        if self.model is None:
+            from deepserve.loader.gguf_loader import default_model_path
+            return default_model_path()
+        path = os.path.expanduser(self.model)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model {self.model!r} is neither a local checkpoint directory nor a .gguf file "
+                                    "(deepserve never downloads weights)")
+        return path
+
+    def create_engine_config(self) -> EngineConfig:
+        path = self.resolve_model_path()
+        hf_config = load_hf_config(path)
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, hf_config, device)
+        context = int(hf_config.get("max_position_embeddings", 2048))
+        max_model_len = self.max_model_len or context
+        if max_model_len > context:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {context} tokens")
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            # Chunked prefill keeps steps short (decode latency); without it a whole prompt must fit one step.
+            max_batched = 2048 if self.enable_chunked_prefill else max(max_model_len, 2048)
+        if not self.enable_chunked_prefill and max_batched < max_model_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens ({max_batched}) must be >= "
+                             f"max_model_len ({max_model_len})")
+        max_batched = max(max_batched, self.max_num_seqs) if self.max_num_batched_tokens is None else max_batched
+        return EngineConfig(
+            model=ModelConfig(model=path, hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
+                              load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
+                              seed=self.seed),
+            cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                              kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                              gpu_memory_utilization=self.gpu_memory_utilization),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
+                                      max_model_len=max_model_len,
+                                      enable_chunked_prefill=self.enable_chunked_prefill),
+            device=DeviceConfig(device=device),
+        )
+
+
+def load_hf_config(path: str) -> dict[str, Any]:
+    if path.endswith(".gguf"):
+        from deepserve.loader.gguf_loader import load_gguf
+        return load_gguf(path).config
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{path} has no config.json")
+    with open(config_path) as f:
+        return json.load(f)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        # fp32 is the fastest and most exact choice on CPUs without AMX (measured: bf16 GEMMs are
+        # slower than fp32 on AVX-512 Xeons for the small matrices of small models).
+        return torch.float32
+    declared = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
+    return {"float16": torch.float16, "float32": torch.bfloat16}.get(declared, torch.bfloat16)

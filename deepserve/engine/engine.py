@@ -1,0 +1,192 @@
+"""LLMEngine: the step loop. add_request -> step() ... -> RequestOutputs; abort_request frees at once.
+
+One step:  Scheduler.schedule -> ModelRunner.execute -> Scheduler.commit_step -> OutputProcessor.
+The engine is synchronous and single-threaded; servers drive it from one loop (engine/async_engine.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from deepserve.config import EngineArgs, EngineConfig
+from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.output_processor import OutputProcessor, RequestState
+from deepserve.engine.scheduler import Scheduler
+from deepserve.engine.sequence import Sequence, SequenceStatus
+from deepserve.outputs import RequestOutput
+from deepserve.sampling_params import SamplingParams
+from deepserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15   # spreads the n children of one seeded request over the seed space
+_U64 = (1 << 64) - 1
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = None
+        if not config.model.skip_tokenizer_init:
+            from deepserve.tokenizer import Tokenizer
+            self.tokenizer = Tokenizer.from_pretrained(config.model.model)
+        eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else _config_eos_ids(config.model.hf_config)
+        self.runner = ModelRunner(config, eos)
+        self.block_manager = BlockManager(config.cache.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.outputs = OutputProcessor(self.tokenizer, eos, config.scheduler.max_model_len)
+        self.requests: dict[str, RequestState] = {}
+        self._seed_rng = random.Random(config.model.seed)
+        self._next_seq_id = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.model.vocab_size
+
+    # --- requests -----------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """Text or token ids -> (text, token ids), validated against the model. Raises ValueError."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine was started with skip_tokenizer_init: give prompt_token_ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, prompt
+        else:
+            raise ValueError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        ids = self._validate_token_ids(ids)
+        return text, ids
+
+    def _validate_token_ids(self, ids: Iterable[Any]) -> list[int]:
+        ids = list(ids)
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise ValueError("prompt_token_ids must be integers")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        limit = self.config.scheduler.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {limit}, which leaves "
+                             "no room to generate")
+        return ids
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError on bad input, leaving the engine unchanged."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = [Sequence(self._new_seq_id(), request_id, i, ids, params, self._seed_for(params, i), arrival)
+                for i in range(params.n)]
+        self.requests[request_id] = self.outputs.new_request(request_id, text, ids, params, seqs, arrival)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests now and give their KV blocks back. Unknown ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            state = self.requests.pop(request_id, None)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # --- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling + forward step; return outputs of the requests that progressed."""
+        sched_out = self.scheduler.schedule()
+        touched: dict[str, RequestState] = {}
+        for seq in sched_out.ignored:
+            touched[seq.request_id] = self.requests[seq.request_id]
+        if not sched_out.is_empty:
+            runner_out = self.runner.execute(sched_out)
+            self.scheduler.commit_step(sched_out)
+            now = time.monotonic()
+            for s in sched_out.scheduled:
+                state = self.requests[s.seq.request_id]
+                touched[state.request_id] = state
+                self.prompt_tokens += max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
+                finished_status = self.outputs.process(state, s, runner_out, now)
+                if s.samples:
+                    self.generation_tokens += 1
+                if finished_status is not None:
+                    self.scheduler.finish(s.seq, finished_status)
+        results = []
+        for request_id, state in touched.items():
+            results.append(self.outputs.make_output(state))
+            if state.finished:
+                del self.requests[request_id]
+        return results
+
+    def get_stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
+                           bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
+                           self.prompt_tokens, self.generation_tokens)
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def _seed_for(self, params: SamplingParams, index: int) -> int:
+        if params.seed is None:
+            return self._seed_rng.getrandbits(64)
+        return (params.seed + index * _SEED_STRIDE) & _U64
+
+
+def _config_eos_ids(hf_config: dict[str, Any]) -> set[int]:
+    eos = hf_config.get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}

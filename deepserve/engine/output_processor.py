@@ -1,0 +1,159 @@
+"""Turns sampled tokens into request outputs: stop checks, incremental detokenization, logprobs.
+
+Token-level stops (EOS, stop_token_ids, max_tokens, max_model_len) and text-level stops (stop strings,
+matched on the detokenized text and cut from it) are decided here; the engine then tells the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepserve.engine.scheduler import ScheduledSequence
+from deepserve.engine.sequence import Sequence, SequenceStatus
+from deepserve.outputs import CompletionOutput, Logprob, LogprobsEntry, RequestMetrics, RequestOutput
+from deepserve.sampling_params import SamplingParams
+from deepserve.worker.model_runner import ModelRunnerOutput, TokenLogprobs
+
+
+@dataclass
+class SequenceOutputState:
+    seq: Sequence
+    detokenizer: object | None
+    text: str = ""
+    logprobs: list[LogprobsEntry] | None = None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    per_seq: dict[int, SequenceOutputState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[LogprobsEntry | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def new_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                    seqs: list[Sequence], arrival: float) -> RequestState:
+        per_seq = {}
+        for seq in seqs:
+            detok = None
+            if self.tokenizer is not None:
+                from deepserve.tokenizer import IncrementalDetokenizer
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            per_seq[seq.seq_id] = SequenceOutputState(seq, detok, logprobs=[] if params.logprobs is not None else None)
+        prompt_lp = [None] if params.prompt_logprobs is not None else None
+        return RequestState(request_id, prompt, list(prompt_ids), params, seqs, per_seq,
+                            RequestMetrics(arrival_time=arrival), prompt_lp)
+
+    # --- one scheduled sequence's step result ---------------------------------------------------
+    def process(self, state: RequestState, sched: ScheduledSequence, out: ModelRunnerOutput,
+                now: float) -> SequenceStatus | None:
+        """Apply one step's results to a sequence; return a finish status if it just finished."""
+        seq = sched.seq
+        if state.metrics.first_scheduled_time is None:
+            state.metrics.first_scheduled_time = now
+        chunk_lp = out.prompt_logprobs.get(seq.seq_id)
+        if chunk_lp and state.prompt_logprobs is not None and len(state.prompt_logprobs) < seq.num_prompt_tokens:
+            state.prompt_logprobs.extend(self._logprobs_entry(e) for e in chunk_lp)
+        token = out.sampled_token_ids.get(seq.seq_id)
+        if token is None:
+            return None
+        seq_state = state.per_seq[seq.seq_id]
+        seq.append_token(token)
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.metrics.last_token_time = now
+        if seq.seq_id in out.logprobs and seq_state.logprobs is not None:
+            entry = out.logprobs[seq.seq_id]
+            seq_state.logprobs.append(self._logprobs_entry(entry))
+            seq_state.cumulative_logprob += entry[1]
+        status = self._token_stop(seq)
+        if seq_state.detokenizer is not None:
+            seq_state.text += seq_state.detokenizer.step([token])
+            if status is None:
+                status = self._stop_string(seq, seq_state)
+            else:
+                seq_state.text += seq_state.detokenizer.flush()   # a trailing partial character, if any
+        if status is not None:
+            state.metrics.finished_time = now
+        return status
+
+    def _token_stop(self, seq: Sequence) -> SequenceStatus | None:
+        p, token = seq.params, seq.token_ids[-1]
+        out_len = seq.num_output_tokens
+        if out_len >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return SequenceStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and out_len >= p.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH_CAPPED
+        if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _stop_string(self, seq: Sequence, st: SequenceOutputState) -> SequenceStatus | None:
+        p = seq.params
+        if not p.stop or seq.num_output_tokens < p.min_tokens:
+            return None
+        # Only the tail can hold a match that did not exist before this token.
+        window = max(len(s) for s in p.stop) + 16
+        tail_start = max(len(st.text) - window, 0)
+        best = None
+        for stop in p.stop:
+            i = st.text.find(stop, tail_start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return None
+        i, stop = best
+        st.text = st.text[:i + len(stop)] if p.include_stop_str_in_output else st.text[:i]
+        seq.stop_reason = stop
+        return SequenceStatus.FINISHED_STOPPED
+
+    def _logprobs_entry(self, entry: TokenLogprobs) -> LogprobsEntry:
+        token, lp, top_ids, top_vals = entry
+        result: LogprobsEntry = {}
+        for rank, (tid, val) in enumerate(zip(top_ids, top_vals), start=1):
+            result[tid] = Logprob(val, rank, self._decode_one(tid))
+        if token not in result:
+            rank = None
+            result[token] = Logprob(lp, rank, self._decode_one(token))
+        return result
+
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # --- assembling RequestOutput ---------------------------------------------------------------
+    def make_output(self, state: RequestState) -> RequestOutput:
+        outputs = []
+        for seq in state.seqs:
+            st = state.per_seq[seq.seq_id]
+            outputs.append(CompletionOutput(
+                index=seq.index, text=st.text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=st.cumulative_logprob if st.logprobs is not None else None,
+                logprobs=st.logprobs, finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
+        state.metrics.num_preemptions = sum(s.num_preemptions for s in state.seqs)
+        errors = [s.error for s in state.seqs if s.error]
+        return RequestOutput(
+            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs, finished=state.finished, prompt_logprobs=state.prompt_logprobs,
+            num_cached_tokens=min(s.num_cached_tokens for s in state.seqs), metrics=state.metrics,
+            error=errors[0] if errors else None)

@@ -1,0 +1,176 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+Every sequence carries `num_computed_tokens`; a step gives each scheduled sequence some new tokens
+to compute so that it catches up with `num_tokens`. A decode is 1 new token, a prefill is many, a
+chunk of a long prompt is a part of it: one mechanism, so decodes and prefill chunks mix freely.
+
+Invariants:
+- running sequences are served first, in admission order; the budget left goes to waiting ones (FCFS);
+- when blocks run out, the most recently admitted running sequence is preempted (its KV dropped, it goes
+  back to the front of `waiting`); no new sequence is admitted in a step that preempted, and admissions
+  keep a watermark of free blocks, so a resumed sequence is not preempted again straight away;
+- a sequence that could never fit (more blocks than the whole cache) is finished as IGNORED, not retried;
+- after a step, `num_computed_tokens` already counts the tokens scheduled in it (the runner computes
+  them before anything else reads the sequence).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deepserve.config import SchedulerConfig
+from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    start: int              # first position computed in this step
+    num_new_tokens: int     # positions [start, start + num_new_tokens) are computed
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last known token, so this step samples the next one."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    ignored: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
+
+    # --- queue management ---------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Finish `seq` wherever it is and give its blocks back."""
+        assert status.is_finished
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = status
+        self.block_manager.free(seq)
+        self.block_manager.forget(seq)
+
+    # --- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.blocks_to_copy = self.block_manager.take_pending_copies()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n > 0 and self._make_room(seq, n, out):
+                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
+                self.block_manager.allocate_slots(seq, n)
+                seq.num_computed_tokens += n
+                budget -= n
+            i += 1
+        return budget
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Preempt from the back of `running` until `seq` gets its blocks; False if `seq` itself went."""
+        bm = self.block_manager
+        while not bm.can_allocate(bm.num_blocks_to_allocate(seq, n)):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if bm.blocks_for_tokens(seq.num_tokens + 1) > bm.num_blocks:
+                self._ignore(seq, out)
+                continue
+            # Prompt logprobs need logits at every prompt position, so such requests compute all of it.
+            hits = [] if seq.params.prompt_logprobs is not None else bm.find_cached_prefix(seq)
+            computed = len(hits) * bm.block_size
+            n = seq.num_tokens - computed
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            reserve = self._watermark_blocks if self.running else 0
+            if not bm.can_allocate(bm.admission_cost(seq, n, hits), reserve):
+                break
+            self.waiting.popleft()
+            bm.allocate_slots(seq, n, hits)
+            bm.record_prefix_lookup(seq.num_tokens, computed)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, computed, n))
+            seq.num_computed_tokens = computed + n
+            budget -= n
+
+    def _ignore(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.waiting.popleft()
+        seq.status = SequenceStatus.FINISHED_IGNORED
+        seq.error = (f"sequence of {seq.num_tokens} tokens needs more KV blocks than the whole cache "
+                     f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)")
+        self.block_manager.forget(seq)
+        out.ignored.append(seq)
+
+    # --- after the forward pass ---------------------------------------------------------------
+    def commit_step(self, out: SchedulerOutput) -> None:
+        """The step's KV is now computed: name its full blocks for the prefix cache."""
+        for s in out.scheduled:
+            if not s.seq.is_finished and s.seq.status is SequenceStatus.RUNNING:
+                self.block_manager.cache_full_blocks(s.seq)

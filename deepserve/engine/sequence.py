@@ -1,0 +1,90 @@
+"""A Sequence is one stream of tokens being generated: a request with n=2 owns two of them.
+
+Lifecycle:  WAITING --schedule--> RUNNING --stop/length/abort--> FINISHED_*
+                ^                    |
+                +----- preempt ------+   (KV dropped; recomputed from its tokens when resumed)
+
+Invariants the scheduler keeps:
+- `num_computed_tokens <= num_tokens`; the KV of tokens [0, num_computed_tokens) is in `block_table`.
+- a WAITING sequence holds no blocks; a FINISHED one holds none either.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deepserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH_CAPPED = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_IGNORED = "ignored"    # can never be served (e.g. needs more KV than the whole cache)
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+
+    @property
+    def finish_reason(self) -> str | None:
+        if not self.is_finished:
+            return None
+        return "length" if self is SequenceStatus.FINISHED_IGNORED else self.value
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
+                 params: "SamplingParams", seed: int, arrival_time: float | None = None) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index                          # position among the request's n outputs
+        self.token_ids = list(prompt_token_ids)     # prompt + generated tokens (never drafts)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.seed = seed                            # sampling randomness = f(seed, position)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0                  # prefix-cache hit of the first admission
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+
+    # --- sizes -------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

@@ -1,0 +1,130 @@
+"""Paged attention: the backend protocol and its PyTorch reference implementation.
+
+A backend owns two things: how a layer's new keys/values are written into the paged cache, and how
+queries attend over a sequence's cached keys. `build_metadata` runs once per step (index tensors
+shared by all layers); `forward` runs per layer. The GPU path swaps in Triton kernels with the same
+signatures; this reference is what the CPU runs and what those kernels are tested against.
+
+KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = keys, 1 = values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepserve.worker.forward_batch import ForwardBatch
+
+
+class AttentionBackend(Protocol):
+    def build_metadata(self, batch: ForwardBatch) -> object: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                batch: ForwardBatch, scale: float) -> torch.Tensor: ...
+
+
+@dataclass
+class _PrefillSegment:
+    row_start: int
+    num_rows: int
+    first_position: int       # position of the segment's first query token
+    slots: torch.Tensor       # [seq_len] KV slots of the sequence, in position order
+
+
+@dataclass
+class TorchAttentionMetadata:
+    decode_rows: torch.Tensor | None      # [Bd] rows of 1-token sequences
+    decode_slots: torch.Tensor | None     # [Bd, Lmax] KV slots (padded with 0)
+    decode_mask: torch.Tensor | None      # [Bd, Lmax] True where a slot is a real key
+    prefills: list[_PrefillSegment]
+
+
+class TorchPagedAttention:
+    """Reference backend: decodes batched into one masked matmul, prefills one sequence at a time."""
+
+    def build_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
+        bs = batch.block_size
+        device = batch.input_ids.device
+        decode_b = [b for b, q in enumerate(batch.query_lens_cpu) if q == 1]
+        prefill_b = [b for b, q in enumerate(batch.query_lens_cpu) if q > 1]
+        starts = batch.query_start_loc.tolist()
+        offsets = torch.arange(bs, device=device)
+        all_slots = (batch.block_tables[:, :, None] * bs + offsets).flatten(1)   # [B, max_blocks * bs]
+        meta = TorchAttentionMetadata(None, None, None, [])
+        if decode_b:
+            idx = torch.tensor(decode_b, device=device)
+            lmax = max(batch.seq_lens_cpu[b] for b in decode_b)
+            meta.decode_rows = torch.tensor([starts[b] for b in decode_b], device=device)
+            meta.decode_slots = all_slots[idx, :lmax]
+            meta.decode_mask = torch.arange(lmax, device=device)[None, :] < batch.seq_lens[idx][:, None]
+        for b in prefill_b:
+            n, seq_len = batch.query_lens_cpu[b], batch.seq_lens_cpu[b]
+            meta.prefills.append(_PrefillSegment(starts[b], n, seq_len - n, all_slots[b, :seq_len]))
+        return meta
+
+    def forward(self, q, k, v, kv_cache, batch, scale):
+        meta: TorchAttentionMetadata = batch.attn_metadata
+        write_kv(kv_cache, k, v, batch.slot_mapping)
+        k_flat = kv_cache[0].flatten(0, 1)    # [num_slots, Hkv, D]
+        v_flat = kv_cache[1].flatten(0, 1)
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = _decode_attention(
+                q[meta.decode_rows], k_flat[meta.decode_slots], v_flat[meta.decode_slots], meta.decode_mask, scale)
+        for seg in meta.prefills:
+            rows = slice(seg.row_start, seg.row_start + seg.num_rows)
+            out[rows] = _prefill_attention(q[rows], k_flat[seg.slots], v_flat[seg.slots], seg.first_position, scale)
+        return out
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    kv_cache[0].view(-1, *k.shape[1:])[slot_mapping] = k
+    kv_cache[1].view(-1, *v.shape[1:])[slot_mapping] = v
+
+
+def _decode_attention(q, k, v, mask, scale):
+    """q: [B, H, D]; k, v: [B, L, Hkv, D]; mask: [B, L]. Grouped-query: H = Hkv * G."""
+    b, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.view(b, hkv, h // hkv, d).float()
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * scale          # [B, Hkv, G, L]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3).float())                  # [B, Hkv, G, D]
+    return out.reshape(b, h, d).to(q.dtype)
+
+
+def _prefill_attention(q, k, v, first_position, scale):
+    """q: [n, H, D] at positions first_position..; k, v: [L, Hkv, D] (L = first_position + n)."""
+    n, h, _ = q.shape
+    group = h // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)      # [H, L, D]
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    qh = q.transpose(0, 1)                                     # [H, n, D]
+    if first_position == 0:
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
+    else:
+        # Query i sits at position first_position + i and sees keys 0..first_position + i.
+        key_pos = torch.arange(k.shape[1], device=q.device)
+        query_pos = torch.arange(first_position, first_position + n, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+class Attention(nn.Module):
+    """One layer's attention over the paged cache; the cache is bound by the model runner."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.kv_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend = TorchPagedAttention()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        assert self.kv_cache is not None, "the model runner binds a KV cache before the first forward"
+        return self.backend.forward(q, k, v, self.kv_cache, batch, self.scale)

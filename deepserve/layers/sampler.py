@@ -1,0 +1,251 @@
+"""Sampler: logits of the rows that sample this step -> next tokens (+ logprobs).
+
+Order of work (vLLM's, with min_p after top-k/top-p as in vLLM v0):
+  raw logprobs (log_softmax of the model's logits) -> min_tokens bans -> repetition penalty (prompt and output
+  tokens) -> frequency / presence penalties (output token counts) -> greedy rows: argmax; other rows:
+  / temperature, softmax, top-k, top-p, min_p, then an inverse CDF in float64 driven by a counter-based uniform.
+
+Batch invariance: every step is row-wise, and a row whose parameters switch a step off goes through that step
+unchanged bit for bit (penalty 1 / 0, keep-all masks), so a row's token does not depend on which other rows
+share the batch or their order. The uniform is a pure function of (seed, position), not of a shared generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from deepserve.layers.counter_rng import CASE_SAMPLE, sample_uniforms
+from deepserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the engine knows about one row to sample."""
+    params: SamplingParams
+    seed: int                   # always set: the engine draws one for unseeded requests
+    position: int               # position of the token being sampled (= current sequence length)
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: set[int]     # the tokenizer's EOS ids (not banned when params.ignore_eos)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row tensors for one batch, built once per step. Neutral values (temperature 1 for greedy rows,
+    top_k = vocab size, top_p = 1, penalties 1 / 0) leave a row untouched by a step other rows need."""
+    temperature: torch.Tensor               # [B] float32; 1.0 for greedy rows (their logits are never divided)
+    is_greedy: torch.Tensor                 # [B] bool
+    top_k: torch.Tensor                     # [B] int64, vocab_size when disabled
+    top_p: torch.Tensor                     # [B] float32
+    min_p: torch.Tensor                     # [B] float32
+    presence_penalty: torch.Tensor          # [B] float32
+    frequency_penalty: torch.Tensor         # [B] float32
+    repetition_penalty: torch.Tensor        # [B] float32
+    uniforms: torch.Tensor                  # [B] float64 in [0, 1)
+    all_greedy: bool
+    all_random: bool
+    any_penalty: bool
+    any_top_k_p: bool
+    any_min_p: bool
+    max_num_logprobs: int | None            # None: no row asked for logprobs
+    prompt_token_mask: torch.Tensor | None  # [B, V] bool, only when a repetition penalty is active
+    output_token_counts: torch.Tensor | None  # [B, V] int64, only when any penalty is active
+    min_tokens_ban: tuple[torch.Tensor, torch.Tensor] | None  # (row indices, token ids) to set to -inf
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> "SamplingMetadata":
+        params = [r.params for r in rows]
+        greedy = [p.is_greedy for p in params]
+        penalised = [_has_penalty(p) for p in params]
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        uniforms = sample_uniforms([r.seed for r in rows], [r.position for r in rows], CASE_SAMPLE)
+        return cls(
+            temperature=_floats([1.0 if g else p.temperature for p, g in zip(params, greedy)], device),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=torch.tensor([_top_k(p, vocab_size) for p in params], dtype=torch.int64, device=device),
+            top_p=_floats([p.top_p for p in params], device),
+            min_p=_floats([p.min_p for p in params], device),
+            presence_penalty=_floats([p.presence_penalty for p in params], device),
+            frequency_penalty=_floats([p.frequency_penalty for p in params], device),
+            repetition_penalty=_floats([p.repetition_penalty for p in params], device),
+            uniforms=torch.from_numpy(uniforms).to(device),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            any_penalty=any(penalised),
+            any_top_k_p=any(not g and (0 < p.top_k < vocab_size or p.top_p < 1) for p, g in zip(params, greedy)),
+            any_min_p=any(not g and p.min_p > 0 for p, g in zip(params, greedy)),
+            max_num_logprobs=max(requested) if requested else None,
+            prompt_token_mask=_prompt_token_mask(rows, vocab_size, device),
+            output_token_counts=_output_token_counts(rows, penalised, vocab_size, device),
+            min_tokens_ban=_min_tokens_ban(rows, vocab_size, device),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                     # [B] int64
+    logprobs: torch.Tensor | None               # [B] float32: the sampled token's raw logprob
+    top_logprob_ids: torch.Tensor | None        # [B, K] int64, K = max requested (rows slice their own k)
+    top_logprobs: torch.Tensor | None           # [B, K] float32
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # Raw logprobs describe the model's own distribution, before any of the request's shaping (vLLM's default).
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if meta.max_num_logprobs is not None else None
+        logits = self.process_logits(logits, meta)
+        token_ids = self.choose_tokens(logits, meta)
+        return _gather_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs)
+
+    def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Bans and penalties, as float32 logits. Never writes into the caller's tensor (it may be returned as is)."""
+        logits = logits.float()
+        if meta.min_tokens_ban is not None:
+            logits = logits.index_put(meta.min_tokens_ban, torch.tensor(float("-inf"), device=logits.device))
+        if meta.any_penalty:
+            logits = apply_penalties(logits, meta)
+        return logits
+
+    def choose_tokens(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows take the argmax (first index on ties), the others draw from their shaped distribution."""
+        greedy = logits.argmax(dim=-1) if not meta.all_random else None
+        if meta.all_greedy:
+            return greedy
+        sampled = sample_from_probs(shaped_probs(logits, meta), meta.uniforms)
+        return sampled if greedy is None else torch.where(meta.is_greedy, greedy, sampled)
+
+
+# --- logits processing ------------------------------------------------------------------------
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition penalty on prompt or output tokens (positive logits divided, negative multiplied), then
+    frequency (x count) and presence (x seen) penalties on output tokens. Neutral rows come out unchanged."""
+    counts = meta.output_token_counts
+    seen_in_output = counts > 0
+    seen = seen_in_output if meta.prompt_token_mask is None else seen_in_output | meta.prompt_token_mask
+    rep = torch.where(seen, meta.repetition_penalty[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - meta.frequency_penalty[:, None] * counts.float()
+    return logits - meta.presence_penalty[:, None] * seen_in_output.float()
+
+
+def shaped_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """softmax(logits / T), then top-k, top-p and min_p zero out tokens; not renormalised (the inverse CDF
+    scales its uniform by the kept mass instead, which is the same draw without another rounding)."""
+    scaled = logits / meta.temperature[:, None]
+    probs = torch.softmax(scaled, dim=-1)
+    if meta.any_top_k_p:
+        probs = _apply_top_k_top_p(scaled, probs, meta.top_k, meta.top_p)
+    if meta.any_min_p:
+        probs = _apply_min_p(probs, meta.min_p)
+    return probs
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF in float64 over vocabulary order: the first index i with cdf[i] > u * total.
+    A token of probability 0 can never be chosen: the cdf does not rise at it."""
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    targets = uniforms[:, None] * cdf[:, -1:]
+    index = torch.searchsorted(cdf, targets, right=True)[:, 0]
+    return index.clamp_(max=probs.shape[-1] - 1)
+
+
+def _apply_top_k_top_p(scaled_logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens outside the top k, then outside the smallest set (by descending probability) whose mass
+    reaches top_p of what top-k kept. Only a mask is computed in sorted order; kept probabilities keep their
+    exact values, so a row with both disabled is unchanged bit for bit."""
+    # Stable descending sort: among equal logits the lowest index ranks first, as argmax does.
+    order = torch.sort(scaled_logits, dim=-1, descending=True, stable=True).indices
+    sorted_probs = probs.gather(-1, order)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)
+    drop = ranks[None, :] >= top_k[:, None]
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0).double()
+    cumulative = torch.cumsum(sorted_probs, dim=-1)
+    mass_before = cumulative - sorted_probs
+    # The top token has mass_before 0 < top_p, so it always survives; top_p >= 1 keeps everything top-k kept.
+    beyond_p = (mass_before >= top_p[:, None].double() * cumulative[:, -1:]) & (top_p[:, None] < 1)
+    drop = drop | beyond_p
+    drop_in_vocab_order = torch.zeros_like(drop).scatter_(-1, order, drop)
+    return probs.masked_fill(drop_in_vocab_order, 0.0)
+
+
+def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero tokens less likely than min_p x the most likely one; min_p = 0 drops nothing."""
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _gather_logprobs(raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor,
+                     max_num_logprobs: int | None) -> SamplerOutput:
+    if raw_logprobs is None:
+        return SamplerOutput(token_ids, None, None, None)
+    sampled = raw_logprobs.gather(-1, token_ids[:, None])[:, 0]
+    if not max_num_logprobs:
+        return SamplerOutput(token_ids, sampled, None, None)
+    top_values, top_ids = raw_logprobs.topk(max_num_logprobs, dim=-1)
+    return SamplerOutput(token_ids, sampled, top_ids, top_values)
+
+
+# --- building metadata ------------------------------------------------------------------------
+def _floats(values: list[float], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _top_k(params: SamplingParams, vocab_size: int) -> int:
+    return params.top_k if 0 < params.top_k < vocab_size else vocab_size
+
+
+def _has_penalty(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)
+
+
+def _token_bins(token_lists: list[list[int]], vocab_size: int,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index pairs for every token of every row; ids outside the vocabulary go to an extra
+    column vocab_size, which the caller's [B, V + 1] tensor absorbs and then drops."""
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor([len(t) for t in token_lists]))
+    ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
+    ids = torch.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
+    return rows.to(device), ids.to(device)
+
+
+def _prompt_token_mask(rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> torch.Tensor | None:
+    # Only the repetition penalty looks at the prompt; rows without one contribute nothing.
+    if all(r.params.repetition_penalty == 1.0 for r in rows):
+        return None
+    lists = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in rows]
+    mask = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
+    mask[_token_bins(lists, vocab_size, device)] = True
+    return mask[:, :vocab_size]
+
+
+def _output_token_counts(rows: list[SamplingRow], penalised: list[bool], vocab_size: int,
+                         device: torch.device | str) -> torch.Tensor | None:
+    if not any(penalised):
+        return None
+    lists = [r.output_token_ids if p else [] for r, p in zip(rows, penalised)]
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.int64, device=device)
+    index = _token_bins(lists, vocab_size, device)
+    counts.index_put_(index, torch.ones_like(index[1]), accumulate=True)
+    return counts[:, :vocab_size]
+
+
+def _min_tokens_ban(rows: list[SamplingRow], vocab_size: int,
+                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Until a row has min_tokens outputs, its EOS ids (unless ignore_eos) and stop_token_ids cannot be drawn."""
+    ban_rows, ban_ids = [], []
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) >= r.params.min_tokens:
+            continue
+        banned = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
+        banned = sorted(t for t in banned if 0 <= t < vocab_size)
+        ban_rows += [i] * len(banned)
+        ban_ids += banned
+    if not ban_ids:
+        return None
+    return (torch.tensor(ban_rows, dtype=torch.int64, device=device),
+            torch.tensor(ban_ids, dtype=torch.int64, device=device))

@@ -1,0 +1,62 @@
+"""Build a model from its config and fill its weights: HF safetensors, GGUF, or random ("dummy")."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from deepserve.config import ModelConfig
+from deepserve.models.registry import get_model_class
+
+
+def load_model(config: ModelConfig, device: torch.device) -> nn.Module:
+    cls = get_model_class(config.architecture)
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(config.dtype if config.dtype.is_floating_point else old_dtype)
+    try:
+        with torch.device(device):
+            model = cls(config.hf_config, max_position=config.max_model_len)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        missing = _expected_params(model) - model.load_weights(iter_checkpoint(config.model))
+        if missing:
+            raise ValueError(f"checkpoint {config.model} lacks weights for: {', '.join(sorted(missing)[:8])}")
+    return model.eval()
+
+
+def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if path.endswith(".gguf"):
+        from deepserve.loader.gguf_loader import load_gguf
+        yield from load_gguf(path).tensors()
+        return
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights of the right shapes, for speed work without a checkpoint (reproducible by seed)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
+                param.copy_(values)
+
+
+def _expected_params(model: nn.Module) -> set[str]:
+    return {name for name, _ in model.named_parameters()}

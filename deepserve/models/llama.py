@@ -1,0 +1,154 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), readable in one sitting.
+
+Differences handled by the config: Qwen2 adds biases to q/k/v; Qwen3 RMS-normalises q and k per head
+before RoPE; `tie_word_embeddings` reuses the embedding as the LM head.
+q/k/v are fused into one `qkv_proj` GEMM and gate/up into `gate_up_proj`: `load_weights` maps HF names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepserve.layers.attention import Attention
+from deepserve.layers.norm import RMSNorm
+from deepserve.layers.rotary import RotaryEmbedding
+from deepserve.worker.forward_batch import ForwardBatch
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], rotary: RotaryEmbedding, qk_norm: bool) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(cfg.get("attention_bias", False)) or cfg.get("model_type") == "qwen2"
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch).reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], rotary: RotaryEmbedding, qk_norm: bool) -> None:
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.self_attn = LlamaAttention(cfg, rotary, qk_norm)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"])
+
+    def forward(self, x, residual, batch):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name -> (fused parameter, shard index)
+    stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        qk_norm = cfg.get("model_type") == "qwen3"
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        rotary = RotaryEmbedding(head_dim, max_position, float(cfg.get("rope_theta", 10000.0)),
+                                 cfg.get("rope_scaling"))
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, qk_norm) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states of the rows in `batch.logits_indices` (after the final norm)."""
+        x = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch)
+        # Only rows that are sampled (or asked for prompt logprobs) go through the last norm and the LM head.
+        idx = batch.logits_indices
+        return self.norm(x[idx], residual[idx])[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            target, shard = self._map_name(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            self._copy_shard(params[target], tensor, shard, target)
+            loaded.add(target)
+        return loaded
+
+    def _map_name(self, name: str) -> tuple[str, int | None]:
+        for hf, (fused, shard) in self.stacked_params.items():
+            if f".{hf}." in name:
+                return name.replace(hf, fused), shard
+        return name, None
+
+    def _copy_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None, name: str) -> None:
+        with torch.no_grad():
+            if shard is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                param.copy_(tensor)
+                return
+            sizes = self._shard_sizes(name)
+            offset = sum(sizes[:shard])
+            param.narrow(0, offset, sizes[shard]).copy_(tensor)
+
+    def _shard_sizes(self, name: str) -> list[int]:
+        attn = self.layers[0].self_attn
+        if "qkv_proj" in name:
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        inter = self.config["intermediate_size"]
+        return [inter, inter]

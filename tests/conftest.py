@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random HF checkpoints written to disk, and the default model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Tests are about correctness, not speed: keep BLAS single-threaded results reproducible and cheap.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, head_dim=16, rms_norm_eps=1e-6)
+
+
+def save_tiny_model(path, kind: str, seed: int = 0) -> str:
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[kind]
+    torch.manual_seed(seed)
+    extra = {"tie_word_embeddings": kind != "llama"}
+    model = model_cls(config_cls(**TINY, **extra)).eval()
+    # Random init makes near-uniform logits; sharpen them so greedy decoding is not decided by ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> str:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from deepserve.loader.gguf_loader import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm(default_model_path):
+    """The default model in one shared engine (loading it is the slow part)."""
+    from deepserve import LLM
+    return LLM(default_model_path, max_model_len=2048, seed=0)
