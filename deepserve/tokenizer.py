@@ -305,9 +305,9 @@ def _hf_chat_template(path: str, config: dict) -> str | None:
 
 
 def _tokenizer_from_gguf(path: str) -> Tokenizer:
-    import gguf
+    from deepserve.loader.gguf_loader import open_reader
 
-    return _tokenizer_from_gguf_reader(gguf.GGUFReader(path, "r"))
+    return _tokenizer_from_gguf_reader(open_reader(path))
 
 
 def _tokenizer_from_gguf_reader(reader: Any) -> Tokenizer:

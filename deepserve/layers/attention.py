@@ -125,6 +125,16 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend = TorchPagedAttention()
 
+    # The model runner sizes and allocates every layer's cache through these two methods, so a layer
+    # with another per-token state (MLA's compressed latent, a sliding window) only overrides them.
+    kv_block_dim = 1   # the block index's dimension in kv_cache_shape (used for copy-on-write copies)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=dtype).element_size()
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert self.kv_cache is not None, "the model runner binds a KV cache before the first forward"
         return self.backend.forward(q, k, v, self.kv_cache, batch, self.scale)

@@ -16,6 +16,7 @@ Tensors are produced lazily, one at a time: the file is memory-mapped by
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import os
@@ -152,9 +153,21 @@ def load_gguf(path: str) -> GGUFCheckpoint:
     """Open a GGUF file (memory-mapped) and build its HF-style config."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader = gguf.GGUFReader(path, "r")
+    reader = open_reader(path)
     architecture = read_field(reader, "general.architecture")
     return GGUFCheckpoint(path=path, config=build_config(reader), reader=reader, architecture=architecture)
+
+
+def open_reader(path: str) -> gguf.GGUFReader:
+    """The file's reader, shared by config, tokenizer and weight loading: parsing the metadata (a
+    49k-entry vocabulary for the default model) takes seconds, the memory map costs nothing to keep."""
+    stat = os.stat(path)
+    return _open_reader_cached(os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_reader_cached(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    return gguf.GGUFReader(path, "r")
 
 
 def build_config(reader: gguf.GGUFReader) -> dict:

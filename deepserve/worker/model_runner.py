@@ -45,16 +45,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(config.model, self.device)
         self.load_seconds = time.perf_counter() - t0
+        # Builds the per-step index metadata (slots, segments) every layer's backend reads.
         self.attn_backend = TorchPagedAttention()
-        for attn in self.model.attention_layers():
-            attn.backend = self.attn_backend
         self.sampler = Sampler()
         self.kv_caches = self._allocate_kv_cache()
 
     # --- KV cache -----------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        itemsize = torch.empty(0, dtype=self.config.model.dtype).element_size()
-        return sum(2 * a.num_kv_heads * a.head_dim * itemsize for a in self.model.attention_layers())
+        dtype = self.config.model.dtype
+        return sum(layer.kv_bytes_per_token(dtype) for layer in self.model.attention_layers())
 
     def _kv_budget_bytes(self) -> int:
         cache = self.config.cache
@@ -66,20 +65,20 @@ class ModelRunner:
             # Leave room for activations of a max-size step (refined by profiling on the GPU path).
             headroom = 2 << 30
             return max(int(total * cache.gpu_memory_utilization) - used_by_others - headroom, 1 << 20)
-        # CPU: enough for every sequence at full length, capped at 2 GiB.
+        # CPU: enough for every sequence at full length, capped at 1 GiB (zeroing more costs start-up time).
         sched = self.config.scheduler
         want = sched.max_num_seqs * sched.max_model_len * self.kv_bytes_per_token()
-        return min(want, 2 << 30)
+        return min(want, 1 << 30)
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         per_block = self.kv_bytes_per_token() * self.block_size
         num_blocks = max(self._kv_budget_bytes() // per_block, 1)
         self.config.cache.num_blocks = int(num_blocks)
         caches = []
-        for attn in self.model.attention_layers():
-            cache = torch.zeros(2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim,
-                                dtype=self.config.model.dtype, device=self.device)
-            attn.kv_cache = cache
+        for layer in self.model.attention_layers():
+            cache = torch.zeros(layer.kv_cache_shape(num_blocks, self.block_size), dtype=self.config.model.dtype,
+                                device=self.device)
+            layer.kv_cache = cache
             caches.append(cache)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
                     num_blocks * per_block / 2**20)
@@ -90,8 +89,9 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+        for layer in self.model.attention_layers():
+            dim = layer.kv_block_dim
+            layer.kv_cache.index_copy_(dim, dst, layer.kv_cache.index_select(dim, src))
 
     # --- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
