@@ -1,4 +1,4 @@
-"""`deepserve generate | bench throughput | bench latency`.
+"""`deepserve generate | serve | bench throughput | bench latency | bench serve`.
 
 Every EngineArgs field is also a flag (`--max-model-len`, `--enable-prefix-caching/--no-enable-...`).
 """
@@ -32,6 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: set[str] = frozenset(
             group.add_argument(flag, type=int, default=f.default)
         elif f.name in ("block_size", "max_num_seqs", "seed"):
             group.add_argument(flag, type=int, default=f.default)
+        elif f.name == "quantization":
+            group.add_argument(flag, choices=["int8"], default=None)
         elif f.name == "gpu_memory_utilization":
             group.add_argument(flag, type=float, default=f.default)
         else:
@@ -58,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     add_engine_args(gen)
 
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    from deepserve.serving.openai.server import add_serve_args
+    add_serve_args(serve)
+    add_engine_args(serve)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     tp = bench_sub.add_parser("throughput", help="offline throughput on random prompts")
@@ -72,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--output-len", type=int, default=128)
     lat.add_argument("--output-json")
     add_engine_args(lat)
+    bench_serve = bench_sub.add_parser("serve", help="load a running OpenAI-compatible server (Poisson arrivals)")
+    from deepserve.bench.serve import add_bench_serve_args
+    add_bench_serve_args(bench_serve)
     return parser
 
 
@@ -82,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            from deepserve.serving.openai.server import run_server
+            return run_server(args, engine_kwargs(args))
+        if args.bench_command == "serve":
+            from deepserve.bench.serve import run_from_args
+            return run_from_args(args, argv if argv is not None else sys.argv[1:])
         return _bench(args, argv if argv is not None else sys.argv[1:])
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)

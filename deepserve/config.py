@@ -27,6 +27,7 @@ class ModelConfig:
     load_format: str                # "auto" | "dummy"
     skip_tokenizer_init: bool
     seed: int
+    quantization: str | None = None   # None | "int8" (weight-only)
 
     @property
     def architecture(self) -> str:
@@ -90,6 +91,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
+    quantization: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -111,6 +113,7 @@ class EngineArgs:
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be auto, cpu or cuda; got {self.device!r}")
         need(self.load_format in ("auto", "dummy"), f"load_format must be auto or dummy; got {self.load_format!r}")
+        need(self.quantization in (None, "int8"), f"quantization must be None or int8; got {self.quantization!r}")
         need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              f"block_size must be a power of two >= 1; got {self.block_size}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
@@ -153,7 +156,7 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(model=path, hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
-                              seed=self.seed),
+                              seed=self.seed, quantization=self.quantization),
             cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization),

@@ -20,6 +20,10 @@ from torch import nn
 from deepserve.worker.forward_batch import ForwardBatch
 
 
+# torch >= 2.5 lets SDPA broadcast kv heads over query groups without copying them.
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
 class AttentionBackend(Protocol):
     def build_metadata(self, batch: ForwardBatch) -> object: ...
 
@@ -109,17 +113,19 @@ def _prefill_attention(q, k, v, first_position, scale):
     """q: [n, H, D] at positions first_position..; k, v: [L, Hkv, D] (L = first_position + n)."""
     n, h, _ = q.shape
     group = h // k.shape[1]
-    k = k.repeat_interleave(group, dim=1).transpose(0, 1)      # [H, L, D]
-    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-    qh = q.transpose(0, 1)                                     # [H, n, D]
+    if _SDPA_HAS_GQA:
+        gqa = {"enable_gqa": group > 1}
+    else:
+        k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
+    qh, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)    # [heads, len, D]
     if first_position == 0:
-        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, **gqa)
     else:
         # Query i sits at position first_position + i and sees keys 0..first_position + i.
         key_pos = torch.arange(k.shape[1], device=q.device)
         query_pos = torch.arange(first_position, first_position + n, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, **gqa)
     return out.transpose(0, 1)
 
 

@@ -53,6 +53,10 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cache[positions].unsqueeze(1)
         return _apply(q, cos, sin), _apply(k, cos, sin)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] (any heads, e.g. q and k side by side) -> rotated copy."""
+        return _apply(x, self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1))
+
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     dtype = x.dtype

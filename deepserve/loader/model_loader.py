@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from deepserve.config import ModelConfig
+from deepserve.layers.quantization import quantize_model
 from deepserve.models.registry import get_model_class
 
 
@@ -29,7 +30,7 @@ def load_model(config: ModelConfig, device: torch.device) -> nn.Module:
         missing = _expected_params(model) - model.load_weights(iter_checkpoint(config.model))
         if missing:
             raise ValueError(f"checkpoint {config.model} lacks weights for: {', '.join(sorted(missing)[:8])}")
-    return model.eval()
+    return quantize_model(model, config.quantization).eval()
 
 
 def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,354 @@
+"""AsyncLLMEngine: an asyncio front over one LLMEngine, driven by one dedicated thread.
+
+    asyncio side (any number of coroutines)           engine thread (exactly one)
+    generate() ── _AddRequest ──► commands queue ──►  engine.add_request / abort_request
+                                                      engine.step() while there is work
+    per-request asyncio.Queue ◄── call_soon_threadsafe ◄── RequestOutputs of that step
+
+Invariants:
+- every LLMEngine call happens on the engine thread (the engine is not thread-safe); coroutines reach it
+  only through `_commands`, and read engine statistics only through the `stats` snapshot;
+- commands are applied in the order they were queued, so an abort queued after an add always finds the
+  request (or the add's error) in place;
+- a request's stream ends exactly once: with its finished output, an exception, or an abort;
+- a stream whose consumer goes away (the generator is closed or its task cancelled, e.g. because the
+  HTTP client disconnected) aborts its request, which frees its KV blocks at the next engine iteration;
+- `num_waiting` counts requests accepted here whose first output has not arrived yet (not yet scheduled);
+  it is touched only on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Protocol
+
+from deepserve.engine.engine import EngineStats, LLMEngine, Prompt
+from deepserve.outputs import RequestOutput
+from deepserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died (a step raised); no request can be served any more."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine is shutting down and takes no new requests (or dropped this one without draining)."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are already waiting to be scheduled."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted through `AsyncLLMEngine.abort` while someone was still reading it."""
+
+
+class StepObserver(Protocol):
+    """Sees every step's outputs on the engine thread (e.g. Prometheus metrics). Must be quick and not raise."""
+
+    def on_step(self, outputs: list[RequestOutput], stats: EngineStats, now: float) -> None: ...
+
+    def on_abort(self, request_ids: list[str]) -> None: ...
+
+
+class RequestStream:
+    """One request's outputs, in order, ending with the finished one. `aclose()` aborts it if unfinished.
+
+    Filled by the engine thread (through `put_threadsafe`), read by one coroutine on `loop`.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
+                 on_first_item: Callable[[], None], on_close: Callable[["RequestStream"], None]) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.finished = False           # the engine will send nothing more (set on the loop thread)
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._got_first = False
+        self._closed = False
+        self._on_first_item = on_first_item
+        self._on_close = on_close
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._close()
+            raise item
+        if item.finished:
+            self._close()
+        return item
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._on_close(self)
+
+    def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.put, item)
+        except RuntimeError:
+            pass    # the event loop is closed: nobody is left to read this stream
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Deliver an item (event loop thread only); nothing is delivered after the last one."""
+        if self.finished:
+            return
+        if not self._got_first:
+            self._got_first = True
+            self._on_first_item()
+        if isinstance(item, BaseException) or item.finished:
+            self.finished = True
+        self._queue.put_nowait(item)
+
+
+@dataclass
+class _AddRequest:
+    stream: RequestStream
+    prompt: Prompt
+    params: SamplingParams
+    arrival_time: float
+    accepted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class _Stop:
+    drain: bool
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+                 observer: StepObserver | None = None) -> None:
+        """`max_waiting`: refuse new requests (QueueFullError) while this many have not been scheduled yet."""
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be None or >= 0, got {max_waiting}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.observer = observer
+        self.stats: EngineStats = engine.get_stats()     # replaced (never mutated) after every step
+        self.num_waiting = 0
+        self._accepting = True
+        self._dead: BaseException | None = None
+        # Held while queueing an add and while the loop exits, so no add is queued that nobody answers.
+        self._admission_lock = threading.Lock()
+        self._loop_exited = False
+        self._commands: queue.Queue[_AddRequest | _AbortRequests | _Stop] = queue.Queue()
+        self._front_streams: dict[str, RequestStream] = {}     # owned by the event loop's thread
+        self._engine_streams: dict[str, RequestStream] = {}    # owned by the engine thread
+        self._thread = threading.Thread(target=self._run_loop, name="deepserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        # The tokenizer is read-only after loading, so the front may encode/decode on its own thread.
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._accepting and self.is_running
+
+    # --- asyncio side -------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs until the finished one.
+
+        Raises ValueError for a bad prompt or params (from LLMEngine.add_request), QueueFullError,
+        EngineShutdownError or EngineDeadError. Closing the generator early aborts the request.
+        """
+        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Queue a request and wait until the engine took it; the caller must `aclose()` the stream.
+
+        Two-phase form of `generate` for servers: input errors surface here, before any response starts.
+        """
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        stream, add = self._admit(request_id, prompt, params, arrival)
+        try:
+            await asyncio.wrap_future(add.accepted)
+        except BaseException:
+            await stream.aclose()
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now (its KV blocks are freed at the next engine iteration)."""
+        stream = self._front_streams.get(request_id)
+        self._commands.put(_AbortRequests([request_id]))
+        if stream is not None:
+            stream.put(RequestAbortedError(f"request {request_id!r} was aborted"))
+
+    async def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Take no new requests; with `drain`, finish the in-flight ones first; then stop the thread."""
+        self._accepting = False
+        self._commands.put(_Stop(drain))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        if self._thread.is_alive():
+            logger.warning("engine loop still busy after %.0f s of draining; leaving it", timeout or 0)
+
+    def _admit(self, request_id: str, prompt: Prompt, params: SamplingParams,
+               arrival: float) -> tuple[RequestStream, _AddRequest]:
+        with self._admission_lock:
+            self._check_admission(request_id)
+            stream = RequestStream(request_id, asyncio.get_running_loop(), self._on_scheduled, self._release)
+            add = _AddRequest(stream, prompt, params, arrival)
+            self._commands.put(add)
+        self._front_streams[request_id] = stream
+        self.num_waiting += 1
+        return stream, add
+
+    def _check_admission(self, request_id: str) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop died: {self._dead!r}")
+        if not self._accepting or self._loop_exited:
+            raise EngineShutdownError("the server is shutting down and takes no new requests")
+        if request_id in self._front_streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise QueueFullError(f"{self.num_waiting} requests are already waiting to be scheduled "
+                                 f"(the limit is {self.max_waiting}); try again later")
+
+    def _on_scheduled(self) -> None:
+        self.num_waiting -= 1
+
+    def _release(self, stream: RequestStream) -> None:
+        """The stream was closed (called once per stream, on the loop thread)."""
+        self._front_streams.pop(stream.request_id, None)
+        if not stream.finished:
+            # The reader left early (disconnect, cancellation, error): free the request's blocks.
+            stream.put(RequestAbortedError(f"request {stream.request_id!r} was abandoned"))
+            self._commands.put(_AbortRequests([stream.request_id]))
+
+    # --- engine thread ------------------------------------------------------------------------
+    def _run_loop(self) -> None:
+        stop: _Stop | None = None
+        try:
+            while True:
+                stop = self._apply_commands(block=not self.engine.has_unfinished_requests() and stop is None,
+                                            stop=stop)
+                if stop is not None and not (stop.drain and self.engine.has_unfinished_requests()):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as error:  # noqa: BLE001 - any failure kills the loop; tell every reader why
+            logger.exception("engine loop died")
+            self._dead = error
+            self._close(EngineDeadError(f"the engine loop died: {error!r}"))
+            return
+        self._close(EngineShutdownError("the server shut down before this request finished"))
+
+    def _close(self, error: BaseException) -> None:
+        with self._admission_lock:
+            self._loop_exited = True
+        self._fail_all(error)
+        self._reject_pending_adds()
+
+    def _apply_commands(self, block: bool, stop: _Stop | None) -> _Stop | None:
+        """Apply queued commands; wait for one first when `block` (the engine has nothing to do)."""
+        applied = False
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                if applied:
+                    # Adds and aborts change the counts and free blocks even when no step follows.
+                    self.stats = self.engine.get_stats()
+                return stop
+            block, applied = False, True
+            if isinstance(command, _AddRequest):
+                self._add(command, refuse=stop is not None)
+            elif isinstance(command, _AbortRequests):
+                self._abort(command.request_ids)
+            elif isinstance(command, _Stop):
+                stop = command
+                if not command.drain:
+                    self.engine.abort_request(list(self._engine_streams))
+                    self._fail_all(EngineShutdownError("the server shut down without draining"))
+
+    def _add(self, command: _AddRequest, refuse: bool) -> None:
+        stream = command.stream
+        if not command.accepted.set_running_or_notify_cancel():
+            return      # the caller was cancelled before its request got here: never add it
+        if refuse:
+            command.accepted.set_exception(EngineShutdownError("the server is shutting down"))
+            return
+        try:
+            self.engine.add_request(stream.request_id, command.prompt, command.params, command.arrival_time)
+        except Exception as error:  # noqa: BLE001 - ValueError for bad input; anything else goes back too
+            command.accepted.set_exception(error)
+            return
+        self._engine_streams[stream.request_id] = stream
+        command.accepted.set_result(None)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.engine.abort_request(request_ids)
+        for request_id in request_ids:
+            stream = self._engine_streams.pop(request_id, None)
+            if stream is not None:
+                stream.put_threadsafe(RequestAbortedError(f"request {request_id!r} was aborted"))
+        self._notify_observer("on_abort", request_ids)
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        now = time.monotonic()
+        self.stats = self.engine.get_stats()
+        self._notify_observer("on_step", outputs, self.stats, now)
+        for output in outputs:
+            stream = self._engine_streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._engine_streams[output.request_id]
+            stream.put_threadsafe(output)
+
+    def _notify_observer(self, method: str, *args) -> None:
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, method)(*args)
+        except Exception:  # noqa: BLE001 - a metrics bug must not take the engine down
+            logger.exception("step observer failed in %s", method)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._engine_streams.values():
+            stream.put_threadsafe(error)
+        self._engine_streams.clear()
+
+    def _reject_pending_adds(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _AddRequest) and command.accepted.set_running_or_notify_cancel():
+                command.accepted.set_exception(EngineShutdownError("the server is shutting down"))
+

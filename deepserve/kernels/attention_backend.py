@@ -1,0 +1,77 @@
+"""TritonPagedAttention: the AttentionBackend of the GPU path (deepserve/layers/attention.py defines the protocol
+and the reference, TorchPagedAttention, which this must match).
+
+Per step, `build_metadata` splits the batch into decode rows (one query token) and prefill rows (several: whole
+prompts, chunks, prompts over a cached prefix) and builds the small index tensors every layer shares. Per layer,
+`forward` writes the new keys/values into the paged cache, then runs the decode kernel (GQA, split-K when
+contexts are long and the batch is small) on the decode rows and the prefill kernel on the prefill rows.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from deepserve.kernels.paged_attention import (PREFILL_BLOCK_M, decode_attention, prefill_attention, prefill_tiles,
+                                               write_kv)
+
+
+@dataclass
+class TritonAttentionMetadata:
+    decode_rows: Optional[torch.Tensor]   # [Bd] int64 rows of q that are decodes (None: no decodes)
+    decode_seqs: Optional[torch.Tensor]   # [Bd] int64 their sequence index in the batch
+    decode_max_len: int                   # longest decode context (host int: sizes the split)
+    tile_seq: Optional[torch.Tensor]      # [num_tiles] int32 prefill tiles: sequence index
+    tile_m0: Optional[torch.Tensor]       # [num_tiles] int32 first query row of the tile within its sequence
+    num_decodes: int
+    num_prefill_tiles: int
+
+
+class TritonPagedAttention:
+    """GPU backend: Triton kernels with the reference backend's metadata needs (ForwardBatch fields only)."""
+
+    def __init__(self, num_splits: Optional[int] = None) -> None:
+        self.num_splits = num_splits   # force the decode split count (tests); None: heuristic
+
+    def build_metadata(self, batch) -> TritonAttentionMetadata:
+        device = batch.input_ids.device
+        q_lens = batch.query_lens_cpu
+        decode_b = [b for b, n in enumerate(q_lens) if n == 1]
+        prefill_b = [b for b, n in enumerate(q_lens) if n > 1]
+        rows, seqs = None, None
+        max_len = 0
+        if decode_b:
+            starts, acc = [], 0
+            for n in q_lens:
+                starts.append(acc)
+                acc += n
+            rows = torch.tensor([starts[b] for b in decode_b], dtype=torch.int64).to(device, non_blocking=True)
+            seqs = torch.tensor(decode_b, dtype=torch.int64).to(device, non_blocking=True)
+            max_len = max(batch.seq_lens_cpu[b] for b in decode_b)
+        tile_seq = tile_m0 = None
+        num_tiles = 0
+        if prefill_b:
+            tile_seq, tile_m0 = prefill_tiles(q_lens, prefill_b, device, PREFILL_BLOCK_M)
+            num_tiles = int(tile_seq.shape[0])
+        return TritonAttentionMetadata(rows, seqs, max_len, tile_seq, tile_m0, len(decode_b), num_tiles)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch,
+                scale: float) -> torch.Tensor:
+        meta = batch.attn_metadata
+        if not isinstance(meta, TritonAttentionMetadata):
+            meta = self.build_metadata(batch)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        write_kv(kv_cache, k, v, batch.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.num_decodes:
+            decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, out=out,
+                             q_rows=meta.decode_rows, seq_ids=meta.decode_seqs, max_seq_len=meta.decode_max_len,
+                             num_splits=self.num_splits)
+        if meta.num_prefill_tiles:
+            prefill_attention(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale,
+                              meta.tile_seq, meta.tile_m0, out=out)
+        return out
+
+
+__all__ = ["TritonPagedAttention", "TritonAttentionMetadata"]

@@ -1,0 +1,429 @@
+"""Paged attention kernels: KV-cache write, decode (GQA, split-K with a reduce step) and varlen prefill over a
+paged cached prefix (flash-attention style, causal with an offset).
+
+KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = keys, 1 = values); a token's
+slot is block_id * block_size + offset. Any block size works (a block table entry is looked up per key).
+
+Each launcher has a PyTorch twin with the same signature (`*_ref`), built from the engine's reference backend
+(deepserve/layers/attention.py) so the kernels are tested against exactly what the CPU path computes.
+
+Numerics: scores, softmax statistics and accumulators in float32; the probabilities are cast to the value dtype
+for the P @ V product (as flash attention does), the output is rounded once to the query dtype.
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+from deepserve.kernels import HAS_TRITON, cdiv, next_pow2, require_triton, tl, triton
+
+_LOG2E = 1.4426950408889634
+
+
+# ------------------------------------------------------------------------------------------------
+# KV-cache write
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
+                     block_size, num_kv_heads,
+                     HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    blk = slot // block_size
+    off = slot % block_size
+    offs = tl.arange(0, BLOCK_HD)
+    h = offs // HEAD_DIM
+    d = offs % HEAD_DIM
+    # A negative slot marks a padding row (e.g. a CUDA-graph batch padded to its captured size): nothing written.
+    mask = (offs < num_kv_heads * HEAD_DIM) & (slot >= 0)
+    dst = cache_ptr + blk * stride_c_block + off * stride_c_slot + h * stride_c_head + d
+    k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
+    tl.store(dst, k, mask=mask)
+    v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(dst + stride_c_kv, v, mask=mask)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache[:, slot] = k, v for every row; k, v: [T, Hkv, D] (any row/head strides, unit last stride)."""
+    require_triton(k)
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    assert kv_cache.stride(-1) == 1 and kv_cache.shape[0] == 2
+    bs = kv_cache.shape[2]
+    _write_kv_kernel[(t,)](
+        k, v, kv_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        bs, hkv, HEAD_DIM=d, BLOCK_HD=next_pow2(hkv * d), num_warps=4)
+
+
+def write_kv_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    from deepserve.layers.attention import write_kv as _ref
+    _ref(kv_cache, k, v, slot_mapping)
+
+
+# ------------------------------------------------------------------------------------------------
+# Decode: one query token per sequence, all G = H / Hkv query heads of a KV head in one program (the keys and
+# values of a head group are read once), optionally split over the context (split-K) and merged by a reduce.
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr, seq_ids_ptr,
+                   out_ptr, part_out_ptr, part_lse_ptr,
+                   qk_scale,
+                   stride_qt, stride_qh, stride_ot, stride_oh,
+                   stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
+                   stride_bt,
+                   stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
+                   block_size, group, partition_size,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    i = tl.program_id(0)           # decode row
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(q_rows_ptr + i).to(tl.int64)
+    seq = tl.load(seq_ids_ptr + i).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    if SPLIT:
+        start = split * partition_size
+        end = tl.minimum(start + partition_size, seq_len)
+    else:
+        start = 0
+        end = seq_len
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gmask = g < group
+    dmask = d < HEAD_DIM
+    heads = kvh * group + g
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+
+    k_base = cache_ptr + kvh * stride_c_head
+    v_base = k_base + stride_c_kv
+    table = block_tables_ptr + seq * stride_bt
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    # Every tile holds at least one real key (the loop stops at `end`), so m_i is finite after the first tile.
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        tmask = tok < end
+        blk = tl.load(table + tok // block_size, mask=tmask, other=0).to(tl.int64)
+        off = blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
+        kv_mask = tmask[:, None] & dmask[None, :]
+        k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale                      # [BLOCK_G, BLOCK_N], log2 domain
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if SPLIT:
+        # Partial result of this split: normalised output and log2-sum-exp; an empty split has lse = -inf.
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(part_out_ptr + i * stride_po_r + heads[:, None] * stride_po_h + split * stride_po_s + d[None, :],
+                 o, mask=gmask[:, None] & dmask[None, :])
+        tl.store(part_lse_ptr + i * stride_pl_r + heads * stride_pl_h + split, lse, mask=gmask)
+    else:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, q_rows_ptr, out_ptr,
+                          stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
+                          stride_ot, stride_oh, num_splits,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(q_rows_ptr + i).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < num_splits
+    lse = tl.load(part_lse_ptr + i * stride_pl_r + h * stride_pl_h + s, mask=smask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)                       # finite: split 0 always holds key 0
+    w = tl.math.exp2(lse - lse_max)                 # 0 for empty splits
+    o = tl.load(part_out_ptr + i * stride_po_r + h * stride_po_h + s[:, None] * stride_po_s + d[None, :],
+                mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+DECODE_BLOCK_N = 64
+_MIN_PARTITION = 256
+
+
+def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Split the context only when (rows x KV heads) programs would leave the GPU idle and contexts are long."""
+    programs = max(1, num_rows * num_kv_heads)
+    target = 2 * _num_sms(device)
+    if programs >= target or max_seq_len <= 2 * _MIN_PARTITION:
+        return 1
+    return max(1, min(cdiv(target, programs), cdiv(max_seq_len, _MIN_PARTITION), 64))
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float, out: Optional[torch.Tensor] = None, q_rows: Optional[torch.Tensor] = None,
+                     seq_ids: Optional[torch.Tensor] = None, max_seq_len: Optional[int] = None,
+                     num_splits: Optional[int] = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged keys.
+
+    q: [T, H, D]; the decode rows are `q_rows` (default: all T rows), row i belonging to sequence `seq_ids[i]`
+    (default i) of `block_tables` [B, max_blocks] / `seq_lens` [B]. Writes rows `q_rows` of `out` ([T, H, D],
+    allocated when None) and returns it. `max_seq_len` (host int) sizes the split; `num_splits` forces it.
+    """
+    require_triton(q)
+    t, h, d = q.shape
+    hkv = kv_cache.shape[3]
+    assert h % hkv == 0 and kv_cache.shape[4] == d and q.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    group = h // hkv
+    if out is None:
+        out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    if q_rows is None:
+        q_rows = torch.arange(t, device=q.device)
+    if seq_ids is None:
+        seq_ids = torch.arange(q_rows.shape[0], device=q.device)
+    n = q_rows.shape[0]
+    if n == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 1
+    if num_splits is None:
+        num_splits = decode_num_splits(n, hkv, max_seq_len, q.device)
+    partition = cdiv(cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    num_splits = max(1, cdiv(max_seq_len, partition))
+    bs = kv_cache.shape[2]
+    block_d = next_pow2(d)
+    block_g = max(16, next_pow2(group))
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(n, h, num_splits, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(n, h, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out   # unused
+    po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
+    pl_strides = (part_lse.stride(0), part_lse.stride(1)) if split else (0, 0)
+    _decode_kernel[(n, hkv, num_splits)](
+        q, kv_cache, block_tables, seq_lens, q_rows, seq_ids, out, part_out, part_lse,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0), *po_strides, *pl_strides,
+        bs, group, partition,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=DECODE_BLOCK_N, SPLIT=split,
+        num_warps=4, num_stages=2)
+    if split:
+        _decode_reduce_kernel[(n, h)](
+            part_out, part_lse, q_rows, out, *po_strides, *pl_strides, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits), num_warps=4)
+    return out
+
+
+def decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, out=None, q_rows=None, seq_ids=None,
+                         max_seq_len=None, num_splits=None):
+    """The PyTorch twin: gathers each row's keys and runs the reference backend's decode attention."""
+    from deepserve.layers.attention import _decode_attention
+    t = q.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if q_rows is None:
+        q_rows = torch.arange(t, device=q.device)
+    if seq_ids is None:
+        seq_ids = torch.arange(q_rows.shape[0], device=q.device)
+    if q_rows.shape[0] == 0:
+        return out
+    bs = kv_cache.shape[2]
+    lens = seq_lens[seq_ids]
+    lmax = int(lens.max().item())
+    pos = torch.arange(lmax, device=q.device)
+    tables = block_tables[seq_ids]
+    slots = tables.gather(1, (pos // bs)[None, :].expand(len(seq_ids), -1).clamp(max=tables.shape[1] - 1)) * bs \
+        + pos % bs
+    mask = pos[None, :] < lens[:, None]
+    slots = torch.where(mask, slots, 0)
+    k_flat = kv_cache[0].flatten(0, 1)
+    v_flat = kv_cache[1].flatten(0, 1)
+    out[q_rows] = _decode_attention(q[q_rows], k_flat[slots], v_flat[slots], mask, scale)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Prefill: varlen query rows over each sequence's paged keys; query i of a sequence with n new tokens and
+# seq_len keys sits at position seq_len - n + i and sees keys 0 .. that position.
+# ------------------------------------------------------------------------------------------------
+PREFILL_BLOCK_M = 64
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+                    tile_seq_ptr, tile_m0_ptr,
+                    qk_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
+                    stride_bt, block_size, group,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    h = tl.program_id(0)
+    tile = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
+    m0 = tl.load(tile_m0_ptr + tile).to(tl.int32)
+    q_start = tl.load(query_start_ptr + seq).to(tl.int32)
+    n = tl.load(query_start_ptr + seq + 1).to(tl.int32) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    ctx = seq_len - n
+    kvh = h // group
+
+    i = m0 + tl.arange(0, BLOCK_M)
+    imask = i < n
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    rows = (q_start + i).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=imask[:, None] & dmask[None, :], other=0.0)
+    q_pos = ctx + i
+
+    k_base = cache_ptr + kvh * stride_c_head
+    v_base = k_base + stride_c_kv
+    table = block_tables_ptr + seq * stride_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Keys below ctx + m0 are visible to every query of the tile: no causal mask, no bounds mask.
+    full_end = ((ctx + m0) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
+    for n0 in range(0, full_end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        blk = tl.load(table + tok // block_size).to(tl.int64)
+        off = blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
+        k = tl.load(k_base + off[:, None] + d[None, :], mask=dmask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + off[:, None] + d[None, :], mask=dmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # The diagonal band: causal mask (key 0 is visible to every row, so no row is ever all -inf here at its
+    # first tile, and later fully masked tiles leave m_i unchanged).
+    for n0 in range(full_end, hi, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        tmask = tok < hi
+        blk = tl.load(table + tok // block_size, mask=tmask, other=0).to(tl.int64)
+        off = blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
+        kv_mask = tmask[:, None] & dmask[None, :]
+        k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        visible = tmask[None, :] & (tok[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=imask[:, None] & dmask[None, :])
+
+
+def prefill_tiles(query_lens: list, seqs: list, device: torch.device,
+                  block_m: int = PREFILL_BLOCK_M) -> tuple:
+    """(tile_seq, tile_m0) int32 tensors: one entry per BLOCK_M query rows of each listed sequence, longest
+    sequences' last tiles (the most keys) first so the heavy programs start early."""
+    entries = []
+    for b in seqs:
+        n = query_lens[b]
+        for m0 in range(0, n, block_m):
+            entries.append((b, m0))
+    entries.sort(key=lambda e: -(e[1]))
+    tile_seq = torch.tensor([e[0] for e in entries], dtype=torch.int32)
+    tile_m0 = torch.tensor([e[1] for e in entries], dtype=torch.int32)
+    return tile_seq.to(device, non_blocking=True), tile_m0.to(device, non_blocking=True)
+
+
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      query_start_loc: torch.Tensor, scale: float, tile_seq: torch.Tensor, tile_m0: torch.Tensor,
+                      out: Optional[torch.Tensor] = None, num_warps: Optional[int] = None) -> torch.Tensor:
+    """Causal attention of each tiled sequence's query rows over its paged keys (cached prefix + new tokens,
+    already written to the cache). Tiles come from `prefill_tiles` (BLOCK_M = PREFILL_BLOCK_M); rows of
+    sequences without tiles are left untouched in `out`."""
+    require_triton(q)
+    t, h, d = q.shape
+    hkv = kv_cache.shape[3]
+    assert h % hkv == 0 and kv_cache.shape[4] == d and q.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    num_tiles = tile_seq.shape[0]
+    if num_tiles == 0:
+        return out
+    block_d = next_pow2(d)
+    _prefill_kernel[(h, num_tiles)](
+        q, kv_cache, out, block_tables, seq_lens, query_start_loc, tile_seq, tile_m0,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0), kv_cache.shape[2], h // hkv,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64 if block_d <= 128 else 32,
+        num_warps=num_warps or (4 if block_d <= 64 else 8), num_stages=2)
+    return out
+
+
+def prefill_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, tile_seq=None, tile_m0=None,
+                          out=None, seqs: Optional[list] = None):
+    """The PyTorch twin: the reference backend's per-sequence prefill attention (sequences `seqs`, default all
+    sequences with a tile, or all)."""
+    from deepserve.layers.attention import _prefill_attention
+    if out is None:
+        out = torch.empty_like(q)
+    bs = kv_cache.shape[2]
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if seqs is None:
+        seqs = sorted(set(tile_seq.tolist())) if tile_seq is not None else list(range(len(lens)))
+    k_flat = kv_cache[0].flatten(0, 1)
+    v_flat = kv_cache[1].flatten(0, 1)
+    for b in seqs:
+        n, seq_len = starts[b + 1] - starts[b], lens[b]
+        pos = torch.arange(seq_len, device=q.device)
+        slots = block_tables[b, pos // bs] * bs + pos % bs
+        rows = slice(starts[b], starts[b + 1])
+        out[rows] = _prefill_attention(q[rows], k_flat[slots], v_flat[slots], seq_len - n, scale)
+    return out
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+__all__ = ["HAS_TRITON", "write_kv", "write_kv_ref", "decode_attention", "decode_attention_ref", "decode_num_splits",
+           "prefill_tiles", "prefill_attention", "prefill_attention_ref", "default_scale"]

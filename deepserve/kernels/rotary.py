@@ -1,0 +1,95 @@
+"""Rotary position embedding (NeoX rotate-half), applied to q and k in one launch: one program per token reads
+its cos/sin row once and rotates every query and key head of that token.
+
+Same arithmetic as deepserve/layers/rotary.py: float32 math on (x * cos + rotate_half(x) * sin), one rounding
+to the activation dtype (a fused multiply-add may change the float32 value by one rounding, so outputs agree
+to one rounding of the output dtype).
+"""
+
+import torch
+
+from deepserve.kernels import next_pow2, require_triton, tl, triton
+
+
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, num_heads,
+                  cos1, sin1, cos2, sin2, j, jmask,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    for h0 in range(0, num_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        mask = (h < num_heads)[:, None] & jmask[None, :]
+        src = x_ptr + t * stride_xt + h[:, None] * stride_xh + j[None, :]
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        o1 = x1 * cos1[None, :] - x2 * sin1[None, :]
+        o2 = x2 * cos2[None, :] + x1 * sin2[None, :]
+        dst = o_ptr + t * stride_ot + h[:, None] * stride_oh + j[None, :]
+        tl.store(dst, o1.to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, o2.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+                   stride_cos, num_q_heads, num_k_heads,
+                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    jmask = j < HALF
+    cos1 = tl.load(cos_ptr + pos * stride_cos + j, mask=jmask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + pos * stride_cos + HALF + j, mask=jmask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + pos * stride_cos + j, mask=jmask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + pos * stride_cos + HALF + j, mask=jmask, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, num_q_heads,
+                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H)
+    _rotate_heads(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, num_k_heads,
+                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
+                 sin_cache: torch.Tensor, inplace: bool = False):
+    """q: [T, H, D], k: [T, Hkv, D] (any row/head strides), positions: [T]; cos/sin caches: [max_pos, D].
+    Returns (q_rot, k_rot): new tensors, or q and k themselves when `inplace`."""
+    require_triton(q)
+    t, h, d = q.shape
+    hk = k.shape[1]
+    assert d % 2 == 0 and cos_cache.shape[-1] == d and cos_cache.stride(-1) == 1
+    assert sin_cache.stride() == cos_cache.stride()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if t:
+        half = d // 2
+        block_half = next_pow2(half)
+        block_h = max(1, min(next_pow2(max(h, hk)), 4096 // block_half))
+        _rotary_kernel[(t,)](
+            positions, q, k, q_out, k_out, cos_cache, sin_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+            cos_cache.stride(0), h, hk, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, num_warps=4)
+    return q_out, k_out
+
+
+def apply_rotary_ref(positions, q, k, cos_cache, sin_cache, inplace: bool = False):
+    """The PyTorch twin (what RotaryEmbedding.forward computes)."""
+    from deepserve.layers.rotary import _apply
+    cos = cos_cache[positions].unsqueeze(1)
+    sin = sin_cache[positions].unsqueeze(1)
+    q_rot, k_rot = _apply(q, cos, sin), _apply(k, cos, sin)
+    if inplace:
+        q.copy_(q_rot)
+        k.copy_(k_rot)
+        return q, k
+    return q_rot, k_rot
+
+
+def rotary_forward(rope, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inplace: bool = False):
+    """Drop-in for `RotaryEmbedding.forward` (reads its cos/sin caches)."""
+    return apply_rotary(positions, q, k, rope.cos_cache, rope.sin_cache, inplace=inplace)
+
+
+__all__ = ["apply_rotary", "apply_rotary_ref", "rotary_forward"]

@@ -1,0 +1,258 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), its paged cache and its PyTorch reference backend.
+
+Per token, `kv_a_proj_with_mqa` makes one compressed latent c (kv_lora_rank dims, RMS-normed) and one
+RoPE key k_pe (qk_rope_head_dim dims) shared by all heads. `kv_b_proj` expands c into every head's
+no-RoPE key and its value: k_nope[h] = W_UK[h] c, v[h] = W_UV[h] c. The cache keeps only [c | k_pe]:
+(kv_lora_rank + qk_rope_head_dim) values per token per layer, instead of heads * (key + value dims).
+
+Two ways to attend over that cache, equal in exact arithmetic:
+  expanded  (prefill): rebuild k_nope, v of every visible token through kv_b_proj, then ordinary attention.
+  absorbed  (decode):  fold W_UK into the query (q_lat = q_nope W_UK) and W_UV into the output, so scores
+                       and the weighted sum run in latent space: one query against T cached latents costs
+                       O(T * (kv_lora_rank + rope)) per head, and nothing per token is expanded.
+
+RoPE follows HF's DeepSeek code: interleaved pairs (x0, x1), (x2, x3), ... (`rope_interleave`, always for
+V2) or NeoX halves; YaRN scaling with DeepSeek's mscale both on cos/sin (attention_factor) and on the
+softmax scale (mscale_all_dim).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepserve.layers.norm import RMSNorm
+from deepserve.worker.forward_batch import ForwardBatch
+
+# --- RoPE: config, YaRN, rotation -----------------------------------------------------------------
+
+def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings from either config layout: transformers>=5 `rope_parameters` (theta inside), or the
+    `rope_theta` + `rope_scaling` pair that released checkpoints ship. Always has rope_theta and rope_type."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params.setdefault("rope_theta", cfg.get("rope_theta") or 10000.0)
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_inv_freq(dim: int, params: dict[str, Any], max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim / 2], factor applied to cos and sin), as transformers computes them."""
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind != "yarn":
+        raise NotImplementedError(f"rope type {kind!r} is not supported for MLA (default, yarn)")
+    old_len = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position_embeddings / old_len
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    # Dimensions that turn fewer than beta_slow times over the original context are interpolated (slowed by
+    # `factor`), those turning more than beta_fast times kept; a linear ramp blends the band between.
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(params.get("beta_fast") or 32), correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolated) + inv_freq * extrapolated
+    return inv_freq, float(attention_factor)
+
+
+def mla_softmax_scale(qk_head_dim: int, params: dict[str, Any]) -> float:
+    """1/sqrt(d), times mscale(factor, mscale_all_dim)^2 under YaRN (HF's `yarn_apply_mscale`)."""
+    scale = qk_head_dim ** -0.5
+    mscale_all_dim = params.get("mscale_all_dim")
+    if params["rope_type"] != "default" and mscale_all_dim:
+        scale *= _yarn_mscale(params["factor"], mscale_all_dim) ** 2
+    return scale
+
+
+class MLARotaryEmbedding(nn.Module):
+    """RoPE over the trailing qk_rope_head_dim dims of q and the shared k_pe."""
+
+    def __init__(self, rope_dim: int, max_position: int, params: dict[str, Any], max_position_embeddings: int,
+                 interleaved: bool) -> None:
+        super().__init__()
+        inv_freq, attention_factor = rope_inv_freq(rope_dim, params, max_position_embeddings)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.interleaved = interleaved
+        self.register_buffer("cos_cache", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * attention_factor, persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, rope_dim] -> rotated, in x's dtype."""
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        xf = x.float()
+        if self.interleaved:
+            # Pair (2i, 2i+1) turns by angle i. Gathering evens then odds turns it into the NeoX layout; the
+            # result stays in that layout (as HF's V3 code leaves it), which q and k share, so q.k is unchanged.
+            xf = torch.cat((xf[..., 0::2], xf[..., 1::2]), dim=-1)
+        x1, x2 = xf.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+# --- attention over the latent cache --------------------------------------------------------------
+
+@dataclass
+class MLAWeights:
+    """kv_b_proj viewed per head: W_UK [H, nope, r] (keys) and W_UV [H, v, r] (values)."""
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+
+
+class MLABackend(Protocol):
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                kv_cache: torch.Tensor, weights: MLAWeights, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """q_nope [T, H, nope], q_pe [T, H, rope]; this step's latent [T, r] and k_pe [T, rope] (written to
+        the cache at batch.slot_mapping); kv_cache [num_blocks, block_size, r + rope] -> [T, H, v]."""
+        ...
+
+
+class TorchMLA:
+    """Reference backend. Reads the per-step metadata of `TorchPagedAttention.build_metadata` (decode rows
+    with their block tables, prefill segments), which does not depend on what a slot holds."""
+
+    def forward(self, q_nope, q_pe, latent, k_pe, kv_cache, weights, batch, scale):
+        meta = batch.attn_metadata
+        rank = latent.shape[-1]
+        kv_cache.view(-1, kv_cache.shape[-1])[batch.slot_mapping] = torch.cat((latent, k_pe), dim=-1)
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], weights.w_uv.shape[1])
+        if meta.decode_rows is not None:
+            rows = meta.decode_rows
+            cached = kv_cache[meta.decode_blocks].flatten(1, 2)            # [Bd, max_blocks * bs, r + rope]
+            out[rows] = absorbed_attention(q_nope[rows], q_pe[rows], cached, meta.decode_mask, weights, rank, scale)
+        for seg in meta.prefills:
+            rows = slice(seg.row_start, seg.row_start + seg.num_rows)
+            cached = kv_cache[seg.blocks].flatten(0, 1)[: seg.seq_len]      # [L, r + rope]
+            out[rows] = expanded_attention(q_nope[rows], q_pe[rows], cached, seg.first_position, weights, rank,
+                                            scale)
+        return out
+
+
+def absorbed_attention(q_nope, q_pe, cached, mask, weights: MLAWeights, rank: int, scale: float):
+    """One query per sequence, attending in latent space. q_nope [B, H, nope], q_pe [B, H, rope],
+    cached [B, L, r + rope], mask [B, L] -> [B, H, v]."""
+    q_latent = torch.einsum("bhn,hnr->bhr", q_nope.float(), weights.w_uk.float())
+    query = torch.cat((q_latent, q_pe.float()), dim=-1)                    # [B, H, r + rope]
+    cached = cached.float()
+    scores = torch.matmul(query, cached.transpose(1, 2)) * scale           # [B, H, L]
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    out_latent = torch.matmul(torch.softmax(scores, dim=-1), cached[..., :rank])    # [B, H, r]
+    return torch.einsum("bhr,hvr->bhv", out_latent, weights.w_uv.float()).to(q_nope.dtype)
+
+
+def expanded_attention(q_nope, q_pe, cached, first_position: int, weights: MLAWeights, rank: int, scale: float):
+    """A prefill segment: q [n, H, .] at positions first_position.. over its L cached tokens -> [n, H, v]."""
+    n, heads, _ = q_nope.shape
+    latent, k_pe = cached[:, :rank], cached[:, rank:]
+    k_nope = torch.einsum("lr,hnr->hln", latent, weights.w_uk)             # [H, L, nope]
+    values = torch.einsum("lr,hvr->hlv", latent, weights.w_uv)             # [H, L, v]
+    keys = torch.cat((k_nope, k_pe[None].expand(heads, -1, -1)), dim=-1)
+    query = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)              # [H, n, nope + rope]
+    if first_position == 0:
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
+    else:
+        key_pos = torch.arange(keys.shape[1], device=query.device)
+        query_pos = torch.arange(first_position, first_position + n, device=query.device)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=key_pos[None, :] <= query_pos[:, None],
+                                             scale=scale)
+    return out.transpose(0, 1)
+
+
+class MLAAttention(nn.Module):
+    """One layer's latent cache holder (bound by the model runner) and its backend."""
+
+    kv_block_dim = 0   # the block index's dimension in kv_cache_shape
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.kv_lora_rank, self.rope_dim, self.scale = num_heads, kv_lora_rank, rope_dim, scale
+        self.kv_cache: torch.Tensor | None = None
+        self.backend: MLABackend = TorchMLA()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.kv_lora_rank + self.rope_dim)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return (self.kv_lora_rank + self.rope_dim) * torch.empty(0, dtype=dtype).element_size()
+
+    def forward(self, q_nope, q_pe, latent, k_pe, weights: MLAWeights, batch: ForwardBatch) -> torch.Tensor:
+        assert self.kv_cache is not None, "the model runner binds a KV cache before the first forward"
+        return self.backend.forward(q_nope, q_pe, latent, k_pe, self.kv_cache, weights, batch, self.scale)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """The projections around MLAAttention; parameter names are HF's, so checkpoints load one to one."""
+
+    def __init__(self, cfg: dict[str, Any], rotary: MLARotaryEmbedding, scale: float) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.nope_dim, self.rope_dim = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+        self.v_dim, self.kv_lora_rank = cfg["v_head_dim"], cfg["kv_lora_rank"]
+        self.q_lora_rank = cfg.get("q_lora_rank")
+        bias = bool(cfg.get("attention_bias", False))
+        q_size = self.num_heads * (self.nope_dim + self.rope_dim)
+        # HF builds these two inner norms with the default eps, not rms_norm_eps.
+        if self.q_lora_rank:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, q_size, bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden, q_size, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_b_proj = LatentUpProjection(self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        self.rotary = rotary
+        self.attn = MLAAttention(self.num_heads, self.kv_lora_rank, self.rope_dim, scale)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe = self.rotary(batch.positions, q_pe)
+        k_pe = self.rotary(batch.positions, k_pe.unsqueeze(1)).squeeze(1)
+        out = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.per_head(), batch)
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+
+
+class LatentUpProjection(nn.Module):
+    """HF's `kv_b_proj` weight [H * (nope + v), kv_lora_rank]. Never applied as a Linear (the backend uses
+    its per-head blocks, expanded or absorbed), so it is not an nn.Linear: weight quantization that
+    swaps Linears leaves it alone."""
+
+    def __init__(self, num_heads: int, nope_dim: int, v_dim: int, kv_lora_rank: int) -> None:
+        super().__init__()
+        self.num_heads, self.nope_dim, self.v_dim = num_heads, nope_dim, v_dim
+        self.weight = nn.Parameter(torch.empty(num_heads * (nope_dim + v_dim), kv_lora_rank))
+
+    def per_head(self) -> MLAWeights:
+        blocks = self.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
+        w_uk, w_uv = blocks.split([self.nope_dim, self.v_dim], dim=1)
+        return MLAWeights(w_uk, w_uv)

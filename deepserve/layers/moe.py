@@ -1,0 +1,273 @@
+"""Mixture of experts: router, expert backend protocol and its PyTorch reference, the MoE layer.
+
+One MoE layer = router (gate GEMM -> scores -> top-k experts and their weights per token) + routed experts
+(SwiGLU MLPs, weights stacked [E, ...] so a kernel sees one tensor) + optional shared experts (a dense
+SwiGLU every token goes through) + per-expert load counters (tokens routed, read and reset by the engine,
+the input of expert-parallel load balancing).
+
+Router variants, all as `RoutingConfig`:
+  softmax + greedy top-k           Mixtral (renormalize), Qwen3-MoE (renormalize = norm_topk_prob)
+  softmax + group_limited_greedy   DeepSeek-V2: keep the `topk_groups` groups with the best expert, then top-k
+  sigmoid + noaux_tc               DeepSeek-V3: choice score = sigmoid + e_score_correction_bias; a group's score
+                                   is the sum of its two best choice scores; weights use the unbiased sigmoid
+  sqrtsoftplus + noaux_tc          DeepSeek-V4.1: score = sqrt(softplus(logit)), same bias rule, no groups
+Ties always go to the lower expert id (a stable sort, not `torch.topk`, whose tie order is unspecified).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    top_k: int
+    scoring: str = "softmax"
+    topk_method: str = "greedy"
+    num_groups: int = 1               # experts are split into this many equal groups (group-limited methods)
+    topk_groups: int = 1              # groups a token may use
+    renormalize: bool = False         # weights of the chosen experts divided by their sum
+    scaling_factor: float = 1.0       # DeepSeek's routed_scaling_factor, applied after renormalizing
+
+    def __post_init__(self) -> None:
+        if self.scoring not in SCORING_FUNCS:
+            raise ValueError(f"MoE scoring function {self.scoring!r} not supported; one of {SCORING_FUNCS}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"MoE topk_method {self.topk_method!r} not supported; one of {TOPK_METHODS}")
+
+    @property
+    def uses_bias(self) -> bool:
+        return self.topk_method == "noaux_tc"
+
+
+def route(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None = None):
+    """logits: [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64)."""
+    scores = _score(logits, cfg.scoring)
+    # The correction bias steers which experts are chosen, never how much they weigh.
+    choice = scores + bias if bias is not None else scores
+    if cfg.topk_method != "greedy" and cfg.num_groups > 1:
+        choice = _mask_groups(choice, cfg)
+    ids = stable_topk_ids(choice, cfg.top_k)
+    weights = scores.gather(1, ids)
+    if cfg.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if cfg.scaling_factor != 1.0:
+        weights = weights * cfg.scaling_factor
+    return weights, ids
+
+
+def _score(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    if scoring == "softmax":
+        return logits.softmax(dim=-1)
+    if scoring == "sigmoid":
+        return logits.sigmoid()
+    return F.softplus(logits).sqrt()      # softplus(x) = x above 20, as the V4.1 spec says (torch's threshold)
+
+
+def _mask_groups(choice: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
+    """Experts outside the token's `topk_groups` best groups get -inf."""
+    t, e = choice.shape
+    grouped = choice.view(t, cfg.num_groups, e // cfg.num_groups)
+    if cfg.topk_method == "noaux_tc":
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)     # V3: sum of the group's two best
+    else:
+        group_scores = grouped.max(dim=-1).values                     # V2: the group's best expert
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, stable_topk_ids(group_scores, cfg.topk_groups), True)
+    return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, e)
+
+
+def stable_topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries per row; equal values resolve to the lower index."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+# --- experts -------------------------------------------------------------------------------------
+
+class MoEBackend(Protocol):
+    """Routed-expert computation; a fused GPU kernel implements the same signature."""
+
+    def forward(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+        """x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I];
+        topk_weights: [T, k] float32; topk_ids: [T, k] int64 -> [T, H] in x's dtype."""
+        ...
+
+
+class TorchMoE:
+    """Reference backend: (token, expert) pairs sorted by expert, one GEMM pair per expert that got tokens."""
+
+    def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None):
+        t, k = topk_ids.shape
+        flat_ids = topk_ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)          # pair p = token p // k, its (p % k)-th expert
+        counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+        inputs = x[order // k]
+        outputs = torch.empty_like(inputs)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                rows = slice(start, start + n)
+                outputs[rows] = swiglu(inputs[rows], w13[expert], w2[expert], swiglu_limit)
+                start += n
+        per_pair = torch.empty_like(outputs)
+        per_pair[order] = outputs
+        # Summing each token's k outputs in slot order (not via scattered adds) keeps a token's result
+        # independent of what else is in the batch.
+        combined = (per_pair.view(t, k, -1).float() * topk_weights[:, :, None].float()).sum(dim=1)
+        return combined.to(x.dtype)
+
+
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) for one expert's stacked weights."""
+    return F.linear(swiglu_activation(F.linear(x, w13), limit), w2)
+
+
+def swiglu_activation(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """[.., 2I] (gate then up) -> silu(gate) * up; `limit` clamps gate from above and up on both sides
+    (DeepSeek-V4.1's swiglu_limit)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+class GatedMLP(nn.Module):
+    """A dense SwiGLU MLP (DeepSeek's dense layers and shared experts), gate and up fused in one GEMM."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.swiglu_limit = swiglu_limit
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Module calls, not F.linear on .weight: a quantized Linear may stand in for either projection.
+        return self.down_proj(swiglu_activation(self.gate_up_proj(x), self.swiglu_limit))
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> str:
+        """HF name relative to this MLP (`gate_proj.weight`, ...) -> the parameter it filled."""
+        proj = name.split(".")[0]
+        if proj == "down_proj":
+            copy_checked(self.down_proj.weight, tensor, name)
+            return "down_proj.weight"
+        if proj not in ("gate_proj", "up_proj"):
+            raise KeyError(f"MLP weight {name!r} has no place in {type(self).__name__}")
+        shard = 0 if proj == "gate_proj" else 1
+        copy_checked(self.gate_up_proj.weight.narrow(0, shard * self.intermediate_size, self.intermediate_size),
+                     tensor, name)
+        return "gate_up_proj.weight"
+
+
+class Router(nn.Module):
+    """The gate GEMM and the routing rule. DeepSeek keeps the gate in fp32 (`dtype`), as HF does."""
+
+    def __init__(self, hidden_size: int, num_experts: int, cfg: RoutingConfig,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))
+        bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32)) if cfg.uses_bias else None
+        self.register_parameter("e_score_correction_bias", bias)
+
+    def forward(self, x: torch.Tensor):
+        logits = F.linear(x.to(self.weight.dtype), self.weight).float()
+        return route(logits, self.cfg, self.e_score_correction_bias)
+
+
+# Checkpoint names of one expert's projections -> (stacked parameter, shard: 0 gate, 1 up, None down).
+_EXPERT_PROJ = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
+                "down_proj": ("w2", None), "w2": ("w2", None)}
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, routing: RoutingConfig, *,
+                 shared_intermediate_size: int = 0, gate_dtype: torch.dtype | None = None,
+                 swiglu_limit: float | None = None) -> None:
+        super().__init__()
+        if routing.top_k > num_experts:
+            raise ValueError(f"top_k {routing.top_k} > {num_experts} experts")
+        if routing.topk_method != "greedy" and num_experts % routing.num_groups:
+            raise ValueError(f"{num_experts} experts do not split into {routing.num_groups} groups")
+        self.num_experts, self.intermediate_size, self.swiglu_limit = num_experts, intermediate_size, swiglu_limit
+        self.gate = Router(hidden_size, num_experts, routing, gate_dtype)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.shared_experts = (GatedMLP(hidden_size, shared_intermediate_size, swiglu_limit)
+                               if shared_intermediate_size else None)
+        # Tokens routed to each expert since the last reset (int64, on the model's device).
+        self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.backend: MoEBackend = TorchMoE()
+        self._expert_pieces: dict[str, set[tuple[int, int | None]]] = {"w13": set(), "w2": set()}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        # index_add_ rather than bincount: a fixed output shape, so it can live inside a CUDA graph.
+        self.expert_load.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+        out = self.backend.forward(x, self.w13, self.w2, weights, ids, self.swiglu_limit)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def reset_expert_load(self) -> None:
+        self.expert_load.zero_()
+
+    # --- loading ---------------------------------------------------------------------------------
+    def load_weight(self, name: str, tensor: torch.Tensor) -> str | None:
+        """HF name relative to this layer -> the parameter it filled (for the expert stacks: only once
+        every expert's piece has arrived, so a checkpoint missing an expert fails the completeness check).
+
+        Accepts per-expert names (`experts.3.gate_proj.weight`, Mixtral's `experts.3.w1.weight`) and the
+        stacked layout transformers 5 keeps in memory (`experts.gate_up_proj`, `experts.down_proj`).
+        """
+        parts = name.split(".")
+        if parts[0] == "gate" and getattr(self.gate, parts[1], None) is not None:
+            copy_checked(getattr(self.gate, parts[1]), tensor, name)
+            return name
+        if parts[0] == "shared_experts" and self.shared_experts is not None:
+            return "shared_experts." + self.shared_experts.load_weight(".".join(parts[1:]), tensor)
+        if parts[0] == "experts" and parts[1] in ("gate_up_proj", "down_proj"):
+            target = "w13" if parts[1] == "gate_up_proj" else "w2"
+            copy_checked(getattr(self, target), tensor, name)
+            return target
+        if parts[0] == "experts" and parts[1].isdigit() and parts[2] in _EXPERT_PROJ:
+            return self._load_expert(int(parts[1]), *_EXPERT_PROJ[parts[2]], tensor, name)
+        raise KeyError(f"MoE weight {name!r} has no place in {type(self).__name__}")
+
+    def _load_expert(self, expert: int, target: str, shard: int | None, tensor: torch.Tensor,
+                     name: str) -> str | None:
+        if not 0 <= expert < self.num_experts:
+            raise KeyError(f"{name}: expert {expert} out of range ({self.num_experts} experts)")
+        param = getattr(self, target)[expert]
+        if shard is not None:
+            param = param.narrow(0, shard * self.intermediate_size, self.intermediate_size)
+        copy_checked(param, tensor, name)
+        pieces = self._expert_pieces[target]
+        pieces.add((expert, shard))
+        return target if len(pieces) == self.num_experts * (2 if target == "w13" else 1) else None
+
+
+def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)
+
+
+def expert_load(moe_layers: list[FusedMoE]) -> torch.Tensor:
+    """[num_moe_layers, num_experts] tokens routed per expert since the last reset."""
+    return torch.stack([layer.expert_load for layer in moe_layers])
+
+
+def reset_expert_load(moe_layers: list[FusedMoE]) -> None:
+    for layer in moe_layers:
+        layer.reset_expert_load()

@@ -1,0 +1,139 @@
+"""DeepSeek-V2 and DeepSeek-V3: multi-head latent attention + DeepSeekMoE, readable in one sitting.
+
+Layer i: RMSNorm -> MLA -> residual -> RMSNorm -> FFN -> residual, where the FFN is a dense SwiGLU for the
+first `first_k_dense_replace` layers and an MoE (routed experts + shared experts) after.
+
+  V2 router: softmax scores, `greedy` or `group_limited_greedy` top-k, times routed_scaling_factor.
+  V3 router: sigmoid scores, e_score_correction_bias for the choice, grouped top-k (`noaux_tc`),
+             renormalised (norm_topk_prob), times routed_scaling_factor. The gate stays fp32, as in HF.
+  The router reads `scoring_func` / `topk_method` from the config, so V4.1's sqrt(softplus) scoring works too.
+
+Not yet: the V3 multi-token-prediction module (checkpoint layers numbered >= num_hidden_layers, i.e.
+`num_nextn_predict_layers` of them) is skipped at load; it becomes the MTP drafter of speculative decoding.
+FP8 checkpoints (`*.weight_scale_inv`) are dequantized on load (deepserve/loader/fp8.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepserve.layers.mla import MLARotaryEmbedding, MultiHeadLatentAttention, mla_softmax_scale, rope_parameters
+from deepserve.layers.moe import FusedMoE, GatedMLP, RoutingConfig, copy_checked
+from deepserve.layers.norm import RMSNorm
+from deepserve.loader.fp8 import dequantize_weights, weight_block_size
+from deepserve.worker.forward_batch import ForwardBatch
+
+
+def routing_config(cfg: dict[str, Any], version: int) -> RoutingConfig:
+    defaults = ("softmax", "greedy") if version == 2 else ("sigmoid", "noaux_tc")
+    return RoutingConfig(
+        top_k=cfg["num_experts_per_tok"],
+        scoring=cfg.get("scoring_func") or defaults[0],
+        topk_method=cfg.get("topk_method") or defaults[1],
+        num_groups=cfg.get("n_group") or 1,
+        topk_groups=cfg.get("topk_group") or 1,
+        renormalize=bool(cfg.get("norm_topk_prob", False)),
+        scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+    )
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layer: int, rotary: MLARotaryEmbedding, scale: float,
+                 version: int) -> None:
+        super().__init__()
+        hidden, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = MultiHeadLatentAttention(cfg, rotary, scale)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        sparse = (cfg.get("n_routed_experts") and layer >= cfg.get("first_k_dense_replace", 0)
+                  and layer % cfg.get("moe_layer_freq", 1) == 0)
+        if sparse:
+            inter = cfg["moe_intermediate_size"]
+            self.mlp = FusedMoE(hidden, inter, cfg["n_routed_experts"], routing_config(cfg, version),
+                                shared_intermediate_size=inter * (cfg.get("n_shared_experts") or 0),
+                                gate_dtype=torch.float32)
+        else:
+            self.mlp = GatedMLP(hidden, cfg["intermediate_size"])
+
+    def forward(self, x, residual, batch):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    version = 2
+
+    def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"activation {cfg['hidden_act']!r} is not supported (silu only)")
+        hidden = cfg["hidden_size"]
+        rope = rope_parameters(cfg)
+        # V2 always rotates interleaved pairs (HF's complex-number form); V3 has a switch, on by default.
+        interleaved = self.version == 2 or cfg.get("rope_interleave", True)
+        rotary = MLARotaryEmbedding(cfg["qk_rope_head_dim"], max_position, rope,
+                                    cfg.get("max_position_embeddings", max_position), interleaved)
+        scale = mla_softmax_scale(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], rope)
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, rotary, scale, self.version)
+                                    for i in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6))
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(hidden, cfg["vocab_size"], bias=False)
+
+    def attention_layers(self) -> list:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def moe_layers(self) -> list[FusedMoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, FusedMoE)]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch)
+        idx = batch.logits_indices
+        return self.norm(x[idx], residual[idx])[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        num_layers = len(self.layers)
+        for name, tensor in dequantize_weights(weights, weight_block_size(self.config)):
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+                continue
+            m = re.match(r"layers\.(\d+)\.(.+)", name)
+            if m and int(m.group(1)) >= num_layers:
+                continue        # the MTP module(s) of V3 checkpoints: not used yet
+            if m and m.group(2).startswith("mlp."):
+                filled = self.layers[int(m.group(1))].mlp.load_weight(m.group(2).removeprefix("mlp."), tensor)
+                if filled is not None:
+                    loaded.add(f"layers.{m.group(1)}.mlp.{filled}")
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            copy_checked(params[name], tensor, name)
+            loaded.add(name)
+        return loaded
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    version = 3

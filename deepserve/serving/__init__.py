@@ -1,0 +1,1 @@
+"""Serving layers over the engine: the OpenAI-compatible server (`deepserve.serving.openai`)."""

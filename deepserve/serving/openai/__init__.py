@@ -1,0 +1,6 @@
+"""The OpenAI-compatible HTTP server: `build_app(ServerContext.create(engine, ServerConfig(...)))`."""
+
+from deepserve.serving.openai.app import build_app
+from deepserve.serving.openai.context import ServerConfig, ServerContext
+
+__all__ = ["build_app", "ServerConfig", "ServerContext"]

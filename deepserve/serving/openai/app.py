@@ -1,0 +1,91 @@
+"""The FastAPI app: routes, error handlers, and the middlewares in front (body size, then key + rate limit).
+
+Request path:  BodySizeLimit (413) -> AccessGuard (401, 429) -> FastAPI validation (400) -> endpoint.
+The app's lifespan ends with a drain: uvicorn stops accepting connections on SIGTERM and waits for the
+in-flight ones, then the engine loop finishes whatever is left and stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+from starlette.responses import Response
+
+from deepserve import __version__
+from deepserve.serving.openai.auth import AccessGuard
+from deepserve.serving.openai.body_limit import BodySizeLimit
+from deepserve.serving.openai.chat import ChatEndpoint
+from deepserve.serving.openai.completions import CompletionsEndpoint
+from deepserve.serving.openai.context import ServerContext
+from deepserve.serving.openai.errors import OpenAIError, error_response, install_error_handlers
+from deepserve.serving.openai.metrics import CONTENT_TYPE
+from deepserve.serving.openai.protocol import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse,
+                                               ErrorResponse, ModelCard, ModelList, TokenizeResponse,
+                                               VersionResponse)
+from deepserve.serving.openai.rate_limit import RateLimiter
+from deepserve.serving.openai.tokenization import TokenizationEndpoints
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
+_STREAM = {"content": {"text/event-stream": {}}, "description": "with `stream: true`: server-sent events"}
+
+
+def build_app(ctx: ServerContext, drain_timeout_s: float | None = None) -> FastAPI:
+    app = FastAPI(title="deepserve", version=__version__, lifespan=_lifespan(ctx, drain_timeout_s),
+                  description="OpenAI-compatible API of the deepserve inference engine")
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    completions, chat, tokens = CompletionsEndpoint(ctx), ChatEndpoint(ctx), TokenizationEndpoints(ctx)
+    post_generation = dict(methods=["POST"], responses={**_ERRORS, 200: _STREAM})
+    app.add_api_route("/v1/completions", completions.create, response_model=CompletionResponse, **post_generation)
+    app.add_api_route("/v1/chat/completions", chat.create, response_model=ChatCompletionResponse,
+                      **post_generation)
+    app.add_api_route("/v1/models", _list_models(ctx), methods=["GET"], response_model=ModelList)
+    app.add_api_route("/tokenize", tokens.tokenize, methods=["POST"], response_model=TokenizeResponse,
+                      responses=_ERRORS)
+    app.add_api_route("/detokenize", tokens.detokenize, methods=["POST"], response_model=DetokenizeResponse,
+                      responses=_ERRORS)
+    app.add_api_route("/health", _health(ctx), methods=["GET"], responses={503: {"model": ErrorResponse}})
+    app.add_api_route("/metrics", _metrics(ctx), methods=["GET"], response_class=Response)
+    app.add_api_route("/version", _version, methods=["GET"], response_model=VersionResponse)
+    config = ctx.config
+    limiter = RateLimiter(config.rate_limit) if config.rate_limit is not None else None
+    app.add_middleware(AccessGuard, api_keys=config.api_keys, rate_limiter=limiter,
+                       on_reject=ctx.metrics.count_rejected)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)   # added last = runs first
+    return app
+
+
+def _lifespan(ctx: ServerContext, drain_timeout_s: float | None):
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await ctx.engine.shutdown(drain=True, timeout=drain_timeout_s)
+    return lifespan
+
+
+def _list_models(ctx: ServerContext):
+    async def list_models() -> ModelList:
+        cards = [ModelCard(id=name, created=ctx.created, root=ctx.model_path, max_model_len=ctx.max_model_len)
+                 for name in ctx.model_names]
+        return ModelList(data=cards)
+    return list_models
+
+
+def _health(ctx: ServerContext):
+    async def health() -> Response:
+        if ctx.engine.is_accepting:
+            return Response(status_code=200)
+        return error_response(OpenAIError(503, "the engine is not running", code="unavailable"))
+    return health
+
+
+def _metrics(ctx: ServerContext):
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+    return metrics
+
+
+async def _version() -> VersionResponse:
+    return VersionResponse(version=__version__)

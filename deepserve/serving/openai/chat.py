@@ -1,0 +1,187 @@
+"""POST /v1/chat/completions: render the messages with the model's chat template, generate n choices,
+and turn Hermes-style `<tool_call>` blocks into OpenAI `tool_calls` when the request offers tools.
+
+Streaming sends, per choice: a first delta with the role, content deltas, and a last delta with the tool
+calls (if any) and the finish reason. Content stops streaming at the start of a tool call, and a tail that
+could be the start of `<tool_call>` (or of a stop string) is held back until it is decided.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from deepserve.engine.async_engine import RequestStream
+from deepserve.outputs import CompletionOutput, RequestOutput
+from deepserve.serving.openai.context import ServerContext
+from deepserve.serving.openai.dispatch import (close_all, final_outputs, new_request_id, start_requests,
+                                               stream_error_event)
+from deepserve.serving.openai.errors import not_supported
+from deepserve.serving.openai.logprobs import chat_logprobs
+from deepserve.serving.openai.prompts import chat_prompt, message_text
+from deepserve.serving.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                               ChatLogprobs, ChatResponseMessage, NamedToolChoice, UsageInfo)
+from deepserve.serving.openai.sampling import (build_sampling_params, check_context_length,
+                                               reject_unsupported, stop_strings)
+from deepserve.serving.openai.streaming import SSE_DONE, DeltaTracker, EventStreamResponse, sse_event
+from deepserve.serving.openai.tool_parsers import ExtractedToolCalls, HermesToolParser
+
+
+class ChatEndpoint:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
+        ctx = self.ctx
+        model = ctx.check_model(body.model)
+        _reject_unsupported(body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        prompt = chat_prompt(body, ctx.tokenizer)
+        check_context_length(len(prompt.token_ids), max_tokens, ctx.max_model_len, param)
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        params = build_sampling_params(body, max_tokens, top_n)
+        builder = _ChatResponseBuilder(ctx, body, model, new_request_id("chatcmpl"), len(prompt.token_ids))
+        streams = await start_requests(ctx, builder.id, [prompt], params)
+        if body.stream:
+            return EventStreamResponse(builder.events(streams[0]))
+        finals = await final_outputs(request, streams)
+        if finals is None:
+            return Response(status_code=499)    # the client left; its request was aborted
+        return builder.full(finals[0])
+
+
+def _reject_unsupported(body: ChatCompletionRequest) -> None:
+    reject_unsupported(body)
+    if isinstance(body.tool_choice, NamedToolChoice) or body.tool_choice == "required":
+        raise not_supported("forcing a tool call with tool_choice (needs structured outputs)", "tool_choice")
+
+
+class _ChatResponseBuilder:
+    def __init__(self, ctx: ServerContext, body: ChatCompletionRequest, model: str, request_id: str,
+                 num_prompt_tokens: int) -> None:
+        self.ctx = ctx
+        self.body = body
+        self.model = model
+        self.id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.created = int(time.time())
+        uses_tools = bool(body.tools) and body.tool_choice != "none"
+        self.tool_parser: HermesToolParser | None = ctx.tool_parser if uses_tools else None
+        self.echo = _echo_text(body)
+
+    # --- non-streaming ---------------------------------------------------------------------------
+    def full(self, output: RequestOutput) -> ChatCompletionResponse:
+        choices = []
+        for c in output.outputs:
+            parsed = self._parse(c.text)
+            content = parsed.content if parsed.calls else self.echo + c.text
+            message = ChatResponseMessage(content=content, tool_calls=parsed.calls)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, 0, None),
+                                      finish_reason=self._finish_reason(c, parsed), stop_reason=c.stop_reason))
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=self._usage(output))
+
+    # --- streaming -------------------------------------------------------------------------------
+    async def events(self, stream: RequestStream) -> AsyncIterator[bytes]:
+        markers = stop_strings(self.body) + ([self.tool_parser.start_marker] if self.tool_parser else [])
+        trackers = {i: DeltaTracker(markers) for i in range(self.body.n)}
+        final: RequestOutput | None = None
+        try:
+            for i in range(self.body.n):
+                delta = {"role": "assistant", "content": self.echo}
+                yield sse_event(self._envelope([_choice(i, delta)]))
+            async for output in stream:
+                final = output if output.finished else final
+                for c in output.outputs:
+                    chunk = self._chunk(c, trackers[c.index])
+                    if chunk is not None:
+                        yield sse_event(chunk)
+            if self.body.stream_options is not None and self.body.stream_options.include_usage:
+                yield sse_event(self._envelope([], usage=self._usage(final).model_dump()))
+        except Exception as error:  # noqa: BLE001 - the status is already 200: report in-band, then end
+            yield sse_event(stream_error_event(error))
+        finally:
+            await close_all([stream])
+        yield SSE_DONE
+
+    def _chunk(self, c: CompletionOutput, tracker: DeltaTracker) -> dict | None:
+        finished = c.finish_reason is not None
+        start = tracker.sent_tokens
+        visible = self._streamable_text(c.text, finished)
+        text = tracker.text_delta(visible, finished or len(visible) < len(c.text))
+        tracker.new_tokens(len(c.token_ids))
+        delta: dict = {"content": text} if text else {}
+        parsed = None
+        if finished:
+            parsed = self._parse(c.text)
+            if parsed.calls:
+                delta["tool_calls"] = [{"index": k, **call.model_dump()} for k, call in enumerate(parsed.calls)]
+            else:
+                # The text was not a well-formed tool call after all: send what was held back.
+                rest = c.text[tracker.sent_chars:]
+                tracker.sent_chars = len(c.text)
+                if rest:
+                    delta["content"] = delta.get("content", "") + rest
+        if not delta and not finished and not (self.body.logprobs and tracker.sent_tokens > start):
+            return None     # text held back (a possible stop string or tool call) and no logprobs to send
+        logprobs = self._logprobs(c, start, tracker.sent_tokens)
+        choice = _choice(c.index, delta, logprobs.model_dump() if logprobs is not None else None,
+                         self._finish_reason(c, parsed) if finished else None)
+        if finished:
+            choice["stop_reason"] = c.stop_reason
+        return self._envelope([choice])
+
+    def _streamable_text(self, text: str, finished: bool) -> str:
+        """The part of the text that is content: all of it, or what comes before a tool call."""
+        if self.tool_parser is None:
+            return text
+        start = text.find(self.tool_parser.start_marker)
+        return text if start == -1 else text[:start]
+
+    def _envelope(self, choices: list[dict], usage: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                 "choices": choices}
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+    # --- shared ----------------------------------------------------------------------------------
+    def _parse(self, text: str) -> ExtractedToolCalls:
+        if self.tool_parser is None:
+            return ExtractedToolCalls(text)
+        return self.tool_parser.extract(text)
+
+    def _finish_reason(self, c: CompletionOutput, parsed: ExtractedToolCalls | None) -> str | None:
+        if parsed is not None and parsed.calls:
+            return "tool_calls"
+        return c.finish_reason
+
+    def _logprobs(self, c: CompletionOutput, start: int, end: int | None) -> ChatLogprobs | None:
+        if not self.body.logprobs or c.logprobs is None:
+            return None
+        end = len(c.token_ids) if end is None else end
+        content = chat_logprobs(c.token_ids[start:end], c.logprobs[start:end], self.body.top_logprobs or 0,
+                                self.ctx.engine.tokenizer)
+        return ChatLogprobs(content=content)
+
+    def _usage(self, output: RequestOutput | None) -> UsageInfo:
+        completion = sum(len(c.token_ids) for c in output.outputs) if output is not None else 0
+        return UsageInfo(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
+                         total_tokens=self.num_prompt_tokens + completion)
+
+
+def _choice(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _echo_text(body: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: prepend the last message's content when it is the assistant's (a continuation)."""
+    last = body.messages[-1]
+    if not body.echo or last.role != "assistant":
+        return ""
+    return message_text(last, len(body.messages) - 1)
+

@@ -1,0 +1,89 @@
+"""What every endpoint of one server shares: the engine front, the served model's identity, the config."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from deepserve.engine.async_engine import AsyncLLMEngine
+from deepserve.engine.engine import LLMEngine
+from deepserve.serving.openai.errors import OpenAIError
+from deepserve.serving.openai.metrics import ServerMetrics
+from deepserve.serving.openai.tool_parsers import HermesToolParser, tool_parser_for
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str] = field(default_factory=list)   # empty: the model file/dir's name
+    api_keys: list[str] = field(default_factory=list)             # empty: no authentication
+    rate_limit: float | None = None                               # requests per second per key (or client)
+    max_queue: int | None = None                                  # requests waiting to be scheduled
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    tool_call_parser: str = "auto"                                # auto | hermes | none
+
+    def __post_init__(self) -> None:
+        if self.rate_limit is not None and self.rate_limit <= 0:
+            raise ValueError(f"rate_limit must be > 0 requests/s, got {self.rate_limit}")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if any(not key for key in self.api_keys):
+            raise ValueError("an API key must not be empty")
+
+
+@dataclass
+class ServerContext:
+    engine: AsyncLLMEngine
+    config: ServerConfig
+    metrics: ServerMetrics
+    model_names: list[str]
+    model_path: str
+    tool_parser: HermesToolParser | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def create(cls, llm_engine: LLMEngine, config: ServerConfig) -> "ServerContext":
+        model_path = llm_engine.config.model.model
+        names = config.served_model_names or [default_model_name(model_path)]
+        metrics = ServerMetrics(names[0])
+        engine = AsyncLLMEngine(llm_engine, max_waiting=config.max_queue, observer=metrics)
+        metrics.watch(engine)
+        template = llm_engine.tokenizer.chat_template if llm_engine.tokenizer is not None else None
+        return cls(engine, config, metrics, names, model_path, tool_parser_for(config.tool_call_parser, template))
+
+    @property
+    def tokenizer(self):
+        if self.engine.tokenizer is None:
+            raise OpenAIError(400, "this server was started without a tokenizer (skip_tokenizer_init)")
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.config.scheduler.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, name: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        if name is None or name in self.model_names:
+            return name or self.model_name
+        raise OpenAIError(404, f"the model {name!r} does not exist; this server serves "
+                               f"{', '.join(repr(n) for n in self.model_names)}", param="model",
+                          code="model_not_found")
+
+
+def default_model_name(model_path: str) -> str:
+    """`.../SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`; a checkpoint dir -> its name."""
+    name = os.path.basename(os.path.normpath(model_path))
+    if name.endswith(".gguf"):
+        name = name[: -len(".gguf")]
+        stem, _, quant = name.rpartition(".")
+        if stem and quant[:1] in ("Q", "F", "I", "B"):   # llama.cpp's quantization suffix (Q4_1, F16, ...)
+            name = stem
+    return name

@@ -1,0 +1,80 @@
+"""Shared helpers of the GPU kernel tests: random paged batches and per-dtype tolerances."""
+
+import pytest
+import torch
+
+from deepserve.kernels import INTERPRET
+from deepserve.worker.forward_batch import ForwardBatch
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+# Attention (flash-style: probabilities rounded to the value dtype before P @ V, output rounded once) against the
+# reference (float32 softmax, output rounded once): relative Frobenius error and max abs error (|q|, |k|, |v| ~ 1).
+ATTN_TOL = {torch.bfloat16: (1.5e-2, 6e-2), torch.float16: (3e-3, 1e-2)}
+# Elementwise kernels that do the reference's float32 arithmetic: one or two roundings of the output dtype.
+ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -22}
+
+
+def skip_bf16_dot_in_interpreter(dtype):
+    if INTERPRET and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter computes bf16 tl.dot wrongly; bf16 runs on the GPU only")
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def make_batch(seqs, block_size, num_blocks, device, pad_blocks=2):
+    """ForwardBatch for sequences given as (cached tokens, new tokens), on blocks drawn at random (non-contiguous,
+    shuffled) from a cache of `num_blocks`; block tables padded with 0 beyond each sequence's blocks."""
+    perm = torch.randperm(num_blocks).tolist()
+    tables, positions, slots, q_lens, s_lens = [], [], [], [], []
+    for ctx, n in seqs:
+        seq_len = ctx + n
+        table = [perm.pop() for _ in range(cdiv(seq_len, block_size))]
+        tables.append(table)
+        pos = list(range(ctx, seq_len))
+        positions += pos
+        slots += [table[p // block_size] * block_size + p % block_size for p in pos]
+        q_lens.append(n)
+        s_lens.append(seq_len)
+    max_blocks = max(len(t) for t in tables) + pad_blocks
+    bt = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
+    for b, t in enumerate(tables):
+        bt[b, :len(t)] = torch.tensor(t)
+    starts = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    starts[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    t_total = sum(q_lens)
+    return ForwardBatch(
+        input_ids=torch.zeros(t_total, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=bt.to(device), query_start_loc=starts.to(device),
+        seq_lens=torch.tensor(s_lens, dtype=torch.int64, device=device),
+        query_lens_cpu=q_lens, seq_lens_cpu=s_lens,
+        logits_indices=torch.zeros(0, dtype=torch.int64, device=device), block_size=block_size)
+
+
+def random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+    return torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device=device).to(dtype)
+
+
+def assert_attention_close(out, ref, dtype):
+    o, r = out.float(), ref.float()
+    assert torch.isfinite(o).all(), "non-finite output (unwritten rows?)"
+    rel = ((o - r).norm() / r.norm()).item()
+    max_abs = (o - r).abs().max().item()
+    rel_tol, abs_tol = ATTN_TOL[dtype]
+    assert rel < rel_tol and max_abs < abs_tol, f"rel {rel:.2e} (tol {rel_tol}), max abs {max_abs:.2e} (tol {abs_tol})"
+
+
+def assert_within_ulps(out, ref, dtype, ulps=1, min_exact=0.99):
+    """|out - ref| <= ulps roundings of the dtype (relative), and most elements bit-identical."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    o, r = out.float(), ref.float()
+    assert torch.isfinite(o).all()
+    tol = ulps * ULP[dtype] * r.abs() + 1e-30
+    bad = (o - r).abs() > tol
+    assert not bad.any(), f"{int(bad.sum())} elements beyond {ulps} ulp; max diff {(o - r).abs().max().item():.3e}"
+    exact = (o == r).float().mean().item()
+    assert exact >= min_exact, f"only {exact:.4f} of elements bit-identical"

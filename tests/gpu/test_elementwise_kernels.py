@@ -1,0 +1,92 @@
+"""Fused add + RMSNorm, rotary embedding and SiLU-and-mul against their PyTorch twins (the engine's layers)."""
+
+import pytest
+import torch
+
+from deepserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+from deepserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref
+from deepserve.kernels.rotary import apply_rotary, apply_rotary_ref
+from deepserve.layers.rotary import RotaryEmbedding
+from kernel_testing import DTYPES, assert_within_ulps
+
+pytestmark = pytest.mark.gpu
+
+
+# --- RMSNorm ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 4096), (7, 2048), (33, 1000), (130, 5120), (3, 576)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(device, dtype, rows, hidden, with_residual):
+    x = (torch.randn(rows, hidden, device=device) * 3).to(dtype)
+    res = torch.randn(rows, hidden, device=device).to(dtype) if with_residual else None
+    w = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
+    out = fused_add_rms_norm(x, res, w, 1e-6)
+    ref = fused_add_rms_norm_ref(x, res, w, 1e-6)
+    if with_residual:
+        assert torch.equal(out[1], ref[1])          # x + residual: one rounding, bit-identical
+        out, ref = out[0], ref[0]
+    # The normalised value and the weight product are each rounded once: two roundings apart at most.
+    assert_within_ulps(out, ref, dtype, ulps=2, min_exact=0.98)
+
+
+def test_rms_norm_float32_weight_promotes(device):
+    x = torch.randn(5, 256, device=device).to(torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(256, device=device)
+    out = fused_add_rms_norm(x, None, w, 1e-5)
+    ref = fused_add_rms_norm_ref(x, None, w, 1e-5)
+    assert out.dtype == ref.dtype == torch.float32
+    assert_within_ulps(out.to(torch.bfloat16), ref.to(torch.bfloat16), torch.bfloat16, ulps=1, min_exact=0.98)
+
+
+def test_rms_norm_3d_and_strided(device):
+    x = torch.randn(4, 3, 2 * 640, device=device).half()[..., :640]   # non-contiguous rows
+    res = torch.randn(4, 3, 640, device=device).half()
+    w = torch.randn(640, device=device).half()
+    out, new_res = fused_add_rms_norm(x, res, w, 1e-6)
+    ref, ref_res = fused_add_rms_norm_ref(x, res, w, 1e-6)
+    assert out.shape == (4, 3, 640) and torch.equal(new_res, ref_res)
+    assert_within_ulps(out, ref, torch.float16, ulps=2, min_exact=0.98)
+
+
+# --- rotary -------------------------------------------------------------------------------------
+ROPE_SCALINGS = [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (12, 12), (7, 1)])
+@pytest.mark.parametrize("scaling", ROPE_SCALINGS, ids=["default", "llama3"])
+def test_rotary_matches_reference(device, dtype, head_dim, heads, kv_heads, scaling):
+    rope = RotaryEmbedding(head_dim, 16384, 500000.0, scaling).to(device)
+    t = 37
+    positions = torch.randint(0, 16384, (t,), device=device)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, device=device).to(dtype)
+    q = qkv[:, :heads * head_dim].view(t, heads, head_dim)                           # strided views
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    ref_q, ref_k = rope(positions, q, k)
+    out_q, out_k = apply_rotary(positions, q, k, rope.cos_cache, rope.sin_cache)
+    assert_within_ulps(out_q, ref_q, dtype, ulps=1, min_exact=0.99)
+    assert_within_ulps(out_k, ref_k, dtype, ulps=1, min_exact=0.99)
+    # In place, on contiguous copies.
+    q2, k2 = q.contiguous(), k.contiguous()
+    r_q, r_k = apply_rotary(positions, q2, k2, rope.cos_cache, rope.sin_cache, inplace=True)
+    assert r_q.data_ptr() == q2.data_ptr() and torch.equal(q2, out_q) and torch.equal(k2, out_k)
+    tw_q, tw_k = apply_rotary_ref(positions, q, k, rope.cos_cache, rope.sin_cache)
+    assert torch.equal(tw_q, ref_q) and torch.equal(tw_k, ref_k)
+
+
+# --- SiLU-and-mul -------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 1000), (5, 11008), (33, 1536), (130, 14336)])
+def test_silu_and_mul_matches_reference(device, dtype, rows, inter):
+    x = (torch.randn(rows, 2 * inter, device=device) * 3).to(dtype)
+    out = silu_and_mul(x)
+    ref = silu_and_mul_ref(x)
+    assert out.shape == (rows, inter)
+    assert_within_ulps(out, ref, dtype, ulps=2, min_exact=0.99)
+
+
+def test_silu_and_mul_3d(device):
+    x = torch.randn(2, 3, 2 * 96, device=device).half()
+    assert_within_ulps(silu_and_mul(x), silu_and_mul_ref(x), torch.float16, ulps=2, min_exact=0.99)

@@ -1,0 +1,132 @@
+"""Helpers for comparing the engine with HF transformers on tiny random models (imported by tests).
+
+`save_tiny` writes a sharpened random HF model; `engine_logits` runs prompts through the paged path;
+`check_mixed_batch` runs several greedy requests under chunked prefill, preemption and prefix-cache hits
+and compares every token and its logprob with HF's own greedy decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepserve import LLM, SamplingParams
+from deepserve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from deepserve.engine.sequence import Sequence
+from deepserve.worker.forward_batch import ForwardBatch
+
+VOCAB = 512
+
+
+def save_tiny(path, config, model_cls, seed: int = 0, sharpen: float = 3.0, bias_std: float = 0.0) -> str:
+    """Random HF model saved with save_pretrained. Weights (matrices and 3-D expert stacks) are scaled by
+    `sharpen` so logits are far from uniform and greedy decoding is not decided by near-ties; DeepSeek-V3's
+    zero-initialised e_score_correction_bias gets N(0, bias_std) so that path is exercised."""
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(sharpen)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias") and bias_std:
+                buf.normal_(0.0, bias_std)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def load_hf(path):
+    import transformers
+
+    # The eager expert loop is HF's plain reference (its CPU default, grouped_mm, is ~10x slower here).
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                             experts_implementation="eager").eval()
+
+
+def engine_logits(llm: LLM, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """Logits at every position, computed through the paged engine path (optionally chunked)."""
+    runner = llm.engine.runner
+    bm = llm.engine.block_manager
+    seq = Sequence(10**9, "probe", 0, token_ids, SamplingParams(), seed=0)
+    chunk = chunk or len(token_ids)
+    pieces = []
+    for start in range(0, len(token_ids), chunk):
+        n = min(chunk, len(token_ids) - start)
+        bm.allocate_slots(seq, n)
+        out = SchedulerOutput(scheduled=[ScheduledSequence(seq, start, n)])
+        seq.num_computed_tokens += n
+        batch = ForwardBatch.build(out, runner.block_size, runner.device, [list(range(n))])
+        batch.attn_metadata = runner.attn_backend.build_metadata(batch)
+        with torch.inference_mode():
+            pieces.append(runner.model.compute_logits(runner.model(batch)))
+    bm.free(seq)
+    return torch.cat(pieces)
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def hf_greedy(model, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """HF's greedy continuation and the raw logits of each step ([steps, V])."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                             pad_token_id=0, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits).float()
+
+
+def assert_close_relative(ours: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-4) -> None:
+    err = (ours - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= rtol * scale, f"max abs error {err:.3e} vs logit scale {scale:.3e}"
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def check_alone(path: str, hf, prompt_len: int = 37, **engine_kwargs) -> LLM:
+    """Prompt logits (whole and in chunks of 5 over the paged prefix) and 32 greedy tokens vs HF."""
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8, **engine_kwargs)
+    ids = random_prompt(prompt_len, seed=1)
+    ref = hf_logits(hf, ids)
+    assert_close_relative(engine_logits(llm, ids), ref)
+    assert_close_relative(engine_logits(llm, ids, chunk=5), ref)
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, ids, 32)[0]
+    return llm
+
+
+def mixed_prompts() -> list[list[int]]:
+    """Six prompts of mixed lengths; four share a 20-token prefix (prefix-cache hits)."""
+    shared = random_prompt(20, seed=7)
+    lengths = [6, 41, 13, 58, 27, 9]
+    return [(shared if i % 3 else []) + random_prompt(n, seed=100 + i) for i, n in enumerate(lengths)]
+
+
+def check_mixed_batch(path: str, hf, kv_bytes_per_token: int, steps: int = 32) -> LLM:
+    """All prompts at once with chunked prefill (24-token steps), prefix caching and a KV budget small
+    enough to force preemption: each request's tokens equal HF's greedy ones and each token's logprob
+    agrees with HF's logits (decode steps run batched, some sequences mid-prefill beside them)."""
+    prompts = mixed_prompts()
+    refs = [hf_greedy(hf, ids, steps) for ids in prompts]
+    budget_blocks = 16                       # of 8 tokens; the longest request alone needs 14
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8, enable_chunked_prefill=True,
+              max_num_batched_tokens=24, enable_prefix_caching=True,
+              kv_cache_memory_bytes=budget_blocks * 8 * kv_bytes_per_token)
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, (ref_tokens, ref_logits) in zip(outs, refs):
+        got = out.outputs[0].token_ids
+        assert got == ref_tokens
+        ref_lp = torch.log_softmax(ref_logits, dim=-1)[torch.arange(steps), torch.tensor(got)]
+        ours = torch.tensor([entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, got)])
+        # Logits agree within 1e-4 of their scale, so log-probabilities within twice that.
+        tol = 2e-4 * ref_logits.abs().max().item()
+        assert (ours - ref_lp).abs().max().item() <= tol
+    assert llm.engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+    assert llm.engine.block_manager.prefix_hits > 0, "the shared prefix was meant to hit the cache"
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked after all requests finished"
+    return llm
