@@ -74,6 +74,35 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
     return q_out, k_out
 
 
+def rotate(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+           inplace: bool = False) -> torch.Tensor:
+    """One tensor of heads ([T, heads, D], e.g. q and k side by side): the rotated copy (or x, rotated in place)."""
+    require_triton(x)
+    t, h, d = x.shape
+    assert d % 2 == 0 and cos_cache.shape[-1] == d and cos_cache.stride(-1) == 1
+    assert sin_cache.stride() == cos_cache.stride()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if t:
+        half = d // 2
+        block_half = next_pow2(half)
+        block_h = max(1, min(next_pow2(h), 4096 // block_half))
+        _rotary_kernel[(t,)](
+            positions, x, x, out, out, cos_cache, sin_cache,
+            x.stride(0), x.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            out.stride(0), out.stride(1), cos_cache.stride(0), h, 0,
+            HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+def rotate_ref(positions, x, cos_cache, sin_cache, inplace: bool = False):
+    """The PyTorch twin of `rotate` (what RotaryEmbedding.rotate computes)."""
+    from deepserve.layers.rotary import _apply
+    out = _apply(x, cos_cache[positions].unsqueeze(1), sin_cache[positions].unsqueeze(1))
+    return x.copy_(out) if inplace else out
+
+
 def apply_rotary_ref(positions, q, k, cos_cache, sin_cache, inplace: bool = False):
     """The PyTorch twin (what RotaryEmbedding.forward computes)."""
     from deepserve.layers.rotary import _apply
@@ -92,4 +121,9 @@ def rotary_forward(rope, positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
     return apply_rotary(positions, q, k, rope.cos_cache, rope.sin_cache, inplace=inplace)
 
 
-__all__ = ["apply_rotary", "apply_rotary_ref", "rotary_forward"]
+def rotary_rotate(rope, positions: torch.Tensor, x: torch.Tensor, inplace: bool = False):
+    """Drop-in for `RotaryEmbedding.rotate`."""
+    return rotate(positions, x, rope.cos_cache, rope.sin_cache, inplace=inplace)
+
+
+__all__ = ["apply_rotary", "apply_rotary_ref", "rotate", "rotate_ref", "rotary_forward", "rotary_rotate"]

@@ -18,7 +18,6 @@ softmax scale (mscale_all_dim).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,65 +26,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepserve.layers.norm import RMSNorm
+from deepserve.layers.rotary import rope_inv_freq, yarn_mscale
 from deepserve.worker.forward_batch import ForwardBatch
 
 # --- RoPE: config, YaRN, rotation -----------------------------------------------------------------
-
-def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
-    """RoPE settings from either config layout: transformers>=5 `rope_parameters` (theta inside), or the
-    `rope_theta` + `rope_scaling` pair that released checkpoints ship. Always has rope_theta and rope_type."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    params.setdefault("rope_theta", cfg.get("rope_theta") or 10000.0)
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    return params
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def rope_inv_freq(dim: int, params: dict[str, Any], max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [dim / 2], factor applied to cos and sin), as transformers computes them."""
-    base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    kind = params["rope_type"]
-    if kind == "default":
-        return inv_freq, 1.0
-    if kind != "yarn":
-        raise NotImplementedError(f"rope type {kind!r} is not supported for MLA (default, yarn)")
-    old_len = params["original_max_position_embeddings"]
-    factor = params.get("factor") or max_position_embeddings / old_len
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = _yarn_mscale(factor)
-
-    # Dimensions that turn fewer than beta_slow times over the original context are interpolated (slowed by
-    # `factor`), those turning more than beta_fast times kept; a linear ramp blends the band between.
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(params.get("beta_fast") or 32), correction_dim(params.get("beta_slow") or 1)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolated = 1 - ramp
-    inv_freq = (inv_freq / factor) * (1 - extrapolated) + inv_freq * extrapolated
-    return inv_freq, float(attention_factor)
-
 
 def mla_softmax_scale(qk_head_dim: int, params: dict[str, Any]) -> float:
     """1/sqrt(d), times mscale(factor, mscale_all_dim)^2 under YaRN (HF's `yarn_apply_mscale`)."""
     scale = qk_head_dim ** -0.5
     mscale_all_dim = params.get("mscale_all_dim")
     if params["rope_type"] != "default" and mscale_all_dim:
-        scale *= _yarn_mscale(params["factor"], mscale_all_dim) ** 2
+        scale *= yarn_mscale(params["factor"], mscale_all_dim) ** 2
     return scale
 
 

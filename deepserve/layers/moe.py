@@ -198,6 +198,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"top_k {routing.top_k} > {num_experts} experts")
         if routing.topk_method != "greedy" and num_experts % routing.num_groups:
             raise ValueError(f"{num_experts} experts do not split into {routing.num_groups} groups")
+        if routing.topk_method != "greedy" and routing.top_k > routing.topk_groups * num_experts // routing.num_groups:
+            raise ValueError(f"top_k {routing.top_k} > the experts of {routing.topk_groups} allowed groups")
         self.num_experts, self.intermediate_size, self.swiglu_limit = num_experts, intermediate_size, swiglu_limit
         self.gate = Router(hidden_size, num_experts, routing, gate_dtype)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))

@@ -1,6 +1,6 @@
 """Rotary position embedding (NeoX "rotate half" layout, as HF Llama/Qwen use), with a cos/sin cache.
 
-`rope_scaling` variants: none/"default", "linear" and "llama3" (Llama 3.1/3.2 frequency remapping).
+`rope_scaling` variants: "default", "linear", "llama3" (Llama 3.1/3.2 frequency remapping) and "yarn".
 """
 
 from __future__ import annotations
@@ -12,16 +12,62 @@ import torch
 from torch import nn
 
 
-def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings from either config layout: transformers>=5 `rope_parameters` (theta inside), or the
+    `rope_theta` + `rope_scaling` pair that released checkpoints ship. Always has rope_theta and rope_type."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params.setdefault("rope_theta", cfg.get("rope_theta") or 10000.0)
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_inv_freq(dim: int, params: dict[str, Any], max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim / 2], factor applied to cos and sin), as transformers computes them."""
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = params.get("rope_type", "default")
     if kind == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if kind == "linear":
-        return inv_freq / float(scaling["factor"])
+        return inv_freq / float(params["factor"]), 1.0
     if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported yet")
+        return _llama3_inv_freq(inv_freq, params), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, dim, base, params, max_position_embeddings)
+    raise NotImplementedError(f"rope type {kind!r} is not supported (default, linear, llama3, yarn)")
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, params: dict[str, Any],
+                   max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    old_len = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position_embeddings / old_len
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+
+    # Dimensions that turn fewer than beta_slow times over the original context are interpolated (slowed by
+    # `factor`), those turning more than beta_fast times kept; a linear ramp blends the band between.
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(params.get("beta_fast") or 32), correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolated) + inv_freq * extrapolated
+    return inv_freq, float(attention_factor)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -38,14 +84,22 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+                 scaling: dict[str, Any] | None = None, max_position_embeddings: int | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, base, scaling)
+        params = {**(scaling or {}), "rope_theta": base}
+        params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+        inv_freq, attention_factor = rope_inv_freq(head_dim, params, max_position_embeddings or max_position)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         # Not parameters: rebuilt from the config, never loaded from a checkpoint.
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.register_buffer("cos_cache", emb.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * attention_factor, persistent=False)
+
+    @classmethod
+    def from_config(cls, head_dim: int, max_position: int, cfg: dict[str, Any]) -> "RotaryEmbedding":
+        params = rope_parameters(cfg)
+        return cls(head_dim, max_position, float(params["rope_theta"]), params,
+                   cfg.get("max_position_embeddings", max_position))
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, Hkv, D]; positions: [T]."""

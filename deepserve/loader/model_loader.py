@@ -49,14 +49,15 @@ def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights of the right shapes, for speed work without a checkpoint (reproducible by seed)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
-                values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
-                param.copy_(values)
+                continue
+            # Drawn on the parameter's own device: billions of values on a GPU take a moment, on a CPU minutes.
+            gen = generators.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
+            param.normal_(0.0, 0.02, generator=gen)
 
 
 def _expected_params(model: nn.Module) -> set[str]:

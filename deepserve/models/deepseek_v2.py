@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepserve.layers.mla import MLARotaryEmbedding, MultiHeadLatentAttention, mla_softmax_scale, rope_parameters
+from deepserve.layers.mla import MLARotaryEmbedding, MultiHeadLatentAttention, mla_softmax_scale
+from deepserve.layers.rotary import rope_parameters
 from deepserve.layers.moe import FusedMoE, GatedMLP, RoutingConfig, copy_checked
 from deepserve.layers.norm import RMSNorm
 from deepserve.loader.fp8 import dequantize_weights, weight_block_size

@@ -94,8 +94,7 @@ class LlamaForCausalLM(nn.Module):
         qk_norm = cfg.get("model_type") == "qwen3"
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        rotary = RotaryEmbedding(head_dim, max_position, float(cfg.get("rope_theta", 10000.0)),
-                                 cfg.get("rope_scaling"))
+        rotary = RotaryEmbedding.from_config(head_dim, max_position, cfg)
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, qk_norm) for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepserve.layers.mla import rope_parameters
 from deepserve.layers.moe import FusedMoE, GatedMLP, RoutingConfig, copy_checked
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import RotaryEmbedding
@@ -58,9 +57,7 @@ class _MoECausalLM(nn.Module):
             raise NotImplementedError(f"activation {cfg['hidden_act']!r} is not supported (silu only)")
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
-        rope = rope_parameters(cfg)
-        rotary = RotaryEmbedding(head_dim, max_position, float(rope["rope_theta"]),
-                                 rope if rope["rope_type"] != "default" else None)
+        rotary = RotaryEmbedding.from_config(head_dim, max_position, cfg)
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
         self.layers = nn.ModuleList(MoEDecoderLayer(cfg, rotary, self.qk_norm, self.make_mlp(cfg, i))
                                     for i in range(cfg["num_hidden_layers"]))

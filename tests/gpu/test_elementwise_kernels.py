@@ -5,9 +5,9 @@ import torch
 
 from deepserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from deepserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref
-from deepserve.kernels.rotary import apply_rotary, apply_rotary_ref
+from deepserve.kernels.rotary import apply_rotary, apply_rotary_ref, rotate, rotate_ref
 from deepserve.layers.rotary import RotaryEmbedding
-from kernel_testing import DTYPES, assert_within_ulps
+from kernel_testing import DTYPES, assert_within_ulps, skip_bf16_in_interpreter
 
 pytestmark = pytest.mark.gpu
 
@@ -17,6 +17,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("rows,hidden", [(1, 4096), (7, 2048), (33, 1000), (130, 5120), (3, 576)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_reference(device, dtype, rows, hidden, with_residual):
+    skip_bf16_in_interpreter(dtype)
     x = (torch.randn(rows, hidden, device=device) * 3).to(dtype)
     res = torch.randn(rows, hidden, device=device).to(dtype) if with_residual else None
     w = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
@@ -30,6 +31,7 @@ def test_rms_norm_matches_reference(device, dtype, rows, hidden, with_residual):
 
 
 def test_rms_norm_float32_weight_promotes(device):
+    skip_bf16_in_interpreter(torch.bfloat16)
     x = torch.randn(5, 256, device=device).to(torch.bfloat16)
     w = 1 + 0.1 * torch.randn(256, device=device)
     out = fused_add_rms_norm(x, None, w, 1e-5)
@@ -58,6 +60,7 @@ ROPE_SCALINGS = [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor":
 @pytest.mark.parametrize("heads,kv_heads", [(32, 8), (12, 12), (7, 1)])
 @pytest.mark.parametrize("scaling", ROPE_SCALINGS, ids=["default", "llama3"])
 def test_rotary_matches_reference(device, dtype, head_dim, heads, kv_heads, scaling):
+    skip_bf16_in_interpreter(dtype)
     rope = RotaryEmbedding(head_dim, 16384, 500000.0, scaling).to(device)
     t = 37
     positions = torch.randint(0, 16384, (t,), device=device)
@@ -74,12 +77,19 @@ def test_rotary_matches_reference(device, dtype, head_dim, heads, kv_heads, scal
     assert r_q.data_ptr() == q2.data_ptr() and torch.equal(q2, out_q) and torch.equal(k2, out_k)
     tw_q, tw_k = apply_rotary_ref(positions, q, k, rope.cos_cache, rope.sin_cache)
     assert torch.equal(tw_q, ref_q) and torch.equal(tw_k, ref_k)
+    # q and k heads side by side in one tensor (what the Llama layer rotates): one pass.
+    qk = qkv[:, :(heads + kv_heads) * head_dim].view(t, heads + kv_heads, head_dim)
+    if hasattr(rope, "rotate"):
+        assert torch.equal(rotate_ref(positions, qk, rope.cos_cache, rope.sin_cache), rope.rotate(positions, qk))
+    out_qk = rotate(positions, qk, rope.cos_cache, rope.sin_cache)
+    assert torch.equal(out_qk, torch.cat([out_q, out_k], dim=1))
 
 
 # --- SiLU-and-mul -------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inter", [(1, 1000), (5, 11008), (33, 1536), (130, 14336)])
 def test_silu_and_mul_matches_reference(device, dtype, rows, inter):
+    skip_bf16_in_interpreter(dtype)
     x = (torch.randn(rows, 2 * inter, device=device) * 3).to(dtype)
     out = silu_and_mul(x)
     ref = silu_and_mul_ref(x)

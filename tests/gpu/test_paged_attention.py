@@ -12,7 +12,7 @@ from deepserve.kernels.paged_attention import (decode_attention, decode_attentio
                                                prefill_attention, prefill_attention_ref, prefill_tiles, write_kv,
                                                write_kv_ref)
 from deepserve.layers.attention import TorchPagedAttention
-from kernel_testing import DTYPES, assert_attention_close, make_batch, random_cache, skip_bf16_dot_in_interpreter
+from kernel_testing import DTYPES, assert_attention_close, make_batch, random_cache, skip_bf16_in_interpreter
 
 pytestmark = pytest.mark.gpu
 
@@ -63,7 +63,7 @@ def _decode_case(device, dtype, head_dim, group, lens, block_size, num_blocks):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("group", GROUPS)
 def test_decode_matches_reference(device, dtype, head_dim, group):
-    skip_bf16_dot_in_interpreter(dtype)
+    skip_bf16_in_interpreter(dtype)
     lens = [1, 15, 16, 17, 100, 333, 1000]
     batch, cache, q = _decode_case(device, dtype, head_dim, group, lens, 16, 200)
     scale = 1 / math.sqrt(head_dim)
@@ -94,7 +94,7 @@ def cdiv_total(lens, bs):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_decode_long_context_uses_split_k(device, dtype, head_dim):
     """Contexts up to 8k with a small batch: the heuristic splits the context and the reduce merges it."""
-    skip_bf16_dot_in_interpreter(dtype)
+    skip_bf16_in_interpreter(dtype)
     lens = [8192, 5000, 1, 777] if not INTERPRET else [2500, 1, 700]
     group = 4
     assert decode_num_splits(len(lens), NUM_KV_HEADS, max(lens), torch.device(device)) > 1
@@ -131,7 +131,7 @@ PREFILL_SEQS = [(0, 2), (0, 37), (0, 64), (17, 50), (100, 129), (256, 3), (1000,
 @pytest.mark.parametrize("group", GROUPS)
 def test_prefill_matches_reference(device, dtype, head_dim, group):
     """Whole prompts, prompts over a cached prefix and chunks, with odd lengths, in one launch."""
-    skip_bf16_dot_in_interpreter(dtype)
+    skip_bf16_in_interpreter(dtype)
     seqs = PREFILL_SEQS if not INTERPRET else [(0, 37), (17, 50), (100, 70), (0, 1)]
     bs = 16
     nb = cdiv_total([c + n for c, n in seqs], bs) + 10
@@ -158,7 +158,7 @@ MIXED_SEQS = [(0, 23), (40, 1), (7, 1), (130, 70), (0, 1), (1500, 1), (64, 64), 
 def test_backend_matches_torch_backend(device, dtype, head_dim, group):
     """A mixed step (prefills, a chunk over a cached prefix, decodes) through both backends: same cache writes,
     same outputs, with q/k/v as strided views of one projection output."""
-    skip_bf16_dot_in_interpreter(dtype)
+    skip_bf16_in_interpreter(dtype)
     bs = 16
     batch = make_batch(MIXED_SEQS, bs, 160, device)
     h, hkv = NUM_KV_HEADS * group, NUM_KV_HEADS

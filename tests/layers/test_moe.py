@@ -219,3 +219,5 @@ def test_bad_routing_config():
         RoutingConfig(top_k=2, scoring="relu")
     with pytest.raises(ValueError, match="groups"):
         FusedMoE(8, 4, 6, RoutingConfig(top_k=2, topk_method="noaux_tc", scoring="sigmoid", num_groups=4))
+    with pytest.raises(ValueError, match="allowed groups"):
+        FusedMoE(8, 4, 8, RoutingConfig(top_k=3, topk_method="noaux_tc", scoring="sigmoid", num_groups=4))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from typing import Any
 
 from deepserve.serving.openai.context import DEFAULT_MAX_BODY_BYTES, ServerConfig, ServerContext
@@ -57,5 +58,24 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                     timeout_graceful_shutdown=int(args.drain_timeout), access_log=False)
     logger.warning("serving %s on http://%s:%d", ctx.model_name, args.host, args.port)
-    uvicorn.Server(uvicorn_config).run()
+    _run_until_signal(uvicorn.Server(uvicorn_config))
     return 0
+
+
+def _run_until_signal(server) -> None:
+    """Run uvicorn; after a SIGTERM / SIGINT it drains and returns, and then this returns too (exit 0).
+
+    uvicorn re-raises the signal it caught once it has shut down, to the handler that was in place before
+    it started; a no-op handler here turns that into a normal return instead of death by signal.
+    """
+    handled = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, _note_signal) for sig in handled}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _note_signal(signum: int, _frame) -> None:
+    logger.warning("received %s: drained and stopped", signal.Signals(signum).name)
