@@ -33,7 +33,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: set[str] = frozenset(
         elif f.name in ("block_size", "max_num_seqs", "seed"):
             group.add_argument(flag, type=int, default=f.default)
         elif f.name == "quantization":
-            group.add_argument(flag, choices=["int8"], default=None)
+            group.add_argument(flag, choices=["int8", "w8a8"], default=None)
         elif f.name == "gpu_memory_utilization":
             group.add_argument(flag, type=float, default=f.default)
         else:

@@ -27,7 +27,7 @@ class ModelConfig:
     load_format: str                # "auto" | "dummy"
     skip_tokenizer_init: bool
     seed: int
-    quantization: str | None = None   # None | "int8" (weight-only)
+    quantization: str | None = None   # None | "int8" (weight-only) | "w8a8" (see layers/quantization.py)
 
     @property
     def architecture(self) -> str:
@@ -113,7 +113,8 @@ class EngineArgs:
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be auto, cpu or cuda; got {self.device!r}")
         need(self.load_format in ("auto", "dummy"), f"load_format must be auto or dummy; got {self.load_format!r}")
-        need(self.quantization in (None, "int8"), f"quantization must be None or int8; got {self.quantization!r}")
+        need(self.quantization in (None, "int8", "w8a8"),
+             f"quantization must be None, int8 or w8a8; got {self.quantization!r}")
         need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              f"block_size must be a power of two >= 1; got {self.block_size}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1; got {self.max_num_seqs}")

@@ -96,9 +96,12 @@ def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.request_rate <= 0:
         raise ValueError("--request-rate must be > 0 (or inf)")
+    load_before = os.getloadavg()[0]   # other work on the machine skews latencies; record how much there was
     runs = asyncio.run(_run_all(args, slos))
     payload = {"command": "deepserve " + shlex.join(argv), "label": args.label or args.base_url,
-               "machine": _machine_info(), "runs": runs}
+               "machine": {**_machine_info(), "load_average_1m_before": round(load_before, 2),
+                           "load_average_1m_after": round(os.getloadavg()[0], 2)},
+               "runs": runs}
     print(json.dumps(runs, indent=2))
     if args.output_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
@@ -166,7 +169,9 @@ async def run_load(client: httpx.AsyncClient, args: argparse.Namespace, model: s
 
 def _payload(args: argparse.Namespace, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                            "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos}
+                            "stream_options": {"include_usage": True}}
+    if args.ignore_eos:     # a vLLM extension: servers without it may refuse the field, so only send it when set
+        body["ignore_eos"] = True
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:

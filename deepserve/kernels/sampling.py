@@ -26,9 +26,6 @@ import torch
 
 from deepserve.kernels import USE_LIBDEVICE, libdevice, require_triton, tl, triton
 
-_SAMPLE_BLOCK = 512
-
-
 @triton.jit
 def _counter_uniform(seed, pos, CASE: tl.constexpr):
     """The SplitMix64 counter uniform of counter_rng.sample_uniforms (uint64 arithmetic wraps)."""
@@ -77,43 +74,66 @@ def _prob(x, m, d, ACCURATE_EXP: tl.constexpr):
 
 
 @triton.jit
-def _keep_top_k(key, valid, t0k, rem_k, carry):
-    """Top-k survivors of one chunk (vocabulary order); `carry` counts ties at t0k in earlier chunks."""
-    tie = valid & (key == t0k)
-    tie_i = tie.to(tl.int32)
-    rank = carry + tl.cumsum(tie_i, 0) - tie_i
-    kept = valid & ((key > t0k) | (tie & (rank < rem_k)))
-    return kept, carry + tl.sum(tie_i, 0)
+def _keep_top_k(key, valid, t0k, rem_k, carry, partial):
+    """Top-k survivors of one chunk (vocabulary order). Only when some ties at t0k are dropped (`partial`) does
+    the tie rank matter: `carry` counts ties at t0k in earlier chunks."""
+    if partial:
+        tie = valid & (key == t0k)
+        tie_i = tie.to(tl.int32)
+        rank = carry + tl.cumsum(tie_i, 0) - tie_i
+        kept = valid & ((key > t0k) | (tie & (rank < rem_k)))
+        carry = carry + tl.sum(tie_i, 0)
+    else:
+        kept = valid & (key >= t0k)
+    return kept, carry
 
 
 @triton.jit
-def _keep_top_p(key, wk, t0p, above_p, limit, carry):
-    """Top-p survivors of one chunk given the top-k-kept masses `wk`; `carry` is the mass of earlier ties."""
-    tie = key == t0p
-    wt = tl.where(tie, wk, 0.0)
-    before = carry + (tl.cumsum(wt, 0) - wt)
-    kept = (key > t0p) | (tie & (above_p + before < limit))
-    return kept, carry + tl.sum(wt, 0)
+def _keep_top_p(key, wk, t0p, above_p, limit, carry, partial):
+    """Top-p survivors of one chunk given the top-k-kept masses `wk`. With several tokens tied at t0p (`partial`),
+    each is kept while the mass before it stays below the limit; `carry` is the mass of earlier ties."""
+    if partial:
+        tie = key == t0p
+        wt = tl.where(tie, wk, 0.0)
+        before = carry + (tl.cumsum(wt, 0) - wt)
+        kept = (key > t0p) | (tie & (above_p + before < limit))
+        carry = carry + tl.sum(wt, 0)
+    else:
+        kept = key >= t0p
+    return kept, carry
 
 
 @triton.jit
-def _radix_select(row_ptr, V, temp, m, d, target, t0k, rem_k,
-                  MASS: tl.constexpr, BLOCK: tl.constexpr, ACCURATE_EXP: tl.constexpr):
-    """The key t0 at which the weight strictly above first reaches `target`, scanning keys downwards, and that
-    weight above t0 (< target). Weight: 1 per token (MASS False) or the top-k-kept probability (MASS True)."""
+def _digit_counts(digit, inb, HIST: tl.constexpr):
+    """Per-digit (16 bins) count of the chunk's in-bucket tokens."""
+    bins = tl.arange(0, 16)
+    if HIST:
+        # Out-of-bucket tokens are counted in bin 0 and taken out again (no histogram mask in older Tritons).
+        c = tl.histogram(tl.where(inb, digit, 0), 16)
+        return c - tl.where(bins == 0, tl.sum((~inb).to(tl.int32), 0), 0)
+    else:
+        return tl.sum(((digit[:, None] == bins[None, :]) & inb[:, None]).to(tl.int32), 0)
+
+
+@triton.jit
+def _radix_select(row_ptr, V, temp, m, d, target, t0k, rem_k, k_partial,
+                  MASS: tl.constexpr, BLOCK: tl.constexpr, HIST: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+    """The key t0 at which the weight strictly above first reaches `target`, scanning keys downwards; the weight
+    above t0 (< target); and how many tokens have key t0. Weight: 1 per token (MASS False) or the top-k-kept
+    probability in float64 (MASS True)."""
     bins = tl.arange(0, 16)
     prefix = tl.full([], 0, tl.int64)
     if MASS:
         above = tl.full([], 0.0, tl.float64)
     else:
         above = tl.full([], 0, tl.int32)
+    count_at = tl.full([], 0, tl.int32)
     for level in range(8):
         shift_hi = 32 - 4 * level
         shift_lo = 28 - 4 * level
         if MASS:
             W = tl.zeros([16], tl.float64)
-        else:
-            W = tl.zeros([16], tl.int32)
+        C = tl.zeros([16], tl.int32)
         carry = tl.full([], 0, tl.int32)
         for c0 in range(0, V, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
@@ -122,27 +142,28 @@ def _radix_select(row_ptr, V, temp, m, d, target, t0k, rem_k,
             key = _order_key(x)
             inb = valid & ((key >> shift_hi) == prefix)
             digit = ((key >> shift_lo) & 15).to(tl.int32)
-            hit = digit[:, None] == bins[None, :]
+            C += _digit_counts(digit, inb, HIST)
             if MASS:
                 p = _prob(x, m, d, ACCURATE_EXP).to(tl.float64)
-                kept, carry = _keep_top_k(key, valid, t0k, rem_k, carry)
+                kept, carry = _keep_top_k(key, valid, t0k, rem_k, carry, k_partial)
                 w = tl.where(inb & kept, p, 0.0)
-                W += tl.sum(tl.where(hit, w[:, None], 0.0), 0)
-            else:
-                W += tl.sum((hit & inb[:, None]).to(tl.int32), 0)
+                W += tl.sum(tl.where(digit[:, None] == bins[None, :], w[:, None], 0.0), 0)
+        if not MASS:
+            W = C
         suffix = tl.cumsum(W, 0, reverse=True)           # weight of digits >= d within the bucket
         cond = (above + suffix) >= target
         dstar = tl.max(tl.where(cond, bins, 0), 0)       # no crossing (rounding): take digit 0, keep the bucket
         above = above + tl.sum(tl.where(bins > dstar, W, 0), 0)
+        count_at = tl.sum(tl.where(bins == dstar, C, 0), 0)
         prefix = prefix * 16 + dstar
-    return prefix, above
+    return prefix, above, count_at
 
 
 @triton.jit
 def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, greedy_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                    uniform_ptr, seed_ptr, pos_ptr, out_ptr,
-                   HAS_UNIFORMS: tl.constexpr, CASE: tl.constexpr, BLOCK: tl.constexpr,
-                   ACCURATE_EXP: tl.constexpr):
+                   HAS_UNIFORMS: tl.constexpr, CASE: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
+                   HIST: tl.constexpr, ACCURATE_EXP: tl.constexpr):
     r = tl.program_id(0)
     row_ptr = logits_ptr + r.to(tl.int64) * stride_row
     temp = tl.load(temp_ptr + r)
@@ -182,12 +203,14 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, greedy_ptr, top_k_ptr, t
         # Top-k threshold (radix select on counts).
         k = tl.maximum(tl.load(top_k_ptr + r), 1)
         if k < V:
-            t0k, above_k = _radix_select(row_ptr, V, temp, m, d, k.to(tl.int32), -1, 0,
-                                         False, BLOCK, ACCURATE_EXP)
+            t0k, above_k, ties_k = _radix_select(row_ptr, V, temp, m, d, k.to(tl.int32), -1, 0, False,
+                                                 False, BLOCK, HIST, ACCURATE_EXP)
             rem_k = k.to(tl.int32) - above_k
+            k_partial = ties_k > rem_k
         else:
             t0k = tl.full([], -1, tl.int64)
             rem_k = tl.full([], 0, tl.int32)
+            k_partial = rem_k > 0                         # False
 
         # Top-p threshold (radix select on the top-k survivors' float64 masses).
         top_p = tl.load(top_p_ptr + r)
@@ -199,14 +222,17 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, greedy_ptr, top_k_ptr, t
                 valid = cols < V
                 x = _scaled(row_ptr, cols, valid, temp)
                 p = _prob(x, m, d, ACCURATE_EXP).to(tl.float64)
-                kept, carry = _keep_top_k(_order_key(x), valid, t0k, rem_k, carry)
+                kept, carry = _keep_top_k(_order_key(x), valid, t0k, rem_k, carry, k_partial)
                 total_k += tl.sum(tl.where(kept, p, 0.0), 0)
             limit = top_p.to(tl.float64) * total_k
-            t0p, above_p = _radix_select(row_ptr, V, temp, m, d, limit, t0k, rem_k, True, BLOCK, ACCURATE_EXP)
+            t0p, above_p, ties_p = _radix_select(row_ptr, V, temp, m, d, limit, t0k, rem_k, k_partial,
+                                                 True, RBLOCK, HIST, ACCURATE_EXP)
+            p_partial = ties_p > 1
         else:
             t0p = tl.full([], -1, tl.int64)
             above_p = tl.full([], 0.0, tl.float64)
             limit = tl.full([], float("inf"), tl.float64)
+            p_partial = above_p < 0.0                     # False
 
         # min-p: the most likely token's probability is exp(0) / d.
         thr = tl.load(min_p_ptr + r) * tl.math.div_rn(1.0, d)
@@ -222,8 +248,8 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, greedy_ptr, top_k_ptr, t
             key = _order_key(x)
             p = _prob(x, m, d, ACCURATE_EXP)
             p64 = p.to(tl.float64)
-            kk, ck = _keep_top_k(key, valid, t0k, rem_k, ck)
-            kp, cp = _keep_top_p(key, tl.where(kk, p64, 0.0), t0p, above_p, limit, cp)
+            kk, ck = _keep_top_k(key, valid, t0k, rem_k, ck, k_partial)
+            kp, cp = _keep_top_p(key, tl.where(kk, p64, 0.0), t0p, above_p, limit, cp, p_partial)
             total += tl.sum(tl.where(kk & kp & (p >= thr), p64, 0.0), 0)
 
         if HAS_UNIFORMS:
@@ -232,7 +258,8 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, greedy_ptr, top_k_ptr, t
             u = _counter_uniform(tl.load(seed_ptr + r), tl.load(pos_ptr + r), CASE)
         target = u * total
 
-        # Inverse CDF: first index whose running kept mass exceeds the target.
+        # Inverse CDF: first index whose running kept mass exceeds the target (a chunk's prefix sums are only
+        # formed in the chunk where the running sum crosses it).
         found = tl.full([], -1, tl.int32)
         last = tl.full([], -1, tl.int32)
         run = tl.full([], 0.0, tl.float64)
@@ -246,25 +273,31 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, greedy_ptr, top_k_ptr, t
             key = _order_key(x)
             p = _prob(x, m, d, ACCURATE_EXP)
             p64 = p.to(tl.float64)
-            kk, ck = _keep_top_k(key, valid, t0k, rem_k, ck)
-            kp, cp = _keep_top_p(key, tl.where(kk, p64, 0.0), t0p, above_p, limit, cp)
+            kk, ck = _keep_top_k(key, valid, t0k, rem_k, ck, k_partial)
+            kp, cp = _keep_top_p(key, tl.where(kk, p64, 0.0), t0p, above_p, limit, cp, p_partial)
             w = tl.where(kk & kp & (p >= thr), p64, 0.0)
-            cdf = run + tl.cumsum(w, 0)
-            hit = (cdf > target) & (w > 0.0)
-            first = tl.min(tl.where(hit, cols, 2147483647), 0)
-            found = tl.where(first < 2147483647, first, -1)
+            chunk = tl.sum(w, 0)
+            if run + chunk > target:
+                cdf = run + tl.cumsum(w, 0)
+                hit = (cdf > target) & (w > 0.0)
+                first = tl.min(tl.where(hit, cols, 2147483647), 0)
+                found = tl.where(first < 2147483647, first, -1)
             last = tl.maximum(last, tl.max(tl.where(w > 0.0, cols, -1), 0))
-            run += tl.sum(w, 0)
+            run += chunk
             c0 += BLOCK
         # Past the end only through rounding (u * total >= the running sum): the last kept token.
         token = tl.where(found >= 0, found, last)
     tl.store(out_ptr + r, token.to(tl.int64))
 
 
+# (BLOCK for single passes, RBLOCK for the float64 radix passes, histogram counts, warps)
+SAMPLE_CONFIG = {"block": 4096, "rblock": 1024, "hist": True, "num_warps": 16}
+
+
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, is_greedy: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor, min_p: torch.Tensor, uniforms: Optional[torch.Tensor] = None,
                   seeds: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
-                  case: int = 0) -> torch.Tensor:
+                  case: int = 0, config: Optional[dict] = None) -> torch.Tensor:
     """Next token of each row of float32 `logits` [B, V] (after bans and penalties): argmax for greedy rows,
     else a draw from softmax(logits / T) shaped by top-k, top-p and min-p. The draw's uniform is `uniforms`
     [B] float64, or the counter uniform of (seeds, positions, case) (int64 tensors with uint64 bit patterns)."""
@@ -292,9 +325,11 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, is_greedy: to
         seeds = seeds.to(device=dev, dtype=torch.int64)
         positions = positions.to(device=dev, dtype=torch.int64)
         uniforms = seeds               # unused
+    cfg = {**SAMPLE_CONFIG, **(config or {})}
     _sample_kernel[(b,)](
         logits, logits.stride(0), v, temperature, greedy, top_k, top_p, min_p, uniforms, seeds, positions, out,
-        HAS_UNIFORMS=has_u, CASE=case, BLOCK=_SAMPLE_BLOCK, ACCURATE_EXP=USE_LIBDEVICE, num_warps=8)
+        HAS_UNIFORMS=has_u, CASE=case, BLOCK=cfg["block"], RBLOCK=cfg["rblock"], HIST=cfg["hist"],
+        ACCURATE_EXP=USE_LIBDEVICE, num_warps=cfg["num_warps"])
     return out
 
 
@@ -312,12 +347,12 @@ def sample_tokens_ref(logits, temperature, is_greedy, top_k, top_p, min_p, unifo
     return torch.where(is_greedy.bool(), logits.argmax(dim=-1), sampled)
 
 
-def choose_tokens(logits: torch.Tensor, meta) -> torch.Tensor:
+def choose_tokens(logits: torch.Tensor, meta, config: Optional[dict] = None) -> torch.Tensor:
     """Drop-in for `Sampler.choose_tokens(logits, meta)` with a SamplingMetadata."""
     if meta.all_greedy:
         return logits.argmax(dim=-1)
     return sample_tokens(logits, meta.temperature, meta.is_greedy, meta.top_k, meta.top_p, meta.min_p,
-                         uniforms=meta.uniforms)
+                         uniforms=meta.uniforms, config=config)
 
 
 def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor, case: int = 0) -> torch.Tensor:
@@ -332,4 +367,4 @@ def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor, case: int = 0
     return out.view(seeds.shape)
 
 
-__all__ = ["sample_tokens", "sample_tokens_ref", "choose_tokens", "counter_uniforms"]
+__all__ = ["SAMPLE_CONFIG", "sample_tokens", "sample_tokens_ref", "choose_tokens", "counter_uniforms"]

@@ -69,8 +69,11 @@ def test_rotary_matches_reference(device, dtype, head_dim, heads, kv_heads, scal
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
     ref_q, ref_k = rope(positions, q, k)
     out_q, out_k = apply_rotary(positions, q, k, rope.cos_cache, rope.sin_cache)
-    assert_within_ulps(out_q, ref_q, dtype, ulps=1, min_exact=0.99)
-    assert_within_ulps(out_k, ref_k, dtype, ulps=1, min_exact=0.99)
+    # x1*cos - x2*sin may be contracted into one fused multiply-add: a float32 difference of about 2**-23 of the
+    # products, visible only where the two products cancel (results near 0).
+    atol = 2.0 ** -21 * qkv.float().abs().max().item()
+    assert_within_ulps(out_q, ref_q, dtype, ulps=1, min_exact=0.99, atol=atol)
+    assert_within_ulps(out_k, ref_k, dtype, ulps=1, min_exact=0.99, atol=atol)
     # In place, on contiguous copies.
     q2, k2 = q.contiguous(), k.contiguous()
     r_q, r_k = apply_rotary(positions, q2, k2, rope.cos_cache, rope.sin_cache, inplace=True)

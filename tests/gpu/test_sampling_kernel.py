@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepserve.kernels import INTERPRET
-from deepserve.kernels.sampling import choose_tokens, counter_uniforms, sample_tokens, sample_tokens_ref
+from deepserve.kernels.sampling import SAMPLE_CONFIG, choose_tokens, counter_uniforms, sample_tokens, sample_tokens_ref
 from deepserve.layers.counter_rng import CASE_RESIDUAL, CASE_SAMPLE, torch_sample_uniforms
 from deepserve.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from deepserve.sampling_params import SamplingParams
@@ -65,11 +65,15 @@ def _well_defined(logits, meta, base):
 
 
 VOCABS = [1000, 32000, 151936] if not INTERPRET else [300, 2000]
+# The default launch configuration and two others (smaller blocks; counts by compare-and-sum, not tl.histogram).
+CONFIGS = {"default": SAMPLE_CONFIG, "small": {"block": 512, "rblock": 512, "hist": False, "num_warps": 8},
+           "mixed": {"block": 1024, "rblock": 256, "hist": True, "num_warps": 4}}
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("scale", [1.0, 4.0])
-def test_sampling_matches_sampler(device, vocab, scale):
+def test_sampling_matches_sampler(device, vocab, scale, config):
     params = _params_grid(vocab)
     if INTERPRET:
         params = params[::6]
@@ -77,7 +81,7 @@ def test_sampling_matches_sampler(device, vocab, scale):
     logits[0, 3] = float("-inf")   # a banned token
     meta = _meta(params, vocab, device)
     base = Sampler().choose_tokens(logits, meta)
-    out = choose_tokens(logits, meta)
+    out = choose_tokens(logits, meta, config=CONFIGS[config])
     assert out.dtype == torch.int64 and out.shape == base.shape
     defined = _well_defined(logits, meta, base)
     assert defined.float().mean() >= 0.9, f"only {defined.float().mean():.2f} of rows well defined"
@@ -110,15 +114,18 @@ def test_sampling_counter_rng_in_kernel(device):
         assert (out == ref).float().mean() >= 0.95
 
 
-@pytest.mark.parametrize("top_k", [1, 3, 17, 200])
-def test_top_k_ties_break_by_index(device, top_k):
-    """Logits on a coarse grid (many exact ties): the kernel keeps the same tied tokens as the stable sort."""
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("top_k", [1, 3, 17, 200, 0])
+def test_ties_break_by_index(device, top_k, config):
+    """Logits on a coarse grid (many exact ties at the top-k and top-p thresholds): the kernel keeps the same tied
+    tokens as the reference's stable sort."""
     vocab, b = (5000, 48) if not INTERPRET else (400, 6)
     logits = torch.randint(-8, 3, (b, vocab), device=device).float() * 0.5
-    params = [SamplingParams(temperature=t, top_k=top_k) for t in (0.7, 1.0, 1.5)] * (b // 3)
+    params = [SamplingParams(temperature=t, top_k=top_k, top_p=p) for t in (0.7, 1.0, 1.5) for p in (1.0, 0.6)]
+    params = (params * b)[:b]
     meta = _meta(params, vocab, device, seed0=5)
     base = Sampler().choose_tokens(logits, meta)
-    out = choose_tokens(logits, meta)
+    out = choose_tokens(logits, meta, config=CONFIGS[config])
     uniforms = meta.uniforms
     stable = torch.ones_like(base, dtype=torch.bool)
     for f in (1 - 1e-7, 1 + 1e-7):
@@ -128,8 +135,12 @@ def test_top_k_ties_break_by_index(device, top_k):
     assert torch.equal(out[stable], base[stable])
 
 
-def test_top_k_tie_set_exact(device):
-    """A direct check of the tie rule: 6 tokens tie for the top; top_k = 4 keeps the 4 lowest indices only."""
+@pytest.mark.parametrize("top_k,top_p,expected", [(4, 1.0, {3, 9, 10, 30}), (64, 0.5, {3, 9, 10, 30}),
+                                                  (5, 0.5, {3, 9, 10})])
+def test_tie_set_exact(device, top_k, top_p, expected):
+    """The tie rule directly: 6 tokens tie for the top (probability ~0.165 each). top_k = 4 keeps the 4 lowest
+    indices; top_p = 0.5 keeps ties while the mass before them is < 0.5 of the total (3 x 0.165 = 0.496 < 0.5);
+    after top_k = 5 the limit is 0.5 x 5 x 0.165 = 0.41, so only 3 survive."""
     vocab = 64
     logits = torch.full((200, vocab), -5.0, device=device)
     tied = torch.tensor([3, 9, 10, 30, 40, 63], device=device)
@@ -138,7 +149,12 @@ def test_top_k_tie_set_exact(device):
     ones = torch.ones(b, device=device)
     seeds = torch.arange(b, dtype=torch.int64, device=device)
     positions = torch.zeros(b, dtype=torch.int64, device=device)
-    out = sample_tokens(logits, ones, torch.zeros(b, dtype=torch.bool, device=device),
-                        torch.full((b,), 4, device=device), ones, torch.zeros(b, device=device),
-                        seeds=seeds, positions=positions)
-    assert set(out.tolist()) == {3, 9, 10, 30}
+    for config in CONFIGS.values():
+        out = sample_tokens(logits, ones, torch.zeros(b, dtype=torch.bool, device=device),
+                            torch.full((b,), top_k, device=device), ones * top_p, torch.zeros(b, device=device),
+                            seeds=seeds, positions=positions, config=config)
+        assert set(out.tolist()) == expected
+    ref = sample_tokens_ref(logits, ones, torch.zeros(b, dtype=torch.bool, device=device),
+                            torch.full((b,), top_k, device=device), ones * top_p, torch.zeros(b, device=device),
+                            seeds=seeds, positions=positions)
+    assert set(ref.tolist()) == expected
