@@ -41,6 +41,17 @@ def bench(fn, rep_ms=100):
     return triton.testing.do_bench(fn, warmup=20, rep=rep_ms, return_mode="median")
 
 
+def bench_graph(fn):
+    """Replays of a captured CUDA graph: the GPU time without the host's launch overhead (inputs stay in L2 when
+    they fit). None when the function cannot be captured."""
+    import triton.testing
+    try:
+        return round(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"), 5)
+    except Exception as e:  # pragma: no cover
+        print("  (graph timing failed:", type(e).__name__, e, ")")
+        return None
+
+
 def copy_bandwidth():
     n = 1 << 30   # 1 GiB source
     src = torch.randn(n // 4, device=DEV)
@@ -52,8 +63,11 @@ def copy_bandwidth():
 RESULTS = []
 
 
-def record(name, shape, nbytes, ms_kernel, ms_ref, check, flops=None, extra=None):
+def record(name, shape, nbytes, ms_kernel, ms_ref, check, flops=None, extra=None, graph_fn=None):
+    ms_graph = bench_graph(graph_fn) if graph_fn is not None else None
     row = {"kernel": name, "shape": shape, "bytes": nbytes, "kernel_ms": round(ms_kernel, 5),
+           "kernel_graph_ms": ms_graph,
+           "kernel_graph_GBps": round(nbytes / (ms_graph * 1e-3) / 1e9, 1) if ms_graph else None,
            "torch_ms": round(ms_ref, 5) if ms_ref is not None else None,
            "kernel_GBps": round(nbytes / (ms_kernel * 1e-3) / 1e9, 1),
            "torch_GBps": round(nbytes / (ms_ref * 1e-3) / 1e9, 1) if ms_ref else None,
@@ -66,7 +80,8 @@ def record(name, shape, nbytes, ms_kernel, ms_ref, check, flops=None, extra=None
     RESULTS.append(row)
     print(f"{name:34s} {shape:44s} kern {ms_kernel:8.4f} ms {row['kernel_GBps']:7.1f} GB/s | "
           f"torch {ms_ref if ms_ref is not None else float('nan'):8.4f} ms {row['torch_GBps'] or 0:7.1f} GB/s | "
-          f"x{row['speedup']} {('%.1f TFLOP/s' % row['kernel_TFLOPs']) if flops else ''} [{check}]", flush=True)
+          f"x{row['speedup']} {('%.1f TFLOP/s' % row['kernel_TFLOPs']) if flops else ''} [{check}]"
+          f" graph {ms_graph} ms {row['kernel_graph_GBps']} GB/s", flush=True)
 
 
 def rel_err(a, b):
@@ -103,8 +118,9 @@ def bench_write_kv(t, hkv=8, d=128, dtype=BF16):
     write_kv_ref(c2, k, v, slots)
     check = "exact" if torch.equal(c1, c2) else "MISMATCH"
     nbytes = 4 * t * hkv * d * k.element_size() + t * 8
-    record("write_kv", f"T={t} Hkv={hkv} D={d} bf16", nbytes, bench(lambda: write_kv(cache, k, v, slots)),
-           bench(lambda: write_kv_ref(cache, k, v, slots)), check)
+    fn = lambda: write_kv(cache, k, v, slots)  # noqa: E731
+    record("write_kv", f"T={t} Hkv={hkv} D={d} bf16", nbytes, bench(fn),
+           bench(lambda: write_kv_ref(cache, k, v, slots)), check, graph_fn=fn)
 
 
 def bench_decode(b, seq_len, h=32, hkv=8, d=128, dtype=BF16, splits=None):
@@ -116,9 +132,12 @@ def bench_decode(b, seq_len, h=32, hkv=8, d=128, dtype=BF16, splits=None):
     ref = decode_attention_ref(q, cache, bt, lens, scale)
     n_split = splits or decode_num_splits(b, hkv, seq_len, q.device)
     nbytes = 2 * b * seq_len * hkv * d * q.element_size() + 2 * q.numel() * q.element_size()
+    rows = torch.arange(b, device=DEV)
+    o = torch.empty_like(q)
+    fn = lambda: decode_attention(q, cache, bt, lens, scale, out=o, q_rows=rows, seq_ids=rows,  # noqa: E731
+                                  max_seq_len=seq_len, num_splits=splits)
     record("decode_attention", f"B={b} L={seq_len} H={h} Hkv={hkv} D={d} splits={n_split}", nbytes,
-           bench(lambda: decode_attention(q, cache, bt, lens, scale, max_seq_len=seq_len, num_splits=splits)),
-           bench(lambda: decode_attention_ref(q, cache, bt, lens, scale)), rel_err(out, ref))
+           bench(fn), bench(lambda: decode_attention_ref(q, cache, bt, lens, scale)), rel_err(out, ref), graph_fn=fn)
 
 
 def bench_prefill(seqs, h=32, hkv=8, d=128, dtype=BF16, label=""):
@@ -138,8 +157,8 @@ def bench_prefill(seqs, h=32, hkv=8, d=128, dtype=BF16, label=""):
     nbytes = kv_bytes + 2 * q.numel() * q.element_size()
     extra = {}
     if d == 128:
-        extra["kernel_ms_num_warps_4"] = round(bench(lambda: prefill_attention(q, cache, bt, lens, qsl, scale, ts, tm,
-                                                                            num_warps=4)), 5)
+        extra["kernel_ms_num_warps_8"] = round(bench(lambda: prefill_attention(q, cache, bt, lens, qsl, scale, ts, tm,
+                                                                            num_warps=8)), 5)
     record("prefill_attention", f"{label} H={h} Hkv={hkv} D={d}", nbytes,
            bench(lambda: prefill_attention(q, cache, bt, lens, qsl, scale, ts, tm)),
            bench(lambda: prefill_attention_ref(q, cache, bt, lens, qsl, scale, seqs=list(range(len(seqs))))),
@@ -154,9 +173,9 @@ def bench_rms_norm(rows, hidden, dtype=BF16):
     e, er = fused_add_rms_norm_ref(x, r, w, 1e-6)
     check = f"res exact={torch.equal(ro, er)} out maxdiff={(o.float() - e.float()).abs().max().item():.1e}"
     nbytes = (4 * rows * hidden + hidden) * x.element_size()
+    fn = lambda: fused_add_rms_norm(x, r, w, 1e-6)  # noqa: E731
     record("fused_add_rms_norm", f"N={rows} hidden={hidden} bf16", nbytes,
-           bench(lambda: fused_add_rms_norm(x, r, w, 1e-6)), bench(lambda: fused_add_rms_norm_ref(x, r, w, 1e-6)),
-           check)
+           bench(fn), bench(lambda: fused_add_rms_norm_ref(x, r, w, 1e-6)), check, graph_fn=fn)
 
 
 def bench_rotary(t, h=32, hkv=8, d=128, dtype=BF16):
@@ -168,9 +187,10 @@ def bench_rotary(t, h=32, hkv=8, d=128, dtype=BF16):
     rq, rk = apply_rotary_ref(pos, q, k, rope.cos_cache, rope.sin_cache)
     check = f"q exact {(oq == rq).float().mean().item():.4f}, k exact {(ok == rk).float().mean().item():.4f}"
     nbytes = 2 * t * (h + hkv) * d * q.element_size() + 2 * t * d * 4
+    fn = lambda: apply_rotary(pos, q, k, rope.cos_cache, rope.sin_cache)  # noqa: E731
     record("rotary", f"T={t} H={h} Hkv={hkv} D={d} bf16", nbytes,
-           bench(lambda: apply_rotary(pos, q, k, rope.cos_cache, rope.sin_cache)),
-           bench(lambda: apply_rotary_ref(pos, q, k, rope.cos_cache, rope.sin_cache)), check)
+           bench(fn), bench(lambda: apply_rotary_ref(pos, q, k, rope.cos_cache, rope.sin_cache)), check,
+           graph_fn=fn)
 
 
 def bench_silu(rows, inter, dtype=BF16):
@@ -179,7 +199,12 @@ def bench_silu(rows, inter, dtype=BF16):
     check = f"exact {(o == r).float().mean().item():.4f}"
     nbytes = 3 * rows * inter * x.element_size()
     record("silu_and_mul", f"N={rows} I={inter} bf16", nbytes, bench(lambda: silu_and_mul(x)),
-           bench(lambda: silu_and_mul_ref(x)), check)
+           bench(lambda: silu_and_mul_ref(x)), check, graph_fn=lambda: silu_and_mul(x))
+
+
+SAMPLE_CONFIGS = {"default": None, "small": {"block": 512, "rblock": 512, "hist": False, "num_warps": 8},
+                  "mixed": {"block": 1024, "rblock": 256, "hist": True, "num_warps": 4},
+                  "mid": {"block": 2048, "rblock": 512, "hist": True, "num_warps": 8}}
 
 
 def bench_sampling(b, vocab, label, **kw):
@@ -191,8 +216,14 @@ def bench_sampling(b, vocab, label, **kw):
     out, ref = choose_tokens(logits, meta), sampler.choose_tokens(logits, meta)
     check = f"same tokens {(out == ref).float().mean().item():.3f}"
     nbytes = b * vocab * 4
+    extra = {}
+    for name, cfg in SAMPLE_CONFIGS.items():
+        if cfg is not None:
+            extra[f"kernel_graph_ms_{name}"] = bench_graph(lambda: choose_tokens(logits, meta, config=cfg))
     record("sampling", f"B={b} V={vocab} {label}", nbytes, bench(lambda: choose_tokens(logits, meta)),
-           bench(lambda: sampler.choose_tokens(logits, meta)), check)
+           bench(lambda: sampler.choose_tokens(logits, meta)), check, extra=extra,
+           graph_fn=lambda: choose_tokens(logits, meta))
+    print("   sampling configs (graph ms):", extra, flush=True)
 
 
 def main():
@@ -208,7 +239,7 @@ def main():
     cases = [
         lambda: bench_write_kv(256), lambda: bench_write_kv(8192),
         lambda: bench_decode(64, 4096), lambda: bench_decode(256, 1024), lambda: bench_decode(4, 8192),
-        lambda: bench_decode(1, 8192), lambda: bench_decode(4, 8192, splits=1),
+        lambda: bench_decode(1, 8192), lambda: bench_decode(1, 8192, splits=8), lambda: bench_decode(4, 8192, splits=1),
         lambda: bench_decode(64, 4096, h=16, hkv=16, d=64),
         lambda: bench_prefill([(0, 2048)] * 4, label="4 x 2048 new"),
         lambda: bench_prefill([(4096, 1024), (0, 512), (1000, 300)], label="chunk over 4096 cached + 2 others"),

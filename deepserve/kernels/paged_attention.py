@@ -394,7 +394,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), kv_cache.shape[2], h // hkv,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64 if block_d <= 128 else 32,
-        num_warps=num_warps or (4 if block_d <= 64 else 8), num_stages=2)
+        num_warps=num_warps or 4, num_stages=2)
     return out
 
 

@@ -17,6 +17,11 @@ accurate expf (libdevice) and IEEE division, float32 sum. What cannot match bit 
 float32 sum and of the float64 sums, so a token can differ only where a decision sits within rounding (about
 1e-7 relative) of a boundary; tests/gpu compares on rows where the reference token is stable under such
 perturbations and requires every other row to match exactly.
+
+Speed (H200, B=64, V=151936, benchmarks/h200_kernels.json): temperature / min-p rows 0.25 ms (torch 0.45-0.54 ms);
+top-k and/or top-p rows 3.9-4.4 ms (torch 2.0 ms): the float64 mass radix (8 passes over the whole row, one
+program per row) dominates. Next steps: after top-k, compact the k survivors so top-p and the CDF run over k
+tokens, not V; split long rows over several programs when the batch is small.
 """
 
 import types

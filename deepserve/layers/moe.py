@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepserve.layers.mlp import GatedMLP, copy_checked, swiglu_activation  # noqa: F401 (used by models)
+
 SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -131,43 +133,6 @@ def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float | 
     return F.linear(swiglu_activation(F.linear(x, w13), limit), w2)
 
 
-def swiglu_activation(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """[.., 2I] (gate then up) -> silu(gate) * up; `limit` clamps gate from above and up on both sides
-    (DeepSeek-V4.1's swiglu_limit)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.silu(gate) * up
-
-
-class GatedMLP(nn.Module):
-    """A dense SwiGLU MLP (DeepSeek's dense layers and shared experts), gate and up fused in one GEMM."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.swiglu_limit = swiglu_limit
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Module calls, not F.linear on .weight: a quantized Linear may stand in for either projection.
-        return self.down_proj(swiglu_activation(self.gate_up_proj(x), self.swiglu_limit))
-
-    def load_weight(self, name: str, tensor: torch.Tensor) -> str:
-        """HF name relative to this MLP (`gate_proj.weight`, ...) -> the parameter it filled."""
-        proj = name.split(".")[0]
-        if proj == "down_proj":
-            copy_checked(self.down_proj.weight, tensor, name)
-            return "down_proj.weight"
-        if proj not in ("gate_proj", "up_proj"):
-            raise KeyError(f"MLP weight {name!r} has no place in {type(self).__name__}")
-        shard = 0 if proj == "gate_proj" else 1
-        copy_checked(self.gate_up_proj.weight.narrow(0, shard * self.intermediate_size, self.intermediate_size),
-                     tensor, name)
-        return "gate_up_proj.weight"
-
-
 class Router(nn.Module):
     """The gate GEMM and the routing rule. DeepSeek keeps the gate in fp32 (`dtype`), as HF does."""
 
@@ -256,13 +221,6 @@ class FusedMoE(nn.Module):
         pieces = self._expert_pieces[target]
         pieces.add((expert, shard))
         return target if len(pieces) == self.num_experts * (2 if target == "w13" else 1) else None
-
-
-def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if param.shape != tensor.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-    with torch.no_grad():
-        param.copy_(tensor)
 
 
 def expert_load(moe_layers: list[FusedMoE]) -> torch.Tensor:

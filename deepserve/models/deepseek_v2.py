@@ -20,15 +20,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from deepserve.layers.mla import MLARotaryEmbedding, MultiHeadLatentAttention, mla_softmax_scale
 from deepserve.layers.rotary import rope_parameters
 from deepserve.layers.moe import FusedMoE, GatedMLP, RoutingConfig, copy_checked
-from deepserve.layers.norm import RMSNorm
 from deepserve.loader.fp8 import dequantize_weights, weight_block_size
-from deepserve.worker.forward_batch import ForwardBatch
+from deepserve.models.base import CausalLM, DecoderLayer
 
 
 def routing_config(cfg: dict[str, Any], version: int) -> RoutingConfig:
@@ -44,35 +41,22 @@ def routing_config(cfg: dict[str, Any], version: int) -> RoutingConfig:
     )
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer: int, rotary: MLARotaryEmbedding, scale: float,
-                 version: int) -> None:
-        super().__init__()
-        hidden, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = MultiHeadLatentAttention(cfg, rotary, scale)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        sparse = (cfg.get("n_routed_experts") and layer >= cfg.get("first_k_dense_replace", 0)
-                  and layer % cfg.get("moe_layer_freq", 1) == 0)
-        if sparse:
-            inter = cfg["moe_intermediate_size"]
-            self.mlp = FusedMoE(hidden, inter, cfg["n_routed_experts"], routing_config(cfg, version),
-                                shared_intermediate_size=inter * (cfg.get("n_shared_experts") or 0),
-                                gate_dtype=torch.float32)
-        else:
-            self.mlp = GatedMLP(hidden, cfg["intermediate_size"])
-
-    def forward(self, x, residual, batch):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, batch)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+def deepseek_layer(cfg: dict[str, Any], layer: int, rotary: MLARotaryEmbedding, scale: float,
+                   version: int) -> DecoderLayer:
+    """MLA attention; a dense MLP for the first `first_k_dense_replace` layers, experts after."""
+    hidden, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
+    sparse = (cfg.get("n_routed_experts") and layer >= cfg.get("first_k_dense_replace", 0)
+              and layer % cfg.get("moe_layer_freq", 1) == 0)
+    if sparse:
+        inter = cfg["moe_intermediate_size"]
+        mlp = FusedMoE(hidden, inter, cfg["n_routed_experts"], routing_config(cfg, version),
+                       shared_intermediate_size=inter * (cfg.get("n_shared_experts") or 0), gate_dtype=torch.float32)
+    else:
+        mlp = GatedMLP(hidden, cfg["intermediate_size"])
+    return DecoderLayer(hidden, eps, MultiHeadLatentAttention(cfg, rotary, scale), mlp)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     version = 2
 
     def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
@@ -80,38 +64,14 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.config = cfg
         if cfg.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"activation {cfg['hidden_act']!r} is not supported (silu only)")
-        hidden = cfg["hidden_size"]
         rope = rope_parameters(cfg)
         # V2 always rotates interleaved pairs (HF's complex-number form); V3 has a switch, on by default.
         interleaved = self.version == 2 or cfg.get("rope_interleave", True)
         rotary = MLARotaryEmbedding(cfg["qk_rope_head_dim"], max_position, rope,
                                     cfg.get("max_position_embeddings", max_position), interleaved)
         scale = mla_softmax_scale(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], rope)
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, rotary, scale, self.version)
-                                    for i in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6))
-        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(hidden, cfg["vocab_size"], bias=False)
-
-    def attention_layers(self) -> list:
-        return [layer.self_attn.attn for layer in self.layers]
-
-    def moe_layers(self) -> list[FusedMoE]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, FusedMoE)]
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch)
-        idx = batch.logits_indices
-        return self.norm(x[idx], residual[idx])[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+        self.build_trunk(cfg, (deepseek_layer(cfg, i, rotary, scale, self.version)
+                               for i in range(cfg["num_hidden_layers"])))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())

@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepserve.layers.attention import Attention
+from deepserve.layers.mlp import GatedMLP
 from deepserve.layers.norm import RMSNorm
+from deepserve.models.base import CausalLM, DecoderLayer
 from deepserve.layers.rotary import RotaryEmbedding
 from deepserve.worker.forward_batch import ForwardBatch
 
@@ -52,38 +53,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, batch).reshape(t, self.q_size))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        # In place on the GEMM's output: no [tokens, intermediate] temporaries.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], rotary: RotaryEmbedding, qk_norm: bool) -> None:
-        super().__init__()
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.self_attn = LlamaAttention(cfg, rotary, qk_norm)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"])
-
-    def forward(self, x, residual, batch):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, batch)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     # HF checkpoint name -> (fused parameter, shard index)
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -95,30 +65,10 @@ class LlamaForCausalLM(nn.Module):
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rotary = RotaryEmbedding.from_config(head_dim, max_position, cfg)
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, qk_norm) for _ in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
-        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        # Tied: the embedding doubles as the LM head (quantization may later install a separate one).
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.layers]
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states of the rows in `batch.logits_indices` (after the final norm)."""
-        x = self.embed_tokens(batch.input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch)
-        # Only rows that are sampled (or asked for prompt logprobs) go through the last norm and the LM head.
-        idx = batch.logits_indices
-        return self.norm(x[idx], residual[idx])[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+        hidden, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
+        self.build_trunk(cfg, (DecoderLayer(hidden, eps, LlamaAttention(cfg, rotary, qk_norm),
+                                            GatedMLP(hidden, cfg["intermediate_size"]))
+                               for _ in range(cfg["num_hidden_layers"])))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())

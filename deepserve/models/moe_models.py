@@ -15,36 +15,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepserve.layers.moe import FusedMoE, GatedMLP, RoutingConfig, copy_checked
-from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import RotaryEmbedding
 from deepserve.models.llama import LlamaAttention
-from deepserve.worker.forward_batch import ForwardBatch
+from deepserve.models.base import CausalLM, DecoderLayer
 
 
-class MoEDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], rotary: RotaryEmbedding, qk_norm: bool, mlp: nn.Module) -> None:
-        super().__init__()
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.self_attn = LlamaAttention(cfg, rotary, qk_norm)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.mlp = mlp
-
-    def forward(self, x, residual, batch):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, batch)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
-class _MoECausalLM(nn.Module):
+class _MoECausalLM(CausalLM):
     """Shared body; subclasses say how their config names experts and which layers are sparse."""
 
     qk_norm = False
@@ -58,34 +37,12 @@ class _MoECausalLM(nn.Module):
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
         rotary = RotaryEmbedding.from_config(head_dim, max_position, cfg)
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
-        self.layers = nn.ModuleList(MoEDecoderLayer(cfg, rotary, self.qk_norm, self.make_mlp(cfg, i))
-                                    for i in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6))
-        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(hidden, cfg["vocab_size"], bias=False)
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.build_trunk(cfg, (DecoderLayer(hidden, eps, LlamaAttention(cfg, rotary, self.qk_norm), self.make_mlp(cfg, i))
+                               for i in range(cfg["num_hidden_layers"])))
 
     def make_mlp(self, cfg: dict[str, Any], layer: int) -> nn.Module:
         raise NotImplementedError
-
-    def attention_layers(self) -> list:
-        return [layer.self_attn.attn for layer in self.layers]
-
-    def moe_layers(self) -> list[FusedMoE]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, FusedMoE)]
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch)
-        idx = batch.logits_indices
-        return self.norm(x[idx], residual[idx])[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
 
     # --- loading ---------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

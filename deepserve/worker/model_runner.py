@@ -45,10 +45,26 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(config.model, self.device)
         self.load_seconds = time.perf_counter() - t0
-        # Builds the per-step index metadata (slots, segments) every layer's backend reads.
-        self.attn_backend = TorchPagedAttention()
+        # Builds the per-step index metadata every layer's backend reads (one builder for the whole model).
+        self.attn_backend = self._select_attention_backend()
         self.sampler = Sampler()
         self.kv_caches = self._allocate_kv_cache()
+
+    def _select_attention_backend(self):
+        """Triton kernels for standard attention layers on a CUDA device when Triton imports; the PyTorch
+        reference everywhere else (and for layers with their own backend, such as MLA, until they get kernels)."""
+        reference = TorchPagedAttention()
+        layers = self.model.attention_layers()
+        if self.device.type != "cuda":
+            return reference
+        from deepserve.kernels import HAS_TRITON
+        if not HAS_TRITON or not all(isinstance(layer.backend, TorchPagedAttention) for layer in layers):
+            return reference
+        from deepserve.kernels.attention_backend import TritonPagedAttention
+        triton_backend = TritonPagedAttention()
+        for layer in layers:
+            layer.backend = triton_backend
+        return triton_backend
 
     # --- KV cache -----------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:

@@ -17,7 +17,7 @@ ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 
 
 def skip_bf16_in_interpreter(dtype):
     if INTERPRET and dtype == torch.bfloat16:
-        pytest.skip("Triton's interpreter gets bf16 wrong (tl.dot; float32 -> bf16 truncates): bf16 runs on the GPU only")
+        pytest.skip("Triton's interpreter gets bf16 wrong (tl.dot; float32 -> bf16 truncates): GPU only")
 
 
 def cdiv(a, b):

@@ -237,6 +237,11 @@ def test_body_too_large_is_413(server):
     response = post(server, "/v1/completions", big)
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request_too_large"
+    # Without a Content-Length (chunked upload) the body is counted as it arrives.
+    chunks = iter([b'{"prompt": "', b"y" * MAX_BODY, b'"}'])
+    chunked = httpx.post(server.base_url + "/v1/completions", content=chunks,
+                         headers={**auth(), "Content-Type": "application/json"}, timeout=60)
+    assert chunked.status_code == 413
 
 
 def test_rate_limit_is_429_with_retry_after(server):

@@ -1,0 +1,69 @@
+"""What every decoder-only model shares: the pre-norm residual layer and the embed -> layers -> norm -> LM head
+trunk. A model file only says how its attention and MLP are built and how its checkpoint names map."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepserve.layers.norm import RMSNorm
+from deepserve.worker.forward_batch import ForwardBatch
+
+
+class DecoderLayer(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(.)); each residual add is fused into the norm that follows it."""
+
+    def __init__(self, hidden_size: int, eps: float, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class CausalLM(nn.Module):
+    """Embedding, a stack of DecoderLayers, final norm, LM head (tied to the embedding or not)."""
+
+    def build_trunk(self, cfg: dict[str, Any], layers: Iterable[nn.Module]) -> None:
+        hidden = cfg["hidden_size"]
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6))
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        # Tied: the embedding doubles as the LM head (quantization may later install a separate one).
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(hidden, cfg["vocab_size"], bias=False)
+
+    def attention_layers(self) -> list[nn.Module]:
+        """The per-layer KV cache holders, in layer order (the model runner sizes and binds their caches)."""
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def moe_layers(self) -> list[nn.Module]:
+        """Layers whose MLP routes tokens to experts (they keep per-expert load counters)."""
+        return [layer.mlp for layer in self.layers if hasattr(layer.mlp, "expert_load")]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states of the rows in `batch.logits_indices` (after the final norm)."""
+        x = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch)
+        # Only rows that are sampled (or asked for prompt logprobs) go through the last norm and the LM head.
+        idx = batch.logits_indices
+        return self.norm(x[idx], residual[idx])[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
