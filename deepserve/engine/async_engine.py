@@ -1,4 +1,9 @@
-"""AsyncLLMEngine: an asyncio front over one LLMEngine, driven by one dedicated thread.
+"""AsyncLLMEngine: an asyncio front over one LLMEngine, driven by one engine-loop thread.
+
+The loop runs on a dedicated thread by default. A server should instead build the engine and run the loop
+on its main thread (`run_in_thread=False`, then `run_loop()`), with the HTTP event loop on another thread:
+on CPU, torch's OpenMP work in a non-main thread is 2-3x slower once the main thread has used OpenMP, and
+collapses (10x and worse, measured) when another process competes for the cores.
 
     asyncio side (any number of coroutines)           engine thread (exactly one)
     generate() ── _AddRequest ──► commands queue ──►  engine.add_request / abort_request
@@ -25,8 +30,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Protocol
+from typing import Protocol
 
 from deepserve.engine.engine import EngineStats, LLMEngine, Prompt
 from deepserve.outputs import RequestOutput
@@ -66,7 +72,7 @@ class RequestStream:
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
-                 on_first_item: Callable[[], None], on_close: Callable[["RequestStream"], None]) -> None:
+                 on_first_item: Callable[[], None], on_close: Callable[[RequestStream], None]) -> None:
         self.request_id = request_id
         self.loop = loop
         self.finished = False           # the engine will send nothing more (set on the loop thread)
@@ -76,7 +82,7 @@ class RequestStream:
         self._on_first_item = on_first_item
         self._on_close = on_close
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -136,26 +142,53 @@ class _Stop:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
-                 observer: StepObserver | None = None) -> None:
-        """`max_waiting`: refuse new requests (QueueFullError) while this many have not been scheduled yet."""
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting: int | None = None,
+                 observer: StepObserver | None = None, run_in_thread: bool = True) -> None:
+        """Build the engine and, with `run_in_thread`, start the loop's thread. Load errors are raised here.
+
+        `engine`: an LLMEngine, or better a function building one, so that the model is loaded on the thread
+        that steps it (on CPU, torch runs 2-3x slower in another thread than the one that loaded the model:
+        a SmolLM2 decode step took 71 ms instead of 36 ms).
+        `run_in_thread=False`: the engine is built on the calling thread, which must then call `run_loop()`.
+        `max_waiting`: refuse new requests (QueueFullError) while this many have not been scheduled yet.
+        """
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be None or >= 0, got {max_waiting}")
-        self.engine = engine
         self.max_waiting = max_waiting
         self.observer = observer
-        self.stats: EngineStats = engine.get_stats()     # replaced (never mutated) after every step
         self.num_waiting = 0
         self._accepting = True
         self._dead: BaseException | None = None
         # Held while queueing an add and while the loop exits, so no add is queued that nobody answers.
         self._admission_lock = threading.Lock()
         self._loop_exited = False
+        self._loop_done = threading.Event()
         self._commands: queue.Queue[_AddRequest | _AbortRequests | _Stop] = queue.Queue()
         self._front_streams: dict[str, RequestStream] = {}     # owned by the event loop's thread
-        self._engine_streams: dict[str, RequestStream] = {}    # owned by the engine thread
-        self._thread = threading.Thread(target=self._run_loop, name="deepserve-engine", daemon=True)
-        self._thread.start()
+        self._engine_streams: dict[str, RequestStream] = {}    # owned by the engine-loop thread
+        # `engine` and the first `stats` (an EngineStats replaced, never mutated, after every step) are set by
+        # the engine-loop thread before the engine counts as built.
+        self.engine: LLMEngine
+        self.stats: EngineStats
+        if run_in_thread:
+            built: concurrent.futures.Future[None] = concurrent.futures.Future()
+            # Daemon: a process whose server failed to shut down cleanly must still be able to exit.
+            thread = threading.Thread(target=self._build_and_run, args=(engine, built), name="deepserve-engine",
+                                      daemon=True)
+            thread.start()
+            built.result()
+        else:
+            self._build(engine)
+
+    def run_loop(self) -> None:
+        """Drive the engine on the calling thread until `shutdown` (only with `run_in_thread=False`)."""
+        if self._dead is None:
+            self._run_loop()
+
+    def request_stop(self, drain: bool = True) -> None:
+        """Ask the loop to stop (thread-safe, from anywhere); `shutdown` is the asyncio form that also waits."""
+        self._accepting = False
+        self._commands.put(_Stop(drain))
 
     @property
     def tokenizer(self):
@@ -164,7 +197,7 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and not self._loop_exited
 
     @property
     def is_accepting(self) -> bool:
@@ -208,11 +241,9 @@ class AsyncLLMEngine:
             stream.put(RequestAbortedError(f"request {request_id!r} was aborted"))
 
     async def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Take no new requests; with `drain`, finish the in-flight ones first; then stop the thread."""
-        self._accepting = False
-        self._commands.put(_Stop(drain))
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
-        if self._thread.is_alive():
+        """Take no new requests; with `drain`, finish the in-flight ones first; wait until the loop stopped."""
+        self.request_stop(drain)
+        if not await asyncio.get_running_loop().run_in_executor(None, self._loop_done.wait, timeout):
             logger.warning("engine loop still busy after %.0f s of draining; leaving it", timeout or 0)
 
     def _admit(self, request_id: str, prompt: Prompt, params: SamplingParams,
@@ -249,6 +280,26 @@ class AsyncLLMEngine:
             self._commands.put(_AbortRequests([stream.request_id]))
 
     # --- engine thread ------------------------------------------------------------------------
+    def _build_and_run(self, engine: LLMEngine | Callable[[], LLMEngine],
+                       built: concurrent.futures.Future[None]) -> None:
+        try:
+            self._build(engine)
+        except BaseException as error:  # noqa: BLE001 - handed to the constructor, which raises it
+            built.set_exception(error)
+            return
+        built.set_result(None)
+        self._run_loop()
+
+    def _build(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+        try:
+            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+            self.stats = self.engine.get_stats()
+        except BaseException as error:
+            self._dead = error
+            self._loop_exited = True
+            self._loop_done.set()
+            raise
+
     def _run_loop(self) -> None:
         stop: _Stop | None = None
         try:
@@ -259,7 +310,7 @@ class AsyncLLMEngine:
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
-        except BaseException as error:  # noqa: BLE001 - any failure kills the loop; tell every reader why
+        except BaseException as error:  # any failure ends the loop: tell every reader why
             logger.exception("engine loop died")
             self._dead = error
             self._close(EngineDeadError(f"the engine loop died: {error!r}"))
@@ -271,6 +322,7 @@ class AsyncLLMEngine:
             self._loop_exited = True
         self._fail_all(error)
         self._reject_pending_adds()
+        self._loop_done.set()
 
     def _apply_commands(self, block: bool, stop: _Stop | None) -> _Stop | None:
         """Apply queued commands; wait for one first when `block` (the engine has nothing to do)."""
@@ -335,7 +387,7 @@ class AsyncLLMEngine:
             return
         try:
             getattr(self.observer, method)(*args)
-        except Exception:  # noqa: BLE001 - a metrics bug must not take the engine down
+        except Exception:
             logger.exception("step observer failed in %s", method)
 
     def _fail_all(self, error: BaseException) -> None:

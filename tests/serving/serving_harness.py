@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 
@@ -34,7 +34,7 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._log = open(log_path, "w")
+        self._log = open(log_path, "w")  # noqa: SIM115 - the server process writes to it until stop()
         command = [sys.executable, "-m", "deepserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                    *args]
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)

@@ -10,8 +10,12 @@ import asyncio
 import pytest
 
 from deepserve import EngineArgs, SamplingParams
-from deepserve.engine.async_engine import (AsyncLLMEngine, EngineShutdownError, QueueFullError,
-                                           RequestAbortedError)
+from deepserve.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineShutdownError,
+    QueueFullError,
+    RequestAbortedError,
+)
 from deepserve.engine.engine import LLMEngine
 
 TIMEOUT_S = 60
@@ -165,3 +169,19 @@ def test_shutdown_without_drain_ends_streams_with_an_error(llm_engine):
             await reader
     run(main())
     assert llm_engine.block_manager.num_free_blocks == llm_engine.block_manager.num_blocks
+
+
+def test_engine_built_on_the_engine_thread_and_load_errors_raised(tiny_llama):
+    args = EngineArgs(model=tiny_llama, skip_tokenizer_init=True, dtype="float32", block_size=8, max_model_len=128)
+
+    async def main():
+        engine = AsyncLLMEngine(lambda: LLMEngine.from_engine_args(args))
+        outputs = await collect(engine, "built", greedy(3))
+        await engine.shutdown()
+        return outputs
+    assert run(main())[-1].finished
+
+    def broken() -> LLMEngine:
+        raise FileNotFoundError("no such model")
+    with pytest.raises(FileNotFoundError, match="no such model"):
+        AsyncLLMEngine(broken)

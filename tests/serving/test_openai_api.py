@@ -99,7 +99,7 @@ def test_n2_gives_two_choices(client):
 
 
 def test_stop_string_is_cut_and_never_streamed(client):
-    kwargs = dict(model=MODEL_NAME, prompt="1, 2, 3,", max_tokens=16, temperature=0, stop=[" 6"])
+    kwargs = {"model": MODEL_NAME, "prompt": "1, 2, 3,", "max_tokens": 16, "temperature": 0, "stop": [" 6"]}
     full = client.completions.create(**kwargs)
     assert full.choices[0].finish_reason == "stop"
     assert " 6" not in full.choices[0].text and "5" in full.choices[0].text
@@ -180,9 +180,9 @@ def test_health_version_metrics_need_no_key(server):
 def test_auth_accepted_and_refused(server):
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key=OTHER_KEY, max_retries=0) as other:
         assert other.models.list().data[0].id == MODEL_NAME
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="sk-wrong", max_retries=0) as wrong:
-        with pytest.raises(openai.AuthenticationError):
-            wrong.models.list()
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="sk-wrong", max_retries=0) as wrong, \
+            pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
     missing = httpx.get(server.base_url + "/v1/models")
     assert missing.status_code == 401
     assert missing.json()["error"]["code"] == "missing_api_key"

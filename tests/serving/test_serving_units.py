@@ -18,7 +18,11 @@ from deepserve.serving.openai.context import ServerConfig, default_model_name
 from deepserve.serving.openai.errors import validation_error
 from deepserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from deepserve.serving.openai.rate_limit import RateLimiter, retry_after_header
-from deepserve.serving.openai.streaming import DeltaTracker, merge_streams, partial_marker_len
+from deepserve.serving.openai.streaming import (
+    DeltaTracker,
+    merge_streams,
+    partial_marker_len,
+)
 from deepserve.serving.openai.tool_parsers import HermesToolParser, tool_parser_for
 
 # --- stop strings never leak into a stream --------------------------------------------------------
@@ -177,7 +181,7 @@ def test_validation_errors_name_the_field(cls, body, param):
 
 
 def test_server_config_is_validated():
-    for bad in (dict(rate_limit=0), dict(max_queue=-1), dict(max_body_bytes=0), dict(api_keys=[""])):
+    for bad in ({"rate_limit": 0}, {"max_queue": -1}, {"max_body_bytes": 0}, {"api_keys": [""]}):
         with pytest.raises(ValueError):
             ServerConfig(**bad)
 

@@ -3,4 +3,4 @@
 from deepserve.serving.openai.app import build_app
 from deepserve.serving.openai.context import ServerConfig, ServerContext
 
-__all__ = ["build_app", "ServerConfig", "ServerContext"]
+__all__ = ["ServerConfig", "ServerContext", "build_app"]

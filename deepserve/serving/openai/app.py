@@ -8,7 +8,7 @@ in-flight ones, then the engine loop finishes whatever is left and stops.
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 from starlette.responses import Response
@@ -19,11 +19,22 @@ from deepserve.serving.openai.body_limit import BodySizeLimit
 from deepserve.serving.openai.chat import ChatEndpoint
 from deepserve.serving.openai.completions import CompletionsEndpoint
 from deepserve.serving.openai.context import ServerContext
-from deepserve.serving.openai.errors import OpenAIError, error_response, install_error_handlers
+from deepserve.serving.openai.errors import (
+    OpenAIError,
+    error_response,
+    install_error_handlers,
+)
 from deepserve.serving.openai.metrics import CONTENT_TYPE
-from deepserve.serving.openai.protocol import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse,
-                                               ErrorResponse, ModelCard, ModelList, TokenizeResponse,
-                                               VersionResponse)
+from deepserve.serving.openai.protocol import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+)
 from deepserve.serving.openai.rate_limit import RateLimiter
 from deepserve.serving.openai.tokenization import TokenizationEndpoints
 
@@ -37,7 +48,7 @@ def build_app(ctx: ServerContext, drain_timeout_s: float | None = None) -> FastA
     app.state.ctx = ctx
     install_error_handlers(app)
     completions, chat, tokens = CompletionsEndpoint(ctx), ChatEndpoint(ctx), TokenizationEndpoints(ctx)
-    post_generation = dict(methods=["POST"], responses={**_ERRORS, 200: _STREAM})
+    post_generation = {"methods": ["POST"], "responses": {**_ERRORS, 200: _STREAM}}
     app.add_api_route("/v1/completions", completions.create, response_model=CompletionResponse, **post_generation)
     app.add_api_route("/v1/chat/completions", chat.create, response_model=ChatCompletionResponse,
                       **post_generation)

@@ -9,7 +9,7 @@ Open paths (health, metrics, version, the schema and docs) need no key and are n
 from __future__ import annotations
 
 import hmac
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 

@@ -9,7 +9,7 @@ could be the start of `<tool_call>` (or of a stop string) is held back until it 
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -17,16 +17,37 @@ from starlette.responses import Response
 from deepserve.engine.async_engine import RequestStream
 from deepserve.outputs import CompletionOutput, RequestOutput
 from deepserve.serving.openai.context import ServerContext
-from deepserve.serving.openai.dispatch import (close_all, final_outputs, new_request_id, start_requests,
-                                               stream_error_event)
+from deepserve.serving.openai.dispatch import (
+    close_all,
+    final_outputs,
+    new_request_id,
+    start_requests,
+    stream_error_event,
+)
 from deepserve.serving.openai.errors import not_supported
 from deepserve.serving.openai.logprobs import chat_logprobs
 from deepserve.serving.openai.prompts import chat_prompt, message_text
-from deepserve.serving.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                               ChatLogprobs, ChatResponseMessage, NamedToolChoice, UsageInfo)
-from deepserve.serving.openai.sampling import (build_sampling_params, check_context_length,
-                                               reject_unsupported, stop_strings)
-from deepserve.serving.openai.streaming import SSE_DONE, DeltaTracker, EventStreamResponse, sse_event
+from deepserve.serving.openai.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    NamedToolChoice,
+    UsageInfo,
+)
+from deepserve.serving.openai.sampling import (
+    build_sampling_params,
+    check_context_length,
+    reject_unsupported,
+    stop_strings,
+)
+from deepserve.serving.openai.streaming import (
+    SSE_DONE,
+    DeltaTracker,
+    EventStreamResponse,
+    sse_event,
+)
 from deepserve.serving.openai.tool_parsers import ExtractedToolCalls, HermesToolParser
 
 

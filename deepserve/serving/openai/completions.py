@@ -6,7 +6,7 @@ Choice `index` = prompt_index * n + output_index (OpenAI's numbering for a list 
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -14,16 +14,37 @@ from starlette.responses import Response
 from deepserve.engine.async_engine import RequestStream
 from deepserve.outputs import CompletionOutput, RequestOutput
 from deepserve.serving.openai.context import ServerContext
-from deepserve.serving.openai.dispatch import (check_num_choices, close_all, final_outputs, new_request_id,
-                                               start_requests, stream_error_event)
+from deepserve.serving.openai.dispatch import (
+    check_num_choices,
+    close_all,
+    final_outputs,
+    new_request_id,
+    start_requests,
+    stream_error_event,
+)
 from deepserve.serving.openai.errors import not_supported
 from deepserve.serving.openai.logprobs import completion_logprobs
 from deepserve.serving.openai.prompts import EnginePrompt, completion_prompts
-from deepserve.serving.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                               CompletionResponse, UsageInfo)
-from deepserve.serving.openai.sampling import (build_sampling_params, check_context_length,
-                                               reject_unsupported, stop_strings)
-from deepserve.serving.openai.streaming import SSE_DONE, DeltaTracker, EventStreamResponse, merge_streams, sse_event
+from deepserve.serving.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from deepserve.serving.openai.sampling import (
+    build_sampling_params,
+    check_context_length,
+    reject_unsupported,
+    stop_strings,
+)
+from deepserve.serving.openai.streaming import (
+    SSE_DONE,
+    DeltaTracker,
+    EventStreamResponse,
+    merge_streams,
+    sse_event,
+)
 
 
 class CompletionsEndpoint:

@@ -6,6 +6,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from deepserve.config import EngineArgs
 from deepserve.engine.async_engine import AsyncLLMEngine
 from deepserve.engine.engine import LLMEngine
 from deepserve.serving.openai.errors import OpenAIError
@@ -46,14 +47,20 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def create(cls, llm_engine: LLMEngine, config: ServerConfig) -> "ServerContext":
-        model_path = llm_engine.config.model.model
+    def create(cls, engine_args: EngineArgs, config: ServerConfig, run_engine_in_thread: bool = True) -> ServerContext:
+        """Load the model and wire the server around it. With `run_engine_in_thread=False` the model is loaded
+        on the calling thread, which must then run `engine.run_loop()` (what `deepserve serve` does)."""
+        tool_parser_for(config.tool_call_parser, None)         # a bad name fails before the slow load
+        model_path = engine_args.resolve_model_path()
         names = config.served_model_names or [default_model_name(model_path)]
         metrics = ServerMetrics(names[0])
-        engine = AsyncLLMEngine(llm_engine, max_waiting=config.max_queue, observer=metrics)
+        engine = AsyncLLMEngine(lambda: LLMEngine.from_engine_args(engine_args), max_waiting=config.max_queue,
+                                observer=metrics, run_in_thread=run_engine_in_thread)
         metrics.watch(engine)
-        template = llm_engine.tokenizer.chat_template if llm_engine.tokenizer is not None else None
-        return cls(engine, config, metrics, names, model_path, tool_parser_for(config.tool_call_parser, template))
+        tokenizer = engine.tokenizer
+        template = tokenizer.chat_template if tokenizer is not None else None
+        return cls(engine, config, metrics, names, engine.engine.config.model.model,
+                   tool_parser_for(config.tool_call_parser, template))
 
     @property
     def tokenizer(self):

@@ -8,19 +8,28 @@ closing an unfinished stream aborts its request, so no HTTP request leaves work 
 from __future__ import annotations
 
 import uuid
-from typing import Sequence
+from collections.abc import Sequence
 
 from starlette.requests import Request
 
-from deepserve.engine.async_engine import (EngineDeadError, EngineShutdownError, QueueFullError,
-                                           RequestAbortedError, RequestStream)
+from deepserve.engine.async_engine import (
+    EngineDeadError,
+    EngineShutdownError,
+    QueueFullError,
+    RequestAbortedError,
+    RequestStream,
+)
 from deepserve.outputs import RequestOutput
 from deepserve.sampling_params import SamplingParams
 from deepserve.serving.openai.context import ServerContext
 from deepserve.serving.openai.errors import OpenAIError, bad_request, error_body
 from deepserve.serving.openai.prompts import EnginePrompt
-from deepserve.serving.openai.streaming import (ClientDisconnected, first_completed, merge_streams,
-                                               wait_for_disconnect)
+from deepserve.serving.openai.streaming import (
+    ClientDisconnected,
+    first_completed,
+    merge_streams,
+    wait_for_disconnect,
+)
 
 # Prompts x n per HTTP request; keeps one request from flooding the engine.
 MAX_CHOICES_PER_REQUEST = 128
@@ -73,7 +82,7 @@ async def final_outputs(request: Request, streams: Sequence[RequestStream]) -> l
         return await first_completed(collect(), wait_for_disconnect(request.receive))
     except ClientDisconnected:
         return None
-    except Exception as error:  # noqa: BLE001 - mapped below, or re-raised
+    except Exception as error:
         mapped = engine_error(error)
         if mapped is None:
             raise

@@ -8,10 +8,14 @@ JSON has no -inf: a token the sampler ruled out (e.g. by top-k) reports -9999.0,
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from deepserve.outputs import Logprob, LogprobsEntry
-from deepserve.serving.openai.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from deepserve.serving.openai.protocol import (
+    CompletionLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
 
 _FLOOR = -9999.0
 

@@ -10,7 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepserve.serving.openai.errors import bad_request
-from deepserve.serving.openai.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
+from deepserve.serving.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ToolDefinition,
+)
 
 
 @dataclass

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 _MAX_TRACKED_CLIENTS = 10_000
 

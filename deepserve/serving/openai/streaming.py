@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import suppress
-from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send

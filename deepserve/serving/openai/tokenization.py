@@ -5,8 +5,12 @@ from __future__ import annotations
 from deepserve.serving.openai.context import ServerContext
 from deepserve.serving.openai.errors import bad_request
 from deepserve.serving.openai.prompts import render_chat
-from deepserve.serving.openai.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
-                                               TokenizeResponse)
+from deepserve.serving.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 
 class TokenizationEndpoints:
