@@ -1,9 +1,4 @@
-"""AsyncLLMEngine: an asyncio front over one LLMEngine, driven by one engine-loop thread.
-
-The loop runs on a dedicated thread by default. A server should instead build the engine and run the loop
-on its main thread (`run_in_thread=False`, then `run_loop()`), with the HTTP event loop on another thread:
-on CPU, torch's OpenMP work in a non-main thread is 2-3x slower once the main thread has used OpenMP, and
-collapses (10x and worse, measured) when another process competes for the cores.
+"""AsyncLLMEngine: an asyncio front over one LLMEngine, driven by one dedicated thread.
 
     asyncio side (any number of coroutines)           engine thread (exactly one)
     generate() ── _AddRequest ──► commands queue ──►  engine.add_request / abort_request
@@ -143,13 +138,13 @@ class _Stop:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting: int | None = None,
-                 observer: StepObserver | None = None, run_in_thread: bool = True) -> None:
-        """Build the engine and, with `run_in_thread`, start the loop's thread. Load errors are raised here.
+                 observer: StepObserver | None = None) -> None:
+        """Start the engine thread; returns once the engine is ready (load errors are raised here).
 
-        `engine`: an LLMEngine, or better a function building one, so that the model is loaded on the thread
-        that steps it (on CPU, torch runs 2-3x slower in another thread than the one that loaded the model:
-        a SmolLM2 decode step took 71 ms instead of 36 ms).
-        `run_in_thread=False`: the engine is built on the calling thread, which must then call `run_loop()`.
+        `engine`: an LLMEngine, or better a function building one, which then runs on the engine thread.
+        Why it matters: on CPU, once one thread has run torch's OpenMP regions (loading the model does),
+        another thread's regions run 2-3x slower (measured with SmolLM2: a decode step 71 ms instead of
+        36 ms), so the model must be loaded on the thread that steps it.
         `max_waiting`: refuse new requests (QueueFullError) while this many have not been scheduled yet.
         """
         if max_waiting is not None and max_waiting < 0:
@@ -165,30 +160,17 @@ class AsyncLLMEngine:
         self._loop_done = threading.Event()
         self._commands: queue.Queue[_AddRequest | _AbortRequests | _Stop] = queue.Queue()
         self._front_streams: dict[str, RequestStream] = {}     # owned by the event loop's thread
-        self._engine_streams: dict[str, RequestStream] = {}    # owned by the engine-loop thread
-        # `engine` and the first `stats` (an EngineStats replaced, never mutated, after every step) are set by
-        # the engine-loop thread before the engine counts as built.
+        self._engine_streams: dict[str, RequestStream] = {}    # owned by the engine thread
+        # The engine thread sets `engine` and the first `stats` (an EngineStats replaced, never mutated, after
+        # every step) before `built` resolves.
         self.engine: LLMEngine
         self.stats: EngineStats
-        if run_in_thread:
-            built: concurrent.futures.Future[None] = concurrent.futures.Future()
-            # Daemon: a process whose server failed to shut down cleanly must still be able to exit.
-            thread = threading.Thread(target=self._build_and_run, args=(engine, built), name="deepserve-engine",
-                                      daemon=True)
-            thread.start()
-            built.result()
-        else:
-            self._build(engine)
-
-    def run_loop(self) -> None:
-        """Drive the engine on the calling thread until `shutdown` (only with `run_in_thread=False`)."""
-        if self._dead is None:
-            self._run_loop()
-
-    def request_stop(self, drain: bool = True) -> None:
-        """Ask the loop to stop (thread-safe, from anywhere); `shutdown` is the asyncio form that also waits."""
-        self._accepting = False
-        self._commands.put(_Stop(drain))
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
+        # Daemon: a process whose server failed to shut down cleanly must still be able to exit.
+        thread = threading.Thread(target=self._build_and_run, args=(engine, built), name="deepserve-engine",
+                                  daemon=True)
+        thread.start()
+        built.result()
 
     @property
     def tokenizer(self):
@@ -242,7 +224,8 @@ class AsyncLLMEngine:
 
     async def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Take no new requests; with `drain`, finish the in-flight ones first; wait until the loop stopped."""
-        self.request_stop(drain)
+        self._accepting = False
+        self._commands.put(_Stop(drain))
         if not await asyncio.get_running_loop().run_in_executor(None, self._loop_done.wait, timeout):
             logger.warning("engine loop still busy after %.0f s of draining; leaving it", timeout or 0)
 
@@ -283,22 +266,16 @@ class AsyncLLMEngine:
     def _build_and_run(self, engine: LLMEngine | Callable[[], LLMEngine],
                        built: concurrent.futures.Future[None]) -> None:
         try:
-            self._build(engine)
+            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+            self.stats = self.engine.get_stats()
         except BaseException as error:  # noqa: BLE001 - handed to the constructor, which raises it
+            self._dead = error
+            self._loop_exited = True
+            self._loop_done.set()
             built.set_exception(error)
             return
         built.set_result(None)
         self._run_loop()
-
-    def _build(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
-        try:
-            self.engine = engine if isinstance(engine, LLMEngine) else engine()
-            self.stats = self.engine.get_stats()
-        except BaseException as error:
-            self._dead = error
-            self._loop_exited = True
-            self._loop_done.set()
-            raise
 
     def _run_loop(self) -> None:
         stop: _Stop | None = None

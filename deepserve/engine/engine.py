@@ -156,9 +156,8 @@ class LLMEngine:
                 state = self.requests[s.seq.request_id]
                 touched[state.request_id] = state
                 self.prompt_tokens += max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
+                self.generation_tokens += int(s.seq.seq_id in runner_out.sampled_token_ids)
                 finished_status = self.outputs.process(state, s, runner_out, now)
-                if s.samples:
-                    self.generation_tokens += 1
                 if finished_status is not None:
                     self.scheduler.finish(s.seq, finished_status)
         results = []

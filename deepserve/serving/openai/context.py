@@ -47,15 +47,14 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def create(cls, engine_args: EngineArgs, config: ServerConfig, run_engine_in_thread: bool = True) -> ServerContext:
-        """Load the model and wire the server around it. With `run_engine_in_thread=False` the model is loaded
-        on the calling thread, which must then run `engine.run_loop()` (what `deepserve serve` does)."""
+    def create(cls, engine_args: EngineArgs, config: ServerConfig) -> ServerContext:
+        """Load the model (on the engine thread, see AsyncLLMEngine) and wire the server around it."""
         tool_parser_for(config.tool_call_parser, None)         # a bad name fails before the slow load
         model_path = engine_args.resolve_model_path()
         names = config.served_model_names or [default_model_name(model_path)]
         metrics = ServerMetrics(names[0])
         engine = AsyncLLMEngine(lambda: LLMEngine.from_engine_args(engine_args), max_waiting=config.max_queue,
-                                observer=metrics, run_in_thread=run_engine_in_thread)
+                                observer=metrics)
         metrics.watch(engine)
         tokenizer = engine.tokenizer
         template = tokenizer.chat_template if tokenizer is not None else None

@@ -1,8 +1,7 @@
 """`deepserve serve`: load the engine, build the app, run uvicorn until SIGTERM / SIGINT.
 
-The engine loop runs on the main thread and uvicorn on a second one. On SIGTERM uvicorn stops listening,
-lets in-flight requests (streams included) finish for up to `--drain-timeout` seconds, then the app's
-lifespan drains the engine loop; the process exits 0.
+On SIGTERM uvicorn stops listening, lets in-flight requests (streams included) finish for up to
+`--drain-timeout` seconds, then the app's lifespan drains the engine loop; the process exits 0.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import threading
 from typing import Any
 
 from deepserve.serving.openai.context import (
@@ -51,43 +49,36 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
-    """Engine loop on this (main) thread, HTTP on a second one; returns 0 after a drained SIGTERM / SIGINT."""
     import uvicorn
 
     from deepserve.config import EngineArgs
     from deepserve.serving.openai.app import build_app
 
     config = server_config(args)        # validate the flags before the (slow) model load
-    # The engine lives on the main thread: torch's CPU kernels are much slower on other threads (AsyncLLMEngine).
-    ctx = ServerContext.create(EngineArgs.from_kwargs(**engine_kwargs), config, run_engine_in_thread=False)
+    ctx = ServerContext.create(EngineArgs.from_kwargs(**engine_kwargs), config)
     app = build_app(ctx, drain_timeout_s=args.drain_timeout)
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                     timeout_graceful_shutdown=int(args.drain_timeout), access_log=False)
+    logger.warning("serving %s on http://%s:%d", ctx.model_name, args.host, args.port)
     http = uvicorn.Server(uvicorn_config)
-    http_thread = threading.Thread(target=_serve_http, args=(http, ctx), name="deepserve-http")
-    _stop_http_on_signals(http)
-    http_thread.start()
-    ctx.engine.run_loop()               # returns once the app's shutdown (or a failed start) stopped it
-    http_thread.join()
+    _run_until_signal(http)
     return 0 if http.started else 1
 
 
-def _serve_http(http, ctx: ServerContext) -> None:
-    """Run uvicorn; whatever way it ends (drained shutdown, failed start), stop the engine loop after it."""
+def _run_until_signal(server) -> None:
+    """Run uvicorn; after a SIGTERM / SIGINT it drains and returns, and then this returns too (exit 0).
+
+    uvicorn re-raises the signal it caught once it has shut down, to the handler that was in place before
+    it started; a no-op handler here turns that into a normal return instead of death by signal.
+    """
+    handled = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, _note_signal) for sig in handled}
     try:
-        http.run()
+        server.run()
     finally:
-        ctx.engine.request_stop(drain=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def _stop_http_on_signals(http) -> None:
-    """uvicorn installs no signal handlers off the main thread; these do its part: the first SIGTERM / SIGINT
-    starts its graceful shutdown (stop listening, let in-flight requests finish), a second one forces it."""
-    def on_signal(signum: int, _frame) -> None:
-        logger.warning("received %s: draining in-flight requests, then stopping", signal.Signals(signum).name)
-        if http.should_exit:
-            http.force_exit = True
-        http.should_exit = True
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+def _note_signal(signum: int, _frame) -> None:
+    logger.warning("received %s: drained and stopped", signal.Signals(signum).name)
