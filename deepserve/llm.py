@@ -55,7 +55,7 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 request_id = str(self._next_request_id)
                 try:
-                    self.engine.add_request(request_id, prompt, p)
+                    self.engine.add_request(request_id, prompt, p, final_output_only=True)
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
                 self._next_request_id += 1

@@ -58,6 +58,7 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []
         # Chained hashes of each sequence's full blocks, by seq_id (tokens never change, only grow).
         self._seq_hashes: dict[int, list[bytes]] = {}
+        self._num_named: dict[int, int] = {}    # seq_id -> leading full blocks already named in `cached`
         self.prefix_queries = 0     # tokens looked up in the prefix cache
         self.prefix_hits = 0        # of those, tokens found
 
@@ -109,8 +110,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        for i, h in enumerate(self.block_hashes(seq, num_full)):
-            block = self.blocks[seq.block_table[i]]
+        named = self._num_named.get(seq.seq_id, 0)
+        if num_full <= named:
+            return      # most steps of a decode complete no block: nothing to hash
+        hashes = self.block_hashes(seq, num_full)
+        self._num_named[seq.seq_id] = num_full
+        for i in range(named, num_full):
+            h, block = hashes[i], self.blocks[seq.block_table[i]]
             if block.block_hash is not None or h in self.cached:
                 continue  # already named, or the same content lives in another block
             block.block_hash = h
@@ -160,6 +166,7 @@ class BlockManager:
         a shared prefix outlives the private suffix behind it."""
         for block_id in reversed(seq.block_table):
             self._release(block_id)
+        self._num_named.pop(seq.seq_id, None)
         seq.block_table = []
         seq.num_computed_tokens = 0
 

@@ -107,8 +107,11 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError on bad input, leaving the engine unchanged."""
+                    arrival_time: float | None = None, final_output_only: bool = False) -> None:
+        """Queue a request. Raises ValueError on bad input, leaving the engine unchanged.
+
+        `final_output_only`: `step()` reports the request once, when it finishes (offline use: building a
+        RequestOutput for every request at every step costs as much as the scheduling)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -121,7 +124,9 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = [Sequence(self._new_seq_id(), request_id, i, ids, params, self._seed_for(params, i), arrival)
                 for i in range(params.n)]
-        self.requests[request_id] = self.outputs.new_request(request_id, text, ids, params, seqs, arrival)
+        state = self.outputs.new_request(request_id, text, ids, params, seqs, arrival)
+        state.final_output_only = final_output_only
+        self.requests[request_id] = state
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -162,8 +167,10 @@ class LLMEngine:
                     self.scheduler.finish(s.seq, finished_status)
         results = []
         for request_id, state in touched.items():
-            results.append(self.outputs.make_output(state))
-            if state.finished:
+            finished = state.finished
+            if finished or not state.final_output_only:
+                results.append(self.outputs.make_output(state))
+            if finished:
                 del self.requests[request_id]
         return results
 

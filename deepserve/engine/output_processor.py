@@ -34,6 +34,7 @@ class RequestState:
     per_seq: dict[int, SequenceOutputState]
     metrics: RequestMetrics
     prompt_logprobs: list[LogprobsEntry | None] | None = None
+    final_output_only: bool = False     # report the request only once it has finished
 
     @property
     def finished(self) -> bool:

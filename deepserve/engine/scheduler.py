@@ -104,9 +104,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 0 and self._make_room(seq, n, out):
+            # Most decode steps fit in the sequence's last block: no allocation, no preemption check.
+            fits = n > 0 and self.block_manager.num_blocks_to_allocate(seq, n) == 0
+            if fits or (n > 0 and self._make_room(seq, n, out)):
                 out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
-                self.block_manager.allocate_slots(seq, n)
+                if not fits:
+                    self.block_manager.allocate_slots(seq, n)
                 seq.num_computed_tokens += n
                 budget -= n
             i += 1

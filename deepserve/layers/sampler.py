@@ -31,20 +31,47 @@ class SamplingRow:
     output_token_ids: list[int]
     eos_token_ids: set[int]     # the tokenizer's EOS ids (not banned when params.ignore_eos)
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+class SequenceSamplingRow(SamplingRow):
+    """A SamplingRow that reads a live sequence: its token lists are sliced only if a penalty asks for them
+    (copying every sequence's tokens every step would cost more than the sampling itself)."""
+
+    def __init__(self, seq, eos_token_ids: set[int]) -> None:
+        self.params, self.seed, self.position, self.eos_token_ids = seq.params, seq.seed, seq.num_tokens, eos_token_ids
+        self._seq = seq
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._seq.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._seq.output_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._seq.num_output_tokens
+
 
 @dataclass
 class SamplingMetadata:
     """Per-row tensors for one batch, built once per step. Neutral values (temperature 1 for greedy rows,
     top_k = vocab size, top_p = 1, penalties 1 / 0) leave a row untouched by a step other rows need."""
-    temperature: torch.Tensor               # [B] float32; 1.0 for greedy rows (their logits are never divided)
-    is_greedy: torch.Tensor                 # [B] bool
-    top_k: torch.Tensor                     # [B] int64, vocab_size when disabled
-    top_p: torch.Tensor                     # [B] float32
-    min_p: torch.Tensor                     # [B] float32
-    presence_penalty: torch.Tensor          # [B] float32
-    frequency_penalty: torch.Tensor         # [B] float32
-    repetition_penalty: torch.Tensor        # [B] float32
-    uniforms: torch.Tensor                  # [B] float64 in [0, 1)
+    # Shaping tensors: None when every row is greedy.
+    temperature: torch.Tensor | None        # [B] float32; 1.0 for greedy rows (their logits are never divided)
+    is_greedy: torch.Tensor | None          # [B] bool
+    top_k: torch.Tensor | None              # [B] int64, vocab_size when disabled
+    top_p: torch.Tensor | None              # [B] float32
+    min_p: torch.Tensor | None              # [B] float32
+    uniforms: torch.Tensor | None           # [B] float64 in [0, 1)
+    # Penalty tensors: None when no row has a penalty.
+    presence_penalty: torch.Tensor | None   # [B] float32
+    frequency_penalty: torch.Tensor | None  # [B] float32
+    repetition_penalty: torch.Tensor | None  # [B] float32
     all_greedy: bool
     all_random: bool
     any_penalty: bool
@@ -61,27 +88,44 @@ class SamplingMetadata:
         greedy = [p.is_greedy for p in params]
         penalised = [_has_penalty(p) for p in params]
         requested = [p.logprobs for p in params if p.logprobs is not None]
-        uniforms = sample_uniforms([r.seed for r in rows], [r.position for r in rows], CASE_SAMPLE)
+        all_greedy, any_penalty = all(greedy), any(penalised)
+        # An all-greedy batch only takes an argmax: skip the per-row tensors it would never read
+        # (each one is a host-to-device copy, which adds up at every step of a large batch).
+        temperature, is_greedy, top_k, top_p, min_p, uniforms = (
+            (None,) * 6 if all_greedy else _shaping_tensors(rows, greedy, vocab_size, device))
+        presence, frequency, repetition = _penalty_tensors(params, device) if any_penalty else (None,) * 3
         return cls(
-            temperature=_floats([1.0 if g else p.temperature for p, g in zip(params, greedy)], device),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_k=torch.tensor([_top_k(p, vocab_size) for p in params], dtype=torch.int64, device=device),
-            top_p=_floats([p.top_p for p in params], device),
-            min_p=_floats([p.min_p for p in params], device),
-            presence_penalty=_floats([p.presence_penalty for p in params], device),
-            frequency_penalty=_floats([p.frequency_penalty for p in params], device),
-            repetition_penalty=_floats([p.repetition_penalty for p in params], device),
-            uniforms=torch.from_numpy(uniforms).to(device),
-            all_greedy=all(greedy),
+            temperature=temperature, is_greedy=is_greedy, top_k=top_k, top_p=top_p, min_p=min_p, uniforms=uniforms,
+            presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+            all_greedy=all_greedy,
             all_random=not any(greedy),
-            any_penalty=any(penalised),
+            any_penalty=any_penalty,
             any_top_k_p=any(not g and (0 < p.top_k < vocab_size or p.top_p < 1) for p, g in zip(params, greedy)),
             any_min_p=any(not g and p.min_p > 0 for p, g in zip(params, greedy)),
             max_num_logprobs=max(requested) if requested else None,
-            prompt_token_mask=_prompt_token_mask(rows, vocab_size, device),
-            output_token_counts=_output_token_counts(rows, penalised, vocab_size, device),
+            prompt_token_mask=_prompt_token_mask(rows, vocab_size, device) if any_penalty else None,
+            output_token_counts=_output_token_counts(rows, penalised, vocab_size, device) if any_penalty else None,
             min_tokens_ban=_min_tokens_ban(rows, vocab_size, device),
         )
+
+
+def _shaping_tensors(rows: list[SamplingRow], greedy: list[bool], vocab_size: int, device):
+    """(temperature, is_greedy, top_k, top_p, min_p, uniforms) of a batch with at least one sampled row."""
+    params = [r.params for r in rows]
+    uniforms = sample_uniforms([r.seed for r in rows], [r.position for r in rows], CASE_SAMPLE)
+    return (_floats([1.0 if g else p.temperature for p, g in zip(params, greedy)], device),
+            torch.tensor(greedy, dtype=torch.bool, device=device),
+            torch.tensor([_top_k(p, vocab_size) for p in params], dtype=torch.int64, device=device),
+            _floats([p.top_p for p in params], device),
+            _floats([p.min_p for p in params], device),
+            torch.from_numpy(uniforms).to(device))
+
+
+def _penalty_tensors(params: list[SamplingParams], device):
+    """(presence, frequency, repetition) penalties of a batch with at least one penalised row."""
+    return (_floats([p.presence_penalty for p in params], device),
+            _floats([p.frequency_penalty for p in params], device),
+            _floats([p.repetition_penalty for p in params], device))
 
 
 @dataclass
@@ -239,7 +283,7 @@ def _min_tokens_ban(rows: list[SamplingRow], vocab_size: int,
     """Until a row has min_tokens outputs, its EOS ids (unless ignore_eos) and stop_token_ids cannot be drawn."""
     ban_rows, ban_ids = [], []
     for i, r in enumerate(rows):
-        if len(r.output_token_ids) >= r.params.min_tokens:
+        if r.params.min_tokens == 0 or r.num_output_tokens >= r.params.min_tokens:
             continue
         banned = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
         banned = sorted(t for t in banned if 0 <= t < vocab_size)

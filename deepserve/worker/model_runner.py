@@ -19,7 +19,7 @@ import torch
 from deepserve.config import EngineConfig
 from deepserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from deepserve.layers.attention import TorchPagedAttention
-from deepserve.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from deepserve.layers.sampler import Sampler, SamplingMetadata, SequenceSamplingRow
 from deepserve.loader.model_loader import load_model
 from deepserve.worker.forward_batch import ForwardBatch
 
@@ -135,9 +135,7 @@ class ModelRunner:
         return result
 
     def _sample(self, logits: torch.Tensor, seqs: list, result: ModelRunnerOutput) -> None:
-        rows = [SamplingRow(params=seq.params, seed=seq.seed, position=seq.num_tokens,
-                            prompt_token_ids=seq.prompt_token_ids, output_token_ids=seq.output_token_ids,
-                            eos_token_ids=self.eos_token_ids) for seq in seqs]
+        rows = [SequenceSamplingRow(seq, self.eos_token_ids) for seq in seqs]
         meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
         sampled = self.sampler(logits, meta)
         token_ids = sampled.token_ids.tolist()
