@@ -65,6 +65,8 @@ class SchedulerConfig:
 @dataclass
 class DeviceConfig:
     device: torch.device
+    enforce_eager: bool = False                 # no CUDA graphs
+    cuda_graph_max_batch_size: int | None = None   # largest captured decode batch (None: max_num_seqs, <= 512)
 
 
 @dataclass
@@ -92,6 +94,8 @@ class EngineArgs:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     quantization: str | None = None
+    enforce_eager: bool = False
+    cuda_graph_max_batch_size: int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -124,6 +128,8 @@ class EngineArgs:
              f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
         need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
              f"kv_cache_memory_bytes must be > 0; got {self.kv_cache_memory_bytes}")
+        need(self.cuda_graph_max_batch_size is None or self.cuda_graph_max_batch_size >= 1,
+             f"cuda_graph_max_batch_size must be >= 1; got {self.cuda_graph_max_batch_size}")
         need(0.0 < self.gpu_memory_utilization <= 1.0,
              f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
 
@@ -164,7 +170,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                                       max_model_len=max_model_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill),
-            device=DeviceConfig(device=device),
+            device=DeviceConfig(device=device, enforce_eager=self.enforce_eager,
+                                cuda_graph_max_batch_size=self.cuda_graph_max_batch_size),
         )
 
 

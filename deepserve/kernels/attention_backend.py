@@ -55,6 +55,12 @@ class TritonPagedAttention:
             num_tiles = int(tile_seq.shape[0])
         return TritonAttentionMetadata(rows, seqs, max_len, tile_seq, tile_m0, len(decode_b), num_tiles)
 
+    def build_graph_metadata(self, batch, max_seq_len: int) -> TritonAttentionMetadata:
+        """Metadata of a decode-only batch captured in a CUDA graph: every row decodes, and the split-K grid is
+        sized for `max_seq_len` (the longest context the engine allows), so one graph serves any context."""
+        rows = torch.arange(batch.num_seqs, dtype=torch.int64, device=batch.input_ids.device)
+        return TritonAttentionMetadata(rows, rows, max_seq_len, None, None, batch.num_seqs, 0)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch,
                 scale: float) -> torch.Tensor:
         meta = batch.attn_metadata

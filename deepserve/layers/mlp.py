@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepserve.layers.kernel_dispatch import use_triton
+
 
 def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     if param.shape != tensor.shape:
@@ -17,6 +19,9 @@ def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
 def swiglu_activation(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """[.., 2I] (gate then up) -> silu(gate) * up; `limit` clamps gate from above and up on both sides
     (DeepSeek-V4.1's swiglu_limit)."""
+    if limit is None and use_triton(gate_up) and not torch.is_grad_enabled():
+        from deepserve.kernels.activation import silu_and_mul
+        return silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepserve.layers.kernel_dispatch import use_triton
+
 
 def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     """RoPE settings from either config layout: transformers>=5 `rope_parameters` (theta inside), or the
@@ -103,12 +105,18 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, Hkv, D]; positions: [T]."""
+        if use_triton(q):
+            from deepserve.kernels.rotary import apply_rotary
+            return apply_rotary(positions, q, k, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         return _apply(q, cos, sin), _apply(k, cos, sin)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D] (any heads, e.g. q and k side by side) -> rotated copy."""
+        if use_triton(x):
+            from deepserve.kernels.rotary import rotate
+            return rotate(positions, x, self.cos_cache, self.sin_cache)
         return _apply(x, self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1))
 
 

@@ -25,6 +25,8 @@ from deepserve.worker.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
+_CUDA_GRAPH_RESERVE = 512 << 20   # graph pool (activations of the largest decode batch) and fragmentation
+
 # (token id, logprob, top-k ids, top-k logprobs): one position's log-probabilities, plain Python.
 TokenLogprobs = tuple[int, float, list[int], list[float]]
 
@@ -49,6 +51,7 @@ class ModelRunner:
         self.attn_backend = self._select_attention_backend()
         self.sampler = Sampler()
         self.kv_caches = self._allocate_kv_cache()
+        self.cuda_graphs = self._capture_cuda_graphs()
 
     def _select_attention_backend(self):
         """Triton kernels for standard attention layers on a CUDA device when Triton imports; the PyTorch
@@ -76,11 +79,7 @@ class ModelRunner:
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free
-            # Leave room for activations of a max-size step (refined by profiling on the GPU path).
-            headroom = 2 << 30
-            return max(int(total * cache.gpu_memory_utilization) - used_by_others - headroom, 1 << 20)
+            return self._profiled_gpu_budget()
         # CPU: enough for every sequence at full length, capped at 1 GiB (zeroing more costs start-up time).
         sched = self.config.scheduler
         want = sched.max_num_seqs * sched.max_model_len * self.kv_bytes_per_token()
@@ -100,6 +99,75 @@ class ModelRunner:
                     num_blocks * per_block / 2**20)
         return caches
 
+    def _profiled_gpu_budget(self) -> int:
+        """gpu_memory_utilization x total, minus what is not ours (other processes, the CUDA context), the
+        weights, the peak activations of a max-size step (measured by running one), and room for CUDA graphs."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        not_torch = total - free - torch.cuda.memory_reserved(self.device)
+        graphs = 0 if self.config.device.enforce_eager else _CUDA_GRAPH_RESERVE
+        budget = int(total * self.config.cache.gpu_memory_utilization) - not_torch - peak - graphs
+        self.profiled_peak_bytes = peak
+        logger.info("memory profile: peak %.2f GiB (weights + activations), other %.2f GiB, KV budget %.2f GiB",
+                    peak / 2**30, not_torch / 2**30, budget / 2**30)
+        if budget < self.kv_bytes_per_token() * self.block_size:
+            raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB of "
+                               f"{total / 2**30:.1f} GiB); lower max_num_batched_tokens or raise "
+                               "gpu_memory_utilization")
+        return budget
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """One forward of the largest step the scheduler may form: a max_num_batched_tokens-token prefill, with
+        logits for max_num_seqs rows. Caches are one dummy block (slot -1 writes nothing; reads hit block 0)."""
+        sched = self.config.scheduler
+        n = min(sched.max_num_batched_tokens, sched.max_model_len)
+        layers = self.model.attention_layers()
+        for layer in layers:
+            layer.kv_cache = torch.zeros(layer.kv_cache_shape(1, self.block_size), dtype=self.config.model.dtype,
+                                         device=self.device)
+        dev = self.device
+        rows = min(sched.max_num_seqs, n)
+        batch = ForwardBatch(
+            input_ids=torch.zeros(n, dtype=torch.int64, device=dev), positions=torch.arange(n, device=dev),
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros(1, -(-n // self.block_size), dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor([0, n], device=dev), seq_lens=torch.tensor([n], device=dev),
+            query_lens_cpu=[n], seq_lens_cpu=[n], logits_indices=torch.arange(n - rows, n, device=dev),
+            block_size=self.block_size)
+        batch.attn_metadata = self.attn_backend.build_metadata(batch)
+        logits = self.model.compute_logits(self.model(batch))
+        torch.log_softmax(logits, dim=-1)      # the sampler's vocab-sized temporaries
+        del logits
+        for layer in layers:
+            layer.kv_cache = None
+        torch.cuda.synchronize(self.device)
+
+    # --- CUDA graphs --------------------------------------------------------------------------
+    def _capture_cuda_graphs(self):
+        """Decode graphs on a CUDA device, unless enforce_eager or a layer cannot be captured yet (the PyTorch
+        reference backends read host-side lengths, and MoE layers sort tokens with data-dependent shapes)."""
+        if self.device.type != "cuda" or self.config.device.enforce_eager:
+            return None
+        if not hasattr(self.attn_backend, "build_graph_metadata") or self.model.moe_layers():
+            logger.info("CUDA graphs off: this model's layers run eagerly")
+            return None
+        from deepserve.worker.cuda_graph import CUDAGraphRunner, default_capture_sizes
+        sched = self.config.scheduler
+        sizes = default_capture_sizes(sched.max_num_seqs, self.config.device.cuda_graph_max_batch_size)
+        graphs = CUDAGraphRunner(self.model, self.attn_backend, self.block_size, sched.max_model_len,
+                                 self.config.model.vocab_size, sizes, self.device)
+        graphs.capture()
+        return graphs
+
+    @property
+    def cuda_graph_capture_seconds(self) -> float | None:
+        return self.cuda_graphs.capture_seconds if self.cuda_graphs is not None else None
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
@@ -115,6 +183,15 @@ class ModelRunner:
         self.copy_blocks(out.blocks_to_copy)
         result = ModelRunnerOutput()
         if out.is_empty:
+            return result
+        graph_size = self.cuda_graphs.size_for(out) if self.cuda_graphs is not None else None
+        if graph_size is not None:
+            # Decode-only: one logits row per sequence; rows of non-final 1-token prompt chunks are not sampled.
+            logits = self.cuda_graphs.run(out, graph_size)
+            rows = [i for i, s in enumerate(out.scheduled) if s.samples]
+            if rows:
+                self._sample(logits[rows] if len(rows) < len(out.scheduled) else logits,
+                             [out.scheduled[i].seq for i in rows], result)
             return result
         prompt_rows = [_prompt_logprob_rows(s) for s in out.scheduled]
         logits_rows = [p + ([s.num_new_tokens - 1] if s.samples else []) for s, p in zip(out.scheduled, prompt_rows)]

@@ -15,14 +15,14 @@ def test_gpu_greedy_equals_cpu(tiny_llama):
     prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     cpu = LLM(tiny_llama, skip_tokenizer_init=True, device="cpu", dtype="float32")
-    gpu = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32")
+    gpu = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 26)
     a = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)]
     assert a == b
 
 
 def test_gpu_seeded_sampling_batch_invariant(tiny_llama):
-    gpu = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="bfloat16")
+    gpu = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=1 << 26)
     prompts = [{"prompt_token_ids": list(range(3, 20 + i))} for i in range(8)]
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=16, ignore_eos=True) for i in range(8)]
     batched = [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)]
@@ -30,3 +30,43 @@ def test_gpu_seeded_sampling_batch_invariant(tiny_llama):
     assert batched == alone
     bm = gpu.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def _mixed_workload():
+    """20 prompts of different lengths and output lengths: the decode batch shrinks step by step through
+    sizes that pad to different captured graphs (20 -> 32, 16, 8, 4, 2, 1)."""
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 250 + 3 for j in range(4 + 3 * i)]} for i in range(20)]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(20)]
+    return prompts, params
+
+
+def test_cuda_graphs_match_eager(tiny_llama):
+    prompts, params = _mixed_workload()
+    eager = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32", enforce_eager=True,
+                kv_cache_memory_bytes=1 << 26)
+    assert eager.engine.runner.cuda_graphs is None
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    del eager
+    graphs = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32", max_num_seqs=32,
+                 kv_cache_memory_bytes=1 << 26)
+    runner = graphs.engine.runner
+    assert runner.cuda_graphs is not None and runner.cuda_graph_capture_seconds > 0
+    got = [o.outputs[0].token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert runner.cuda_graphs.num_replays >= max(p.max_tokens for p in params) - 2
+    bm = graphs.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_profiled_kv_budget_fits_the_gpu(tiny_llama):
+    """Without kv_cache_memory_bytes the KV cache is sized from a profiled max-size step."""
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
+              max_num_seqs=8, cuda_graph_max_batch_size=8)
+    runner = llm.engine.runner
+    free, total = torch.cuda.mem_get_info()
+    kv_bytes = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+    assert runner.profiled_peak_bytes > 0
+    assert kv_bytes <= 0.3 * total
+    out = llm.generate({"prompt_token_ids": list(range(3, 40))}, SamplingParams(temperature=0, max_tokens=8),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8

@@ -1,0 +1,163 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step of a small model is a few hundred kernel launches of a few microseconds each; launched one by
+one from Python they take longer than the GPU needs to run them. At start-up we capture the whole forward
+(embedding -> layers -> LM head) of a decode-only batch once per batch size in `capture_sizes`, and a step
+replays the graph of the smallest size that holds its batch:
+
+  - inputs live in static device buffers (one flat int64 buffer, filled by one host-to-device copy per step);
+  - padding rows read one key of block 0 (a valid address) and write nothing (slot -1);
+  - attention metadata is fixed per size: the split-K partition is sized for `max_model_len`, so a context
+    of any length fits the same launch grid (splits past a sequence's end are empty and weigh nothing);
+  - logits land in a static output buffer; sampling runs outside the graph.
+
+Batches with prefill rows, prompt logprobs, or more rows than the largest size run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from deepserve.engine.scheduler import SchedulerOutput
+from deepserve.worker.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+_MAX_CAPTURE_SIZE = 512
+
+
+def default_capture_sizes(max_num_seqs: int, limit: int | None = None) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to the largest batch the scheduler can form."""
+    top = min(max_num_seqs, limit or _MAX_CAPTURE_SIZE)
+    sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
+    if sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+def padded_size(batch_size: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds `batch_size` rows, or None (run eagerly)."""
+    for size in sizes:
+        if size >= batch_size:
+            return size
+    return None
+
+
+class StaticDecodeInputs:
+    """Host staging buffer and device buffer with a fixed layout: ids | positions | slots | seq_lens | tables."""
+
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        n = 4 * max_batch + max_batch * max_blocks
+        pin = device.type == "cuda"
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self.host_np = self.host.numpy()
+        self.device = torch.zeros(n, dtype=torch.int64, device=device)
+        mb = max_batch
+        self.input_ids, self.positions, self.slots, self.seq_lens = (self.device[i * mb:(i + 1) * mb] for i in range(4))
+        self.block_tables = self.device[4 * mb:].view(mb, max_blocks)
+        self.query_start_loc = torch.arange(mb + 1, dtype=torch.int64, device=device)
+        self.rows = torch.arange(mb, dtype=torch.int64, device=device)
+
+    def fill(self, out: SchedulerOutput, size: int, block_size: int) -> None:
+        """Write the batch (padded to `size` rows) into the host buffer, then copy the used part over."""
+        mb, h = self.max_batch, self.host_np
+        b = len(out.scheduled)
+        ids, pos, slots, lens = h[0:mb], h[mb:2 * mb], h[2 * mb:3 * mb], h[3 * mb:4 * mb]
+        tables = h[4 * mb:4 * mb + size * self.max_blocks].reshape(size, self.max_blocks)
+        for i, s in enumerate(out.scheduled):
+            seq, p = s.seq, s.start
+            table = seq.block_table
+            ids[i] = seq.token_ids[p]
+            pos[i] = p
+            slots[i] = table[p // block_size] * block_size + p % block_size
+            lens[i] = p + 1
+            tables[i, :len(table)] = table
+        # Padding rows: one key of block 0 to read (a valid address), nothing to write.
+        ids[b:size], pos[b:size], slots[b:size], lens[b:size] = 0, 0, -1, 1
+        tables[b:size] = 0
+        used = 4 * mb + size * self.max_blocks
+        self.device[:used].copy_(self.host[:used], non_blocking=True)
+
+    def batch(self, size: int, block_size: int) -> ForwardBatch:
+        """A ForwardBatch of views into the static buffers (the same tensors at every replay)."""
+        return ForwardBatch(
+            input_ids=self.input_ids[:size], positions=self.positions[:size], slot_mapping=self.slots[:size],
+            block_tables=self.block_tables[:size], query_start_loc=self.query_start_loc[:size + 1],
+            seq_lens=self.seq_lens[:size], query_lens_cpu=[1] * size, seq_lens_cpu=[1] * size,
+            logits_indices=self.rows[:size], block_size=block_size)
+
+
+class CUDAGraphRunner:
+    """Captures and replays decode forwards. `model(batch)` -> `model.compute_logits` is what gets captured."""
+
+    def __init__(self, model, attn_backend, block_size: int, max_model_len: int, vocab_size: int,
+                 capture_sizes: list[int], device: torch.device) -> None:
+        self.model, self.attn_backend = model, attn_backend
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.sizes = sorted(capture_sizes)
+        self.device = device
+        max_blocks = -(-max_model_len // block_size)
+        self.inputs = StaticDecodeInputs(self.sizes[-1], max_blocks, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.batches: dict[int, ForwardBatch] = {}
+        # One logits buffer for every size: each graph copies its logits in, so the graphs' own outputs die
+        # after capture and their memory is reused across sizes (one [size, vocab] fp32 tensor per graph
+        # would cost ~1 GB for a 128k vocabulary).
+        self.logits = torch.empty(self.sizes[-1], vocab_size, dtype=torch.float32, device=device)
+        self.capture_seconds = 0.0
+        self.num_replays = 0
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.compute_logits(self.model(batch))
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for size in reversed(self.sizes):
+            batch = self.inputs.batch(size, self.block_size)
+            # Padding-only inputs: every row reads block 0 and writes nothing.
+            self.inputs.input_ids[:size].zero_()
+            self.inputs.positions[:size].zero_()
+            self.inputs.slots[:size].fill_(-1)
+            self.inputs.seq_lens[:size].fill_(1)
+            self.inputs.block_tables[:size].zero_()
+            batch.attn_metadata = self.attn_backend.build_graph_metadata(batch, self.max_model_len)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._forward(batch)            # warm-up: compiles Triton kernels outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.logits[:size].copy_(self._forward(batch))
+            self.graphs[size], self.batches[size] = graph, batch
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s", len(self.sizes), self.sizes,
+                    self.capture_seconds)
+        return self.capture_seconds
+
+    def size_for(self, out: SchedulerOutput) -> int | None:
+        """Captured size for this step, or None when it must run eagerly."""
+        if not self.graphs or not out.scheduled:
+            return None
+        for s in out.scheduled:
+            if s.num_new_tokens != 1 or s.seq.params.prompt_logprobs is not None:
+                return None
+        return padded_size(len(out.scheduled), self.sizes)
+
+    def run(self, out: SchedulerOutput, size: int) -> torch.Tensor:
+        """Logits [len(out.scheduled), vocab] of a decode-only step, replayed from the graph of `size`."""
+        self.inputs.fill(out, size, self.block_size)
+        self.graphs[size].replay()
+        self.num_replays += 1
+        return self.logits[:len(out.scheduled)]
+
+
+__all__ = ["CUDAGraphRunner", "StaticDecodeInputs", "default_capture_sizes", "padded_size"]

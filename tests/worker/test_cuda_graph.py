@@ -1,0 +1,47 @@
+"""CUDA-graph bookkeeping that needs no GPU: capture sizes, padding, and the static input layout."""
+
+import torch
+
+from deepserve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from deepserve.engine.sequence import Sequence
+from deepserve.sampling_params import SamplingParams
+from deepserve.worker.cuda_graph import StaticDecodeInputs, default_capture_sizes, padded_size
+
+
+def test_capture_sizes_cover_every_batch_up_to_the_limit():
+    sizes = default_capture_sizes(256)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256
+    assert all(b - a <= 16 for a, b in zip(sizes, sizes[1:]))
+    assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert default_capture_sizes(1000, limit=64)[-1] == 64
+    for batch in range(1, 257):
+        size = padded_size(batch, sizes)
+        assert size >= batch and size - batch < 16
+    assert padded_size(257, sizes) is None
+
+
+def _decoding_sequence(seq_id: int, num_tokens: int, blocks: list[int]) -> Sequence:
+    seq = Sequence(seq_id, str(seq_id), 0, list(range(10, 10 + num_tokens)), SamplingParams(), seed=0)
+    seq.block_table = blocks
+    seq.num_computed_tokens = num_tokens - 1
+    return seq
+
+
+def test_static_inputs_hold_the_batch_then_padding():
+    bs = 4
+    inputs = StaticDecodeInputs(max_batch=8, max_blocks=4, device=torch.device("cpu"))
+    seqs = [_decoding_sequence(1, 6, [7, 3]), _decoding_sequence(2, 9, [5, 1, 2])]
+    out = SchedulerOutput(scheduled=[ScheduledSequence(s, s.num_tokens - 1, 1) for s in seqs])
+    inputs.fill(out, size=4, block_size=bs)
+    batch = inputs.batch(4, bs)
+    assert batch.input_ids.tolist() == [15, 18, 0, 0]
+    assert batch.positions.tolist() == [5, 8, 0, 0]
+    # position 5 -> block index 1 (block 3), offset 1; position 8 -> block index 2 (block 2), offset 0
+    assert batch.slot_mapping.tolist() == [3 * bs + 1, 2 * bs + 0, -1, -1]
+    assert batch.seq_lens.tolist() == [6, 9, 1, 1]
+    assert batch.block_tables[:2, :3].tolist() == [[7, 3, 0], [5, 1, 2]]
+    assert batch.block_tables[2:].abs().sum().item() == 0
+    assert batch.logits_indices.tolist() == [0, 1, 2, 3]
+    # A smaller batch next step overwrites the old rows with padding.
+    inputs.fill(SchedulerOutput(scheduled=out.scheduled[:1]), size=2, block_size=bs)
+    assert inputs.batch(2, bs).slot_mapping.tolist() == [3 * bs + 1, -1]
