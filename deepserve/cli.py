@@ -26,9 +26,10 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: set[str] = frozenset(
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
+        if f.type in (bool, "bool", "bool | None"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif f.name in ("kv_cache_memory_bytes", "max_model_len", "max_num_batched_tokens"):
+        elif f.name in ("kv_cache_memory_bytes", "max_model_len", "max_num_batched_tokens",
+                        "cuda_graph_max_batch_size"):
             group.add_argument(flag, type=int, default=f.default)
         elif f.name in ("block_size", "max_num_seqs", "seed"):
             group.add_argument(flag, type=int, default=f.default)

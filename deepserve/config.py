@@ -57,6 +57,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
+    async_scheduling: bool = False      # overlap: schedule step n+1 while step n runs on the device
     # Fraction of blocks kept free when admitting new prompts, so that a request resumed after
     # preemption is not preempted again at once by the next admission (vLLM uses 1%).
     watermark: float = 0.01
@@ -96,6 +97,7 @@ class EngineArgs:
     quantization: str | None = None
     enforce_eager: bool = False
     cuda_graph_max_batch_size: int | None = None
+    async_scheduling: bool | None = None      # None: on for CUDA devices, off on the CPU
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -169,7 +171,9 @@ class EngineArgs:
                               gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                                       max_model_len=max_model_len,
-                                      enable_chunked_prefill=self.enable_chunked_prefill),
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
+                                      async_scheduling=(device.type == "cuda" if self.async_scheduling is None
+                                                        else self.async_scheduling)),
             device=DeviceConfig(device=device, enforce_eager=self.enforce_eager,
                                 cuda_graph_max_batch_size=self.cuda_graph_max_batch_size),
         )

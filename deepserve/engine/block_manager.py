@@ -109,7 +109,9 @@ class BlockManager:
         """Name the sequence's newly completed blocks so later sequences can reuse them."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # Only blocks whose token ids are all known (an in-flight token's id has not reached the host yet).
+        known = min(seq.num_computed_tokens, len(seq.token_ids))
+        num_full = min(known // self.block_size, len(seq.block_table))
         named = self._num_named.get(seq.seq_id, 0)
         if num_full <= named:
             return      # most steps of a decode complete no block: nothing to hash

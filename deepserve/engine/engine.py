@@ -1,6 +1,7 @@
 """LLMEngine: the step loop. add_request -> step() ... -> RequestOutputs; abort_request frees at once.
 
-One step:  Scheduler.schedule -> ModelRunner.execute -> Scheduler.commit_step -> OutputProcessor.
+One step:  Scheduler.schedule -> ModelRunner.launch -> (ModelRunner.collect -> OutputProcessor -> Scheduler.commit)
+of this step, or with overlapped scheduling of the step before it.
 The engine is synchronous and single-threaded; servers drive it from one loop (engine/async_engine.py).
 """
 
@@ -15,11 +16,11 @@ from typing import Any, Iterable
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
 from deepserve.engine.output_processor import OutputProcessor, RequestState
-from deepserve.engine.scheduler import Scheduler
+from deepserve.engine.scheduler import Scheduler, SchedulerOutput
 from deepserve.engine.sequence import Sequence, SequenceStatus
 from deepserve.outputs import RequestOutput
 from deepserve.sampling_params import SamplingParams
-from deepserve.worker.model_runner import ModelRunner
+from deepserve.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class LLMEngine:
         self._next_seq_id = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, not yet collected
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -148,23 +151,55 @@ class LLMEngine:
 
     # --- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling + forward step; return outputs of the requests that progressed."""
+        """Schedule and launch one step; return outputs of the requests that progressed.
+
+        Overlapped (async_scheduling): the step launched here runs on the device while the host collects and
+        processes the step before it, so step n+1 is scheduled and prepared while step n computes. Tokens are the
+        same as in the plain loop: a sequence's next input is read on the device from the step that sampled it,
+        and a step computed for a sequence that turned out to have finished is dropped."""
         sched_out = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
         for seq in sched_out.ignored:
             touched[seq.request_id] = self.requests[seq.request_id]
+        previous = self._inflight
+        if previous is not None and any(_needs_known_outputs(s.seq) for s in sched_out.scheduled):
+            # Penalties count output tokens on the host: wait for the in-flight ones first.
+            self._finish(previous, touched)
+            previous = None
+            sched_out.scheduled = [s for s in sched_out.scheduled if not s.seq.is_finished]
+        launched = None
         if not sched_out.is_empty:
-            runner_out = self.runner.execute(sched_out)
-            self.scheduler.commit_step(sched_out)
-            now = time.monotonic()
+            handle = self.runner.launch(sched_out, previous[1] if previous is not None else None)
             for s in sched_out.scheduled:
-                state = self.requests[s.seq.request_id]
-                touched[state.request_id] = state
-                self.prompt_tokens += max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
-                self.generation_tokens += int(s.seq.seq_id in runner_out.sampled_token_ids)
-                finished_status = self.outputs.process(state, s, runner_out, now)
-                if finished_status is not None:
-                    self.scheduler.finish(s.seq, finished_status)
+                if s.samples:
+                    s.seq.num_inflight += 1
+            launched = (sched_out, handle)
+        self._inflight = launched if self.async_scheduling else None
+        if previous is not None:
+            self._finish(previous, touched)
+        if launched is not None and not self.async_scheduling:
+            self._finish(launched, touched)
+        return self._outputs(touched)
+
+    def _finish(self, launched: tuple[SchedulerOutput, LaunchedStep], touched: dict[str, RequestState]) -> None:
+        """Collect a launched step's tokens and apply them: stops, detokenization, prefix-cache naming."""
+        sched_out, handle = launched
+        runner_out = self.runner.collect(handle)
+        now = time.monotonic()
+        for s in sched_out.scheduled:
+            seq = s.seq
+            state = self.requests.get(seq.request_id)
+            if state is None or seq.is_finished:
+                continue      # aborted, or finished by an earlier step while this one ran: its result is dropped
+            touched[state.request_id] = state
+            self.prompt_tokens += max(0, min(s.start + s.num_new_tokens, seq.num_prompt_tokens) - s.start)
+            self.generation_tokens += int(seq.seq_id in runner_out.sampled_token_ids)
+            finished_status = self.outputs.process(state, s, runner_out, now)
+            self.scheduler.commit(seq)
+            if finished_status is not None:
+                self.scheduler.finish(seq, finished_status)
+
+    def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         results = []
         for request_id, state in touched.items():
             finished = state.finished
@@ -196,3 +231,10 @@ def _config_eos_ids(hf_config: dict[str, Any]) -> set[int]:
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+def _needs_known_outputs(seq: Sequence) -> bool:
+    """Sampling this sequence reads its output tokens on the host (penalties), so none may be in flight."""
+    p = seq.params
+    return seq.num_inflight > 0 and (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                                     or p.frequency_penalty != 0.0)

@@ -74,7 +74,7 @@ class OutputProcessor:
         if token is None:
             return None
         seq_state = state.per_seq[seq.seq_id]
-        seq.append_token(token)
+        seq.resolve_inflight_token(token)
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
         state.metrics.last_token_time = now
@@ -104,7 +104,7 @@ class OutputProcessor:
                 return SequenceStatus.FINISHED_STOPPED
         if p.max_tokens is not None and out_len >= p.max_tokens:
             return SequenceStatus.FINISHED_LENGTH_CAPPED
-        if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+        if self.max_model_len is not None and len(seq.token_ids) >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH_CAPPED
         return None
 

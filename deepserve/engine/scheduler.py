@@ -11,7 +11,9 @@ Invariants:
   keep a watermark of free blocks, so a resumed sequence is not preempted again straight away;
 - a sequence that could never fit (more blocks than the whole cache) is finished as IGNORED, not retried;
 - after a step, `num_computed_tokens` already counts the tokens scheduled in it (the runner computes
-  them before anything else reads the sequence).
+  them before anything else reads the sequence);
+- with overlapped scheduling, a sequence's token sampled by the step still on the device counts in
+  `num_tokens` (`num_inflight`), so the next step is scheduled before that token's id reaches the host.
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ class ScheduledSequence:
     seq: Sequence
     start: int              # first position computed in this step
     num_new_tokens: int     # positions [start, start + num_new_tokens) are computed
+    # The chunk reaches the sequence's last token, so this step samples the next one (fixed when scheduled:
+    # the sequence grows while the step runs).
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the last known token, so this step samples the next one."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -103,6 +106,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_inflight and self._finishes_by_length(seq):
+                i += 1          # its in-flight token is its last: nothing more to compute
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # Most decode steps fit in the sequence's last block: no allocation, no preemption check.
             fits = n > 0 and self.block_manager.num_blocks_to_allocate(seq, n) == 0
@@ -114,6 +120,11 @@ class Scheduler:
                 budget -= n
             i += 1
         return budget
+
+    def _finishes_by_length(self, seq: Sequence) -> bool:
+        max_tokens = seq.params.max_tokens
+        return ((max_tokens is not None and seq.num_output_tokens + seq.num_inflight >= max_tokens)
+                or seq.num_tokens >= self.config.max_model_len)
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt from the back of `running` until `seq` gets its blocks; False if `seq` itself went."""
@@ -172,8 +183,7 @@ class Scheduler:
         out.ignored.append(seq)
 
     # --- after the forward pass ---------------------------------------------------------------
-    def commit_step(self, out: SchedulerOutput) -> None:
-        """The step's KV is now computed: name its full blocks for the prefix cache."""
-        for s in out.scheduled:
-            if not s.seq.is_finished and s.seq.status is SequenceStatus.RUNNING:
-                self.block_manager.cache_full_blocks(s.seq)
+    def commit(self, seq: Sequence) -> None:
+        """A step computed `seq`'s KV and its sampled token is known: name its full blocks for the prefix cache."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.block_manager.cache_full_blocks(seq)

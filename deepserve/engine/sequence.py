@@ -44,7 +44,10 @@ class Sequence:
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index                          # position among the request's n outputs
-        self.token_ids = list(prompt_token_ids)     # prompt + generated tokens (never drafts)
+        self.token_ids = list(prompt_token_ids)     # prompt + generated tokens known on the host (never drafts)
+        # Tokens sampled by a step still running on the device (overlapped scheduling): they count in
+        # num_tokens, so the next step is scheduled as if they were known; their ids arrive one step later.
+        self.num_inflight = 0
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.seed = seed                            # sampling randomness = f(seed, position)
@@ -60,7 +63,7 @@ class Sequence:
     # --- sizes -------------------------------------------------------------------------------
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_inflight
 
     @property
     def num_output_tokens(self) -> int:
@@ -85,6 +88,12 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def resolve_inflight_token(self, token_id: int) -> None:
+        """The device reported the token of an earlier overlapped step."""
+        assert self.num_inflight > 0
+        self.num_inflight -= 1
+        self.token_ids.append(token_id)
+
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request_id}, status={self.status.name}, "
-                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+                f"tokens={self.num_tokens}, inflight={self.num_inflight}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

@@ -54,7 +54,7 @@ class SequenceSamplingRow(SamplingRow):
 
     @property
     def num_output_tokens(self) -> int:
-        return self._seq.num_output_tokens
+        return self._seq.num_output_tokens + self._seq.num_inflight   # outputs before the one being sampled
 
 
 @dataclass

@@ -53,8 +53,10 @@ class StaticDecodeInputs:
         self.max_batch, self.max_blocks = max_batch, max_blocks
         n = 4 * max_batch + max_batch * max_blocks
         pin = device.type == "cuda"
-        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
-        self.host_np = self.host.numpy()
+        # Two host buffers used in turn: with overlapped scheduling the copy out of one may still be queued
+        # while the next step fills the other (a step is collected before the one after next is filled).
+        self.hosts = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.turn = 0
         self.device = torch.zeros(n, dtype=torch.int64, device=device)
         mb = max_batch
         self.input_ids, self.positions, self.slots, self.seq_lens = (self.device[i * mb:(i + 1) * mb] for i in range(4))
@@ -62,16 +64,24 @@ class StaticDecodeInputs:
         self.query_start_loc = torch.arange(mb + 1, dtype=torch.int64, device=device)
         self.rows = torch.arange(mb, dtype=torch.int64, device=device)
 
-    def fill(self, out: SchedulerOutput, size: int, block_size: int) -> None:
-        """Write the batch (padded to `size` rows) into the host buffer, then copy the used part over."""
-        mb, h = self.max_batch, self.host_np
+    def fill(self, out: SchedulerOutput, size: int, block_size: int) -> list[tuple[int, int]]:
+        """Write the batch (padded to `size` rows) into a host buffer, then copy the used part over.
+        Returns (row, seq_id) of rows whose input token is in flight (left 0 for the caller to patch)."""
+        self.turn ^= 1
+        host = self.hosts[self.turn]
+        mb, h = self.max_batch, host.numpy()
         b = len(out.scheduled)
+        inflight = []
         ids, pos, slots, lens = h[0:mb], h[mb:2 * mb], h[2 * mb:3 * mb], h[3 * mb:4 * mb]
         tables = h[4 * mb:4 * mb + size * self.max_blocks].reshape(size, self.max_blocks)
         for i, s in enumerate(out.scheduled):
             seq, p = s.seq, s.start
             table = seq.block_table
-            ids[i] = seq.token_ids[p]
+            if p < len(seq.token_ids):
+                ids[i] = seq.token_ids[p]
+            else:
+                ids[i] = 0
+                inflight.append((i, seq.seq_id))
             pos[i] = p
             slots[i] = table[p // block_size] * block_size + p % block_size
             lens[i] = p + 1
@@ -80,7 +90,8 @@ class StaticDecodeInputs:
         ids[b:size], pos[b:size], slots[b:size], lens[b:size] = 0, 0, -1, 1
         tables[b:size] = 0
         used = 4 * mb + size * self.max_blocks
-        self.device[:used].copy_(self.host[:used], non_blocking=True)
+        self.device[:used].copy_(host[:used], non_blocking=True)
+        return inflight
 
     def batch(self, size: int, block_size: int) -> ForwardBatch:
         """A ForwardBatch of views into the static buffers (the same tensors at every replay)."""
@@ -152,12 +163,15 @@ class CUDAGraphRunner:
                 return None
         return padded_size(len(out.scheduled), self.sizes)
 
-    def run(self, out: SchedulerOutput, size: int) -> torch.Tensor:
-        """Logits [len(out.scheduled), vocab] of a decode-only step, replayed from the graph of `size`."""
-        self.inputs.fill(out, size, self.block_size)
+    def run(self, out: SchedulerOutput, size: int, patch_inflight=None) -> tuple[torch.Tensor, list]:
+        """Logits [len(out.scheduled), vocab] of a decode-only step, replayed from the graph of `size`.
+        `patch_inflight(input_ids, rows)` fills rows whose token is still on the device before the replay."""
+        inflight = self.inputs.fill(out, size, self.block_size)
+        if inflight and patch_inflight is not None:
+            patch_inflight(self.inputs.input_ids, inflight)
         self.graphs[size].replay()
         self.num_replays += 1
-        return self.logits[:len(out.scheduled)]
+        return self.logits[:len(out.scheduled)], inflight
 
 
 __all__ = ["CUDAGraphRunner", "StaticDecodeInputs", "default_capture_sizes", "padded_size"]

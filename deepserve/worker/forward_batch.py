@@ -33,6 +33,9 @@ class ForwardBatch:
     block_size: int
     # Filled by the attention backend once per step (index tensors shared by every layer).
     attn_metadata: Any = field(default=None)
+    # (row, seq_id) of rows whose input token is still in flight: input_ids holds 0 there until the runner
+    # copies the token in from the previous step's device tensor (overlapped scheduling).
+    inflight_rows: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -57,14 +60,20 @@ class ForwardBatch:
         pos: list[int] = []
         slots: list[int] = []
         q_lens, s_lens, logit_idx = [], [], []
+        inflight: list[tuple[int, int]] = []
         for sched, wanted in zip(out.scheduled, logits_rows):
             seq, start, n = sched.seq, sched.start, sched.num_new_tokens
             table = seq.block_table
             if n == 1:
-                ids.append(seq.token_ids[start])
+                if start < len(seq.token_ids):
+                    ids.append(seq.token_ids[start])
+                else:
+                    inflight.append((len(ids), seq.seq_id))
+                    ids.append(0)
                 pos.append(start)
                 slots.append(table[start // block_size] * block_size + start % block_size)
             else:
+                assert start + n <= len(seq.token_ids), "only a decode row can read an in-flight token"
                 ids.extend(seq.token_ids[start:start + n])
                 pos.extend(range(start, start + n))
                 slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
@@ -87,4 +96,5 @@ class ForwardBatch:
             input_ids=views[0], positions=views[1], slot_mapping=views[2],
             block_tables=views[3].view(num_seqs, max_blocks), query_start_loc=views[4], seq_lens=views[5],
             query_lens_cpu=q_lens, seq_lens_cpu=s_lens, logits_indices=views[6], block_size=block_size,
+            inflight_rows=inflight,
         )

@@ -1,11 +1,13 @@
 """ModelRunner: owns the model and its KV cache; turns a SchedulerOutput into sampled tokens.
 
-execute(SchedulerOutput):
+launch(SchedulerOutput) -> LaunchedStep, without waiting for the device:
   1. copy-on-write block copies;
-  2. ForwardBatch.build (host -> device once);
+  2. ForwardBatch.build (host -> device once), or the static inputs of a captured CUDA graph;
   3. model forward -> hidden states of the rows that need logits;
   4. logits -> Sampler (rows that sample) and prompt logprobs (rows that asked for them);
-  5. return a ModelRunnerOutput of plain Python values, keyed by seq_id.
+  5. sampled tokens start their copy to the host.
+collect(LaunchedStep) -> ModelRunnerOutput of plain Python values keyed by seq_id (waits for the copy).
+execute = collect(launch(...)); the engine overlaps them when it schedules ahead.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from deepserve.config import EngineConfig
 from deepserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from deepserve.layers.attention import TorchPagedAttention
-from deepserve.layers.sampler import Sampler, SamplingMetadata, SequenceSamplingRow
+from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SequenceSamplingRow
 from deepserve.loader.model_loader import load_model
 from deepserve.worker.forward_batch import ForwardBatch
 
@@ -178,54 +180,83 @@ class ModelRunner:
             layer.kv_cache.index_copy_(dim, dst, layer.kv_cache.index_select(dim, src))
 
     # --- one step -----------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run a step and wait for its results."""
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, previous: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Queue a step's forward and sampling on the device and return without waiting for it.
+
+        Rows whose input token is still in flight (sampled by `previous`, not yet on the host) read it from
+        `previous`'s device tensor, so a step can be launched before the one before it has been collected."""
         self.copy_blocks(out.blocks_to_copy)
-        result = ModelRunnerOutput()
+        step = LaunchedStep()
         if out.is_empty:
-            return result
+            return step
         graph_size = self.cuda_graphs.size_for(out) if self.cuda_graphs is not None else None
         if graph_size is not None:
             # Decode-only: one logits row per sequence; rows of non-final 1-token prompt chunks are not sampled.
-            logits = self.cuda_graphs.run(out, graph_size)
+            logits, inflight_rows = self.cuda_graphs.run(out, graph_size,
+                                                         lambda ids, rows: _patch_inflight(ids, rows, previous))
             rows = [i for i, s in enumerate(out.scheduled) if s.samples]
             if rows:
                 self._sample(logits[rows] if len(rows) < len(out.scheduled) else logits,
-                             [out.scheduled[i].seq for i in rows], result)
-            return result
+                             [out.scheduled[i].seq for i in rows], step)
+            return step
         prompt_rows = [_prompt_logprob_rows(s) for s in out.scheduled]
         logits_rows = [p + ([s.num_new_tokens - 1] if s.samples else []) for s, p in zip(out.scheduled, prompt_rows)]
         batch = ForwardBatch.build(out, self.block_size, self.device, logits_rows)
+        _patch_inflight(batch.input_ids, batch.inflight_rows, previous)
         batch.attn_metadata = self.attn_backend.build_metadata(batch)
         logits = self.model.compute_logits(self.model(batch))
         offset = 0
         sample_rows, samplers = [], []
         for s, p, rows in zip(out.scheduled, prompt_rows, logits_rows):
             if p:
-                result.prompt_logprobs[s.seq.seq_id] = self._prompt_logprobs(s, logits[offset:offset + len(p)])
+                step.prompt_logprobs[s.seq.seq_id] = self._prompt_logprobs(s, logits[offset:offset + len(p)])
             if s.samples:
                 sample_rows.append(offset + len(rows) - 1)
                 samplers.append(s.seq)
             offset += len(rows)
         if samplers:
-            self._sample(logits[sample_rows], samplers, result)
-        return result
+            self._sample(logits[sample_rows], samplers, step)
+        return step
 
-    def _sample(self, logits: torch.Tensor, seqs: list, result: ModelRunnerOutput) -> None:
-        rows = [SequenceSamplingRow(seq, self.eos_token_ids) for seq in seqs]
-        meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
-        sampled = self.sampler(logits, meta)
-        token_ids = sampled.token_ids.tolist()
-        lp = sampled.logprobs.tolist() if sampled.logprobs is not None else None
-        top_ids = sampled.top_logprob_ids.tolist() if sampled.top_logprob_ids is not None else None
-        top_lp = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-        for i, seq in enumerate(seqs):
+    def collect(self, step: "LaunchedStep") -> ModelRunnerOutput:
+        """Wait for a launched step's sampled tokens and turn them into plain Python values."""
+        result = ModelRunnerOutput(prompt_logprobs=step.prompt_logprobs)
+        if not step.seqs:
+            return result
+        if step.ready is not None:
+            step.ready.synchronize()
+        host = step.host
+        token_ids = host.token_ids.tolist()
+        lp = host.logprobs.tolist() if host.logprobs is not None else None
+        top_ids = host.top_logprob_ids.tolist() if host.top_logprob_ids is not None else None
+        top_lp = host.top_logprobs.tolist() if host.top_logprobs is not None else None
+        for i, seq in enumerate(step.seqs):
             result.sampled_token_ids[seq.seq_id] = token_ids[i]
             k = seq.params.logprobs
             if k is not None and lp is not None:
                 ids = top_ids[i][:k] if top_ids is not None else []
                 vals = top_lp[i][:k] if top_lp is not None else []
                 result.logprobs[seq.seq_id] = (token_ids[i], lp[i], ids, vals)
+        return result
+
+    def _sample(self, logits: torch.Tensor, seqs: list, step: "LaunchedStep") -> None:
+        rows = [SequenceSamplingRow(seq, self.eos_token_ids) for seq in seqs]
+        meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
+        sampled = self.sampler(logits, meta)
+        step.seqs = seqs
+        step.row_of = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        step.device_tokens = sampled.token_ids
+        # Start the copies to the host now, behind this step's work and ahead of the next step's.
+        step.host = SamplerOutput(*(_to_host(t) for t in (sampled.token_ids, sampled.logprobs,
+                                                            sampled.top_logprob_ids, sampled.top_logprobs)))
+        if self.device.type == "cuda":
+            step.ready = torch.cuda.Event()
+            step.ready.record()
 
     def _prompt_logprobs(self, s: ScheduledSequence, logits: torch.Tensor) -> list[TokenLogprobs]:
         """Log-probability of each next prompt token given its prefix (raw model distribution)."""
@@ -247,3 +278,36 @@ def _prompt_logprob_rows(s: ScheduledSequence) -> list[int]:
         return []
     end = min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1)
     return list(range(0, max(end - s.start, 0)))
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device. Its sampled tokens stay on the device for the next step's inputs and are
+    copied to the host asynchronously; `ready` fires when that copy has landed."""
+    seqs: list = field(default_factory=list)                 # sequences that sample, in row order
+    row_of: dict[int, int] = field(default_factory=dict)     # seq_id -> row in device_tokens
+    device_tokens: torch.Tensor | None = None
+    host: SamplerOutput | None = None
+    ready: "torch.cuda.Event | None" = None
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None or t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def _patch_inflight(input_ids: torch.Tensor, rows: list[tuple[int, int]], previous: LaunchedStep | None) -> None:
+    """input_ids[row] = the token `previous` sampled for that row's sequence, copied on the device."""
+    if not rows:
+        return
+    if previous is None or previous.device_tokens is None:
+        raise RuntimeError("a step reads an in-flight token but no launched step holds it")
+    device = input_ids.device
+    dst = torch.tensor([r for r, _ in rows], dtype=torch.int64).to(device, non_blocking=True)
+    src = torch.tensor([previous.row_of[seq_id] for _, seq_id in rows], dtype=torch.int64).to(device,
+                                                                                              non_blocking=True)
+    input_ids.index_copy_(0, dst, previous.device_tokens.index_select(0, src))

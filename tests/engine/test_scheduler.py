@@ -26,10 +26,10 @@ def seq(n_tokens, first=1):
 
 def finish_step(sched, out, sampled=7):
     """Pretend the forward ran: sequences that sampled get one more token."""
-    sched.commit_step(out)
     for s in out.scheduled:
         if s.samples:
             s.seq.append_token(sampled)
+        sched.commit(s.seq)
 
 
 def test_long_prompt_is_chunked_and_mixed_with_decodes():

@@ -247,7 +247,8 @@ def test_body_too_large_is_413(server):
 def test_rate_limit_is_429_with_retry_after(server):
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.base_url, headers=auth(OTHER_KEY), timeout=30) as c:
-            return await asyncio.gather(*(c.get("/v1/models") for _ in range(2 * RATE_LIMIT)))
+            # Far over the burst, so that even a slow (loaded) server sees the bucket run dry.
+            return await asyncio.gather(*(c.get("/v1/models") for _ in range(4 * RATE_LIMIT)))
     responses = asyncio.run(burst())
     limited = [r for r in responses if r.status_code == 429]
     assert limited, "no request was rate limited"
