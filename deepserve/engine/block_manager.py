@@ -132,6 +132,14 @@ class BlockManager:
         need = self.blocks_for_tokens(computed + num_new_tokens + num_lookahead_tokens) - have
         return max(need, 0) + int(self._needs_copy_on_write(seq))
 
+    def fits_in_place(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """The sequence's blocks already hold `num_new_tokens` more tokens and none needs a copy-on-write:
+        `num_blocks_to_allocate(seq, n) == 0`, decided with a few integer operations (the common decode step)."""
+        computed, bs = seq.num_computed_tokens, self.block_size
+        if computed + num_new_tokens > len(seq.block_table) * bs:
+            return False
+        return computed % bs == 0 or self.blocks[seq.block_table[computed // bs]].ref_count == 1
+
     def admission_cost(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int],
                        num_lookahead_tokens: int = 0) -> int:
         """Free blocks consumed by admitting `seq`: new blocks plus cache hits now in the free queue."""

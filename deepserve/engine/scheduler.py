@@ -111,7 +111,7 @@ class Scheduler:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # Most decode steps fit in the sequence's last block: no allocation, no preemption check.
-            fits = n > 0 and self.block_manager.num_blocks_to_allocate(seq, n) == 0
+            fits = n > 0 and self.block_manager.fits_in_place(seq, n)
             if fits or (n > 0 and self._make_room(seq, n, out)):
                 out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
                 if not fits:
@@ -122,9 +122,9 @@ class Scheduler:
         return budget
 
     def _finishes_by_length(self, seq: Sequence) -> bool:
-        max_tokens = seq.params.max_tokens
-        return ((max_tokens is not None and seq.num_output_tokens + seq.num_inflight >= max_tokens)
-                or seq.num_tokens >= self.config.max_model_len)
+        max_tokens, known = seq.params.max_tokens, len(seq.token_ids)
+        return ((max_tokens is not None and known - seq.num_prompt_tokens + seq.num_inflight >= max_tokens)
+                or known + seq.num_inflight >= self.config.max_model_len)
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt from the back of `running` until `seq` gets its blocks; False if `seq` itself went."""

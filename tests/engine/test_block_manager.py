@@ -164,6 +164,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq in self.live:
             assert len(set(seq.block_table)) == len(seq.block_table)
 
+    @invariant()
+    def fast_fit_check_agrees(self):
+        for seq in self.live:
+            for n in (1, 2, 5):
+                assert self.bm.fits_in_place(seq, n) == (self.bm.num_blocks_to_allocate(seq, n) == 0)
+
     def teardown(self):
         for seq in self.live:
             self.bm.free(seq)

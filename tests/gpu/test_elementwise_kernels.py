@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from deepserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref
 from deepserve.kernels.rotary import apply_rotary, apply_rotary_ref, rotate, rotate_ref
 from deepserve.layers.rotary import RotaryEmbedding
@@ -67,7 +68,8 @@ def test_rotary_matches_reference(device, dtype, head_dim, heads, kv_heads, scal
     qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, device=device).to(dtype)
     q = qkv[:, :heads * head_dim].view(t, heads, head_dim)                           # strided views
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
-    ref_q, ref_k = rope(positions, q, k)
+    # The PyTorch twin is the reference: on a CUDA tensor the layer itself dispatches to the kernel.
+    ref_q, ref_k = apply_rotary_ref(positions, q, k, rope.cos_cache, rope.sin_cache)
     out_q, out_k = apply_rotary(positions, q, k, rope.cos_cache, rope.sin_cache)
     # x1*cos - x2*sin may be contracted into one fused multiply-add: a float32 difference of about 2**-23 of the
     # products, visible only where the two products cancel (results near 0).
@@ -78,14 +80,19 @@ def test_rotary_matches_reference(device, dtype, head_dim, heads, kv_heads, scal
     q2, k2 = q.contiguous(), k.contiguous()
     r_q, r_k = apply_rotary(positions, q2, k2, rope.cos_cache, rope.sin_cache, inplace=True)
     assert r_q.data_ptr() == q2.data_ptr() and torch.equal(q2, out_q) and torch.equal(k2, out_k)
-    tw_q, tw_k = apply_rotary_ref(positions, q, k, rope.cos_cache, rope.sin_cache)
-    assert torch.equal(tw_q, ref_q) and torch.equal(tw_k, ref_k)
+    layer_q, layer_k = rope(positions, q, k)
+    if use_triton(q):
+        assert torch.equal(layer_q, out_q) and torch.equal(layer_k, out_k)     # the layer runs the kernel
+    else:
+        assert torch.equal(layer_q, ref_q) and torch.equal(layer_k, ref_k)     # interpreter: the layer's torch path
     # q and k heads side by side in one tensor (what the Llama layer rotates): one pass.
     qk = qkv[:, :(heads + kv_heads) * head_dim].view(t, heads + kv_heads, head_dim)
-    if hasattr(rope, "rotate"):
-        assert torch.equal(rotate_ref(positions, qk, rope.cos_cache, rope.sin_cache), rope.rotate(positions, qk))
     out_qk = rotate(positions, qk, rope.cos_cache, rope.sin_cache)
     assert torch.equal(out_qk, torch.cat([out_q, out_k], dim=1))
+    assert_within_ulps(out_qk, rotate_ref(positions, qk, rope.cos_cache, rope.sin_cache), dtype, ulps=1,
+                       min_exact=0.99, atol=atol)
+    assert torch.equal(rope.rotate(positions, qk), out_qk if use_triton(qk) else rotate_ref(
+        positions, qk, rope.cos_cache, rope.sin_cache))
 
 
 # --- SiLU-and-mul -------------------------------------------------------------------------------
