@@ -1,0 +1,261 @@
+"""Multi-head latent attention decode over the paged latent cache (DeepSeek-V2/V3), in latent space.
+
+Cache of one layer: [num_blocks, block_size, R + P] per token: the compressed latent c (R = kv_lora_rank) then
+the shared RoPE key k_pe (P = qk_rope_head_dim); see deepserve/layers/mla.py. With W_UK absorbed into the
+query (q_lat = q_nope W_UK, done outside), head h's score of token j is q_lat[h] . c[j] + q_pe[h] . k_pe[j]
+and its output is the probability-weighted sum of the latents c[j]; W_UV is applied outside.
+
+Every head of a sequence reads the same latents, so one program takes a tile of BLOCK_H heads: each cache tile
+is loaded once and used for all of them, both as keys and as values (MQA with a 576-wide key and a 512-wide
+value that is the key's prefix). Long contexts with few sequences are split over the context (split-K); a
+reduce kernel merges the splits by their log-sum-exp, as the paged decode kernel does.
+
+Numerics: scores, softmax statistics and the accumulator in float32; probabilities cast to the cache dtype for
+the P @ C product (flash-attention style); the output rounded once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
+
+_LOG2E = 1.4426950408889634
+MLA_BLOCK_N = 32         # cached tokens per inner step
+MLA_BLOCK_H = 16         # heads per program (tl.dot needs >= 16 rows; padded heads are masked)
+_MIN_PARTITION = 128     # tokens (144 KiB of bf16 latents): shorter splits cost more in the reduce than they gain
+_MAX_SPLITS = 128
+
+
+@triton.jit
+def _write_latent_kernel(latent_ptr, k_pe_ptr, cache_ptr, slot_ptr, stride_lt, stride_pt,
+                         stride_c_block, stride_c_slot, block_size,
+                         RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr):
+    """cache[slot] = [latent | k_pe] for one row; a negative slot (a CUDA-graph padding row) writes nothing."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    keep = slot >= 0
+    in_latent = d < RANK
+    in_rope = (d >= RANK) & (d < RANK + ROPE)
+    value = tl.load(latent_ptr + t * stride_lt + d, mask=in_latent & keep, other=0.0)
+    value = tl.where(in_rope, tl.load(k_pe_ptr + t * stride_pt + (d - RANK), mask=in_rope & keep, other=0.0), value)
+    dst = cache_ptr + (slot // block_size) * stride_c_block + (slot % block_size) * stride_c_slot + d
+    tl.store(dst, value, mask=(d < RANK + ROPE) & keep)
+
+
+def write_latents(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor):
+    """kv_cache[slot] = [latent | k_pe] per row (latent [T, R], k_pe [T, P], unit last strides), rows with a
+    negative slot skipped: the reference's write, safe for padded CUDA-graph batches."""
+    require_triton(latent)
+    t, rank = latent.shape
+    rope = k_pe.shape[-1]
+    if t == 0:
+        return
+    if latent.stride(-1) != 1:
+        latent = latent.contiguous()
+    if k_pe.stride(-1) != 1:
+        k_pe = k_pe.contiguous()
+    assert kv_cache.shape[-1] == rank + rope and kv_cache.stride(-1) == 1
+    _write_latent_kernel[(t,)](latent, k_pe, kv_cache, slot_mapping, latent.stride(0), k_pe.stride(0),
+                               kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[1],
+                               RANK=rank, ROPE=rope, BLOCK=next_pow2(rank + rope), num_warps=4)
+
+
+def write_latents_ref(kv_cache, latent, k_pe, slot_mapping):
+    """The reference backend's write (TorchMLA): every slot must be valid."""
+    kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = torch.cat((latent, k_pe), dim=-1)
+
+
+@triton.jit
+def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
+                       out_ptr, part_out_ptr, part_lse_ptr,
+                       qk_scale,
+                       stride_qlb, stride_qlh, stride_qpb, stride_qph,
+                       stride_c_block, stride_c_slot, stride_bt, stride_ob, stride_oh,
+                       stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
+                       num_heads, block_size, partition_size,
+                       RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    head_tile = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    if SPLIT:
+        start = split * partition_size
+        end = tl.minimum(start + partition_size, seq_len)
+    else:
+        start = 0
+        end = seq_len
+
+    heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < num_heads
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < RANK
+    p = tl.arange(0, BLOCK_P)
+    p_ok = p < ROPE
+    q_lat = tl.load(q_lat_ptr + b * stride_qlb + heads[:, None] * stride_qlh + r[None, :],
+                    mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q_pe = tl.load(q_pe_ptr + b * stride_qpb + heads[:, None] * stride_qph + p[None, :],
+                   mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+
+    table = block_tables_ptr + b * stride_bt
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    # Every tile holds at least one real token (the loop stops at `end`), so m_i is finite after the first.
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        t_ok = tok < end
+        blk = tl.load(table + tok // block_size, mask=t_ok, other=0).to(tl.int64)
+        slot = cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
+        latent = tl.load(slot[:, None] + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
+        k_pe = tl.load(slot[:, None] + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
+        s = tl.dot(q_lat, tl.trans(latent), input_precision=PRECISION)          # [BLOCK_H, BLOCK_N]
+        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
+        s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))               # log2 domain
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        prob = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        # The latent tile doubles as the value tile: no second load.
+        acc = tl.dot(prob.to(latent.dtype), latent, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    out_mask = h_ok[:, None] & r_ok[None, :]
+    if SPLIT:
+        # This split's normalised output and log2-sum-exp; an empty split has lse = -inf and weighs nothing.
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(part_out_ptr + b * stride_po_b + heads[:, None] * stride_po_h + split * stride_po_s + r[None, :],
+                 o, mask=out_mask)
+        tl.store(part_lse_ptr + b * stride_pl_b + heads * stride_pl_h + split, lse, mask=h_ok)
+    else:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + r[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+
+
+@triton.jit
+def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr,
+                       stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_ob, stride_oh,
+                       num_splits,
+                       RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge the splits of one (sequence, head): weights 2^(lse_s - max lse), one split row at a time (a
+    [splits, 512] float32 tile would not fit in registers)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    lse_ptr = part_lse_ptr + b * stride_pl_b + h * stride_pl_h
+    lse = tl.load(lse_ptr + s, mask=s < num_splits, other=float("-inf"))
+    lse_max = tl.max(lse, 0)                                  # finite: split 0 always holds token 0
+    total = tl.sum(tl.math.exp2(lse - lse_max), 0)           # empty splits weigh 0
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < RANK
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for i in range(0, num_splits):
+        w = tl.math.exp2(tl.load(lse_ptr + i) - lse_max)
+        o = tl.load(part_out_ptr + b * stride_po_b + h * stride_po_h + i * stride_po_s + r, mask=r_ok, other=0.0)
+        acc += w * o
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + r, (acc / total).to(out_ptr.dtype.element_ty), mask=r_ok)
+
+
+def _num_sms(device: torch.device) -> int:
+    from deepserve.kernels.paged_attention import _num_sms as sms
+    return sms(device)
+
+
+def mla_num_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Split the context only when (sequences x head tiles) programs leave the GPU idle and contexts are long."""
+    programs = max(1, batch * cdiv(num_heads, MLA_BLOCK_H))
+    target = 2 * _num_sms(device)
+    if programs >= target or max_seq_len <= 2 * _MIN_PARTITION:
+        return 1
+    return max(1, min(cdiv(target, programs), cdiv(max_seq_len, _MIN_PARTITION), _MAX_SPLITS))
+
+
+def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None,
+               max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, block_n: int = MLA_BLOCK_N,
+               num_warps: Optional[int] = None, num_stages: int = 2) -> torch.Tensor:
+    """One query token per sequence b (row b) over its paged latents.
+
+    q_lat: [B, H, R] (q_nope with W_UK absorbed), q_pe: [B, H, P] (any batch/head strides, unit last stride);
+    kv_cache: [num_blocks, block_size, R + P]; block_tables [B, max_blocks]; seq_lens [B] (>= 1, this step's
+    latent already written) -> [B, H, R] attention-weighted latents (in `out` if given, else q_lat's dtype).
+    `max_seq_len` (host int) sizes the split without a device sync; `num_splits` forces it; `block_n`,
+    `num_warps`, `num_stages` are the tile and launch settings (tuning).
+    """
+    require_triton(q_lat)
+    bsz, heads, rank = q_lat.shape
+    rope = q_pe.shape[-1]
+    assert kv_cache.shape[-1] == rank + rope and kv_cache.stride(-1) == 1
+    if q_lat.stride(-1) != 1:
+        q_lat = q_lat.contiguous()
+    if q_pe.stride(-1) != 1:
+        q_pe = q_pe.contiguous()
+    if out is None:
+        out = torch.empty(bsz, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
+    if bsz == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item())
+    if num_splits is None:
+        num_splits = mla_num_splits(bsz, heads, max_seq_len, q_lat.device)
+    partition = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n
+    num_splits = max(1, cdiv(max_seq_len, partition))
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(bsz, heads, num_splits, rank, dtype=torch.float32, device=q_lat.device)
+        part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q_lat.device)
+        po = (part_out.stride(0), part_out.stride(1), part_out.stride(2))
+        pl = (part_lse.stride(0), part_lse.stride(1))
+    else:
+        part_out = part_lse = out      # unused
+        po, pl = (0, 0, 0), (0, 0)
+    block_r = max(16, next_pow2(rank))
+    # 4 warps, 32-token tiles, 2 stages: the best or near it on an H200 from (B=1, 4k) to (B=256, 256) and
+    # (B=64, 4k) among 16/32/64-token tiles x 4/8 warps x 2/3 stages (bf16, 512 + 64, 16 heads).
+    warps = num_warps or 4
+    precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"      # fp32 inputs: no TF32 rounding
+    _mla_decode_kernel[(bsz, cdiv(heads, MLA_BLOCK_H), num_splits)](
+        q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * _LOG2E,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        *po, *pl, heads, kv_cache.shape[1], partition,
+        RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(rope)),
+        BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision, num_warps=warps,
+        num_stages=num_stages)
+    if split:
+        _mla_reduce_kernel[(bsz, heads)](
+            part_out, part_lse, out, *po, *pl, out.stride(0), out.stride(1), num_splits,
+            RANK=rank, BLOCK_R=block_r, BLOCK_S=next_pow2(num_splits), num_warps=4)
+    return out
+
+
+def mla_decode_ref(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, out=None, max_seq_len=None,
+                   num_splits=None):
+    """The PyTorch twin: softmax over [q_lat | q_pe] . [c | k_pe] of each sequence's tokens, weighted latents
+    (the latent-space half of `absorbed_attention` in deepserve/layers/mla.py), float32 throughout."""
+    rank = q_lat.shape[-1]
+    bs = kv_cache.shape[1]
+    num_blocks = cdiv(int(seq_lens.max().item()), bs)
+    cached = kv_cache[block_tables[:, :num_blocks]].flatten(1, 2).float()        # [B, L, R + P]
+    mask = torch.arange(cached.shape[1], device=q_lat.device)[None, :] < seq_lens[:, None]
+    query = torch.cat((q_lat.float(), q_pe.float()), dim=-1)                      # [B, H, R + P]
+    scores = torch.matmul(query, cached.transpose(1, 2)) * scale
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    result = torch.matmul(torch.softmax(scores, dim=-1), cached[..., :rank])
+    if out is None:
+        return result.to(q_lat.dtype)
+    out.copy_(result)
+    return out
+
+
+__all__ = ["mla_decode", "mla_decode_ref", "mla_num_splits", "write_latents", "write_latents_ref", "MLA_BLOCK_H",
+           "MLA_BLOCK_N"]

@@ -1,0 +1,214 @@
+"""Fused MoE kernels (align, grouped gate/up + SwiGLU, grouped down + router weight, combine) and the TritonMoE
+backend against the PyTorch reference backend TorchMoE."""
+
+import pytest
+import torch
+
+from deepserve.kernels import INTERPRET
+from deepserve.kernels.fused_moe import (MoEConfig, align_max_rows, fused_moe, fused_moe_ref, moe_align,
+                                         moe_align_ref)
+from deepserve.kernels.moe_backend import TritonMoE
+from deepserve.layers.moe import FusedMoE, RoutingConfig
+from kernel_testing import skip_bf16_in_interpreter
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Relative Frobenius error and max abs error / max |ref|. fp32: IEEE products, only the summation order
+# differs. Half types: the kernel keeps gate/up in float32 through the SwiGLU and rounds the weighted pair
+# rows once, the reference rounds gate/up, the activation and each pair's row to the dtype.
+MOE_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 1e-2), torch.bfloat16: (2e-2, 5e-2)}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_scalars(monkeypatch):
+    """Triton 3.6's interpreter holds kernel scalars as 1-element arrays and numpy >= 2.3 refuses int() of
+    those, so `range(0, n)` over a scalar argument fails under TRITON_INTERPRET=1. Take the element instead."""
+    if not INTERPRET:
+        return
+    import triton.runtime.interpreter as interp
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    monkeypatch.setattr(interp, "_patch_lang_tensor", patched)
+
+
+def _weights(num_experts, hidden, inter, dtype, device):
+    """Expert stacks scaled by 1/sqrt(fan_in): activations of order 1 at every stage."""
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter, device=device) / inter ** 0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def _routing(t, num_experts, top_k, device, experts=None):
+    """Random distinct experts per token (from `experts` if given) and random positive weights."""
+    pool = torch.arange(num_experts) if experts is None else torch.tensor(experts)
+    ids = torch.stack([pool[torch.randperm(len(pool))[:top_k]] for _ in range(t)])
+    weights = torch.rand(t, top_k) + 0.1
+    return weights.to(device), ids.to(device)
+
+
+def _check(out, ref, dtype):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    o, r = out.float(), ref.float()
+    assert torch.isfinite(o).all()
+    rel = ((o - r).norm() / r.norm()).item()
+    max_rel = ((o - r).abs().max() / r.abs().max()).item()
+    rel_tol, max_tol = MOE_TOL[dtype]
+    assert rel < rel_tol and max_rel < max_tol, f"rel {rel:.2e} (tol {rel_tol}), max {max_rel:.2e} (tol {max_tol})"
+
+
+def _run(device, dtype, t, num_experts, top_k, hidden, inter, experts=None, limit=None, config=None):
+    x = torch.randn(t, hidden, device=device).to(dtype)
+    w13, w2 = _weights(num_experts, hidden, inter, dtype, device)
+    weights, ids = _routing(t, num_experts, top_k, device, experts)
+    out = fused_moe(x, w13, w2, weights, ids, limit, config=config)
+    _check(out, fused_moe_ref(x, w13, w2, weights, ids, limit), dtype)
+
+
+# (T, E, top_k, H, I): batch-1 decode (DeepSeek-like fan-out), odd sizes that need masks, top-1 (no combine),
+# more tokens than one block per expert.
+SHAPES = [(1, 8, 2, 64, 32), (1, 64, 6, 128, 96), (7, 16, 4, 96, 80), (33, 4, 1, 64, 48), (70, 8, 2, 64, 64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-E{}-k{}-H{}-I{}".format(*s))
+def test_fused_moe_matches_reference(device, dtype, shape):
+    skip_bf16_in_interpreter(dtype)
+    _run(device, dtype, *shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_tokens_to_one_expert(device, dtype):
+    """Top-1 to one expert (one long run, several blocks), then top-2 over the same two experts."""
+    skip_bf16_in_interpreter(dtype)
+    _run(device, dtype, 50, 8, 1, 64, 32, experts=[5])
+    _run(device, dtype, 50, 8, 2, 64, 32, experts=[0, 7])
+
+
+def test_experts_without_tokens(device):
+    """32 experts, only 3 of them routed to: the others get no block and no work."""
+    _run(device, torch.float32, 20, 32, 2, 64, 32, experts=[3, 17, 30])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_limit(device, dtype):
+    """DeepSeek-V4.1's clamp, with a limit low enough that it cuts many gate and up values."""
+    skip_bf16_in_interpreter(dtype)
+    _run(device, dtype, 9, 8, 3, 64, 32, limit=0.5)
+
+
+@pytest.mark.parametrize("config", [MoEConfig(16, 32, 32, 128), MoEConfig(32, 64, 64), MoEConfig(64, 64, 128, 32),
+                                    MoEConfig(128, 128, 128, num_warps=8)],
+                         ids=lambda c: f"M{c.block_m}-N{c.block_n_up}-{c.block_n_down}-K{c.block_k}")
+def test_tile_configs(device, config):
+    """Every block shape the heuristic picks, forced, on sizes that are not multiples of the tiles."""
+    _run(device, torch.float32, 37, 6, 2, 80, 72, config=config)
+
+
+def test_empty_batch(device):
+    x = torch.zeros(0, 64, device=device)
+    w13, w2 = _weights(4, 64, 32, torch.float32, device)
+    out = fused_moe(x, w13, w2, torch.zeros(0, 2, device=device), torch.zeros(0, 2, dtype=torch.int64, device=device))
+    assert out.shape == (0, 64)
+
+
+# --- align ---------------------------------------------------------------------------------------
+
+def _check_alignment(align, ids, num_experts):
+    """Every pair exactly once; each block's real rows all routed to its expert; used blocks first, in expert
+    order, real rows before the padding of a run; padding rows hold num_pairs."""
+    flat = ids.flatten().cpu()
+    n = flat.numel()
+    experts = align.block_expert.cpu()
+    used = experts >= 0
+    num_used = int(used.sum())
+    assert not used[num_used:].any(), "unused blocks must come last"
+    assert num_used == sum(-(-int((flat == e).sum()) // align.block_m) for e in range(num_experts))
+    assert (experts[used].diff() >= 0).all()
+    pairs = align.sorted_pairs.cpu().view(-1, align.block_m)[:num_used]     # rows past the runs are never read
+    real = pairs[pairs < n]
+    assert sorted(real.tolist()) == list(range(n)) and (pairs <= n).all()
+    for block, expert in zip(pairs, experts[used].tolist()):
+        rows = block[block < n]
+        assert len(rows) and (flat[rows] == expert).all()
+        assert (block[:len(rows)] < n).all(), "padding only at the end of a run"
+
+
+@pytest.mark.parametrize("num_pairs,num_experts,block_m", [(1, 4, 16), (6, 64, 16), (40, 8, 16), (300, 16, 32),
+                                                           (64, 4, 64), (5000, 128, 64), (700, 256, 16)])
+def test_align_matches_reference(device, num_pairs, num_experts, block_m):
+    """The Triton align and the stable-sort torch twin: both valid layouts with the same blocks (expert of
+    every block). Inside a run the Triton order may differ (atomic ranks on the GPU), which no result sees."""
+    ids = torch.randint(0, num_experts, (num_pairs, 1), device=device)
+    if num_pairs >= 40:
+        ids[: num_pairs // 2] = 1     # a hot expert with many blocks next to cold and empty ones
+    reference = moe_align_ref(ids, num_experts, block_m)
+    aligned = moe_align(ids, num_experts, block_m)
+    _check_alignment(reference, ids, num_experts)
+    _check_alignment(aligned, ids, num_experts)
+    assert torch.equal(aligned.block_expert, reference.block_expert)
+    assert reference.sorted_pairs.shape[0] == align_max_rows(num_pairs, num_experts, block_m)
+
+
+def test_decode_touches_only_the_routed_experts(device):
+    """Batch-1 decode with top-6 of 64 experts: exactly 6 blocks do work, one per routed expert, so the GEMMs
+    read those 6 experts' weights and no others."""
+    ids = torch.tensor([[41, 3, 60, 7, 22, 9]], device=device)
+    align = moe_align(ids, 64, 16)
+    active = align.block_expert[align.block_expert >= 0].tolist()
+    assert active == sorted(ids[0].tolist())
+    assert align.num_blocks == 6
+
+
+# --- backend --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_in_moe_layer(device, dtype):
+    """A whole FusedMoE layer (router, shared expert) with TritonMoE equals the same layer on TorchMoE."""
+    skip_bf16_in_interpreter(dtype)
+    routing = RoutingConfig(top_k=4, topk_method="group_limited_greedy", num_groups=4, topk_groups=2,
+                            scaling_factor=2.0)
+    layer = FusedMoE(64, 32, 16, routing, shared_intermediate_size=48).to(device)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.2)
+    layer = layer.to(dtype)
+    x = torch.randn(13, 64, device=device).to(dtype)
+    with torch.inference_mode():
+        ref = layer(x)
+        load_ref = layer.expert_load.clone()
+        layer.backend = TritonMoE()
+        out = layer(x)
+    _check(out, ref, dtype)
+    assert torch.equal(layer.expert_load, 2 * load_ref)
+
+
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
+def test_moe_layer_in_cuda_graph(device):
+    """A FusedMoE layer on TritonMoE captured in a CUDA graph (fixed shapes, no host sync) and replayed on new
+    inputs written into the captured tensor: equals the eager layer each time."""
+    dtype = torch.bfloat16
+    layer = FusedMoE(64, 32, 16, RoutingConfig(top_k=4, renormalize=True), shared_intermediate_size=48).to(device)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.2)
+    layer = layer.to(dtype)
+    layer.backend = TritonMoE()
+    x = torch.randn(8, 64, device=device).to(dtype)
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(x)                         # compiles outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x)
+        for _ in range(3):
+            x.copy_(torch.randn(8, 64, device=device))
+            graph.replay()
+            torch.cuda.synchronize()
+            _check(out, layer(x), dtype)
