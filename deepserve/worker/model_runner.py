@@ -56,20 +56,27 @@ class ModelRunner:
         self.cuda_graphs = self._capture_cuda_graphs()
 
     def _select_attention_backend(self):
-        """Triton kernels for standard attention layers on a CUDA device when Triton imports; the PyTorch
-        reference everywhere else (and for layers with their own backend, such as MLA, until they get kernels)."""
+        """The backend whose `build_metadata` runs once per step. On a CUDA device with Triton: Triton kernels for
+        standard attention, MLA and MoE layers; the PyTorch references everywhere else."""
         reference = TorchPagedAttention()
         layers = self.model.attention_layers()
         if self.device.type != "cuda":
             return reference
         from deepserve.kernels import HAS_TRITON
-        if not HAS_TRITON or not all(isinstance(layer.backend, TorchPagedAttention) for layer in layers):
+        if not HAS_TRITON:
             return reference
-        from deepserve.kernels.attention_backend import TritonPagedAttention
-        triton_backend = TritonPagedAttention()
-        for layer in layers:
-            layer.backend = triton_backend
-        return triton_backend
+        from deepserve.kernels.moe_backend import select_moe_and_mla_backends
+        select_moe_and_mla_backends(self.model, self.device)
+        if all(isinstance(layer.backend, TorchPagedAttention) for layer in layers):
+            from deepserve.kernels.attention_backend import TritonPagedAttention
+            triton_backend = TritonPagedAttention()
+            for layer in layers:
+                layer.backend = triton_backend
+            return triton_backend
+        shared = {id(layer.backend) for layer in layers}
+        if len(shared) == 1 and hasattr(layers[0].backend, "build_metadata"):
+            return layers[0].backend       # e.g. TritonMLA: one backend object builds every layer's metadata
+        return reference
 
     # --- KV cache -----------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -152,10 +159,12 @@ class ModelRunner:
     # --- CUDA graphs --------------------------------------------------------------------------
     def _capture_cuda_graphs(self):
         """Decode graphs on a CUDA device, unless enforce_eager or a layer cannot be captured yet (the PyTorch
-        reference backends read host-side lengths, and MoE layers sort tokens with data-dependent shapes)."""
+        reference backends read host-side lengths, and the reference MoE sorts tokens with data-dependent shapes)."""
         if self.device.type != "cuda" or self.config.device.enforce_eager:
             return None
-        if not hasattr(self.attn_backend, "build_graph_metadata") or self.model.moe_layers():
+        from deepserve.layers.moe import TorchMoE
+        reference_moe = any(isinstance(layer.backend, TorchMoE) for layer in self.model.moe_layers())
+        if not hasattr(self.attn_backend, "build_graph_metadata") or reference_moe:
             logger.info("CUDA graphs off: this model's layers run eagerly")
             return None
         from deepserve.worker.cuda_graph import CUDAGraphRunner, default_capture_sizes
@@ -163,7 +172,12 @@ class ModelRunner:
         sizes = default_capture_sizes(sched.max_num_seqs, self.config.device.cuda_graph_max_batch_size)
         graphs = CUDAGraphRunner(self.model, self.attn_backend, self.block_size, sched.max_model_len,
                                  self.config.model.vocab_size, sizes, self.device)
-        graphs.capture()
+        try:
+            graphs.capture()
+        except Exception:   # a layer that cannot be captured must not stop the engine: run eagerly instead
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            torch.cuda.synchronize(self.device)
+            return None
         return graphs
 
     @property
