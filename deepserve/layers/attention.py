@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepserve.kernels import cpu as cpu_kernels
 from deepserve.worker.forward_batch import ForwardBatch
 
 
@@ -46,6 +47,7 @@ class TorchAttentionMetadata:
     decode_blocks: torch.Tensor | None    # [Bd, max_blocks] their block tables (padded with block 0)
     decode_mask: torch.Tensor | None      # [Bd, max_blocks * block_size] True where a slot is a real key
     prefills: list[_PrefillSegment]
+    decode_plan: cpu_kernels.DecodePlan | None = None   # the decode rows for the CPU kernel (None: no kernel)
 
 
 class TorchPagedAttention:
@@ -53,6 +55,9 @@ class TorchPagedAttention:
 
     Keys are gathered a whole block at a time (a block is one contiguous run of memory), which is
     several times faster on a CPU than gathering token slots one by one.
+
+    On the CPU, fp32 decode rows go to a C kernel instead (deepserve/kernels/cpu) that reads each cached
+    key/value once, in place, without the gather; the matmul path stays as its fallback and reference.
     """
 
     def build_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
@@ -66,9 +71,12 @@ class TorchPagedAttention:
             idx = torch.tensor(decode_b, device=device)
             num_blocks = -(-max(batch.seq_lens_cpu[b] for b in decode_b) // bs)
             meta.decode_rows = torch.tensor([starts[b] for b in decode_b], device=device)
-            meta.decode_blocks = batch.block_tables[idx, :num_blocks]
+            meta.decode_blocks = batch.block_tables[idx, :num_blocks].contiguous()
             positions = torch.arange(num_blocks * bs, device=device)
-            meta.decode_mask = positions[None, :] < batch.seq_lens[idx][:, None]
+            seq_lens = batch.seq_lens[idx]
+            meta.decode_mask = positions[None, :] < seq_lens[:, None]
+            if device.type == "cpu" and cpu_kernels.library() is not None:
+                meta.decode_plan = cpu_kernels.DecodePlan(meta.decode_rows, meta.decode_blocks, seq_lens)
         for b in prefill_b:
             n, seq_len = batch.query_lens_cpu[b], batch.seq_lens_cpu[b]
             blocks = batch.block_tables[b, : -(-seq_len // bs)]
@@ -81,15 +89,25 @@ class TorchPagedAttention:
         k_cache, v_cache = kv_cache[0], kv_cache[1]       # [num_blocks, block_size, Hkv, D]
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
-            keys = k_cache[meta.decode_blocks].flatten(1, 2)      # [Bd, max_blocks * bs, Hkv, D]
-            values = v_cache[meta.decode_blocks].flatten(1, 2)
-            out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], keys, values, meta.decode_mask, scale)
+            plan = meta.decode_plan
+            if plan is None or not plan.run(q, kv_cache, out, scale):
+                keys = gather_blocks(k_cache, meta.decode_blocks).flatten(1, 2)    # [Bd, max_blocks * bs, Hkv, D]
+                values = gather_blocks(v_cache, meta.decode_blocks).flatten(1, 2)
+                out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], keys, values, meta.decode_mask,
+                                                          scale)
         for seg in meta.prefills:
             rows = slice(seg.row_start, seg.row_start + seg.num_rows)
-            keys = k_cache[seg.blocks].flatten(0, 1)[: seg.seq_len]
-            values = v_cache[seg.blocks].flatten(0, 1)[: seg.seq_len]
+            keys = gather_blocks(k_cache, seg.blocks).flatten(0, 1)[: seg.seq_len]
+            values = gather_blocks(v_cache, seg.blocks).flatten(0, 1)[: seg.seq_len]
             out[rows] = _prefill_attention(q[rows], keys, values, seg.first_position, scale)
         return out
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] for a cache [num_blocks, ...]: index_select on a 2-D view copies each block as one
+    row, several times faster than advanced indexing on the full shape."""
+    rows = cache.reshape(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
+    return rows.view(*blocks.shape, *cache.shape[1:])
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -1,0 +1,312 @@
+"""The C paged decode attention kernel (deepserve/kernels/cpu) against attention written from its definition,
+its use by TorchPagedAttention, its fallback, and the build cache it is compiled into."""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepserve.kernels import cpu
+import deepserve.kernels.cpu.build as cpu_build
+from deepserve.layers.attention import TorchPagedAttention
+from deepserve.worker.forward_batch import ForwardBatch
+
+requires_kernel = pytest.mark.skipif(cpu.library() is None, reason="no C compiler, or DEEPSERVE_CPU_KERNELS=0")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def reference_decode(q, kv_cache, block_tables, seq_lens, scale):
+    """softmax(q k^T * scale) v over each sequence's first seq_len keys, in float64, slot by slot."""
+    _, _, block_size, hkv, _ = kv_cache.shape
+    group = q.shape[1] // hkv
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, length in enumerate(seq_lens.tolist()):
+        pos = torch.arange(length)
+        blocks = block_tables[b][pos // block_size]
+        k = kv_cache[0, blocks, pos % block_size].double().repeat_interleave(group, dim=1)   # [L, H, D]
+        v = kv_cache[1, blocks, pos % block_size].double().repeat_interleave(group, dim=1)
+        probs = torch.softmax(torch.einsum("hd,lhd->hl", q[b].double(), k) * scale, dim=-1)
+        out[b] = torch.einsum("hl,lhd->hd", probs, v)
+    return out
+
+
+def random_case(seq_lens, hkv, group, head_dim, block_size=16, seed=0, spare_blocks=5):
+    """q [B, H, D], a random fp32 cache, and block tables drawn from a shuffled pool (padded with block 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [cdiv(n, block_size) for n in seq_lens]
+    num_blocks = sum(needed) + spare_blocks
+    kv_cache = torch.randn(2, num_blocks, block_size, hkv, head_dim, generator=gen)
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max(needed) + 1, dtype=torch.int64)
+    for b, n in enumerate(needed):
+        tables[b, :n] = torch.tensor([pool.pop() for _ in range(n)])
+    q = torch.randn(len(seq_lens), hkv * group, head_dim, generator=gen)
+    return q, kv_cache, tables, torch.tensor(seq_lens)
+
+
+def run_kernel(q, kv_cache, tables, seq_lens, scale, rows=None, out=None):
+    rows = torch.arange(len(seq_lens)) if rows is None else rows
+    out = torch.full_like(q, float("nan")) if out is None else out
+    assert cpu.DecodePlan(rows, tables, seq_lens).run(q, kv_cache, out, scale)
+    return out
+
+
+def assert_matches_reference(out, ref):
+    # 1e-5 relative to the output's scale (values near zero make elementwise relative error meaningless).
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+SEQ_LENS = [[1], [15], [16], [17], [300], [1, 15, 16, 17, 300, 33, 2, 64]]
+
+
+@requires_kernel
+@pytest.mark.parametrize("seq_lens", SEQ_LENS, ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_matches_reference(seq_lens, group, head_dim):
+    q, kv_cache, tables, lens = random_case(seq_lens, hkv=3, group=group, head_dim=head_dim)
+    scale = 1 / math.sqrt(head_dim)
+    assert_matches_reference(run_kernel(q, kv_cache, tables, lens, scale),
+                             reference_decode(q, kv_cache, tables, lens, scale))
+
+
+@requires_kernel
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_other_block_sizes(block_size):
+    q, kv_cache, tables, lens = random_case([1, 7, 8, 9, 31, 32, 33, 100], hkv=2, group=2, head_dim=16,
+                                            block_size=block_size)
+    assert_matches_reference(run_kernel(q, kv_cache, tables, lens, 0.25),
+                             reference_decode(q, kv_cache, tables, lens, 0.25))
+
+
+@requires_kernel
+def test_peaked_scores():
+    """Scores spread over ~200: most probabilities underflow, and the running max changes within the sequence."""
+    q, kv_cache, tables, lens = random_case([300, 40], hkv=1, group=2, head_dim=64)
+    kv_cache[0] *= torch.linspace(0.5, 3.0, kv_cache.shape[1])[:, None, None, None]
+    scale = 3.0
+    assert_matches_reference(run_kernel(q, kv_cache, tables, lens, scale),
+                             reference_decode(q, kv_cache, tables, lens, scale))
+
+
+@requires_kernel
+def test_strided_rows_of_a_mixed_batch():
+    """q and out as the model has them (strided views, decode rows among other rows): only decode rows are
+    written."""
+    q_dense, kv_cache, tables, lens = random_case([5, 40, 17], hkv=2, group=3, head_dim=64)
+    t, h, d = 7, 6, 64
+    fused = torch.randn(t, h + 2, d)                 # q heads, then the step's own k and v
+    rows = torch.tensor([4, 0, 6])
+    fused[rows, :h] = q_dense
+    q = fused[:, :h]
+    out = torch.full((t, h, d), 7.0)
+    run_kernel(q, kv_cache, tables, lens, 0.125, rows=rows, out=out)
+    assert_matches_reference(out[rows], reference_decode(q_dense, kv_cache, tables, lens, 0.125))
+    others = [r for r in range(t) if r not in rows.tolist()]
+    assert torch.all(out[others] == 7.0)
+
+
+@requires_kernel
+def test_rows_do_not_depend_on_the_batch_or_threads():
+    """Bitwise: a sequence alone, in a batch, and with 1 or 2 threads (which changes how work is split)."""
+    lens = [300, 17, 1, 64, 15, 128, 16, 99, 5, 250]
+    q, kv_cache, tables, seq_lens = random_case(lens, hkv=3, group=3, head_dim=64)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(run_kernel(q, kv_cache, tables, seq_lens, 0.125))
+        torch.set_num_threads(1)
+        alone = [run_kernel(q[b:b + 1], kv_cache, tables[b:b + 1], seq_lens[b:b + 1], 0.125)
+                 for b in range(len(lens))]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1])
+    assert torch.equal(torch.cat(alone), results[0])
+
+
+def test_plan_refuses_what_it_cannot_take(monkeypatch):
+    if cpu.library() is None:
+        pytest.skip("no kernel library")
+    q, kv_cache, tables, lens = random_case([20], hkv=2, group=2, head_dim=64)
+    plan = cpu.DecodePlan(torch.tensor([0]), tables, lens)
+    out = torch.empty_like(q)
+    assert not plan.run(q.double(), kv_cache.double(), out.double(), 0.1)             # fp32 only
+    assert not plan.run(q, kv_cache[:, :1], out, 0.1)                                 # block id out of range
+    assert not plan.run(q[:0], kv_cache, out[:0], 0.1)                                # row out of range
+    assert not plan.run(q[..., :40], kv_cache[..., :40].contiguous(), out[..., :40], 0.1)   # D % 16
+    assert plan.run(q, kv_cache, out, 0.1)
+
+
+# --- in the attention backend ----------------------------------------------------------------------------
+
+
+def make_batch(seqs, block_size, num_blocks, seed=0):
+    """ForwardBatch for sequences given as (cached tokens, new tokens), on shuffled non-contiguous blocks."""
+    pool = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, positions, slots, q_lens, s_lens = [], [], [], [], []
+    for cached, new in seqs:
+        table = [pool.pop() for _ in range(cdiv(cached + new, block_size))]
+        pos = list(range(cached, cached + new))
+        tables.append(table)
+        positions += pos
+        slots += [table[p // block_size] * block_size + p % block_size for p in pos]
+        q_lens.append(new)
+        s_lens.append(cached + new)
+    block_tables = torch.zeros(len(seqs), max(map(len, tables)) + 1, dtype=torch.int64)
+    for b, table in enumerate(tables):
+        block_tables[b, :len(table)] = torch.tensor(table)
+    starts = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    starts[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    return ForwardBatch(input_ids=torch.zeros(sum(q_lens), dtype=torch.int64), positions=torch.tensor(positions),
+                        slot_mapping=torch.tensor(slots), block_tables=block_tables, query_start_loc=starts,
+                        seq_lens=torch.tensor(s_lens), query_lens_cpu=q_lens, seq_lens_cpu=s_lens,
+                        logits_indices=torch.zeros(0, dtype=torch.int64), block_size=block_size)
+
+
+MIXED_STEP = [(0, 23), (40, 1), (7, 1), (130, 70), (0, 1), (300, 1), (64, 64), (5, 2)]
+
+
+def backend_step(seed=0, dtype=torch.float32):
+    """One mixed step (prefills, a chunk over a cached prefix, decodes) through TorchPagedAttention, with q, k, v
+    as strided views of one projection output. Returns the output and the cache after the step."""
+    hkv, h, d, bs, num_blocks = 2, 6, 64, 16, 60
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_batch(MIXED_STEP, bs, num_blocks, seed)
+    t = batch.num_tokens
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=gen).to(dtype)
+    q = qkv[:, :h * d].view(t, h, d)
+    k = qkv[:, h * d:(h + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
+    cache = torch.randn(2, num_blocks, bs, hkv, d, generator=gen).to(dtype)
+    backend = TorchPagedAttention()
+    batch.attn_metadata = backend.build_metadata(batch)
+    return backend.forward(q, k, v, cache, batch, 1 / math.sqrt(d)), cache, batch
+
+
+@requires_kernel
+def test_backend_kernel_matches_torch_path(monkeypatch):
+    out, cache, batch = backend_step()
+    assert batch.attn_metadata.decode_plan is not None
+    monkeypatch.setenv("DEEPSERVE_CPU_KERNELS", "0")
+    ref, ref_cache, ref_batch = backend_step()
+    assert ref_batch.attn_metadata.decode_plan is None
+    assert torch.equal(cache, ref_cache)
+    decode_rows = batch.attn_metadata.decode_rows
+    assert_matches_reference(out[decode_rows], ref[decode_rows].double())
+    prefill = torch.ones(out.shape[0], dtype=torch.bool)
+    prefill[decode_rows] = False
+    assert torch.equal(out[prefill], ref[prefill])          # prefill rows take the same path either way
+
+
+def test_disabled_by_env_var(monkeypatch):
+    monkeypatch.setenv("DEEPSERVE_CPU_KERNELS", "0")
+    assert not cpu.enabled() and cpu.library() is None
+    with pytest.raises(RuntimeError):
+        cpu.DecodePlan(torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int64), torch.tensor([1]))
+    out, _, batch = backend_step()
+    assert batch.attn_metadata.decode_plan is None and torch.isfinite(out).all()
+
+
+def test_other_dtypes_take_the_torch_path():
+    out, _, batch = backend_step(dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+# --- build cache --------------------------------------------------------------------------------------------
+
+requires_compiler = pytest.mark.skipif(cpu_build.find_compiler() is None, reason="no C compiler")
+TINY_SOURCE = "int answer(void) { return 42; }\n"
+
+
+def count_compiles(monkeypatch):
+    calls = []
+    real = cpu_build.compile_library
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_build, "compile_library", counting)
+    return calls
+
+
+@requires_compiler
+def test_second_build_reuses_the_cached_library(tmp_path, monkeypatch):
+    source = tmp_path / "tiny.c"
+    source.write_text(TINY_SOURCE)
+    calls = count_compiles(monkeypatch)
+    first = cpu_build.build(source, tmp_path / "cache")
+    second = cpu_build.build(source, tmp_path / "cache")
+    assert first == second and first.exists() and len(calls) == 1
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.name]     # no temporary files left
+    source.write_text(TINY_SOURCE.replace("42", "43"))                         # a changed source: a new file
+    third = cpu_build.build(source, tmp_path / "cache")
+    assert third != first and len(calls) == 2
+
+
+@requires_compiler
+def test_concurrent_builds_do_not_break_each_other(tmp_path):
+    source = tmp_path / "tiny.c"
+    source.write_text(TINY_SOURCE)
+    results = [None] * 4
+
+    def one(i):
+        results[i] = cpu_build.build(source, tmp_path / "cache")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(results)) == 1 and results[0] is not None
+    import ctypes
+    assert ctypes.CDLL(str(results[0])).answer() == 42
+
+
+def test_no_compiler_means_no_library(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_build, "find_compiler", lambda: None)
+    source = tmp_path / "tiny.c"
+    source.write_text(TINY_SOURCE)
+    assert cpu_build.build(source, tmp_path / "cache") is None
+    assert "no C compiler" in caplog.text
+
+
+@requires_compiler
+def test_failed_build_means_no_library(tmp_path, caplog):
+    source = tmp_path / "broken.c"
+    source.write_text("this is not C\n")
+    assert cpu_build.build(source, tmp_path / "cache") is None
+    assert "failed" in caplog.text
+    assert not list((tmp_path / "cache").iterdir())
+
+
+def test_cache_dir_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEEPSERVE_CACHE_DIR", str(tmp_path))
+    assert cpu_build.cache_dir() == Path(tmp_path)
+
+
+@requires_kernel
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_one_openmp_runtime_in_the_process():
+    """Our library must bind to the libgomp torch already loaded, not bring a second OpenMP runtime."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        q, kv_cache, tables, lens = random_case([100] * 16, hkv=2, group=2, head_dim=64)
+        run_kernel(q, kv_cache, tables, lens, 0.1)
+        torch.matmul(torch.randn(256, 256), torch.randn(256, 256))    # torch's own OpenMP pool still works
+    finally:
+        torch.set_num_threads(before)
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) <= 1, runtimes
