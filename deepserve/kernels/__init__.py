@@ -3,7 +3,7 @@ same signature; tests/gpu compares the two on random inputs.
 
 Importing this package (or any kernel module) never needs Triton or CUDA: without Triton the kernels are
 plain undecorated functions that are never launched, and every launcher raises a clear error. The CPU path
-of the engine uses the references and does not import these modules at all.
+of the engine does not use the Triton modules; its own kernels (plain C through ctypes) live in `kernels/cpu`.
 
     HAS_TRITON       Triton imported
     INTERPRET        TRITON_INTERPRET=1: kernels run on CPU tensors through Triton's interpreter (slow; local checks)

@@ -64,9 +64,10 @@ class Int8Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def _int8_activations_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        token_scales = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
-        xq = torch.round(x / token_scales).to(torch.int8)
-        return torch._int_mm(xq, self.qweight.t()).float().mul_(token_scales).mul_(self.scales)
+        # One pass each way in C (kernels/cpu/int8_quant.c, bit-identical to the PyTorch version it falls back to).
+        from deepserve.kernels.cpu.int8_quant import dequantize, quantize_per_token
+        xq, token_scales = quantize_per_token(x.contiguous())
+        return dequantize(torch._int_mm(xq, self.qweight.t()), token_scales, self.scales)
 
 
 def quantize_model(model: nn.Module, method: str | None) -> nn.Module:

@@ -1,0 +1,79 @@
+"""Per-token int8 quantization of activations and the dequantizing epilogue of w8a8 GEMMs, in C (int8_quant.c),
+with the PyTorch versions they match bit for bit. Used by layers/quantization.py on the CPU."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from deepserve.kernels.cpu import build as _build
+from deepserve.kernels.cpu import enabled
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("int8_quant.c")
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> ctypes.CDLL | None:
+    path = _build.build(_SOURCE)
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        logger.warning("loading %s failed, using the PyTorch path instead: %s", path, e)
+        return None
+    lib.quantize_rows.argtypes = [_P, _I64, _I64, _I64, _P, _P, _INT]
+    lib.dequantize_rows.argtypes = [_P, _I64, _I64, _P, _P, _P, _INT]
+    lib.quantize_rows.restype = lib.dequantize_rows.restype = None
+    return lib
+
+
+def _library() -> ctypes.CDLL | None:
+    return _load() if enabled() else None
+
+
+def quantize_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] float32 -> (int8 [rows, cols], scales [rows, 1] float32)."""
+    scales = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
+    return torch.round(x / scales).to(torch.int8), scales
+
+
+def dequantize_ref(acc: torch.Tensor, row_scales: torch.Tensor, col_scales: torch.Tensor) -> torch.Tensor:
+    """acc [rows, cols] int32 -> float32 acc * row_scales [rows, 1] * col_scales [cols]."""
+    return acc.float().mul_(row_scales).mul_(col_scales)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = _library()
+    if lib is None or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.stride(1) != 1:
+        return quantize_per_token_ref(x)
+    rows, cols = x.shape
+    q = torch.empty(rows, cols, dtype=torch.int8)
+    scales = torch.empty(rows, 1, dtype=torch.float32)
+    lib.quantize_rows(x.data_ptr(), rows, cols, x.stride(0), q.data_ptr(), scales.data_ptr(),
+                      torch.get_num_threads())
+    return q, scales
+
+
+def dequantize(acc: torch.Tensor, row_scales: torch.Tensor, col_scales: torch.Tensor) -> torch.Tensor:
+    lib = _library()
+    ok = (lib is not None and acc.dtype == torch.int32 and acc.is_contiguous() and acc.dim() == 2
+          and row_scales.dtype == col_scales.dtype == torch.float32 and row_scales.is_contiguous()
+          and col_scales.is_contiguous() and row_scales.numel() == acc.shape[0] and col_scales.numel() == acc.shape[1])
+    if not ok:
+        return dequantize_ref(acc, row_scales, col_scales)
+    rows, cols = acc.shape
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    lib.dequantize_rows(acc.data_ptr(), rows, cols, row_scales.data_ptr(), col_scales.data_ptr(), out.data_ptr(),
+                        torch.get_num_threads())
+    return out
+
+
+__all__ = ["quantize_per_token", "quantize_per_token_ref", "dequantize", "dequantize_ref"]
