@@ -96,4 +96,5 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request_id}, status={self.status.name}, "
-                f"tokens={self.num_tokens}, inflight={self.num_inflight}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+                f"tokens={self.num_tokens}, inflight={self.num_inflight}, computed={self.num_computed_tokens}, "
+                f"blocks={len(self.block_table)})")

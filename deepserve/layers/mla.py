@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepserve.layers.attention import gather_blocks
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import rope_inv_freq, yarn_mscale
 from deepserve.worker.forward_batch import ForwardBatch
@@ -93,11 +94,11 @@ class TorchMLA:
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], weights.w_uv.shape[1])
         if meta.decode_rows is not None:
             rows = meta.decode_rows
-            cached = kv_cache[meta.decode_blocks].flatten(1, 2)            # [Bd, max_blocks * bs, r + rope]
+            cached = gather_blocks(kv_cache, meta.decode_blocks).flatten(1, 2)   # [Bd, max_blocks * bs, r + rope]
             out[rows] = absorbed_attention(q_nope[rows], q_pe[rows], cached, meta.decode_mask, weights, rank, scale)
         for seg in meta.prefills:
             rows = slice(seg.row_start, seg.row_start + seg.num_rows)
-            cached = kv_cache[seg.blocks].flatten(0, 1)[: seg.seq_len]      # [L, r + rope]
+            cached = gather_blocks(kv_cache, seg.blocks).flatten(0, 1)[: seg.seq_len]   # [L, r + rope]
             out[rows] = expanded_attention(q_nope[rows], q_pe[rows], cached, seg.first_position, weights, rank,
                                             scale)
         return out
