@@ -211,8 +211,7 @@ class ModelRunner:
         graph_size = self.cuda_graphs.size_for(out) if self.cuda_graphs is not None else None
         if graph_size is not None:
             # Decode-only: one logits row per sequence; rows of non-final 1-token prompt chunks are not sampled.
-            logits, inflight_rows = self.cuda_graphs.run(out, graph_size,
-                                                         lambda ids, rows: _patch_inflight(ids, rows, previous))
+            logits, _ = self.cuda_graphs.run(out, graph_size, lambda ids, rows: _patch_inflight(ids, rows, previous))
             rows = [i for i, s in enumerate(out.scheduled) if s.samples]
             if rows:
                 self._sample(logits[rows] if len(rows) < len(out.scheduled) else logits,
