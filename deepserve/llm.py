@@ -20,6 +20,10 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(self.engine_args)
         self._next_request_id = 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (benchmarks that repeat the same prompts must not measure cache hits)."""
+        self.engine.block_manager.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -84,3 +84,13 @@ def test_sampling_params_list_and_ordering(smollm):
     assert [o.prompt for o in outs] == ["Hello", "Goodbye", "Why"]
     with pytest.raises(ValueError, match="sampling_params"):
         smollm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+
+
+def test_reset_prefix_cache_forgets_cached_prompts(tiny_llama):
+    llm = LLM(tiny_llama, skip_tokenizer_init=True)
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate(prompt, params, use_tqdm=False)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 32
+    llm.reset_prefix_cache()
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
