@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 from pathlib import Path
 
 import torch
 
 from deepserve.kernels.cpu import build as _build
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_attention.c")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -42,17 +39,7 @@ def enabled() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _load() -> ctypes.CDLL | None:
-    path = _build.build(_SOURCE)
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        logger.warning("loading %s failed, using the PyTorch path instead: %s", path, e)
-        return None
-    lib.paged_decode_attention.argtypes = _ARGTYPES
-    lib.paged_decode_attention.restype = None
-    return lib
+    return _build.load(_SOURCE, {"paged_decode_attention": _ARGTYPES})
 
 
 def library() -> ctypes.CDLL | None:

@@ -8,6 +8,7 @@ build at the same time (pytest-xdist workers) each rename a complete file over t
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
@@ -103,3 +104,20 @@ def build(source: Path, directory: Path | None = None) -> Path | None:
             errors.append(repr(e))
     logger.warning("building %s failed, using the PyTorch path instead:\n%s", source.name, "\n".join(errors))
     return None
+
+
+def load(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """Build (or find) and load `source`, declaring each function's argument types (all return void).
+    None, with one warning, when it cannot be built or loaded: callers then use their PyTorch path."""
+    path = build(source)
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        logger.warning("loading %s failed, using the PyTorch path instead: %s", path, e)
+        return None
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
@@ -13,26 +12,14 @@ import torch
 from deepserve.kernels.cpu import build as _build
 from deepserve.kernels.cpu import enabled
 
-logger = logging.getLogger(__name__)
-
 _SOURCE = Path(__file__).with_name("int8_quant.c")
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 @functools.lru_cache(maxsize=None)
 def _load() -> ctypes.CDLL | None:
-    path = _build.build(_SOURCE)
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        logger.warning("loading %s failed, using the PyTorch path instead: %s", path, e)
-        return None
-    lib.quantize_rows.argtypes = [_P, _I64, _I64, _I64, _P, _P, _INT]
-    lib.dequantize_rows.argtypes = [_P, _I64, _I64, _P, _P, _P, _INT]
-    lib.quantize_rows.restype = lib.dequantize_rows.restype = None
-    return lib
+    return _build.load(_SOURCE, {"quantize_rows": [_P, _I64, _I64, _I64, _P, _P, _INT],
+                                 "dequantize_rows": [_P, _I64, _I64, _P, _P, _P, _INT]})
 
 
 def _library() -> ctypes.CDLL | None:
