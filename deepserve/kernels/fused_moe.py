@@ -49,7 +49,7 @@ def align_max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(rows, block_m) * block_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])   # the batch size: no new variant per step
 def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, CHUNK: tl.constexpr):
     """counts[e] = pairs routed to e; rank[p] = pair p's place among them (an atomic's old value: the order
     inside an expert's run is arbitrary, which no result depends on, as GEMM rows are independent)."""
@@ -60,7 +60,7 @@ def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, CHUNK: tl.cons
     tl.store(rank_ptr + p, rank, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])   # the batch size: no new variant per step
 def _align_place_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_pairs_ptr, block_expert_ptr,
                         num_pairs, num_experts, num_blocks,
                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
@@ -154,7 +154,7 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoE
 # ------------------------------------------------------------------------------------------------
 # Grouped GEMMs
 # ------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])   # the batch size: no new variant per step
 def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
                     num_pairs, top_k, inter, hidden, limit,
                     stride_xt, stride_we, stride_wn, stride_am,
@@ -196,7 +196,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
     tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])   # the batch size: no new variant per step
 def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr,
                  num_pairs, hidden, inter,
                  stride_am, stride_we, stride_wn, stride_op,

@@ -69,14 +69,19 @@ def write_latents_ref(kv_cache, latent, k_pe, slot_mapping):
     kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = torch.cat((latent, k_pe), dim=-1)
 
 
-@triton.jit
+# Per-step arguments (block-table width, split layout) are not specialised on, so that a change between
+# "divisible by 16" and not does not compile a new variant in the middle of serving.
+_PER_STEP_ARGS = ["stride_po_b", "stride_po_h", "stride_pl_b", "stride_pl_h"]
+
+
+@triton.jit(do_not_specialize=_PER_STEP_ARGS + ["stride_bt"])
 def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
                        out_ptr, part_out_ptr, part_lse_ptr,
                        qk_scale,
                        stride_qlb, stride_qlh, stride_qpb, stride_qph,
                        stride_c_block, stride_c_slot, stride_bt, stride_ob, stride_oh,
                        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
-                       num_heads, block_size, partition_size,
+                       num_heads, block_size,
                        RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        PRECISION: tl.constexpr):
@@ -85,8 +90,11 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     if SPLIT:
-        start = split * partition_size
-        end = tl.minimum(start + partition_size, seq_len)
+        # Partitions follow this sequence's length, not the launch's longest (a CUDA graph's grid is sized for
+        # max_model_len): a short context still spreads over several programs.
+        partition = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        start = split * partition
+        end = tl.minimum(start + partition, seq_len)
     else:
         start = 0
         end = seq_len
@@ -140,7 +148,7 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
                  mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP_ARGS + ["num_splits"])
 def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr,
                        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_ob, stride_oh,
                        num_splits,
@@ -227,14 +235,14 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         scale * _LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        *po, *pl, heads, kv_cache.shape[1], partition,
+        *po, *pl, heads, kv_cache.shape[1],
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(rope)),
         BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision, num_warps=warps,
         num_stages=num_stages)
     if split:
         _mla_reduce_kernel[(bsz, heads)](
             part_out, part_lse, out, *po, *pl, out.stride(0), out.stride(1), num_splits,
-            RANK=rank, BLOCK_R=block_r, BLOCK_S=next_pow2(num_splits), num_warps=4)
+            RANK=rank, BLOCK_R=block_r, BLOCK_S=max(64, next_pow2(num_splits)), num_warps=4)
     return out
 
 

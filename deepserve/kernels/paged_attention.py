@@ -74,7 +74,12 @@ def write_kv_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_
 # Decode: one query token per sequence, all G = H / Hkv query heads of a KV head in one program (the keys and
 # values of a head group are read once), optionally split over the context (split-K) and merged by a reduce.
 # ------------------------------------------------------------------------------------------------
-@triton.jit
+# Arguments that change from step to step (block-table width, split layout) are not specialised on: Triton would
+# otherwise compile a new variant whenever one of them changes between "divisible by 16" and not, mid-serving.
+_PER_STEP_ARGS = ["stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "stride_pl_h"]
+
+
+@triton.jit(do_not_specialize=_PER_STEP_ARGS)
 def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr, seq_ids_ptr,
                    out_ptr, part_out_ptr, part_lse_ptr,
                    qk_scale,
@@ -82,7 +87,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
                    stride_bt,
                    stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
-                   block_size, group, partition_size,
+                   block_size, group,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr):
     i = tl.program_id(0)           # decode row
@@ -92,8 +97,11 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     seq = tl.load(seq_ids_ptr + i).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     if SPLIT:
-        start = split * partition_size
-        end = tl.minimum(start + partition_size, seq_len)
+        # The partition follows this sequence's own length, not the launch's longest: a grid sized for a long
+        # context (a CUDA graph's, sized for max_model_len) still spreads a short one over several programs.
+        partition = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        start = split * partition
+        end = tl.minimum(start + partition, seq_len)
     else:
         start = 0
         end = seq_len
@@ -144,7 +152,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                  o.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP_ARGS[1:] + ["num_splits"])
 def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, q_rows_ptr, out_ptr,
                           stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
                           stride_ot, stride_oh, num_splits,
@@ -236,13 +244,13 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), *po_strides, *pl_strides,
-        bs, group, partition,
+        bs, group,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=DECODE_BLOCK_N, SPLIT=split,
         num_warps=4, num_stages=2)
     if split:
         _decode_reduce_kernel[(n, h)](
             part_out, part_lse, q_rows, out, *po_strides, *pl_strides, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits), num_warps=4)
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(64, next_pow2(num_splits)), num_warps=4)
     return out
 
 
@@ -281,7 +289,7 @@ def decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, out=None, q
 PREFILL_BLOCK_M = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
                     tile_seq_ptr, tile_m0_ptr,
                     qk_scale,

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.mlp import GatedMLP, copy_checked, swiglu_activation  # noqa: F401 (used by models)
 
 SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -134,7 +135,8 @@ def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float | 
 
 
 class Router(nn.Module):
-    """The gate GEMM and the routing rule. DeepSeek keeps the gate in fp32 (`dtype`), as HF does."""
+    """The gate GEMM and the routing rule. DeepSeek keeps the gate in fp32 (`dtype`), as HF does. On CUDA the rule
+    (and the load count) is one Triton kernel, deepserve/kernels/moe_routing.py, with `route()` as its reference."""
 
     def __init__(self, hidden_size: int, num_experts: int, cfg: RoutingConfig,
                  dtype: torch.dtype | None = None) -> None:
@@ -144,9 +146,20 @@ class Router(nn.Module):
         bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32)) if cfg.uses_bias else None
         self.register_parameter("e_score_correction_bias", bias)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, expert_load: torch.Tensor | None = None):
+        """x: [T, H] -> (weights [T, k] float32, ids [T, k] int64); with `expert_load` ([E] int64), each expert's
+        count among the ids is added to it."""
         logits = F.linear(x.to(self.weight.dtype), self.weight).float()
-        return route(logits, self.cfg, self.e_score_correction_bias)
+        if use_triton(logits) and not logits.requires_grad:
+            from deepserve.kernels.moe_routing import fused_route, fused_route_supported
+            if fused_route_supported(self.cfg, logits.shape[1]):
+                # One launch (load count included) instead of ~10 small, launch-bound torch ops at decode sizes.
+                return fused_route(logits, self.cfg, self.e_score_correction_bias, expert_load)
+        weights, ids = route(logits, self.cfg, self.e_score_correction_bias)
+        if expert_load is not None:
+            # index_add_ rather than bincount: a fixed output shape, so it can live inside a CUDA graph.
+            expert_load.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+        return weights, ids
 
 
 # Checkpoint names of one expert's projections -> (stacked parameter, shard: 0 gate, 1 up, None down).
@@ -177,9 +190,7 @@ class FusedMoE(nn.Module):
         self._expert_pieces: dict[str, set[tuple[int, int | None]]] = {"w13": set(), "w2": set()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        # index_add_ rather than bincount: a fixed output shape, so it can live inside a CUDA graph.
-        self.expert_load.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+        weights, ids = self.gate(x, self.expert_load)       # also counts the tokens routed to each expert
         out = self.backend.forward(x, self.w13, self.w2, weights, ids, self.swiglu_limit)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -18,6 +18,7 @@ from itertools import chain
 import torch
 
 from deepserve.layers.counter_rng import CASE_SAMPLE, sample_uniforms
+from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.sampling_params import SamplingParams
 
 
@@ -155,11 +156,18 @@ class Sampler:
 
     def choose_tokens(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax (first index on ties), the others draw from their shaped distribution."""
-        greedy = logits.argmax(dim=-1) if not meta.all_random else None
+        greedy = _argmax(logits) if not meta.all_random else None
         if meta.all_greedy:
             return greedy
         sampled = sample_from_probs(shaped_probs(logits, meta), meta.uniforms)
         return sampled if greedy is None else torch.where(meta.is_greedy, greedy, sampled)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    if use_triton(logits):
+        from deepserve.kernels.argmax import argmax_rows
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 # --- logits processing ------------------------------------------------------------------------

@@ -113,8 +113,7 @@ class ModelRunner:
         weights, the peak activations of a max-size step (measured by running one), and room for CUDA graphs."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_run()
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = self._profile_run()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         not_torch = total - free - torch.cuda.memory_reserved(self.device)
@@ -130,17 +129,35 @@ class ModelRunner:
         return budget
 
     @torch.inference_mode()
-    def _profile_run(self) -> None:
+    def _profile_run(self) -> int:
         """One forward of the largest step the scheduler may form: a max_num_batched_tokens-token prefill, with
-        logits for max_num_seqs rows. Caches are one dummy block (slot -1 writes nothing; reads hit block 0)."""
+        logits for max_num_seqs rows. Caches are one dummy block (slot -1 writes nothing; reads hit block 0).
+
+        Then the same at half, a quarter, ... of the tokens (not measured): kernels whose launch configuration
+        depends on the step size (the fused MoE picks its tiles by tokens per expert) are compiled here, at
+        start-up, instead of in the middle of serving (a Triton compile takes 1-4 s)."""
         sched = self.config.scheduler
         n = min(sched.max_num_batched_tokens, sched.max_model_len)
         layers = self.model.attention_layers()
         for layer in layers:
             layer.kv_cache = torch.zeros(layer.kv_cache_shape(1, self.block_size), dtype=self.config.model.dtype,
                                          device=self.device)
+        peak = None
+        while n >= 16:
+            self._dummy_forward(n, min(sched.max_num_seqs, n))
+            if peak is None:
+                torch.cuda.synchronize(self.device)
+                peak = torch.cuda.max_memory_allocated(self.device)
+            n //= 2
+        for layer in layers:
+            layer.kv_cache = None
+        torch.cuda.synchronize(self.device)
+        return peak
+
+    def _dummy_forward(self, n: int, rows: int) -> None:
+        """A forward of one n-token prompt over the dummy caches, logits for its last `rows` rows, the sampler's
+        log-softmax over them."""
         dev = self.device
-        rows = min(sched.max_num_seqs, n)
         batch = ForwardBatch(
             input_ids=torch.zeros(n, dtype=torch.int64, device=dev), positions=torch.arange(n, device=dev),
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
@@ -151,10 +168,6 @@ class ModelRunner:
         batch.attn_metadata = self.attn_backend.build_metadata(batch)
         logits = self.model.compute_logits(self.model(batch))
         torch.log_softmax(logits, dim=-1)      # the sampler's vocab-sized temporaries
-        del logits
-        for layer in layers:
-            layer.kv_cache = None
-        torch.cuda.synchronize(self.device)
 
     # --- CUDA graphs --------------------------------------------------------------------------
     def _capture_cuda_graphs(self):

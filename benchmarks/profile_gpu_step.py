@@ -1,0 +1,244 @@
+"""Where a GPU decode step's time goes: a diagnostic beside the benchmarks (not a benchmark of record).
+
+For each shape (random bf16 weights of the real sizes):
+  step_ms          engine step time at batch 1 (what `bench latency` reports)
+  graph_replay_ms  the captured batch-1 graph replayed back to back (pure device time of the forward)
+  kernels          per-kernel device time of one eager decode step (torch.profiler), sorted, summed per name
+  offline          256 x 128/128: wall time split into prefill and decode steps, the host's wait for the device,
+                   and per-kernel device time of a batch-256 decode step
+Graph replay time close to the step time means the device is the limit; a gap means host overhead.
+
+Run (GPU machine):  python benchmarks/profile_gpu_step.py --shapes llama-3.2-1b,deepseek-v2-lite --output p.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import h200_dense  # noqa: E402
+import h200_moe  # noqa: E402
+from deepserve import LLM, SamplingParams  # noqa: E402
+from deepserve.bench.throughput import random_prompts, run_latency  # noqa: E402
+
+
+def config_dir(name: str) -> str:
+    if name in h200_dense.SHAPES:
+        return h200_dense.write_config(h200_dense.SHAPES[name])
+    return h200_moe.write_config(h200_moe.SHAPES[name])
+
+
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def engine(path: str, **extra) -> LLM:
+    kw = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", device=DEVICE, max_model_len=4096,
+              max_num_seqs=256, max_num_batched_tokens=8192)
+    if DEVICE == "cuda":
+        kw["gpu_memory_utilization"] = 0.5
+    kw.update(extra)
+    return LLM(path, **kw)
+
+
+def kernel_table(prof, divide: int, top: int = 25) -> dict:
+    """Device time per kernel name (us per step), the largest first, and the total."""
+    per_name: dict[str, list] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0) or 0
+        if t <= 0 or getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        slot = per_name.setdefault(e.key[:90], [0.0, 0])
+        slot[0] += t
+        slot[1] += e.count
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+    total = sum(v[0] for _, v in rows) / divide
+    return {"total_us_per_step": round(total, 1),
+            "kernels_per_step": round(sum(v[1] for _, v in rows) / divide, 1),
+            "top": [(k, round(v[0] / divide, 1), round(v[1] / divide, 2)) for k, v in rows[:top]]}
+
+
+def profile_steps(llm: LLM, batch: int, steps: int, input_len: int = 128) -> dict:
+    """Kernel table of `steps` decode steps at `batch` (prefill and warm-up steps outside the profile)."""
+    eng = llm.engine
+    prompts = random_prompts(batch, input_len, eng.vocab_size, 11)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    ids = [f"prof-{batch}-{i}" for i in range(batch)]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, p, params, final_output_only=True)
+    seqs = [s for rid in ids for s in eng.requests[rid].seqs]
+    while not all(s.num_output_tokens >= 2 for s in seqs):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    sync()
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if DEVICE == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+        sync()
+    while eng.has_unfinished_requests():
+        eng.step()
+    return kernel_table(prof, steps)
+
+
+def graph_replay_ms(llm: LLM, size: int, seq_len: int, reps: int = 200) -> float | None:
+    graphs = llm.engine.runner.cuda_graphs
+    if DEVICE != "cuda" or graphs is None or size not in graphs.graphs:
+        return None
+    inp = graphs.inputs
+    inp.slots[:size].fill_(-1)
+    inp.seq_lens[:size].fill_(seq_len)
+    inp.block_tables[:size].zero_()
+    g = graphs.graphs[size]
+    for _ in range(5):
+        g.replay()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    sync()
+    return round((time.perf_counter() - t0) / reps * 1e3, 4)
+
+
+def compiled_kernels() -> int:
+    """Entries of Triton's on-disk cache (one per compiled kernel variant): growth during serving = JIT."""
+    path = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+    return len(os.listdir(path)) if os.path.isdir(path) else 0
+
+
+def offline_breakdown(llm: LLM, n: int = 256, ilen: int = 128, olen: int = 128, seed: int = 3) -> dict:
+    eng = llm.engine
+    runner = eng.runner
+    prompts = random_prompts(n, ilen, eng.vocab_size, seed)
+    waits = []
+    collect = runner.collect
+
+    def timed_collect(step):
+        t0 = time.perf_counter()
+        if step.ready is not None:
+            step.ready.synchronize()
+        waits.append(time.perf_counter() - t0)
+        return collect(step)
+
+    runner.collect = timed_collect
+    step = eng.step
+    kinds: dict[str, list] = {"prefill_or_mixed": [], "decode": []}
+
+    schedule = eng.scheduler.schedule
+    last = []
+
+    def recorded_schedule():
+        out = schedule()
+        last[:] = [out]
+        return out
+
+    compiles = []
+
+    def timed_step():
+        before = compiled_kernels()
+        t0 = time.perf_counter()
+        out = step()
+        elapsed = time.perf_counter() - t0
+        decode = bool(last) and all(s.num_new_tokens == 1 for s in last[0].scheduled)
+        kinds["decode" if decode else "prefill_or_mixed"].append(elapsed)
+        new = compiled_kernels() - before
+        if new:
+            compiles.append((len(compiles), new, round(elapsed, 3)))
+        return out
+
+    eng.scheduler.schedule = recorded_schedule
+    eng.step = timed_step
+    try:
+        llm.generate(random_prompts(4, ilen, eng.vocab_size, 99), SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+        waits.clear()
+        kinds["decode"].clear()
+        kinds["prefill_or_mixed"].clear()
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=olen, ignore_eos=True), use_tqdm=False)
+        wall = time.perf_counter() - t0
+    finally:
+        runner.collect = collect
+        eng.step = step
+        eng.scheduler.schedule = schedule
+    return {"wall_s": round(wall, 3), "output_tok_s": round(n * olen / wall, 1),
+            "steps": {k: len(v) for k, v in kinds.items()},
+            "step_s_total": {k: round(sum(v), 3) for k, v in kinds.items()},
+            "step_ms_median": {k: round(sorted(v)[len(v) // 2] * 1e3, 3) if v else None for k, v in kinds.items()},
+            "collect_wait_s": round(sum(waits), 3),
+            "steps_that_compiled_kernels": compiles}
+
+
+def run_shape(name: str, args) -> dict:
+    path = config_dir(name)
+    res: dict = {}
+
+    def guard(key, fn):
+        t0 = time.perf_counter()
+        try:
+            res[key] = fn()
+        except Exception:
+            res[key] = "error: " + traceback.format_exc()[-1500:]
+        print(f"[{name}] {key} ({time.perf_counter() - t0:.1f}s): {json.dumps(res[key])[:3000]}", flush=True)
+
+    llm = engine(path)
+    guard("latency_b1", lambda: run_latency(llm, 1, 128, 128))
+    guard("latency_b1_again", lambda: run_latency(llm, 1, 128, 128))
+    guard("graph_replay_b1_ms_ctx1", lambda: graph_replay_ms(llm, 1, 1))
+    guard("graph_replay_b1_ms_ctx193", lambda: graph_replay_ms(llm, 1, 193))
+    guard("graph_kernels_b1", lambda: profile_steps(llm, 1, 20))
+    if not args.skip_offline:
+        guard("offline", lambda: offline_breakdown(llm))
+        guard("offline_again", lambda: offline_breakdown(llm, seed=4))
+        guard("graph_replay_b256_ms_ctx193", lambda: graph_replay_ms(llm, 256, 193, reps=50))
+    del llm
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    llm = engine(path, enforce_eager=True)
+    guard("eager_kernels_b1", lambda: profile_steps(llm, 1, 10))
+    if not args.skip_offline:
+        guard("eager_kernels_b256", lambda: profile_steps(llm, 256, 5))
+    del llm
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama-3.2-1b,deepseek-v2-lite")
+    ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--output", default="profile_gpu_step.json")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    out = {"command": "python " + " ".join(sys.argv), "results": {}}
+    for name in args.shapes.split(","):
+        out["results"][name] = run_shape(name, args)
+        with open(args.output, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

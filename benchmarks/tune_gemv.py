@@ -1,0 +1,114 @@
+"""Batch-1 GEMV on the GPU: cuBLAS (F.linear) against a few Triton GEMV tilings, on the linear shapes of a
+Llama-3.2-1B layer (an experiment: does a hand-written GEMV beat cuBLAS at M = 1 enough to be worth wiring?).
+
+Times are CUDA-graph replays of 20 back-to-back calls (launch gaps as in the engine's decode graphs), L2-cold
+weights (each call reads a different copy when the weights fit in L2). GB/s counts the weight bytes.
+
+Run (GPU machine):  python benchmarks/tune_gemv.py --output tune_gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+          "lm_head": (128256, 2048)}
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    k_per = K // SPLIT_K
+    k_start = pid_k * k_per
+    for k0 in range(k_start, k_start + k_per, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + k).to(tl.float32)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=n_ok[:, None], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.atomic_add(y_ptr + n, acc, mask=n_ok, sem="relaxed")
+
+
+def gemv(x, w, block_n, block_k, split_k, warps, stages):
+    n, k = w.shape
+    if split_k == 1:
+        y = torch.empty(n, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.zeros(n, dtype=torch.float32, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n), split_k)](x, w, y, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+                                                     SPLIT_K=split_k, num_warps=warps, num_stages=stages)
+    return y if split_k == 1 else y.to(x.dtype)
+
+
+def graph_time(fn_of_copy, copies: int, calls: int = 20) -> float:
+    """ms per call: `calls` calls cycling over weight copies, captured in one graph, replayed."""
+    for c in range(copies):
+        fn_of_copy(c)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            for i in range(calls):
+                fn_of_copy(i % copies)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ev0.record()
+    for _ in range(10):
+        g.replay()
+    ev1.record()
+    torch.cuda.synchronize()
+    return ev0.elapsed_time(ev1) / (10 * calls)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--output", default="tune_gemv.json")
+    args = ap.parse_args()
+    configs = [(8, 256, 1, 4, 3), (16, 256, 1, 4, 3), (16, 512, 1, 8, 3), (32, 256, 1, 4, 4), (8, 512, 1, 4, 4),
+               (16, 256, 4, 4, 3), (32, 256, 4, 8, 3), (64, 128, 8, 4, 3)]
+    out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "results": {}}
+    for name, (n, k) in SHAPES.items():
+        copies = max(1, min(8, (200 << 20) // (n * k * 2)))       # > L2 (50 MB) in total
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x, ws[0]).float()
+        row = {"bytes": n * k * 2}
+        ms = graph_time(lambda c: F.linear(x, ws[c]), copies)
+        row["cublas"] = {"us": round(ms * 1e3, 2), "GBps": round(n * k * 2 / ms / 1e6)}
+        for cfg in configs:
+            try:
+                err = (gemv(x[0], ws[0], *cfg).float() - ref[0]).abs().max().item()
+                ms = graph_time(lambda c: gemv(x[0], ws[c], *cfg), copies)
+                row[str(cfg)] = {"us": round(ms * 1e3, 2), "GBps": round(n * k * 2 / ms / 1e6), "max_err": err}
+            except Exception as exc:
+                row[str(cfg)] = f"error: {str(exc)[:160]}"
+        best = min((v["us"], c) for c, v in row.items() if isinstance(v, dict) and "us" in v)
+        row["best"] = best
+        print(name, json.dumps(row), flush=True)
+        out["results"][name] = row
+        del ws
+    with open(args.output, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""Fused MoE routing: everything after the gate GEMM in one launch. The GPU twin of `route()` (+ the expert-load
+`index_add_`) in deepserve/layers/moe.py, which stays the reference and the CPU path; the gate GEMM stays on cuBLAS.
+
+logits [T, E] float32 (+ e_score_correction_bias [E]) -> weights [T, k] float32, ids [T, k] int64, and
+expert_load[e] += (count of e among the ids). One program per token row, the row's E scores in registers, laid
+out [groups, experts per group] (greedy: one group of E):
+  scores   softmax exp(x - max) / sum, sigmoid 1 / (1 + exp(-x)), sqrtsoftplus sqrt(x > 20 ? x : log1p(exp(x))):
+           the formulas of PyTorch's CUDA kernels with CUDA's accurate expf/log1pf (libdevice, denormals kept), IEEE
+           division and square root, so each score should be torch's bit for bit, except softmax's sum (another
+           summation order: softmax scores and weights may differ from torch's by about an ulp).
+  choice   scores + bias: the bias steers the choice, the weights use the unbiased scores.
+  groups   group_limited_greedy / noaux_tc with num_groups > 1: group score = its best choice (DeepSeek-V2) or the
+           sum of its two best (V3); the topk_groups best groups stay, the other experts get -inf.
+  top-k    k rounds of "largest available, lowest index among equals" (a NaN counts as the largest, as in
+           torch.sort): exactly the order of `stable_topk_ids`, so ids come out by descending choice, ties by id.
+  weights  scores at the ids, / (their sum + 1e-20) when renormalizing, * scaling_factor.
+  load     one int64 atomic add per id.
+Selection works on the rounded scores (not the logits), so logits that round to one score tie as they do in torch
+(sigmoid saturating at 1, sqrt merging neighbours). Ids equal route()'s; the one known gap is softmax: two
+different but adjacent-ulp exp values may round to one quotient under one sum and not under the other.
+
+Every RoutingConfig is supported; `fused_route_supported` is false (the caller keeps the torch path) only for
+E > 1024 (registers), top_k > E, or a group split route() itself rejects (E not divisible by num_groups, noaux_tc
+groups of one expert). Fixed output shapes and no host sync: CUDA-graph capturable.
+Without libdevice (Triton's interpreter) exp and log1p come from tl.exp and a log-based log1p: scores within a
+few ulps of torch's, still equal for equal logits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from deepserve.kernels import USE_LIBDEVICE, libdevice, next_pow2, require_triton, tl, triton
+
+MAX_EXPERTS = 1024
+_SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+_GROUP_NONE, _GROUP_MAX, _GROUP_TOP2 = 0, 1, 2
+
+
+@triton.jit
+def _exp(x, ACCURATE: tl.constexpr):
+    if ACCURATE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _log1p(x, ACCURATE: tl.constexpr):
+    if ACCURATE:
+        return libdevice.log1p(x)
+    else:
+        # log(u) * x / (u - 1) cancels the rounding of u = 1 + x (Goldberg); where u rounds to 1, log1p(x) = x.
+        u = 1.0 + x
+        return tl.where(u == 1.0, x, tl.log(u) * tl.math.div_rn(x, tl.where(u == 1.0, 1.0, u - 1.0)))
+
+
+@triton.jit
+def _scores(x, valid, SCORING: tl.constexpr, ACCURATE: tl.constexpr):
+    """Router scores of one row of logits x (float32, any shape; invalid entries are padding)."""
+    if SCORING == 0:
+        x = tl.where(valid, x, float("-inf"))
+        e = _exp(x - tl.max(x), ACCURATE)
+        return tl.math.div_rn(e, tl.sum(e))
+    elif SCORING == 1:
+        return tl.math.div_rn(1.0, 1.0 + _exp(-x, ACCURATE))
+    else:
+        # torch's softplus: x itself above the threshold 20; exp's input clamped so the unused side stays finite.
+        soft = tl.where(x > 20.0, x, _log1p(_exp(tl.minimum(x, 20.0), ACCURATE), ACCURATE))
+        return tl.sqrt_rn(soft)
+
+
+@triton.jit
+def _first_max(x, avail, idx, NONE: tl.constexpr):
+    """The index (from `idx`) of the largest available entry of x, the lowest index among equals: the head of a
+    stable descending sort. A NaN counts as the largest, as in torch.sort. NONE when nothing is available."""
+    nan = avail & (x != x)                     # x != x: NaN
+    best = tl.max(tl.where(avail & (x == x), x, float("-inf")))
+    first = tl.min(tl.where(avail & (x == best), idx, NONE))
+    first_nan = tl.min(tl.where(nan, idx, NONE))
+    return tl.where(first_nan < NONE, first_nan, first)
+
+
+@triton.jit
+def _mask_groups(choice, valid, j, num_groups,
+                 GROUP_MODE: tl.constexpr, TOPK_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
+    """choice [BLOCK_G, BLOCK_S] (a row per group) with the experts outside the TOPK_GROUPS best groups at -inf."""
+    c = tl.where(valid, choice, float("-inf"))
+    best = tl.max(c, 1)
+    if GROUP_MODE == 2:     # V3: a group's two best (the best's first position excluded, so a tie counts twice)
+        first = tl.min(tl.where(valid & (c == best[:, None]), j, BLOCK_S), 1)
+        group_score = best + tl.max(tl.where(j == first[:, None], float("-inf"), c), 1)
+    else:                   # V2: the group's best expert
+        group_score = best
+    g = tl.arange(0, BLOCK_G)
+    avail = g < num_groups
+    for _ in tl.static_range(TOPK_GROUPS):
+        avail = avail & (g != _first_max(group_score, avail, g, BLOCK_G))
+    kept = (g < num_groups) & ~avail
+    return tl.where(kept[:, None], choice, float("-inf"))
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, load_ptr,
+                  num_groups, group_size, stride_l, scaling,
+                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_MODE: tl.constexpr,
+                  TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  COUNT_LOAD: tl.constexpr, ACCURATE: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token row: scores, choice, group filter, top-k, weights, load count."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)[:, None]
+    j = tl.arange(0, BLOCK_S)[None, :]
+    expert = g * group_size + j                                     # [BLOCK_G, BLOCK_S]
+    valid = (g < num_groups) & (j < group_size)
+    x = tl.load(logits_ptr + row * stride_l + expert, mask=valid, other=0.0).to(tl.float32)
+    scores = _scores(x, valid, SCORING, ACCURATE)
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+    if GROUP_MODE != 0:
+        choice = _mask_groups(choice, valid, j, num_groups, GROUP_MODE, TOPK_GROUPS, BLOCK_G, BLOCK_S)
+    NONE: tl.constexpr = BLOCK_G * BLOCK_S
+    kk = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    weights = tl.zeros([BLOCK_K], tl.float32)
+    avail = valid
+    for i in tl.static_range(TOP_K):
+        pick = _first_max(choice, avail, expert, NONE)
+        hit = (expert == pick) & valid      # padding cells alias real expert numbers
+        ids = tl.where(kk == i, pick, ids)
+        weights = tl.where(kk == i, tl.sum(tl.where(hit, scores, 0.0)), weights)
+        avail = avail & ~hit
+    out = kk < TOP_K
+    if RENORMALIZE:
+        weights = tl.math.div_rn(weights, tl.sum(tl.where(out, weights, 0.0)) + 1e-20)
+    weights = weights * scaling
+    tl.store(weights_ptr + row * TOP_K + kk, weights, mask=out)
+    tl.store(ids_ptr + row * TOP_K + kk, ids.to(tl.int64), mask=out)
+    if COUNT_LOAD:
+        tl.atomic_add(load_ptr + ids, tl.full([BLOCK_K], 1, tl.int64), mask=out, sem="relaxed")
+
+
+def _grouped(cfg) -> bool:
+    """route() filters groups only for the group methods with more than one group."""
+    return cfg.topk_method != "greedy" and cfg.num_groups > 1
+
+
+def fused_route_supported(cfg, num_experts: int) -> bool:
+    """Whether `fused_route` takes this config and expert count (else the caller runs route())."""
+    if num_experts > MAX_EXPERTS or cfg.top_k > num_experts:
+        return False
+    if not _grouped(cfg):
+        return True
+    if num_experts % cfg.num_groups:
+        return False
+    return cfg.topk_method != "noaux_tc" or num_experts // cfg.num_groups >= 2
+
+
+@functools.cache
+def _no_ftz() -> dict:
+    """Triton builds libdevice with flush-to-zero by default, PyTorch's kernels keep denormals: turn it off where
+    this Triton has the option (CUDA), so that tiny scores (exp of a logit far below the max) stay torch's."""
+    if torch.version.hip is not None:
+        return {}
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return {}
+    return {"enable_reflect_ftz": False} if "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__ else {}
+
+
+def _kernel_meta(cfg, num_experts: int):
+    """(groups, experts per group, the kernel's other compile-time parameters) for a routing config."""
+    grouped = _grouped(cfg)
+    num_groups = cfg.num_groups if grouped else 1
+    group_size = num_experts // num_groups
+    group_mode = (_GROUP_TOP2 if cfg.topk_method == "noaux_tc" else _GROUP_MAX) if grouped else _GROUP_NONE
+    block_g, block_s = next_pow2(num_groups), max(16, next_pow2(group_size))
+    # Not tuned on a GPU: one warp keeps the k rounds of reductions in warp shuffles for the usual E <= 256.
+    num_warps = 1 if block_g * block_s <= 256 else 4
+    return num_groups, group_size, dict(
+        SCORING=_SCORING[cfg.scoring], GROUP_MODE=group_mode, TOPK_GROUPS=min(cfg.topk_groups, num_groups),
+        TOP_K=cfg.top_k, RENORMALIZE=cfg.renormalize, ACCURATE=USE_LIBDEVICE,
+        BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=max(2, next_pow2(cfg.top_k)), num_warps=num_warps, **_no_ftz())
+
+
+def fused_route(logits: torch.Tensor, cfg, bias: torch.Tensor | None = None,
+                expert_load: torch.Tensor | None = None):
+    """logits: [T, E] float32; cfg: RoutingConfig; bias: [E] (any float dtype) or None; expert_load: [E] int64 or
+    None -> (weights [T, k] float32, ids [T, k] int64), the results of `route(logits, cfg, bias)`; with
+    expert_load, each expert's count among the ids is added to it in the same launch."""
+    require_triton(logits)
+    t, num_experts = logits.shape
+    assert logits.dtype == torch.float32, "route() takes float32 logits"
+    assert fused_route_supported(cfg, num_experts), f"{cfg} with {num_experts} experts: use route()"
+    k = cfg.top_k
+    weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    if t == 0:
+        return weights, ids
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if bias is not None:
+        assert bias.shape == (num_experts,)
+        bias = bias.contiguous()
+    if expert_load is not None:
+        assert expert_load.dtype == torch.int64 and expert_load.shape == (num_experts,) and expert_load.is_contiguous()
+    num_groups, group_size, meta = _kernel_meta(cfg, num_experts)
+    _route_kernel[(t,)](
+        logits, bias if bias is not None else logits, weights, ids,
+        expert_load if expert_load is not None else ids,
+        num_groups, group_size, logits.stride(0), float(cfg.scaling_factor),
+        HAS_BIAS=bias is not None, COUNT_LOAD=expert_load is not None, **meta)
+    return weights, ids
+
+
+def fused_route_ref(logits, cfg, bias=None, expert_load=None):
+    """The PyTorch twin: route() and the index_add_ of FusedMoE."""
+    from deepserve.layers.moe import route
+    weights, ids = route(logits, cfg, bias)
+    if expert_load is not None:
+        expert_load.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+    return weights, ids
+
+
+__all__ = ["MAX_EXPERTS", "fused_route", "fused_route_ref", "fused_route_supported"]

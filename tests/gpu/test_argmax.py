@@ -1,0 +1,28 @@
+"""Row-wise argmax kernel (the greedy sampler's pick on the GPU) against torch.argmax."""
+
+import pytest
+import torch
+
+from deepserve.kernels.argmax import argmax_rows, argmax_rows_ref
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 128256), (3, 4096), (5, 4097), (2, 100), (64, 151936), (0, 10)])
+def test_argmax_matches_torch(device, rows, vocab):
+    x = torch.randn(rows, vocab, device=device)
+    assert torch.equal(argmax_rows(x), argmax_rows_ref(x))
+
+
+def test_ties_take_the_lowest_index(device):
+    x = torch.zeros(4, 9000, device=device)
+    x[0, [5, 4500, 8999]] = 3.0          # the same maximum in three pieces
+    x[1, [8999, 4096]] = 1.0             # in two pieces, the lower one second in memory order of the pieces
+    x[2] = float("-inf")                 # an all -inf row (every token banned): index 0, like torch
+    x[3, 4095:4097] = 2.0                # across a piece boundary
+    assert argmax_rows(x).tolist() == argmax_rows_ref(x).tolist() == [5, 4096, 0, 4095]
+
+
+def test_strided_rows(device):
+    x = torch.randn(6, 2 * 5000, device=device)[:, :5000]   # rows not contiguous with each other
+    assert torch.equal(argmax_rows(x), argmax_rows_ref(x))

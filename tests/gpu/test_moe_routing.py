@@ -1,0 +1,232 @@
+"""Fused MoE routing kernel (scores, bias, group filter, top-k, weights, load count in one launch) against its
+PyTorch twin, route() + index_add_: ids identical, weights within 1e-6 relative, load counters equal."""
+
+import pytest
+import torch
+
+from deepserve.kernels import INTERPRET
+from deepserve.kernels.moe_routing import fused_route, fused_route_ref, fused_route_supported
+from deepserve.layers import moe as moe_module
+from deepserve.layers.moe import FusedMoE, RoutingConfig
+
+pytestmark = pytest.mark.gpu
+
+SCORINGS = ["softmax", "sigmoid", "sqrtsoftplus"]
+TOKENS = [1, 3, 64]
+# (E, k): every E and every k of the target models at least once, odd sizes (60) that need masks.
+GREEDY_SHAPES = [(8, 1), (8, 2), (60, 6), (64, 8), (128, 2), (256, 8)]
+# (E, groups, topk_groups, k): V3-like last; 60 = 4 groups of 15 (masked group rows), k = 1 with groups.
+GROUP_SHAPES = [(8, 4, 2, 2), (60, 4, 2, 6), (64, 8, 3, 6), (128, 8, 4, 1), (256, 8, 4, 8)]
+SQRT_TIE = (21.0, 21.000001907348633)   # adjacent floats whose square roots round to one float32
+
+
+def _logits(t, e, device, seed=0):
+    """[t, e] float32 logits with ties on purpose, row r of kind (r + 1) % 4 (so T = 1 and 3 have ties too):
+    0 continuous; 1 few distinct values (ties everywhere, between group scores too); 2 the three largest
+    duplicated at random places; 3 large logits that round to equal scores: sigmoid saturates to 1.0, and above
+    softplus's threshold sqrt merges 21 and the next float (the larger one at the higher id, so picking by logit
+    instead of by score would show)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, e, generator=gen) * 2
+    for r in range(t):
+        kind = (r + 1) % 4
+        if kind == 1:
+            x[r] = torch.randint(-2, 3, (e,), generator=gen) / 2
+        elif kind == 2:
+            places = torch.randperm(e, generator=gen)[:6]
+            x[r, places] = x[r].topk(3).values.repeat(2)[:len(places)]
+        elif kind == 3:
+            places = torch.randperm(e, generator=gen)[:5].sort().values
+            x[r, places] = torch.tensor([*SQRT_TIE, 19.0, 18.0, 17.5])[:len(places)]
+    return x.to(device)
+
+
+def _bias(e, device, seed=1):
+    """Correction bias in steps of 0.25: equal logits with equal bias still tie."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(-2, 3, (e,), generator=gen) * 0.25).to(device)
+
+
+def _check(cfg, logits, bias=None):
+    load = torch.zeros(logits.shape[1], dtype=torch.int64, device=logits.device)
+    load_ref = load.clone()
+    weights, ids = fused_route(logits, cfg, bias, load)
+    ref_w, ref_ids = fused_route_ref(logits, cfg, bias, load_ref)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32 and ids.shape == ref_ids.shape
+    mismatch = (ids != ref_ids).any(dim=1).nonzero().flatten().tolist()
+    assert not mismatch, f"rows {mismatch}: {ids[mismatch].tolist()} != {ref_ids[mismatch].tolist()}"
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=0.0)
+    assert torch.equal(load, load_ref)
+
+
+def test_sqrt_tie_is_a_tie():
+    """The constructed sqrtsoftplus tie holds in float32 (else the ties test above tests nothing)."""
+    a, b = torch.tensor(SQRT_TIE)
+    assert a < b and a.sqrt() == b.sqrt()
+    assert torch.equal(torch.tensor([17.5, 18.0, 21.0]).sigmoid(), torch.ones(3))
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("shape", GREEDY_SHAPES, ids=lambda s: "E{}-k{}".format(*s))
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_greedy_matches_route(device, scoring, shape, t):
+    e, k = shape
+    cfg = RoutingConfig(top_k=k, scoring=scoring, renormalize=k > 1, scaling_factor=1.0 if k == 2 else 2.5)
+    _check(cfg, _logits(t, e, device))
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("shape", GROUP_SHAPES, ids=lambda s: "E{}-G{}-g{}-k{}".format(*s))
+@pytest.mark.parametrize("method", ["group_limited_greedy", "noaux_tc"])
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_grouped_matches_route(device, scoring, method, shape, t):
+    """Group filter: V2's best-expert group score and V3's top-two sum (with the bias for noaux_tc)."""
+    e, groups, topk_groups, k = shape
+    cfg = RoutingConfig(top_k=k, scoring=scoring, topk_method=method, num_groups=groups, topk_groups=topk_groups,
+                        renormalize=method == "noaux_tc", scaling_factor=16.0)
+    _check(cfg, _logits(t, e, device), _bias(e, device) if method == "noaux_tc" else None)
+
+
+MODELS = {   # name: (E, routing), as the model configs set them
+    "mixtral": (8, RoutingConfig(top_k=2, renormalize=True)),
+    "qwen3_moe": (128, RoutingConfig(top_k=8, renormalize=True)),
+    "deepseek_v2_lite": (64, RoutingConfig(top_k=6, topk_method="group_limited_greedy", num_groups=1)),
+    "deepseek_v2": (160, RoutingConfig(top_k=6, topk_method="group_limited_greedy", num_groups=8, topk_groups=3,
+                                       scaling_factor=16.0)),
+    "deepseek_v3": (256, RoutingConfig(top_k=8, scoring="sigmoid", topk_method="noaux_tc", num_groups=8,
+                                       topk_groups=4, renormalize=True, scaling_factor=2.5)),
+    "deepseek_v4_1": (256, RoutingConfig(top_k=8, scoring="sqrtsoftplus", topk_method="noaux_tc", renormalize=True,
+                                         scaling_factor=1.5)),
+}
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_configs_match_route(device, name, t):
+    e, cfg = MODELS[name]
+    bias = _bias(e, device) if cfg.uses_bias else None
+    _check(cfg, _logits(t, e, device, seed=t), bias)
+
+
+def test_group_ties(device):
+    """Group scores tie on purpose: every group alike (the lowest group ids stay), and V3 groups whose best expert
+    appears twice (the duplicate counts in the top-two sum)."""
+    e, groups = 32, 4
+    logits = torch.zeros(4, e)
+    logits[1] = torch.arange(8.0).repeat(4)                   # four identical groups
+    logits[2, [9, 10]] = 3.0                                  # group 1: 3 + 3 ...
+    logits[2, [17, 25]] = torch.tensor([4.0, 1.9])            # ... beats group 2 (4 + 0) under V3 with sigmoid
+    logits[3, [8, 30]] = 2.0                                  # groups 1 and 3 tie: group 1 first
+    for method in ("group_limited_greedy", "noaux_tc"):
+        for scoring in SCORINGS:
+            cfg = RoutingConfig(top_k=3, scoring=scoring, topk_method=method, num_groups=groups, topk_groups=2)
+            _check(cfg, logits.to(device))
+
+
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_nan_logits_greedy(device, scoring):
+    """A NaN counts as the largest score, as in torch.sort (softmax: the whole row is NaN, ids 0..k-1): the ids
+    stay real experts and equal route()'s."""
+    logits = _logits(3, 8, device)
+    logits[0, 5] = logits[1, 2] = logits[1, 6] = float("nan")
+    cfg = RoutingConfig(top_k=3, scoring=scoring)
+    weights, ids = fused_route(logits, cfg)
+    ref_w, ref_ids = fused_route_ref(logits, cfg)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=0.0, equal_nan=True)
+
+
+def test_load_counter_accumulates(device):
+    """Several calls into one counter (as decode steps do until the engine resets it) = torch's bincount."""
+    e, cfg = MODELS["deepseek_v3"]
+    bias = _bias(e, device)
+    load = torch.zeros(e, dtype=torch.int64, device=device)
+    all_ids = []
+    for step, t in enumerate([3, 1, 17, 1]):
+        _, ids = fused_route(_logits(t, e, device, seed=step), cfg, bias, load)
+        all_ids.append(ids.flatten())
+    assert torch.equal(load, torch.bincount(torch.cat(all_ids), minlength=e))
+    assert int(load.sum()) == 22 * cfg.top_k
+
+
+def test_strided_logits_and_half_bias(device):
+    """Logits as a column slice of a wider tensor; a bias the model cast to bf16 (added as float32, as torch
+    promotes it); no load counter."""
+    e, cfg = MODELS["deepseek_v3"]
+    wide = _logits(5, e + 16, device)
+    bias = _bias(e, device).to(torch.bfloat16)
+    weights, ids = fused_route(wide[:, 8:8 + e], cfg, bias)
+    ref_w, ref_ids = fused_route_ref(wide[:, 8:8 + e], cfg, bias)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=0.0)
+
+
+def test_empty_batch(device):
+    cfg = RoutingConfig(top_k=2)
+    load = torch.zeros(8, dtype=torch.int64, device=device)
+    weights, ids = fused_route(torch.zeros(0, 8, device=device), cfg, None, load)
+    assert weights.shape == ids.shape == (0, 2) and int(load.sum()) == 0
+
+
+def test_supported_configs():
+    """What the kernel refuses (the layer keeps route() there)."""
+    assert fused_route_supported(MODELS["deepseek_v3"][1], 256)
+    assert not fused_route_supported(RoutingConfig(top_k=8), 2048)                    # beyond registers
+    assert not fused_route_supported(RoutingConfig(top_k=4), 2)                       # route() shape differs
+    assert not fused_route_supported(RoutingConfig(top_k=2, topk_method="noaux_tc", num_groups=8), 8)  # topk(2) of 1
+
+
+def test_layer_runs_the_kernel(device, monkeypatch):
+    """FusedMoE on the kernel path (forced under the interpreter) = the same layer on route() + index_add_:
+    same output, same load counter, and the kernel ran once per forward."""
+    e, cfg = MODELS["deepseek_v3"]
+    layer = FusedMoE(32, 16, e, cfg, shared_intermediate_size=16, gate_dtype=torch.float32).to(device)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.2)
+    x = torch.randn(6, 32, device=device)
+    with torch.inference_mode():
+        monkeypatch.setattr(moe_module, "use_triton", lambda _: False)
+        ref = layer(x)
+        ref_load = layer.expert_load.clone()
+        layer.reset_expert_load()
+        calls = []
+        import deepserve.kernels.moe_routing as routing
+
+        def spy(*args):
+            calls.append(1)
+            return fused_route(*args)
+        monkeypatch.setattr(moe_module, "use_triton", lambda _: True)
+        monkeypatch.setattr(routing, "fused_route", spy)
+        out = layer(x)
+    assert len(calls) == 1
+    assert torch.equal(layer.expert_load, ref_load)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
+def test_cuda_graph(device):
+    """Captured once (fixed shapes, no host sync), replayed on new logits written into the captured tensor: ids and
+    weights equal route()'s each time, and the load counter keeps counting on every replay."""
+    e, cfg = MODELS["deepseek_v3"]
+    bias = _bias(e, device)
+    logits = _logits(8, e, device)
+    load = torch.zeros(e, dtype=torch.int64, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fused_route(logits, cfg, bias, load)                 # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    load.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = fused_route(logits, cfg, bias, load)
+    expected = torch.zeros_like(load)
+    for seed in range(3):
+        logits.copy_(_logits(8, e, device, seed=10 + seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_w, ref_ids = fused_route_ref(logits, cfg, bias, expected)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=0.0)
+    assert torch.equal(load, expected)
