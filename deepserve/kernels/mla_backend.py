@@ -1,66 +1,105 @@
 """TritonMLA: the MLABackend of the GPU path (deepserve/layers/mla.py defines the protocol and the reference,
 TorchMLA, which this must match).
 
-Decode-only steps (every sequence brings one token) run in latent space on the GPU: W_UK absorbed into the
-query with one batched GEMM over heads, the Triton decode kernel over the paged latent cache
-(deepserve/kernels/mla_decode.py), W_UV applied to the weighted latents with another; the new latents are
-written by a kernel that skips negative slots. Steps with prefill rows go to the reference.
+Every step writes the new latents with a kernel that skips negative slots, then:
+  decode rows (one query token) run in latent space: W_UK absorbed into the query with one batched GEMM over
+    heads, the Triton decode kernel over the paged latent cache (deepserve/kernels/mla_decode.py), W_UV applied
+    to the weighted latents with another; in a mixed step on the decode rows' subset, gathered by index;
+  prefill rows (whole prompts, chunks, prompts over a cached prefix) run expanded, all sequences at once
+    (deepserve/kernels/mla_prefill.py): one gather of their visible latents, one GEMM through kv_b_proj, one
+    varlen causal attention launch.
 
-TritonMLA is also a per-step metadata builder (like TritonPagedAttention): `build_metadata` gives the
-reference's metadata plus the longest context (which sizes the decode split without reading host lists per
-layer), `build_graph_metadata` the fixed metadata of a decode batch captured in a CUDA graph (split sized for
-the longest context the engine allows). Without its metadata (e.g. the reference builder's), it still works.
+TritonMLA is also the per-step metadata builder (like TritonPagedAttention). `build_metadata` reads only the
+batch's host lists (no device -> host sync) and uploads every index tensor the layers share in one copy;
+`build_graph_metadata` gives the fixed metadata of a decode batch captured in a CUDA graph (split sized for the
+longest context the engine allows). With another builder's metadata (e.g. the reference's), decode-only steps
+still run here and other steps go to the reference.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from deepserve.kernels.mla_decode import mla_decode, write_latents
-from deepserve.layers.attention import TorchAttentionMetadata, TorchPagedAttention
+from deepserve.kernels.mla_prefill import MLAPrefillPlan, mla_prefill, plan_prefill
 from deepserve.layers.mla import MLAWeights, TorchMLA
 
 
 @dataclass
-class TritonMLAMetadata(TorchAttentionMetadata):
-    """The reference's fields (read on prefill/mixed steps) and the longest context of the step's decodes."""
-    max_seq_len: int = 0
+class TritonMLAMetadata:
+    """Per-step metadata. Decode-only steps (and CUDA graphs) need only `max_seq_len`: row b is sequence b."""
+    max_seq_len: int = 0                           # longest context of the decode rows (sizes the split)
+    decode_rows: torch.Tensor | None = None        # mixed steps: [Bd] rows of q that are decodes
+    decode_tables: torch.Tensor | None = None      # [Bd, max_blocks] their block tables
+    decode_seq_lens: torch.Tensor | None = None    # [Bd] their context lengths
+    prefill: MLAPrefillPlan | None = None          # steps with prefill rows
+
+
+def _upload(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Host int lists -> int64 device tensors, through one host-to-device copy."""
+    flat = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
+    return list(flat.to(device, non_blocking=True).split([len(part) for part in parts]))
 
 
 class TritonMLA:
-    def __init__(self, num_splits: Optional[int] = None) -> None:
+    def __init__(self, num_splits: int | None = None) -> None:
         self.reference = TorchMLA()
         self.num_splits = num_splits      # force the decode split count (tests); None: heuristic
 
     # --- per-step metadata ------------------------------------------------------------------------
     def build_metadata(self, batch) -> TritonMLAMetadata:
-        longest = max(batch.seq_lens_cpu, default=1)
+        q_lens, s_lens = batch.query_lens_cpu, batch.seq_lens_cpu
         if batch.is_decode_only:          # the kernel needs only the batch's own tensors
-            return TritonMLAMetadata(None, None, None, [], max_seq_len=longest)
-        meta = TorchPagedAttention().build_metadata(batch)
-        return TritonMLAMetadata(meta.decode_rows, meta.decode_blocks, meta.decode_mask, meta.prefills,
-                                 max_seq_len=longest)
+            return TritonMLAMetadata(max(s_lens, default=1))
+        decode_seqs = [b for b, n in enumerate(q_lens) if n == 1]
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        layout = plan_prefill(q_lens, s_lens, batch.block_size)
+        rows, seqs, *prefill = _upload([[starts[b] for b in decode_seqs], decode_seqs] + layout.parts(),
+                                       batch.input_ids.device)
+        meta = TritonMLAMetadata(max((s_lens[b] for b in decode_seqs), default=0),
+                                 prefill=layout.on_device(prefill, batch.block_tables))
+        if decode_seqs:
+            meta.decode_rows = rows
+            meta.decode_tables = batch.block_tables.index_select(0, seqs)
+            meta.decode_seq_lens = batch.seq_lens.index_select(0, seqs)
+        return meta
 
     def build_graph_metadata(self, batch, max_seq_len: int) -> TritonMLAMetadata:
-        return TritonMLAMetadata(None, None, None, [], max_seq_len=max_seq_len)
+        return TritonMLAMetadata(max_seq_len)
 
     # --- per layer --------------------------------------------------------------------------------
     def forward(self, q_nope, q_pe, latent, k_pe, kv_cache, weights: MLAWeights, batch, scale):
-        if q_nope.shape[0] == 0 or not batch.is_decode_only:
+        meta = batch.attn_metadata
+        decode_only = batch.is_decode_only
+        if q_nope.shape[0] == 0 or (not decode_only and not isinstance(meta, TritonMLAMetadata)):
             return self.reference.forward(q_nope, q_pe, latent, k_pe, kv_cache, weights, batch, scale)
         write_latents(kv_cache, latent, k_pe, batch.slot_mapping)
-        meta = batch.attn_metadata
-        longest = meta.max_seq_len if isinstance(meta, TritonMLAMetadata) else max(batch.seq_lens_cpu)
-        # Decode-only: row b is sequence b's one token.
+        if decode_only:
+            # Row b is sequence b's one token.
+            longest = meta.max_seq_len if isinstance(meta, TritonMLAMetadata) else max(batch.seq_lens_cpu)
+            return self._decode(q_nope, q_pe, kv_cache, weights, batch.block_tables, batch.seq_lens, longest, scale)
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], weights.w_uv.shape[1])
+        if meta.decode_rows is not None:
+            rows = meta.decode_rows
+            out[rows] = self._decode(q_nope.index_select(0, rows), q_pe.index_select(0, rows), kv_cache, weights,
+                                     meta.decode_tables, meta.decode_seq_lens, meta.max_seq_len, scale)
+        mla_prefill(q_nope, q_pe, kv_cache, weights.stacked(), meta.prefill, batch.query_start_loc, batch.seq_lens,
+                    scale, out)
+        return out
+
+    def _decode(self, q_nope, q_pe, kv_cache, weights: MLAWeights, block_tables, seq_lens, longest: int, scale):
+        """One query per sequence: row b of q_nope [B, H, nope] / q_pe [B, H, rope] is sequence b of block_tables
+        / seq_lens -> [B, H, v]."""
         bsz, heads, _ = q_nope.shape
         rank = weights.w_uk.shape[-1]
         q_lat = torch.bmm(q_nope.transpose(0, 1), weights.w_uk).transpose(0, 1)       # [B, H, R] view
         # Heads-major output, so the W_UV GEMM reads it without a copy.
         out_lat = torch.empty(heads, bsz, rank, dtype=q_nope.dtype, device=q_nope.device)
-        mla_decode(q_lat, q_pe, kv_cache, batch.block_tables, batch.seq_lens, scale, out=out_lat.transpose(0, 1),
+        mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, out=out_lat.transpose(0, 1),
                    max_seq_len=longest, num_splits=self.num_splits)
         return torch.bmm(out_lat, weights.w_uv.transpose(1, 2)).transpose(0, 1)        # [B, H, v]
 

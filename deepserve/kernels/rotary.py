@@ -4,6 +4,12 @@ its cos/sin row once and rotates every query and key head of that token.
 Same arithmetic as deepserve/layers/rotary.py: float32 math on (x * cos + rotate_half(x) * sin), one rounding
 to the activation dtype (a fused multiply-add may change the float32 value by one rounding, so outputs agree
 to one rounding of the output dtype).
+
+Two variants for DeepSeek's MLA (deepserve/layers/mla.py):
+  interleaved  pairs (x[2j], x[2j+1]) turn by angle j and land at j and HALF + j: HF's de-interleave followed
+               by the NeoX rotation, in one pass (the output is in the NeoX layout, as HF leaves it);
+  half caches  cos/sin of width D/2 (one column per angle, as MLARotaryEmbedding keeps them) instead of the
+               duplicated width-D caches of RotaryEmbedding: both halves read the same column.
 """
 
 import torch
@@ -14,13 +20,17 @@ from deepserve.kernels import next_pow2, require_triton, tl, triton
 @triton.jit
 def _rotate_heads(x_ptr, o_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, num_heads,
                   cos1, sin1, cos2, sin2, j, jmask,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
     for h0 in range(0, num_heads, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         mask = (h < num_heads)[:, None] & jmask[None, :]
-        src = x_ptr + t * stride_xt + h[:, None] * stride_xh + j[None, :]
-        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        row = x_ptr + t * stride_xt + h[:, None] * stride_xh
+        if INTERLEAVED:
+            x1 = tl.load(row + 2 * j[None, :], mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(row + 2 * j[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x1 = tl.load(row + j[None, :], mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(row + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32)
         o1 = x1 * cos1[None, :] - x2 * sin1[None, :]
         o2 = x2 * cos2[None, :] + x1 * sin2[None, :]
         dst = o_ptr + t * stride_ot + h[:, None] * stride_oh + j[None, :]
@@ -28,71 +38,79 @@ def _rotate_heads(x_ptr, o_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, n
         tl.store(dst + HALF, o2.to(o_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# positions is a view into the step's packed index buffer: its 16-byte alignment changes with the step's token
+# count, and specialising on it would compile a second variant mid-serving.
+@triton.jit(do_not_specialize=["pos_ptr"])
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
                    stride_cos, num_q_heads, num_k_heads,
-                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, HALF_CACHE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     jmask = j < HALF
     cos1 = tl.load(cos_ptr + pos * stride_cos + j, mask=jmask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + pos * stride_cos + HALF + j, mask=jmask, other=0.0).to(tl.float32)
     sin1 = tl.load(sin_ptr + pos * stride_cos + j, mask=jmask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + pos * stride_cos + HALF + j, mask=jmask, other=0.0).to(tl.float32)
+    if HALF_CACHE:
+        cos2 = cos1
+        sin2 = sin1
+    else:
+        cos2 = tl.load(cos_ptr + pos * stride_cos + HALF + j, mask=jmask, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + pos * stride_cos + HALF + j, mask=jmask, other=0.0).to(tl.float32)
     _rotate_heads(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, num_q_heads,
-                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H)
+                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
     _rotate_heads(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, num_k_heads,
-                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H)
+                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
+
+
+def _check_caches(d: int, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> bool:
+    """True for half-width caches ([max_pos, D/2]), False for full-width ones ([max_pos, D])."""
+    assert d % 2 == 0 and cos_cache.shape[-1] in (d, d // 2) and cos_cache.stride(-1) == 1
+    assert sin_cache.shape == cos_cache.shape and sin_cache.stride() == cos_cache.stride()
+    return cos_cache.shape[-1] == d // 2
+
+
+def _launch(positions, q, k, q_out, k_out, num_k_heads, cos_cache, sin_cache, interleaved: bool) -> None:
+    t, h, d = q.shape
+    if t == 0:
+        return
+    half_cache = _check_caches(d, cos_cache, sin_cache)
+    half = d // 2
+    block_half = next_pow2(half)
+    block_h = max(1, min(next_pow2(max(h, num_k_heads)), 4096 // block_half))
+    _rotary_kernel[(t,)](
+        positions, q, k, q_out, k_out, cos_cache, sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        cos_cache.stride(0), h, num_k_heads, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
+        INTERLEAVED=interleaved, HALF_CACHE=half_cache, num_warps=4)
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
-                 sin_cache: torch.Tensor, inplace: bool = False):
-    """q: [T, H, D], k: [T, Hkv, D] (any row/head strides), positions: [T]; cos/sin caches: [max_pos, D].
-    Returns (q_rot, k_rot): new tensors, or q and k themselves when `inplace`."""
+                 sin_cache: torch.Tensor, inplace: bool = False, interleaved: bool = False):
+    """q: [T, H, D], k: [T, Hkv, D] (any row/head strides), positions: [T]; cos/sin caches: [max_pos, D] or
+    [max_pos, D/2]. `interleaved`: rotate pairs (2j, 2j+1) and write them at (j, D/2 + j) (DeepSeek's MLA).
+    Returns (q_rot, k_rot): new contiguous tensors, or q and k themselves when `inplace`."""
     require_triton(q)
-    t, h, d = q.shape
-    hk = k.shape[1]
-    assert d % 2 == 0 and cos_cache.shape[-1] == d and cos_cache.stride(-1) == 1
-    assert sin_cache.stride() == cos_cache.stride()
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
     q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if t:
-        half = d // 2
-        block_half = next_pow2(half)
-        block_h = max(1, min(next_pow2(max(h, hk)), 4096 // block_half))
-        _rotary_kernel[(t,)](
-            positions, q, k, q_out, k_out, cos_cache, sin_cache,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-            cos_cache.stride(0), h, hk, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, num_warps=4)
+    _launch(positions, q, k, q_out, k_out, k.shape[1], cos_cache, sin_cache, interleaved)
     return q_out, k_out
 
 
 def rotate(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
-           inplace: bool = False) -> torch.Tensor:
+           inplace: bool = False, interleaved: bool = False) -> torch.Tensor:
     """One tensor of heads ([T, heads, D], e.g. q and k side by side): the rotated copy (or x, rotated in place)."""
     require_triton(x)
-    t, h, d = x.shape
-    assert d % 2 == 0 and cos_cache.shape[-1] == d and cos_cache.stride(-1) == 1
-    assert sin_cache.stride() == cos_cache.stride()
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if t:
-        half = d // 2
-        block_half = next_pow2(half)
-        block_h = max(1, min(next_pow2(h), 4096 // block_half))
-        _rotary_kernel[(t,)](
-            positions, x, x, out, out, cos_cache, sin_cache,
-            x.stride(0), x.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            out.stride(0), out.stride(1), cos_cache.stride(0), h, 0,
-            HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, num_warps=4)
+    _launch(positions, x, x, out, out, 0, cos_cache, sin_cache, interleaved)
     return out
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepserve.layers.attention import gather_blocks
+from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import rope_inv_freq, yarn_mscale
 from deepserve.worker.forward_batch import ForwardBatch
@@ -42,7 +43,11 @@ def mla_softmax_scale(qk_head_dim: int, params: dict[str, Any]) -> float:
 
 
 class MLARotaryEmbedding(nn.Module):
-    """RoPE over the trailing qk_rope_head_dim dims of q and the shared k_pe."""
+    """RoPE over the trailing qk_rope_head_dim dims of q and the shared k_pe.
+
+    cos/sin caches are [max_position, rope_dim / 2] (one column per angle). On CUDA tensors `forward` runs one
+    Triton launch for q and k (deepserve/kernels/rotary.py reads these half-width caches and de-interleaves
+    in the same pass); elsewhere it runs `reference`, the PyTorch path the kernel is tested against."""
 
     def __init__(self, rope_dim: int, max_position: int, params: dict[str, Any], max_position_embeddings: int,
                  interleaved: bool) -> None:
@@ -53,8 +58,15 @@ class MLARotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos() * attention_factor, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * attention_factor, persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, rope_dim] -> rotated, in x's dtype."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, rope_dim], k: [T, Hk, rope_dim] (strided views are fine) -> rotated copies, in their dtypes."""
+        if use_triton(q):
+            from deepserve.kernels.rotary import apply_rotary
+            return apply_rotary(positions, q, k, self.cos_cache, self.sin_cache, interleaved=self.interleaved)
+        return self.reference(positions, q), self.reference(positions, k)
+
+    def reference(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, rope_dim] -> rotated, in x's dtype (PyTorch, float32 math)."""
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         xf = x.float()
@@ -70,9 +82,18 @@ class MLARotaryEmbedding(nn.Module):
 
 @dataclass
 class MLAWeights:
-    """kv_b_proj viewed per head: W_UK [H, nope, r] (keys) and W_UV [H, v, r] (values)."""
+    """kv_b_proj viewed per head: W_UK [H, nope, r] (keys) and W_UV [H, v, r] (values); `kv_b` is the whole
+    weight [H * (nope + v), r] they are views of (None: rebuilt from them, a copy)."""
     w_uk: torch.Tensor
     w_uv: torch.Tensor
+    kv_b: torch.Tensor | None = None
+
+    def stacked(self) -> torch.Tensor:
+        """[H * (nope + v), r], head h's rows = [W_UK[h]; W_UV[h]]: one GEMM expands latents into
+        [tokens, H, nope + v] (k_nope then v per head)."""
+        if self.kv_b is not None:
+            return self.kv_b
+        return torch.cat((self.w_uk, self.w_uv), dim=1).flatten(0, 1)
 
 
 class MLABackend(Protocol):
@@ -188,8 +209,8 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_pe = self.rotary(batch.positions, q_pe)
-        k_pe = self.rotary(batch.positions, k_pe.unsqueeze(1)).squeeze(1)
+        q_pe, k_pe = self.rotary(batch.positions, q_pe, k_pe.unsqueeze(1))
+        k_pe = k_pe.squeeze(1)
         out = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.per_head(), batch)
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
 
@@ -207,4 +228,4 @@ class LatentUpProjection(nn.Module):
     def per_head(self) -> MLAWeights:
         blocks = self.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
         w_uk, w_uv = blocks.split([self.nope_dim, self.v_dim], dim=1)
-        return MLAWeights(w_uk, w_uv)
+        return MLAWeights(w_uk, w_uv, self.weight)

@@ -108,6 +108,10 @@ class RotaryEmbedding(nn.Module):
         if use_triton(q):
             from deepserve.kernels.rotary import apply_rotary
             return apply_rotary(positions, q, k, self.cos_cache, self.sin_cache)
+        if q.is_cpu:
+            q_rot, k_rot = self._rotate_in_c(positions, q), self._rotate_in_c(positions, k)
+            if q_rot is not None and k_rot is not None:
+                return q_rot, k_rot
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         return _apply(q, cos, sin), _apply(k, cos, sin)
@@ -117,7 +121,16 @@ class RotaryEmbedding(nn.Module):
         if use_triton(x):
             from deepserve.kernels.rotary import rotate
             return rotate(positions, x, self.cos_cache, self.sin_cache)
+        if x.is_cpu:
+            out = self._rotate_in_c(positions, x)
+            if out is not None:
+                return out
         return _apply(x, self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1))
+
+    def _rotate_in_c(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """The C kernel's rotation (float32 CPU tensors: one call instead of ~9 ops), or None."""
+        from deepserve.kernels.cpu.elementwise import rotate_half
+        return rotate_half(positions, x, self.cos_cache, self.sin_cache)
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -166,11 +166,17 @@ def test_backend_decode_matches_torch_mla(device, dtype, own_metadata):
 
 
 @pytest.mark.parametrize("own_metadata", [True, False], ids=["triton_meta", "torch_meta"])
-def test_backend_mixed_step_uses_reference(device, own_metadata):
-    """Steps with prefill rows go through the reference: bit-identical results."""
+def test_backend_mixed_step(device, own_metadata):
+    """Steps with prefill rows: with TritonMLA's own metadata they run its batched prefill path (equal to the
+    reference within the fp32 tolerance); with the reference's metadata they go through the reference bit for bit.
+    The cache writes are exact either way."""
     seqs = [(0, 23), (40, 1), (7, 1), (30, 12)]
     (ref, ref_cache), (out, out_cache) = _both_backends(device, torch.float32, seqs, own_metadata=own_metadata)
-    assert torch.equal(out_cache, ref_cache) and torch.equal(out, ref)
+    assert torch.equal(out_cache, ref_cache)
+    if own_metadata:
+        _close(out, ref, BACKEND_TOL[torch.float32])
+    else:
+        assert torch.equal(out, ref)
 
 
 def _padded_decode(device, lens, pad, num_blocks=40, block_size=16):

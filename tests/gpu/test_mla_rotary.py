@@ -1,0 +1,94 @@
+"""The MLA rotary kernel (deepserve/kernels/rotary.py with `interleaved` and half-width caches) against
+MLARotaryEmbedding's PyTorch path (deepserve/layers/mla.py), which HF's DeepSeek code fixes."""
+
+import pytest
+import torch
+
+from deepserve.kernels.rotary import apply_rotary, rotate
+from deepserve.layers.kernel_dispatch import use_triton
+from deepserve.layers.mla import MLARotaryEmbedding
+from kernel_testing import assert_within_ulps, skip_bf16_in_interpreter
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+MAX_POS = 8192
+# DeepSeek-V2's YaRN (benchmarks/h200_moe.py), and a variant whose mscale != mscale_all_dim (cos/sin scaled).
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+            beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
+SCALINGS = {"default": {"rope_type": "default", "rope_theta": 10000.0}, "yarn": YARN,
+            "yarn-mscale": {**YARN, "mscale": 1.0, "mscale_all_dim": 0.0}}
+
+
+def _views(t, heads, nope, rope, rank, dtype, device):
+    """q_pe and k_pe as the model makes them: slices of the q projection and of kv_a_proj's output."""
+    q = torch.randn(t, heads * (nope + rope), device=device).to(dtype)
+    kv_a = torch.randn(t, rank + rope, device=device).to(dtype)
+    q_pe = q.view(t, heads, nope + rope)[..., nope:]
+    k_pe = kv_a[:, rank:].unsqueeze(1)
+    return q_pe, k_pe
+
+
+def _positions(t, device):
+    """Random positions, with the first and the last of the cache among them."""
+    pos = torch.randint(0, MAX_POS, (t,), device=device)
+    pos[0], pos[-1] = 0, MAX_POS - 1
+    return pos
+
+
+def _assert_close(out, ref, dtype, x):
+    # x1*cos - x2*sin may be contracted into one fused multiply-add: a float32 difference of about 2**-23 of the
+    # products, visible only where the two products cancel (results near 0); |cos|, |sin| <= attention factor.
+    atol = 2.0 ** -21 * x.float().abs().max().item() * 1.5
+    assert_within_ulps(out, ref, dtype, ulps=1, min_exact=0.98, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
+@pytest.mark.parametrize("scaling", list(SCALINGS), ids=list(SCALINGS))
+@pytest.mark.parametrize("heads,nope,rope,rank", [(16, 128, 64, 512), (3, 5, 10, 7)], ids=["V2", "odd"])
+def test_mla_rotary_matches_reference(device, dtype, interleaved, scaling, heads, nope, rope, rank):
+    """q_pe [T, H, rope] and k_pe [T, 1, rope] in one launch (odd T, strided views) vs the torch path; the
+    layer's dispatch; the half-width cache read as a full-width one gives the same bits."""
+    skip_bf16_in_interpreter(dtype)
+    rotary = MLARotaryEmbedding(rope, MAX_POS, SCALINGS[scaling], 163840, interleaved).to(device)
+    t = 37
+    positions = _positions(t, device)
+    q_pe, k_pe = _views(t, heads, nope, rope, rank, dtype, device)
+    ref_q, ref_k = rotary.reference(positions, q_pe), rotary.reference(positions, k_pe)
+    out_q, out_k = apply_rotary(positions, q_pe, k_pe, rotary.cos_cache, rotary.sin_cache, interleaved=interleaved)
+    assert out_q.shape == q_pe.shape and out_k.shape == k_pe.shape
+    _assert_close(out_q, ref_q, dtype, q_pe)
+    _assert_close(out_k, ref_k, dtype, k_pe)
+    layer_q, layer_k = rotary(positions, q_pe, k_pe)
+    if use_triton(q_pe):
+        assert torch.equal(layer_q, out_q) and torch.equal(layer_k, out_k)     # the layer runs the kernel
+    else:
+        assert torch.equal(layer_q, ref_q) and torch.equal(layer_k, ref_k)     # interpreter: the torch path
+    full_cos = torch.cat((rotary.cos_cache, rotary.cos_cache), dim=-1)
+    full_sin = torch.cat((rotary.sin_cache, rotary.sin_cache), dim=-1)
+    full_q, full_k = apply_rotary(positions, q_pe, k_pe, full_cos, full_sin, interleaved=interleaved)
+    assert torch.equal(full_q, out_q) and torch.equal(full_k, out_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mla_rotary_interleaved_in_place_and_one_tensor(device, dtype):
+    """In place (every pair is read before its outputs are written) and `rotate` on q and k side by side."""
+    rotary = MLARotaryEmbedding(64, MAX_POS, YARN, 163840, True).to(device)
+    t = 9
+    positions = _positions(t, device)
+    q_pe, k_pe = _views(t, 16, 128, 64, 512, dtype, device)
+    out_q, out_k = apply_rotary(positions, q_pe, k_pe, rotary.cos_cache, rotary.sin_cache, interleaved=True)
+    q2, k2 = q_pe.contiguous(), k_pe.contiguous()
+    r_q, _ = apply_rotary(positions, q2, k2, rotary.cos_cache, rotary.sin_cache, inplace=True, interleaved=True)
+    assert r_q.data_ptr() == q2.data_ptr() and torch.equal(q2, out_q) and torch.equal(k2, out_k)
+    both = rotate(positions, torch.cat((q_pe, k_pe), dim=1), rotary.cos_cache, rotary.sin_cache, interleaved=True)
+    assert torch.equal(both, torch.cat((out_q, out_k), dim=1))
+
+
+def test_mla_rotary_no_tokens(device):
+    rotary = MLARotaryEmbedding(64, 128, SCALINGS["default"], 128, True).to(device)
+    q_pe, k_pe = _views(0, 4, 16, 64, 32, torch.float32, device)
+    out_q, out_k = apply_rotary(torch.zeros(0, dtype=torch.int64, device=device), q_pe, k_pe, rotary.cos_cache,
+                                rotary.sin_cache, interleaved=True)
+    assert out_q.shape == (0, 4, 64) and out_k.shape == (0, 1, 64)
