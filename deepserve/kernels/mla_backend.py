@@ -25,6 +25,7 @@ import torch
 from deepserve.kernels.mla_decode import mla_decode, write_latents
 from deepserve.kernels.mla_prefill import MLAPrefillPlan, mla_prefill, plan_prefill
 from deepserve.layers.mla import MLAWeights, TorchMLA
+from deepserve.worker.forward_batch import upload_int64
 
 
 @dataclass
@@ -35,12 +36,6 @@ class TritonMLAMetadata:
     decode_tables: torch.Tensor | None = None      # [Bd, max_blocks] their block tables
     decode_seq_lens: torch.Tensor | None = None    # [Bd] their context lengths
     prefill: MLAPrefillPlan | None = None          # steps with prefill rows
-
-
-def _upload(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Host int lists -> int64 device tensors, through one host-to-device copy."""
-    flat = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
-    return list(flat.to(device, non_blocking=True).split([len(part) for part in parts]))
 
 
 class TritonMLA:
@@ -58,7 +53,7 @@ class TritonMLA:
         for n in q_lens:
             starts.append(starts[-1] + n)
         layout = plan_prefill(q_lens, s_lens, batch.block_size)
-        rows, seqs, *prefill = _upload([[starts[b] for b in decode_seqs], decode_seqs] + layout.parts(),
+        rows, seqs, *prefill = upload_int64([[starts[b] for b in decode_seqs], decode_seqs] + layout.parts(),
                                        batch.input_ids.device)
         meta = TritonMLAMetadata(max((s_lens[b] for b in decode_seqs), default=0),
                                  prefill=layout.on_device(prefill, batch.block_tables))

@@ -69,7 +69,8 @@ def _scores(x, valid, SCORING: tl.constexpr, ACCURATE: tl.constexpr):
     else:
         # torch's softplus: x itself above the threshold 20; exp's input clamped so the unused side stays finite.
         soft = tl.where(x > 20.0, x, _log1p(_exp(tl.minimum(x, 20.0), ACCURATE), ACCURATE))
-        return tl.sqrt_rn(soft)
+        # tl.minimum(NaN, 20) may give 20: keep a NaN logit NaN, as torch's softplus does.
+        return tl.sqrt_rn(tl.where(x != x, x, soft))
 
 
 @triton.jit

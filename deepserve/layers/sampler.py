@@ -156,14 +156,16 @@ class Sampler:
 
     def choose_tokens(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax (first index on ties), the others draw from their shaped distribution."""
-        greedy = _argmax(logits) if not meta.all_random else None
+        greedy = greedy_tokens(logits) if not meta.all_random else None
         if meta.all_greedy:
             return greedy
         sampled = sample_from_probs(shaped_probs(logits, meta), meta.uniforms)
         return sampled if greedy is None else torch.where(meta.is_greedy, greedy, sampled)
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax, the first index on ties (a Triton kernel for CUDA tensors: torch's one-block-per-row
+    reduction takes ~28 us for one 128k-entry row on an H200)."""
     if use_triton(logits):
         from deepserve.kernels.argmax import argmax_rows
         return argmax_rows(logits)

@@ -90,11 +90,25 @@ class ForwardBatch:
         np.cumsum(q_lens, out=starts[1:])
         parts = [np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64), np.asarray(slots, dtype=np.int64),
                  tables.ravel(), starts, np.asarray(s_lens, dtype=np.int64), np.asarray(logit_idx, dtype=np.int64)]
-        flat = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
-        views = torch.split(flat, [len(p) for p in parts])
+        views = upload_int64(parts, device)
         return cls(
             input_ids=views[0], positions=views[1], slot_mapping=views[2],
             block_tables=views[3].view(num_seqs, max_blocks), query_start_loc=views[4], seq_lens=views[5],
             query_lens_cpu=q_lens, seq_lens_cpu=s_lens, logits_indices=views[6], block_size=block_size,
             inflight_rows=inflight,
         )
+
+
+def upload_int64(parts: list, device: torch.device) -> list[torch.Tensor]:
+    """int64 arrays (or int lists) -> device views of one buffer, filled by one host-to-device copy. Every view starts on a
+    16-byte boundary: Triton compiles a kernel variant per pointer alignment, and views at whatever offset the
+    previous parts left would compile new variants in the middle of serving (~1 s each)."""
+    offsets, total = [], 0
+    for p in parts:
+        offsets.append(total)
+        total += len(p) + (len(p) & 1)          # pad odd lengths: 2 int64 = 16 bytes
+    buf = np.zeros(total, dtype=np.int64)
+    for p, o in zip(parts, offsets):
+        buf[o:o + len(p)] = p
+    flat = torch.from_numpy(buf).to(device, non_blocking=True)
+    return [flat[o:o + len(p)] for p, o in zip(parts, offsets)]

@@ -21,7 +21,7 @@ import torch
 from deepserve.config import EngineConfig
 from deepserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from deepserve.layers.attention import TorchPagedAttention
-from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SequenceSamplingRow
+from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SequenceSamplingRow, greedy_tokens
 from deepserve.loader.model_loader import load_model
 from deepserve.worker.forward_batch import ForwardBatch
 
@@ -168,6 +168,7 @@ class ModelRunner:
         batch.attn_metadata = self.attn_backend.build_metadata(batch)
         logits = self.model.compute_logits(self.model(batch))
         torch.log_softmax(logits, dim=-1)      # the sampler's vocab-sized temporaries
+        greedy_tokens(logits)                  # the greedy pick (a Triton kernel on the GPU: compiled here)
 
     # --- CUDA graphs --------------------------------------------------------------------------
     def _capture_cuda_graphs(self):

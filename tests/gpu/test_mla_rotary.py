@@ -40,7 +40,10 @@ def _assert_close(out, ref, dtype, x):
     # x1*cos - x2*sin may be contracted into one fused multiply-add: a float32 difference of about 2**-23 of the
     # products, visible only where the two products cancel (results near 0); |cos|, |sin| <= attention factor.
     atol = 2.0 ** -21 * x.float().abs().max().item() * 1.5
-    assert_within_ulps(out, ref, dtype, ulps=1, min_exact=0.98, atol=atol)
+    # In a float32 output that contraction shows in the last bit of about a quarter of the elements (measured on
+    # an H200: 76% bit-identical); a half-precision output rounds it away almost always.
+    min_exact = 0.5 if dtype == torch.float32 else 0.98
+    assert_within_ulps(out, ref, dtype, ulps=1, min_exact=min_exact, atol=atol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
