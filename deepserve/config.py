@@ -49,6 +49,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
     num_blocks: int | None = None   # filled in by the model runner once the budget is known
+    dtype: torch.dtype | None = None   # of the KV cache; None: the model's dtype
 
 
 @dataclass
@@ -95,6 +96,7 @@ class EngineArgs:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"          # "auto" (the model's dtype) or float32 / bfloat16 / float16
     enforce_eager: bool = False
     cuda_graph_max_batch_size: int | None = None
     async_scheduling: bool | None = None      # None: on for CUDA devices, off on the CPU
@@ -119,6 +121,8 @@ class EngineArgs:
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be auto, cpu or cuda; got {self.device!r}")
         need(self.load_format in ("auto", "dummy"), f"load_format must be auto or dummy; got {self.load_format!r}")
+        need(self.kv_cache_dtype in ("auto", *_DTYPES),
+             f"kv_cache_dtype must be one of auto, {', '.join(_DTYPES)}; got {self.kv_cache_dtype!r}")
         need(self.quantization in (None, "int8", "w8a8"),
              f"quantization must be None, int8 or w8a8; got {self.quantization!r}")
         need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
@@ -162,13 +166,18 @@ class EngineArgs:
             raise ValueError(f"without chunked prefill max_num_batched_tokens ({max_batched}) must be >= "
                              f"max_model_len ({max_model_len})")
         max_batched = max(max_batched, self.max_num_seqs) if self.max_num_batched_tokens is None else max_batched
+        kv_dtype = dtype if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
+        if kv_dtype != dtype and device.type != "cpu":
+            # The GPU kernels read the cache in the activations' dtype.
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} differs from the model dtype {dtype}: "
+                             "supported on the CPU only (use kv_cache_dtype='auto' on the GPU)")
         return EngineConfig(
             model=ModelConfig(model=path, hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
                               seed=self.seed, quantization=self.quantization),
             cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                              gpu_memory_utilization=self.gpu_memory_utilization),
+                              gpu_memory_utilization=self.gpu_memory_utilization, dtype=kv_dtype),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                                       max_model_len=max_model_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill,

@@ -97,8 +97,8 @@ class TorchPagedAttention:
                                                           scale)
         for seg in meta.prefills:
             rows = slice(seg.row_start, seg.row_start + seg.num_rows)
-            keys = gather_blocks(k_cache, seg.blocks).flatten(0, 1)[: seg.seq_len]
-            values = gather_blocks(v_cache, seg.blocks).flatten(0, 1)[: seg.seq_len]
+            keys = gather_blocks(k_cache, seg.blocks).flatten(0, 1)[: seg.seq_len].to(q.dtype)
+            values = gather_blocks(v_cache, seg.blocks).flatten(0, 1)[: seg.seq_len].to(q.dtype)
             out[rows] = _prefill_attention(q[rows], keys, values, seg.first_position, scale)
         return out
 
@@ -111,8 +111,9 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    kv_cache[0].view(-1, *k.shape[1:])[slot_mapping] = k
-    kv_cache[1].view(-1, *v.shape[1:])[slot_mapping] = v
+    """The cache may hold another dtype than the activations (kv_cache_dtype): values are rounded into it."""
+    kv_cache[0].view(-1, *k.shape[1:])[slot_mapping] = k.to(kv_cache.dtype)
+    kv_cache[1].view(-1, *v.shape[1:])[slot_mapping] = v.to(kv_cache.dtype)
 
 
 def _decode_attention(q, k, v, mask, scale):

@@ -22,11 +22,6 @@ def swiglu_activation(gate_up: torch.Tensor, limit: float | None = None) -> torc
     if limit is None and use_triton(gate_up) and not torch.is_grad_enabled():
         from deepserve.kernels.activation import silu_and_mul
         return silu_and_mul(gate_up)
-    if limit is None and gate_up.is_cpu:
-        from deepserve.kernels.cpu.elementwise import silu_and_mul as c_silu_and_mul
-        out = c_silu_and_mul(gate_up)          # one C pass (None: not float32, or grads wanted)
-        if out is not None:
-            return out
     gate, up = gate_up.chunk(2, dim=-1)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)

@@ -19,11 +19,6 @@ class RMSNorm(nn.Module):
         if use_triton(x):       # one pass: add, statistics, scale (the reference makes five)
             from deepserve.kernels.norm import fused_add_rms_norm
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if x.is_cpu:            # one C pass instead of ~7 PyTorch ops (None: the tensors do not fit it)
-            from deepserve.kernels.cpu.elementwise import rms_norm as c_rms_norm
-            out = c_rms_norm(x, residual, self.weight, self.eps)
-            if out is not None:
-                return out
         if residual is not None:
             x = x + residual
             residual = x

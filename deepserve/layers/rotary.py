@@ -129,7 +129,7 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate_in_c(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """The C kernel's rotation (float32 CPU tensors: one call instead of ~9 ops), or None."""
-        from deepserve.kernels.cpu.elementwise import rotate_half
+        from deepserve.kernels.cpu.rotary import rotate_half
         return rotate_half(positions, x, self.cos_cache, self.sin_cache)
 
 

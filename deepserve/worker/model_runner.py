@@ -20,7 +20,7 @@ import torch
 
 from deepserve.config import EngineConfig
 from deepserve.engine.scheduler import ScheduledSequence, SchedulerOutput
-from deepserve.layers.attention import TorchPagedAttention
+from deepserve.layers.attention import Attention, TorchPagedAttention
 from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SequenceSamplingRow, greedy_tokens
 from deepserve.loader.model_loader import load_model
 from deepserve.worker.forward_batch import ForwardBatch
@@ -49,6 +49,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(config.model, self.device)
         self.load_seconds = time.perf_counter() - t0
+        if self.kv_cache_dtype != config.model.dtype and not all(
+                isinstance(layer, Attention) for layer in self.model.attention_layers()):
+            raise ValueError("a kv_cache_dtype other than the model's is supported for standard attention layers "
+                             "only (not multi-head latent attention)")
         # Builds the per-step index metadata every layer's backend reads (one builder for the whole model).
         self.attn_backend = self._select_attention_backend()
         self.sampler = Sampler()
@@ -79,9 +83,12 @@ class ModelRunner:
         return reference
 
     # --- KV cache -----------------------------------------------------------------------------
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.config.cache.dtype or self.config.model.dtype
+
     def kv_bytes_per_token(self) -> int:
-        dtype = self.config.model.dtype
-        return sum(layer.kv_bytes_per_token(dtype) for layer in self.model.attention_layers())
+        return sum(layer.kv_bytes_per_token(self.kv_cache_dtype) for layer in self.model.attention_layers())
 
     def _kv_budget_bytes(self) -> int:
         cache = self.config.cache
@@ -100,7 +107,7 @@ class ModelRunner:
         self.config.cache.num_blocks = int(num_blocks)
         caches = []
         for layer in self.model.attention_layers():
-            cache = torch.zeros(layer.kv_cache_shape(num_blocks, self.block_size), dtype=self.config.model.dtype,
+            cache = torch.zeros(layer.kv_cache_shape(num_blocks, self.block_size), dtype=self.kv_cache_dtype,
                                 device=self.device)
             layer.kv_cache = cache
             caches.append(cache)
@@ -140,7 +147,7 @@ class ModelRunner:
         n = min(sched.max_num_batched_tokens, sched.max_model_len)
         layers = self.model.attention_layers()
         for layer in layers:
-            layer.kv_cache = torch.zeros(layer.kv_cache_shape(1, self.block_size), dtype=self.config.model.dtype,
+            layer.kv_cache = torch.zeros(layer.kv_cache_shape(1, self.block_size), dtype=self.kv_cache_dtype,
                                          device=self.device)
         peak = None
         while n >= 16:
@@ -247,7 +254,9 @@ class ModelRunner:
                 samplers.append(s.seq)
             offset += len(rows)
         if samplers:
-            self._sample(logits[sample_rows], samplers, step)
+            # Every logits row samples in a step without prompt logprobs: no [rows, vocab] gather then.
+            every_row = len(sample_rows) == logits.shape[0]
+            self._sample(logits if every_row else logits[sample_rows], samplers, step)
         return step
 
     def collect(self, step: "LaunchedStep") -> ModelRunnerOutput:

@@ -310,3 +310,47 @@ def test_one_openmp_runtime_in_the_process():
     maps = Path("/proc/self/maps").read_text().splitlines()
     runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
     assert len(runtimes) <= 1, runtimes
+
+
+# --- a bf16 KV cache (kv_cache_dtype="bfloat16"): the KV_BF16 build widens each key/value exactly ---------------
+requires_bf16_kernel = pytest.mark.skipif(cpu.library(torch.bfloat16) is None, reason="no C compiler")
+
+
+@requires_bf16_kernel
+@pytest.mark.parametrize("seq_lens", SEQ_LENS, ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("group", [1, 3])
+def test_bf16_cache_kernel_matches_reference(seq_lens, group):
+    q, kv_cache, tables, lens = random_case(seq_lens, hkv=3, group=group, head_dim=64)
+    cache16 = kv_cache.bfloat16()
+    # The reference reads the same bf16 values (widened to float64): only the arithmetic differs.
+    assert_matches_reference(run_kernel(q, cache16, tables, lens, 0.125),
+                             reference_decode(q, cache16, tables, lens, 0.125))
+
+
+@requires_bf16_kernel
+def test_engine_with_bf16_kv_cache_matches_the_torch_path(tiny_llama):
+    """kv_cache_dtype='bfloat16' on an fp32 model: the C kernel and the PyTorch fallback read the same bf16
+    cache and give the same greedy tokens; the cache really is bf16 (half the bytes per token)."""
+    from deepserve import LLM, SamplingParams
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17 + 2 * i, 3] * (3 + i)} for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(tiny_llama, device="cpu", kv_cache_dtype="bfloat16", max_model_len=256, skip_tokenizer_init=True)
+    runner = llm.engine.runner
+    assert all(c.dtype == torch.bfloat16 for c in runner.kv_caches)
+    fp32 = LLM(tiny_llama, device="cpu", max_model_len=256, skip_tokenizer_init=True)
+    assert runner.kv_bytes_per_token() * 2 == fp32.engine.runner.kv_bytes_per_token()
+    with_kernel = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    cpu._load.cache_clear()
+    try:
+        import os
+        os.environ["DEEPSERVE_CPU_KERNELS"] = "0"
+        without = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        del os.environ["DEEPSERVE_CPU_KERNELS"]
+    assert with_kernel == without
+
+
+def test_kv_cache_dtype_is_validated():
+    from deepserve import EngineArgs
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineArgs(kv_cache_dtype="fp8")

@@ -8,7 +8,7 @@ OpenMP: torch's CPU wheels ship their own libgomp.so.1. torch is imported before
 the dynamic linker resolves our libgomp.so.1 dependency to the copy already in the process (same soname):
 one OpenMP runtime and one thread pool, not two (tests/kernels checks this).
 
-    DecodePlan    one query token per sequence over the paged KV cache (fp32): built once per step from
+    DecodePlan    one query token per sequence over the paged KV cache (fp32 or bf16): built once per step from
                   the decode rows' block tables, then run per layer
 """
 
@@ -37,14 +37,19 @@ def enabled() -> bool:
     return os.environ.get("DEEPSERVE_CPU_KERNELS", "1") != "0"
 
 
+# Cache dtype -> the build of paged_attention.c that reads it.
+_VARIANTS = {torch.float32: (), torch.bfloat16: ("KV_BF16",)}
+
+
 @functools.lru_cache(maxsize=None)
-def _load() -> ctypes.CDLL | None:
-    return _build.load(_SOURCE, {"paged_decode_attention": _ARGTYPES})
+def _load(cache_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+    return _build.load(_SOURCE, {"paged_decode_attention": _ARGTYPES}, defines=_VARIANTS[cache_dtype])
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (disabled by DEEPSERVE_CPU_KERNELS=0, or not buildable here)."""
-    return _load() if enabled() else None
+def library(cache_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+    """The kernels for a KV cache of `cache_dtype` (float32 or bfloat16), or None (another dtype, disabled by
+    DEEPSERVE_CPU_KERNELS=0, or not buildable here)."""
+    return _load(cache_dtype) if enabled() and cache_dtype in _VARIANTS else None
 
 
 class DecodePlan:
@@ -57,10 +62,8 @@ class DecodePlan:
     """
 
     def __init__(self, rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        lib = library()
-        if lib is None:
+        if library() is None:
             raise RuntimeError("the CPU kernels are not available here (see library())")
-        self._kernel = lib.paged_decode_attention
         if not (rows.is_cpu and block_tables.is_cpu and seq_lens.is_cpu):
             raise ValueError("DecodePlan takes CPU tensors")
         # Kept as attributes so that the memory behind the pointers below stays alive.
@@ -81,8 +84,9 @@ class DecodePlan:
     def supports(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> bool:
         """Whether the kernel can take these tensors (else use the PyTorch path)."""
         f32 = torch.float32
-        if not (q.dtype == f32 and out.dtype == f32 and kv_cache.dtype == f32
-                and q.is_cpu and out.is_cpu and kv_cache.is_cpu and kv_cache.is_contiguous()):
+        if not (q.dtype == f32 and out.dtype == f32 and kv_cache.dtype in _VARIANTS
+                and q.is_cpu and out.is_cpu and kv_cache.is_cpu and kv_cache.is_contiguous()
+                and library(kv_cache.dtype) is not None):
             return False
         _, num_blocks, block_size, hkv, d = kv_cache.shape
         rows, heads, dim = q.shape
@@ -92,16 +96,16 @@ class DecodePlan:
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
         """out[rows[b]] = softmax(q[rows[b]] K_b^T * scale) V_b per head, K_b and V_b being sequence b's first
-        seq_lens[b] keys and values in kv_cache [2, num_blocks, block_size, Hkv, D]. q, out: [T, H, D] fp32,
+        seq_lens[b] keys and values in kv_cache [2, num_blocks, block_size, Hkv, D] (fp32 or bf16). q, out: [T, H, D] fp32,
         unit stride in D (rows and heads may be strided); out's other rows are left as they are.
         Returns False, doing nothing, when the kernel cannot take these tensors (see `supports`)."""
         if not self.supports(q, kv_cache, out):
             return False
         _, _, block_size, hkv, d = kv_cache.shape
         k_ptr = kv_cache.data_ptr()
-        v_ptr = k_ptr + kv_cache.stride(0) * 4           # fp32
+        v_ptr = k_ptr + kv_cache.stride(0) * kv_cache.element_size()
         q_stride, out_stride = q.stride(), out.stride()
-        self._kernel(q.data_ptr(), q_stride[0], q_stride[1], k_ptr, v_ptr, *self._ptrs,
+        library(kv_cache.dtype).paged_decode_attention(q.data_ptr(), q_stride[0], q_stride[1], k_ptr, v_ptr, *self._ptrs,
                      out.data_ptr(), out_stride[0], out_stride[1], self.num_seqs, q.shape[1], hkv, d, block_size,
                      self.max_blocks, scale, torch.get_num_threads())
         return True

@@ -80,16 +80,18 @@ def compile_library(compiler: str, source: Path, flags: list[str], target: Path)
             os.unlink(tmp)
 
 
-def build(source: Path, directory: Path | None = None) -> Path | None:
+def build(source: Path, directory: Path | None = None, defines: tuple[str, ...] = ()) -> Path | None:
     """Path of the compiled library (built now unless a matching one is cached), or None when it cannot be
-    built. Tries OpenMP first, then a single-threaded build (a compiler without OpenMP support)."""
+    built. Tries OpenMP first, then a single-threaded build (a compiler without OpenMP support). `defines`
+    (e.g. "KV_BF16") select a variant of the source: each is its own cached library."""
     compiler = find_compiler()
     if compiler is None:
         logger.warning("no C compiler found (cc, gcc, $CC): using the PyTorch path for %s", source.name)
         return None
     directory = directory or cache_dir()
+    extra = [f"-D{d}" for d in defines]
     variants = [(flags, library_path(source, flags, compiler, directory))
-                for flags in (BASE_FLAGS + OPENMP_FLAGS, BASE_FLAGS)]
+                for flags in (BASE_FLAGS + OPENMP_FLAGS + extra, BASE_FLAGS + extra)]
     for _, target in variants:   # a cached build of any variant: no compiler run (not even a failing one)
         if target.exists():
             return target
@@ -106,10 +108,11 @@ def build(source: Path, directory: Path | None = None) -> Path | None:
     return None
 
 
-def load(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | None:
-    """Build (or find) and load `source`, declaring each function's argument types (all return void).
-    None, with one warning, when it cannot be built or loaded: callers then use their PyTorch path."""
-    path = build(source)
+def load(source: Path, signatures: dict[str, list], defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """Build (or find) and load `source` (with `defines`), declaring each function's argument types (all
+    return void). None, with one warning, when it cannot be built or loaded: callers then use their PyTorch
+    path."""
+    path = build(source, defines=defines)
     if path is None:
         return None
     try:

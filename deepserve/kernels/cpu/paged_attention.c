@@ -1,4 +1,8 @@
-/* Paged decode attention on the CPU (fp32): one query token per sequence over its cached keys/values.
+/* Paged decode attention on the CPU: one query token per sequence over its cached keys/values.
+ *
+ * Queries, outputs and all arithmetic are fp32. The cache is fp32, or bf16 when compiled with -DKV_BF16
+ * (build.py builds each variant on demand): a bf16 key or value widens exactly to fp32 on load (its bits
+ * shifted up), so the two builds differ only in what the cache holds, and the bf16 one reads half the bytes.
  *
  * Cache of one layer: keys and values each [num_blocks, block_size, Hkv, D], contiguous. Sequence b's
  * token i lives in block block_tables[b][i / block_size] at slot i % block_size.
@@ -18,6 +22,20 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifdef KV_BF16
+typedef uint16_t kv_t;
+static inline float KV(kv_t x)
+{
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#else
+typedef float kv_t;
+#define KV(x) (x)
+#endif
+
 #define LANES 16   /* partial sums per dot product: one 512-bit or two 256-bit vectors */
 #define TILE 16    /* keys whose dot products are reduced together */
 
@@ -36,19 +54,19 @@
     } while (0)
 
 /* a . b over D floats (D a multiple of LANES). */
-static inline float dot(const float *restrict a, const float *restrict b, int64_t D)
+static inline float dot(const float *restrict a, const kv_t *restrict b, int64_t D)
 {
     float part[LANES] = {0.f}, sum;
     for (int64_t d = 0; d < D; d += LANES)
         for (int j = 0; j < LANES; ++j)
-            part[j] += a[d + j] * b[d + j];
+            part[j] += a[d + j] * KV(b[d + j]);
     REDUCE_LANES(part, sum);
     return sum;
 }
 
 /* out[t] = q . k[t * stride] for TILE keys at once: reducing TILE dot products together lets gcc do it
  * with a transpose across vectors, instead of one horizontal sum per key. */
-static inline void dot_tile(const float *restrict q, const float *restrict k, int64_t stride, int64_t D,
+static inline void dot_tile(const float *restrict q, const kv_t *restrict k, int64_t stride, int64_t D,
                             float *restrict out)
 {
     float part[TILE][LANES];
@@ -57,7 +75,7 @@ static inline void dot_tile(const float *restrict q, const float *restrict k, in
             part[t][j] = 0.f;
         for (int64_t d = 0; d < D; d += LANES)
             for (int j = 0; j < LANES; ++j)
-                part[t][j] += q[d + j] * k[t * stride + d + j];
+                part[t][j] += q[d + j] * KV(k[t * stride + d + j]);
     }
     for (int t = 0; t < TILE; ++t)
         REDUCE_LANES(part[t], out[t]);
@@ -97,7 +115,7 @@ typedef struct {
  * k, v point at the block's first token for this kv head; consecutive tokens are `token_stride` apart.
  * p is scratch for G * block_size probabilities. */
 static inline __attribute__((always_inline)) void
-attend_block(const float *restrict q, const float *restrict k, const float *restrict v, int64_t n,
+attend_block(const float *restrict q, const kv_t *restrict k, const kv_t *restrict v, int64_t n,
              int64_t token_stride, int64_t G, int64_t D, int64_t block_size, float scale,
              float *restrict p, Running st)
 {
@@ -133,20 +151,20 @@ attend_block(const float *restrict q, const float *restrict k, const float *rest
     for (int64_t g = 0; g < G; ++g) {          /* head-major: the head's accumulator stays in registers */
         float *restrict a = st.acc + g * D;
         for (int64_t t = 0; t < n; ++t) {
-            const float *vt = v + t * token_stride;
+            const kv_t *vt = v + t * token_stride;
             const float w = p[g * block_size + t];
             for (int64_t d = 0; d < D; ++d)
-                a[d] += w * vt[d];
+                a[d] += w * KV(vt[d]);
         }
     }
 }
 
 /* Ask for the given heads' slices of n token rows before they are needed: a block is only a few pages,
  * too short for the hardware prefetcher to get ahead of the loads. */
-static inline void prefetch_rows(const float *k, const float *v, int64_t n, int64_t token_stride, int64_t width)
+static inline void prefetch_rows(const kv_t *k, const kv_t *v, int64_t n, int64_t token_stride, int64_t width)
 {
     for (int64_t t = 0; t < n; ++t)
-        for (int64_t off = 0; off < width; off += 16) {   /* 16 floats = one 64-byte cache line */
+        for (int64_t off = 0; off < width; off += 64 / sizeof(kv_t)) {   /* one 64-byte cache line */
             __builtin_prefetch(k + t * token_stride + off);
             __builtin_prefetch(v + t * token_stride + off);
         }
@@ -155,7 +173,7 @@ static inline void prefetch_rows(const float *k, const float *v, int64_t n, int6
 typedef struct {
     const float *q;
     int64_t q_row_stride, q_head_stride;
-    const float *k_cache, *v_cache;
+    const kv_t *k_cache, *v_cache;
     const int64_t *rows, *block_tables, *seq_lens;
     float *out;
     int64_t out_row_stride, out_head_stride;
@@ -222,7 +240,7 @@ static void run_item(const Args *a, int64_t b, int64_t h0, int64_t nh, int64_t D
  * and writes out row rows[b]. block_tables: [B, max_blocks]; seq_lens: [B] (each <= max_blocks * block_size).
  * num_threads: OpenMP threads to use (the caller passes torch's setting). */
 void paged_decode_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride,
-                            const float *k_cache, const float *v_cache,
+                            const kv_t *k_cache, const kv_t *v_cache,
                             const int64_t *rows, const int64_t *block_tables, const int64_t *seq_lens,
                             float *out, int64_t out_row_stride, int64_t out_head_stride,
                             int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks,
