@@ -19,7 +19,8 @@ def test_dequantize_matches_torch_bit_for_bit(rows, cols):
 
 def test_quantize_per_token_rounds_half_to_even_and_clamps_zero_rows():
     x = torch.randn(3, 32)
-    x[0, :3] = torch.tensor([0.5, -1.5, 2.5]) * x[0].abs().max() / 127   # exact halves: ties go to even
+    x[0, 3] = 127.0                        # the row's maximum: its scale is exactly 1
+    x[0, :3] = torch.tensor([0.5, -1.5, 2.5])   # exact halves: ties go to even
     x[2] = 0.0                                                            # an all-zero row: the scale clamps
     q, s = quantize_per_token(x)
     assert q[0, :3].tolist() == [0, -2, 2] and s[2].item() == pytest.approx(1e-8 / 127) and not q[2].any()
