@@ -83,3 +83,12 @@ def assert_within_ulps(out, ref, dtype, ulps=1, min_exact=0.99, atol=0.0):
                              f"out {o.flatten()[i].item():.8e} ref {r.flatten()[i].item():.8e}")
     exact = (o == r).float().mean().item()
     assert exact >= min_exact, f"only {exact:.4f} of elements bit-identical"
+
+
+def assert_close_rel(out, ref, tol):
+    """tol = (relative Frobenius error, max abs error) of out against ref, both as float32; out all finite."""
+    o, r = out.float(), ref.float()
+    assert torch.isfinite(o).all(), "non-finite output (unwritten rows?)"
+    rel = ((o - r).norm() / r.norm()).item()
+    max_abs = (o - r).abs().max().item()
+    assert rel < tol[0] and max_abs < tol[1], f"rel {rel:.2e} (tol {tol[0]}), max abs {max_abs:.2e} (tol {tol[1]})"

@@ -12,7 +12,7 @@ from deepserve.kernels.mla_decode import mla_decode, mla_decode_ref, mla_num_spl
 from deepserve.kernels.moe_backend import TritonMoE, select_moe_and_mla_backends
 from deepserve.layers.attention import TorchPagedAttention
 from deepserve.layers.mla import MLAWeights, TorchMLA
-from kernel_testing import make_batch, skip_bf16_in_interpreter
+from kernel_testing import make_batch, skip_bf16_in_interpreter, assert_close_rel
 from test_fused_moe import _interpreter_scalars  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.gpu
@@ -27,14 +27,6 @@ BACKEND_TOL = {torch.float32: (1e-5, 1e-4), torch.float16: (5e-3, 2e-2), torch.b
 # with a head count that leaves a partial head tile and a rank that is not a power of two.
 SHAPES = [(16, 512, 64), (20, 64, 16), (3, 48, 8)]
 LENS = [1, 15, 16, 17, 33, 100, 300]
-
-
-def _close(out, ref, tol):
-    o, r = out.float(), ref.float()
-    assert torch.isfinite(o).all(), "non-finite output (unwritten rows?)"
-    rel = ((o - r).norm() / r.norm()).item()
-    max_abs = (o - r).abs().max().item()
-    assert rel < tol[0] and max_abs < tol[1], f"rel {rel:.2e} (tol {tol[0]}), max abs {max_abs:.2e} (tol {tol[1]})"
 
 
 def _cdiv_total(lens, bs):
@@ -62,7 +54,7 @@ def test_decode_matches_reference(device, dtype, shape):
     for splits in (None, 1, 3, 7):
         out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, scale, max_seq_len=max(LENS),
                          num_splits=splits)
-        _close(out, ref, KERNEL_TOL[dtype])
+        assert_close_rel(out, ref, KERNEL_TOL[dtype])
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 64])
@@ -72,7 +64,7 @@ def test_decode_other_block_sizes(device, block_size):
     ref = mla_decode_ref(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 0.1)
     for splits in (1, 4):
         out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 0.1, num_splits=splits)
-        _close(out, ref, KERNEL_TOL[torch.float32])
+        assert_close_rel(out, ref, KERNEL_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -88,7 +80,7 @@ def test_decode_long_context_uses_split_k(device, dtype):
     scale = 4 / math.sqrt(rank + rope)
     ref = mla_decode_ref(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, scale)
     out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, scale)
-    _close(out, ref, KERNEL_TOL[dtype])
+    assert_close_rel(out, ref, KERNEL_TOL[dtype])
 
 
 def test_decode_strided_inputs_and_output(device):
@@ -100,7 +92,7 @@ def test_decode_strided_inputs_and_output(device):
     out = torch.full((heads, len(lens), rank), float("nan"), device=device)
     mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 0.2, out=out.transpose(0, 1))
     ref = mla_decode_ref(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 0.2)
-    _close(out.transpose(0, 1), ref, KERNEL_TOL[torch.float32])
+    assert_close_rel(out.transpose(0, 1), ref, KERNEL_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -162,7 +154,7 @@ def test_backend_decode_matches_torch_mla(device, dtype, own_metadata):
     (ref, ref_cache), (out, out_cache) = _both_backends(device, dtype, seqs, own_metadata=own_metadata)
     assert torch.equal(out_cache, ref_cache)
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    _close(out, ref, BACKEND_TOL[dtype])
+    assert_close_rel(out, ref, BACKEND_TOL[dtype])
 
 
 @pytest.mark.parametrize("own_metadata", [True, False], ids=["triton_meta", "torch_meta"])
@@ -174,7 +166,7 @@ def test_backend_mixed_step(device, own_metadata):
     (ref, ref_cache), (out, out_cache) = _both_backends(device, torch.float32, seqs, own_metadata=own_metadata)
     assert torch.equal(out_cache, ref_cache)
     if own_metadata:
-        _close(out, ref, BACKEND_TOL[torch.float32])
+        assert_close_rel(out, ref, BACKEND_TOL[torch.float32])
     else:
         assert torch.equal(out, ref)
 
@@ -210,7 +202,7 @@ def test_backend_graph_metadata_with_padding_rows(device):
     assert isinstance(padded.attn_metadata, TritonMLAMetadata)
     out = backend.forward(q_nope, q_pe, latent, k_pe, cache, weights, padded, 0.15)
     assert torch.equal(cache, ref_cache)
-    _close(out[:b], ref, BACKEND_TOL[torch.float32])
+    assert_close_rel(out[:b], ref, BACKEND_TOL[torch.float32])
     assert torch.isfinite(out[b:]).all()
 
 
@@ -261,7 +253,7 @@ def test_select_backends_on_tiny_deepseek(device):
     assert len(model.moe_layers()) == 1 and all(isinstance(m.backend, TritonMoE) for m in model.moe_layers())
     out = run(3)
     for o, r in zip(out, ref):
-        _close(o, r, (1e-4, 1e-3))
+        assert_close_rel(o, r, (1e-4, 1e-3))
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
@@ -299,4 +291,4 @@ def test_backend_decode_in_cuda_graph(device):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(cache, ref_cache)
-        _close(out[:b], ref, BACKEND_TOL[dtype])
+        assert_close_rel(out[:b], ref, BACKEND_TOL[dtype])

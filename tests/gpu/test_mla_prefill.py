@@ -8,7 +8,7 @@ from deepserve.kernels.mla_backend import TritonMLA, TritonMLAMetadata
 from deepserve.kernels.mla_prefill import MLA_PREFILL_BLOCK_M, plan_prefill
 from deepserve.layers.attention import TorchPagedAttention
 from deepserve.layers.mla import MLAWeights, TorchMLA
-from kernel_testing import make_batch, skip_bf16_in_interpreter
+from kernel_testing import make_batch, skip_bf16_in_interpreter, assert_close_rel
 from test_fused_moe import _interpreter_scalars  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.gpu
@@ -28,14 +28,6 @@ SHAPES = {"V2": (16, 512, 64, 128, 128), "odd": (3, 40, 6, 10, 12)}
 # tiles), chunks over a cached prefix that is not tile- or block-aligned, a 2-token chunk over a long prefix,
 # and a 1-token chunk of a prompt (a decode as far as attention goes).
 MIXED = [(40, 1), (0, 23), (7, 1), (0, 150), (70, 90), (130, 2), (200, 1), (16, 1), (33, 17)]
-
-
-def _close(out, ref, tol):
-    o, r = out.float(), ref.float()
-    assert torch.isfinite(o).all(), "non-finite output (unwritten rows?)"
-    rel = ((o - r).norm() / r.norm()).item()
-    max_abs = (o - r).abs().max().item()
-    assert rel < tol[0] and max_abs < tol[1], f"rel {rel:.2e} (tol {tol[0]}), max abs {max_abs:.2e} (tol {tol[1]})"
 
 
 def _inputs(device, dtype, t, heads, rank, rope, nope, v_dim, stacked=True):
@@ -78,7 +70,7 @@ def test_mixed_step_matches_torch_mla(device, dtype, shape):
     assert isinstance(meta, TritonMLAMetadata) and meta.decode_rows is not None
     assert torch.equal(cache, ref_cache)
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    _close(out, ref, TOL[dtype])
+    assert_close_rel(out, ref, TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -88,7 +80,7 @@ def test_prefill_only_step(device, dtype):
                                                  SHAPES["odd"], stacked=False)
     assert meta.decode_rows is None and len(meta.prefill.groups) == 1
     assert torch.equal(cache, ref_cache)
-    _close(out, ref, TOL[dtype])
+    assert_close_rel(out, ref, TOL[dtype])
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 64])
@@ -96,7 +88,7 @@ def test_other_block_sizes(device, block_size):
     """Gathered keys are whole cache blocks: blocks of one token, of an odd size, larger than some sequences."""
     ref, ref_cache, out, cache, _ = _run_both(device, torch.float32, MIXED[:6], SHAPES["odd"], block_size)
     assert torch.equal(cache, ref_cache)
-    _close(out, ref, TOL[torch.float32])
+    assert_close_rel(out, ref, TOL[torch.float32])
 
 
 def test_long_prefixes_split_into_groups(device):
@@ -106,7 +98,7 @@ def test_long_prefixes_split_into_groups(device):
     ref, ref_cache, out, cache, meta = _run_both(device, torch.float32, seqs, SHAPES["odd"])
     assert len(meta.prefill.groups) > 1
     assert torch.equal(cache, ref_cache)
-    _close(out, ref, TOL[torch.float32])
+    assert_close_rel(out, ref, TOL[torch.float32])
 
 
 def test_plan_layout():
