@@ -24,6 +24,7 @@ from deepserve.layers.attention import Attention, TorchPagedAttention
 from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SequenceSamplingRow, greedy_tokens
 from deepserve.loader.model_loader import load_model
 from deepserve.worker.forward_batch import ForwardBatch
+from deepserve.worker.host_memory import retain_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class ModelRunner:
         self.device = config.device.device
         self.block_size = config.cache.block_size
         self.eos_token_ids = eos_token_ids
+        if self.device.type == "cpu":
+            retain_freed_memory()       # no page faults for each step's large tensors (worker/host_memory.py)
         t0 = time.perf_counter()
         self.model = load_model(config.model, self.device)
         self.load_seconds = time.perf_counter() - t0
