@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
+from deepserve.kernels.paged_attention import split_bounds
 
 _LOG2E = 1.4426950408889634
 MLA_BLOCK_N = 32         # cached tokens per inner step
@@ -89,15 +90,7 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
     head_tile = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    if SPLIT:
-        # Partitions follow this sequence's length, not the launch's longest (a CUDA graph's grid is sized for
-        # max_model_len): a short context still spreads over several programs.
-        partition = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-        start = split * partition
-        end = tl.minimum(start + partition, seq_len)
-    else:
-        start = 0
-        end = seq_len
+    start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
 
     heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < num_heads

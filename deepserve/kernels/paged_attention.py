@@ -74,6 +74,22 @@ def write_kv_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_
 # Decode: one query token per sequence, all G = H / Hkv query heads of a KV head in one program (the keys and
 # values of a head group are read once), optionally split over the context (split-K) and merged by a reduce.
 # ------------------------------------------------------------------------------------------------
+@triton.jit
+def split_bounds(seq_len, split, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[start, end) of the keys that split `split` (program axis 2) of a split-K decode reads. The partition
+    follows this sequence's own length, not the launch's longest: a grid sized for a long context (a CUDA
+    graph's, sized for max_model_len) still spreads a short one over several programs; splits past the end
+    are empty."""
+    if SPLIT:
+        partition = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        start = split * partition
+        end = tl.minimum(start + partition, seq_len)
+    else:
+        start = 0
+        end = seq_len
+    return start, end
+
+
 # Arguments that change from step to step (block-table width, split layout) are not specialised on: Triton would
 # otherwise compile a new variant whenever one of them changes between "divisible by 16" and not, mid-serving.
 _PER_STEP_ARGS = ["stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "stride_pl_h"]
@@ -96,15 +112,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     row = tl.load(q_rows_ptr + i).to(tl.int64)
     seq = tl.load(seq_ids_ptr + i).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    if SPLIT:
-        # The partition follows this sequence's own length, not the launch's longest: a grid sized for a long
-        # context (a CUDA graph's, sized for max_model_len) still spreads a short one over several programs.
-        partition = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-        start = split * partition
-        end = tl.minimum(start + partition, seq_len)
-    else:
-        start = 0
-        end = seq_len
+    start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -433,5 +441,6 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-__all__ = ["HAS_TRITON", "write_kv", "write_kv_ref", "decode_attention", "decode_attention_ref", "decode_num_splits",
+__all__ = ["HAS_TRITON", "split_bounds", "write_kv", "write_kv_ref", "decode_attention", "decode_attention_ref",
+           "decode_num_splits",
            "prefill_tiles", "prefill_attention", "prefill_attention_ref", "default_scale"]
