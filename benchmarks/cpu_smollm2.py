@@ -7,7 +7,10 @@ Measures, in one run:
 - per deepserve mode (fp32, int8 weight-only, w8a8), the mean NLL of a fixed 600-token text: what the
   faster modes cost in accuracy.
 
-Run:  python benchmarks/cpu_smollm2.py [--threads 2] [--num-prompts 64] [--modes none,int8,w8a8]
+A mode is a quantization (none = fp32, int8 = weight-only, w8a8 = int8 weights and activations), optionally with
+"+kvbf16": the KV cache kept in bf16 (kv_cache_dtype="bfloat16"; half the bytes the decode attention reads).
+
+Run:  python benchmarks/cpu_smollm2.py [--threads 2] [--num-prompts 64] [--modes none,int8,w8a8,w8a8+kvbf16]
 """
 
 from __future__ import annotations
@@ -95,8 +98,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--modes", default="none,int8,w8a8", help="quantization modes (none = fp32)")
-    ap.add_argument("--offline-modes", default="none,w8a8",
+    ap.add_argument("--modes", default="none,int8,w8a8,w8a8+kvbf16", help="modes (see the docstring)")
+    ap.add_argument("--offline-modes", default="none,w8a8,w8a8+kvbf16",
                     help="modes also run offline (int8 weight-only dequantizes per call at large batch: slow)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per measurement; the best is reported")
     ap.add_argument("--output", default="benchmarks/cpu_smollm2.json")
@@ -109,8 +112,9 @@ def main() -> None:
 
     text_ids = None
     for mode in args.modes.split(","):
-        quant = None if mode == "none" else mode
-        llm = LLM(quantization=quant, max_model_len=2048, seed=0)
+        quant, _, kv = mode.partition("+kv")
+        llm = LLM(quantization=None if quant == "none" else quant, max_model_len=2048, seed=0,
+                  kv_cache_dtype={"": "auto", "bf16": "bfloat16"}[kv])
         if text_ids is None:
             text_ids = llm.get_tokenizer().encode(open(__file__).read())[:600]
         entry = {"mean_nll_600_tokens": round(mean_nll(llm, text_ids), 4)}

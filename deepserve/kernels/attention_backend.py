@@ -3,8 +3,9 @@ and the reference, TorchPagedAttention, which this must match).
 
 Per step, `build_metadata` splits the batch into decode rows (one query token) and prefill rows (several: whole
 prompts, chunks, prompts over a cached prefix) and builds the small index tensors every layer shares. Per layer,
-`forward` writes the new keys/values into the paged cache, then runs the decode kernel (GQA, split-K when
-contexts are long and the batch is small) on the decode rows and the prefill kernel on the prefill rows.
+`forward` writes the new keys/values into the paged cache (given the layer's rotary embedding, one kernel rotates q
+and k and writes the cache), then runs the decode kernel (GQA, split-K when contexts are long and the batch is
+small) on the decode rows and the prefill kernel on the prefill rows.
 """
 
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from typing import Optional
 import torch
 
 from deepserve.kernels.paged_attention import (PREFILL_BLOCK_M, decode_attention, prefill_attention, prefill_tiles,
-                                               write_kv)
+                                               rotary_write_kv, write_kv)
 
 
 @dataclass
@@ -62,13 +63,19 @@ class TritonPagedAttention:
         return TritonAttentionMetadata(rows, rows, max_seq_len, None, None, batch.num_seqs, 0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch,
-                scale: float) -> torch.Tensor:
+                scale: float, rotary=None) -> torch.Tensor:
         meta = batch.attn_metadata
         if not isinstance(meta, TritonAttentionMetadata):
             meta = self.build_metadata(batch)
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        write_kv(kv_cache, k, v, batch.slot_mapping)
+        if rotary is not None:
+            # One launch rotates q (into a new tensor) and k, and writes k and v: the rotated k is only read back
+            # from the cache.
+            q = rotary_write_kv(kv_cache, q, k, v, batch.slot_mapping, batch.positions, rotary.cos_cache,
+                                rotary.sin_cache)
+        else:
+            if q.stride(-1) != 1:
+                q = q.contiguous()
+            write_kv(kv_cache, k, v, batch.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, out=out,

@@ -1,6 +1,9 @@
 """Fused mixture-of-experts kernels: the GPU twin of `TorchMoE` (deepserve/layers/moe.py).
 
-Three steps, fixed shapes and no host sync (CUDA-graph friendly); four launches at decode sizes:
+Two modes, both with fixed shapes and no host sync (CUDA-graph friendly); `fused_moe` picks one from the number of
+(token, expert) pairs (`use_pair_mode`), a forced config picks it for tests and tuning.
+
+Aligned mode (grouped GEMMs, `MoEConfig`): four launches at decode sizes.
   align     (token, slot) pairs grouped by expert, each expert's run padded to a multiple of BLOCK_M rows, so
             every BLOCK_M rows of the sorted list belong to one expert (`moe_align`: one program for small
             batches; for big ones a counter memset, an atomic count and a place kernel; `moe_align_ref` is
@@ -8,11 +11,23 @@ Three steps, fixed shapes and no host sync (CUDA-graph friendly); four launches 
   gate/up   grouped GEMM: block of sorted rows x w13[expert]^T, gate and up tiles in the same program, the
             SwiGLU (with DeepSeek-V4.1's clamp) in the epilogue -> one [rows, I] activation, never [rows, 2I].
   down      grouped GEMM with w2[expert]; the epilogue multiplies by the router weight and writes each pair's
-            row; a combine kernel sums a token's top-k rows in slot order (fixed order: a token's result does
-            not depend on what else is in the batch).
+            row.
 
-Only blocks of experts that got tokens do any work, so a batch-1 decode step reads top_k experts' weights and
-nothing else. Inputs bf16/fp16/fp32; products accumulate in float32 (fp32 inputs use IEEE products, not TF32).
+Pair mode (small decode batches, `MoEPairConfig`): no align, three launches. Grid axis 0 is the pair
+p = token * top_k + slot (its expert read from topk_ids in the kernel), axis 1 a tile of output columns; each
+program is a GEMV of one activation row against its expert's weight rows (products summed on CUDA cores:
+tl.dot needs >= 16 rows, a pair has one).
+  gate/up   act[p] = SwiGLU(x[token] . w13[e]^T), gate and up rows interleaved in one weight tile.
+  down      pair_out[p] = router_weight[p] * (act[p] . w2[e]^T).
+Two tokens that picked the same expert read its weights twice; their programs are neighbours on axis 0, so the
+second read mostly hits L2 (see `use_pair_mode` for why that beats the align launch at these sizes).
+
+Both modes end in the combine: out[t] = shared_out[t] (the shared experts' output, optional) + the sum of the
+token's top-k pair rows in slot order, in float32 with one rounding (fixed order: a token's result does not depend
+on what else is in the batch). Only top_k == 1 without shared_out skips it (the pair rows are the output rows).
+
+Only experts that got tokens do any work, so a batch-1 decode step reads top_k experts' weights and nothing
+else. Inputs bf16/fp16/fp32; products accumulate in float32 (fp32 inputs use IEEE products, not TF32).
 """
 
 from __future__ import annotations
@@ -152,7 +167,20 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoE
 
 
 # ------------------------------------------------------------------------------------------------
-# Grouped GEMMs
+# Pieces both modes share
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
+    """silu(gate) * up in float32. DeepSeek-V4.1's clamp first: gate from above, up on both sides (as
+    swiglu_activation)."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate * tl.sigmoid(gate) * up
+
+
+# ------------------------------------------------------------------------------------------------
+# Aligned mode: grouped GEMMs over blocks of sorted rows
 # ------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_pairs"])   # the batch size: no new variant per step
 def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
@@ -188,10 +216,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if HAS_LIMIT:   # DeepSeek-V4.1: gate clamped from above, up on both sides (as swiglu_activation)
-        acc_g = tl.minimum(acc_g, limit)
-        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    act = _swiglu(acc_g, acc_u, limit, HAS_LIMIT)
     dst = act_ptr + rows[:, None].to(tl.int64) * stride_am + n[None, :]
     tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -230,16 +255,78 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, w
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+# ------------------------------------------------------------------------------------------------
+# Pair mode: one (token, expert) pair per program row, no align
+# ------------------------------------------------------------------------------------------------
 @triton.jit
-def _combine_kernel(pair_out_ptr, out_ptr, hidden, stride_pp, stride_ot,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum over slots j of pair_out[t * k + j], in slot order, in float32."""
+def _gemv(x_ptr, w_ptr, rows, rows_ok, length, stride_wn, BLOCK_K: tl.constexpr):
+    """[R] float32: w[rows[r], :length] . x[:length] for R rows of a row-major matrix (K contiguous).
+
+    The products go into an [R, BLOCK_K] float32 accumulator that is reduced once after the K loop: no
+    cross-lane reduction inside the loop, and fp32 inputs get exact fp32 products (no TF32)."""
+    k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + k[None, :]
+    acc = tl.zeros(w_ptrs.shape, tl.float32)
+    for k0 in range(0, length, BLOCK_K):
+        k_ok = k < length - k0
+        x = tl.load(x_ptr + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+        w_ptrs += BLOCK_K
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, top_k, inter, hidden, limit,
+                         stride_xt, stride_we, stride_wn, stride_ap,
+                         HAS_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """act[p, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for pair p: token p // top_k,
+    expert e = ids[p]. No per-step int argument: the number of pairs is the grid."""
+    p = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + p).to(tl.int64)
+    token = p // top_k
+    # One [2 * BLOCK_N, BLOCK_K] tile: even rows are gate rows, odd rows the up rows of the same columns, so
+    # one loop streams both and the result splits into (gate, up) pairs.
+    r = tl.arange(0, 2 * BLOCK_N)
+    col = tl.program_id(1) * BLOCK_N + r // 2
+    rows = col + (r % 2) * inter
+    gate_up = _gemv(x_ptr + token * stride_xt, w13_ptr + expert * stride_we, rows, col < inter, hidden,
+                    stride_wn, BLOCK_K)
+    gate, up = tl.split(tl.reshape(gate_up, [BLOCK_N, 2]))
+    act = _swiglu(gate, up, limit, HAS_LIMIT)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(act_ptr + p * stride_ap + n, act.to(act_ptr.dtype.element_ty), mask=n < inter)
+
+
+@triton.jit
+def _down_pair_kernel(act_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, inter,
+                      stride_ap, stride_we, stride_wn, stride_op,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[p, n] = router_weight[p] * (act[p] . w2[e, n]) for pair p, expert e = ids[p]."""
+    p = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + p).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    acc = _gemv(act_ptr + p * stride_ap, w2_ptr + expert * stride_we, n, n_ok, inter, stride_wn, BLOCK_K)
+    acc = acc * tl.load(weights_ptr + p)
+    tl.store(out_ptr + p * stride_op + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# Combine (both modes)
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _combine_kernel(pair_out_ptr, shared_ptr, out_ptr, hidden, stride_pp, stride_st, stride_ot,
+                    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over slots j of pair_out[t * k + j] in slot order (+ shared[t]), in float32, one rounding."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < hidden
     acc = tl.zeros([BLOCK_H], tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(pair_out_ptr + (t * TOP_K + j) * stride_pp + h, mask=h_ok, other=0.0).to(tl.float32)
+    if HAS_SHARED:   # routed sum first, then the shared experts: the reference's order
+        acc += tl.load(shared_ptr + t * stride_st + h, mask=h_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
@@ -248,12 +335,22 @@ def _combine_kernel(pair_out_ptr, out_ptr, hidden, stride_pp, stride_ot,
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MoEConfig:
+    """Aligned mode's tiles: grouped GEMMs over blocks of BLOCK_M sorted rows."""
     block_m: int
     block_n_up: int      # gate/up GEMM: intermediate columns per program
     block_n_down: int    # down GEMM: hidden columns per program
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoEPairConfig:
+    """Pair mode's tiles: one pair per program row, GEMVs, no align."""
+    block_n_up: int      # gate/up: intermediate columns per program (a tile of 2 * block_n_up weight rows)
+    block_n_down: int    # down: hidden columns per program
+    block_k: int         # elements of a weight row per K step
+    num_warps: int = 4
 
 
 def _num_sms(device: torch.device) -> int:
@@ -277,11 +374,58 @@ def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, devic
     return MoEConfig(block_m, n_up, n_down, block_k=128 if block_m == 16 else 64)
 
 
+PAIR_MODE_MAX_PAIRS = 64
+
+
+def use_pair_mode(num_pairs: int, num_experts: int) -> bool:
+    """Whether a step of `num_pairs` (token, expert) pairs runs in pair mode: no more pairs than experts, and at
+    most PAIR_MODE_MAX_PAIRS.
+
+    What the mode saves: the align launch (5.8 us per MoE layer of a DeepSeek-V2-Lite batch-1 step on an H200, a
+    serial dependency before the first GEMM) and tl.dot's padding rows (a 16-row block for each one-pair
+    expert). What it costs: an expert that two tokens picked is read twice. The two programs are neighbours on
+    grid axis 0 and run in the same wave, so the second read mostly hits L2; the price is L2 traffic, which
+    grows with the duplicates. A static test on the pair count (no host sync, one mode per captured batch size)
+    that keeps duplicates rare: batch 1 has none (a token's experts are distinct), 2 tokens x top-6 of 64 share
+    0.56 experts on average (5% more reads), and at most one pair per expert on average bounds the rest; the cap
+    keeps wide models (Qwen3-MoE, top-8 of 128) to batches <= 8. The crossover is an estimate, not a
+    measurement: time both modes by passing a MoEConfig or a MoEPairConfig as fused_moe's `config`."""
+    return num_pairs <= min(PAIR_MODE_MAX_PAIRS, num_experts)
+
+
+def pick_pair_config(top_k: int, inter: int, hidden: int, dtype: torch.dtype, device: torch.device) -> MoEPairConfig:
+    """Tiles for a decode step, which is bound by reading its experts' weights from HBM. Chosen for batch 1
+    (top_k pairs: the fewest programs pair mode ever has), so every pair-mode batch size shares one compiled
+    variant:
+      - BLOCK_K: each of a warp's 32 lanes loads 16 contiguous bytes of a weight row per K step (256 bf16 or
+        128 fp32 elements, a 512-byte run);
+      - 32 weight rows per tile (gate/up: 16 columns' gate and up rows; down: 32 columns): 16 KB in flight per
+        program and K step, 64 float32 accumulators per thread at 4 warps (bf16 on sm_90: 117-126 registers, no
+        spills, so 4 programs fit on an SM);
+      - narrower tiles while top_k x N tiles is under 4 programs per SM, so that enough loads are in flight:
+        DeepSeek-V2-Lite (top-6, I 1408, H 2048) on 132 SMs gets 6 x 88 = 528 gate/up and 6 x 128 = 768 down
+        programs."""
+    block_k = 32 * 16 // dtype.itemsize
+    block_k = min(block_k, max(16, next_pow2(min(inter, hidden))))    # tiny test shapes: no all-masked lanes
+    target = 4 * _num_sms(device)
+    n_up, n_down = 16, 32
+    while n_up > 4 and top_k * cdiv(inter, n_up) < target:
+        n_up //= 2
+    while n_down > 8 and top_k * cdiv(hidden, n_down) < target:
+        n_down //= 2
+    return MoEPairConfig(n_up, n_down, block_k)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, swiglu_limit: Optional[float] = None,
-              config: Optional[MoEConfig] = None) -> torch.Tensor:
+              config: Optional[MoEConfig | MoEPairConfig] = None,
+              shared_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; topk_weights: [T, k] (float32);
-    topk_ids: [T, k] -> [T, H] in x's dtype. Same contract as `TorchMoE.forward`."""
+    topk_ids: [T, k]; shared_out: None or [T, H] (the shared experts' output, added in the combine) -> [T, H] in
+    x's dtype. Same contract as `TorchMoE.forward`.
+
+    `config` forces a mode and its tiles (tests, tuning): a MoEConfig the aligned grouped GEMMs, a MoEPairConfig
+    the pair mode; None picks the mode by `use_pair_mode` and the tiles by the pick_* heuristics."""
     require_triton(x)
     t, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -293,19 +437,31 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         x = x.contiguous()
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1 and w2.shape == (num_experts, hidden, inter)
     num_pairs = t * top_k
-    cfg = config or pick_config(num_pairs, num_experts, inter, hidden, x.device)
+    if config is None and use_pair_mode(num_pairs, num_experts):
+        config = pick_pair_config(top_k, inter, hidden, x.dtype, x.device)
+    elif config is None:
+        config = pick_config(num_pairs, num_experts, inter, hidden, x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    experts = _pair_experts if isinstance(config, MoEPairConfig) else _aligned_experts
+    pair_out = experts(x, w13, w2, weights, topk_ids, swiglu_limit, config)
+    return moe_combine(pair_out, top_k, shared_out)
+
+
+def _aligned_experts(x, w13, w2, weights, topk_ids, swiglu_limit, cfg: MoEConfig) -> torch.Tensor:
+    """[pairs, H] weighted expert outputs: align, then grouped GEMMs over blocks of sorted rows."""
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    num_pairs = topk_ids.numel()
     align = moe_align(topk_ids, num_experts, cfg.block_m)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"   # "tf32" only matters for fp32 inputs
     act = torch.empty(align.sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(align.num_blocks, cdiv(inter, cfg.block_n_up))](
         x, w13, act, align.sorted_pairs, align.block_expert,
-        num_pairs, top_k, inter, hidden, float(swiglu_limit or 0.0),
+        num_pairs, topk_ids.shape[1], inter, hidden, float(swiglu_limit or 0.0),
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         HAS_LIMIT=swiglu_limit is not None, PRECISION=precision,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    # With one expert per token the pair rows are the output rows: no combine.
     pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(align.num_blocks, cdiv(hidden, cfg.block_n_down))](
         act, w2, pair_out, align.sorted_pairs, align.block_expert, weights,
@@ -313,20 +469,53 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
         PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if top_k == 1:
-        return pair_out
-    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    return pair_out
+
+
+def _pair_experts(x, w13, w2, weights, topk_ids, swiglu_limit, cfg: MoEPairConfig) -> torch.Tensor:
+    """[pairs, H] weighted expert outputs: two GEMV launches over a (pair, N tile) grid. Pairs are axis 0, the
+    fastest-varying, so the pairs that picked one expert read its weight tiles in the same wave."""
+    num_pairs, top_k = topk_ids.numel(), topk_ids.shape[1]
+    hidden, inter = w2.shape[1], w2.shape[2]
+    ids = topk_ids.reshape(-1)
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _gate_up_pair_kernel[(num_pairs, cdiv(inter, cfg.block_n_up))](
+        x, w13, act, ids, top_k, inter, hidden, float(swiglu_limit or 0.0),
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        HAS_LIMIT=swiglu_limit is not None, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+    pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _down_pair_kernel[(num_pairs, cdiv(hidden, cfg.block_n_down))](
+        act, w2, pair_out, ids, weights, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
+        BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+    return pair_out
+
+
+def moe_combine(pair_out: torch.Tensor, top_k: int, shared_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """pair_out [T * top_k, H] -> [T, H]: each token's top_k pair rows summed in slot order, plus shared_out
+    ([T, H]), in float32, one rounding."""
+    if top_k == 1 and shared_out is None:
+        return pair_out      # one expert per token and nothing to add: the pair rows are the output rows
+    t, hidden = pair_out.shape[0] // top_k, pair_out.shape[1]
+    if shared_out is not None:
+        assert shared_out.shape == (t, hidden), f"shared_out {tuple(shared_out.shape)} != {(t, hidden)}"
+        if shared_out.stride(-1) != 1:
+            shared_out = shared_out.contiguous()
+    shared = shared_out if shared_out is not None else pair_out      # a placeholder without HAS_SHARED
+    out = torch.empty(t, hidden, dtype=pair_out.dtype, device=pair_out.device)
     block_h = min(1024, next_pow2(hidden))
-    _combine_kernel[(t, cdiv(hidden, block_h))](pair_out, out, hidden, pair_out.stride(0), out.stride(0),
-                                                TOP_K=top_k, BLOCK_H=block_h, num_warps=4)
+    _combine_kernel[(t, cdiv(hidden, block_h))](
+        pair_out, shared, out, hidden, pair_out.stride(0), shared.stride(0), out.stride(0),
+        TOP_K=top_k, HAS_SHARED=shared_out is not None, BLOCK_H=block_h, num_warps=4)
     return out
 
 
-def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, config=None):
+def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, config=None, shared_out=None):
     """The PyTorch twin: the engine's reference expert backend."""
     from deepserve.layers.moe import TorchMoE
-    return TorchMoE().forward(x, w13, w2, topk_weights, topk_ids, swiglu_limit)
+    return TorchMoE().forward(x, w13, w2, topk_weights, topk_ids, swiglu_limit, shared_out)
 
 
-__all__ = ["MoEAlignment", "MoEConfig", "moe_align", "moe_align_ref", "align_max_rows", "pick_config", "fused_moe",
+__all__ = ["MoEAlignment", "MoEConfig", "MoEPairConfig", "PAIR_MODE_MAX_PAIRS", "moe_align", "moe_align_ref",
+           "align_max_rows", "pick_config", "pick_pair_config", "use_pair_mode", "moe_combine", "fused_moe",
            "fused_moe_ref"]

@@ -1,7 +1,8 @@
 """TritonMLA: the MLABackend of the GPU path (deepserve/layers/mla.py defines the protocol and the reference,
 TorchMLA, which this must match).
 
-Every step writes the new latents with a kernel that skips negative slots, then:
+Every step writes the new latents with a kernel that skips negative slots (given the layer's rotary embedding, the
+same kernel rotates q_pe and k_pe: one launch), then:
   decode rows (one query token) run in latent space: W_UK absorbed into the query with one batched GEMM over
     heads, the Triton decode kernel over the paged latent cache (deepserve/kernels/mla_decode.py), W_UV applied
     to the weighted latents with another; in a mixed step on the decode rows' subset, gathered by index;
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepserve.kernels.mla_decode import mla_decode, write_latents
+from deepserve.kernels.mla_decode import mla_decode, rotary_write_latents, write_latents
 from deepserve.kernels.mla_prefill import MLAPrefillPlan, mla_prefill, plan_prefill
 from deepserve.layers.mla import MLAWeights, TorchMLA
 from deepserve.worker.forward_batch import upload_int64
@@ -67,12 +68,18 @@ class TritonMLA:
         return TritonMLAMetadata(max_seq_len)
 
     # --- per layer --------------------------------------------------------------------------------
-    def forward(self, q_nope, q_pe, latent, k_pe, kv_cache, weights: MLAWeights, batch, scale):
+    def forward(self, q_nope, q_pe, latent, k_pe, kv_cache, weights: MLAWeights, batch, scale, rotary=None):
         meta = batch.attn_metadata
         decode_only = batch.is_decode_only
         if q_nope.shape[0] == 0 or (not decode_only and not isinstance(meta, TritonMLAMetadata)):
-            return self.reference.forward(q_nope, q_pe, latent, k_pe, kv_cache, weights, batch, scale)
-        write_latents(kv_cache, latent, k_pe, batch.slot_mapping)
+            return self.reference.forward(q_nope, q_pe, latent, k_pe, kv_cache, weights, batch, scale, rotary)
+        if rotary is None:
+            write_latents(kv_cache, latent, k_pe, batch.slot_mapping)
+        else:
+            # One launch rotates q_pe (into a new tensor) and k_pe, and writes [latent | k_pe]: the rotated k_pe is
+            # only read back from the cache.
+            q_pe = rotary_write_latents(kv_cache, q_pe, latent, k_pe, batch.slot_mapping, batch.positions,
+                                        rotary.cos_cache, rotary.sin_cache, rotary.interleaved)
         if decode_only:
             # Row b is sequence b's one token.
             longest = meta.max_seq_len if isinstance(meta, TritonMLAMetadata) else max(batch.seq_lens_cpu)
@@ -88,7 +95,7 @@ class TritonMLA:
 
     def _decode(self, q_nope, q_pe, kv_cache, weights: MLAWeights, block_tables, seq_lens, longest: int, scale):
         """One query per sequence: row b of q_nope [B, H, nope] / q_pe [B, H, rope] is sequence b of block_tables
-        / seq_lens -> [B, H, v]."""
+        / seq_lens -> [B, H, v], contiguous."""
         bsz, heads, _ = q_nope.shape
         rank = weights.w_uk.shape[-1]
         q_lat = torch.bmm(q_nope.transpose(0, 1), weights.w_uk).transpose(0, 1)       # [B, H, R] view
@@ -96,7 +103,11 @@ class TritonMLA:
         out_lat = torch.empty(heads, bsz, rank, dtype=q_nope.dtype, device=q_nope.device)
         mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, out=out_lat.transpose(0, 1),
                    max_seq_len=longest, num_splits=self.num_splits)
-        return torch.bmm(out_lat, weights.w_uv.transpose(1, 2)).transpose(0, 1)        # [B, H, v]
+        # The W_UV GEMM writes [B, H, v] through a heads-major view (cuBLAS takes the row stride), so the layer's
+        # reshape to [B, H * v] for o_proj is a view: a [H, B, v] result would be copied there, once per layer.
+        out = torch.empty(bsz, heads, weights.w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
+        torch.bmm(out_lat, weights.w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
 
 __all__ = ["TritonMLA", "TritonMLAMetadata"]

@@ -1,14 +1,17 @@
 """Multi-head latent attention decode over the paged latent cache (DeepSeek-V2/V3), in latent space.
 
 Cache of one layer: [num_blocks, block_size, R + P] per token: the compressed latent c (R = kv_lora_rank) then
-the shared RoPE key k_pe (P = qk_rope_head_dim); see deepserve/layers/mla.py. With W_UK absorbed into the
-query (q_lat = q_nope W_UK, done outside), head h's score of token j is q_lat[h] . c[j] + q_pe[h] . k_pe[j]
-and its output is the probability-weighted sum of the latents c[j]; W_UV is applied outside.
+the shared RoPE key k_pe (P = qk_rope_head_dim); see deepserve/layers/mla.py. The cache write is a kernel of its
+own, or fused with the rotary embedding of q_pe and k_pe (`rotary_write_latents`: one launch instead of two).
+With W_UK absorbed into the query (q_lat = q_nope W_UK, done outside), head h's score of token j is
+q_lat[h] . c[j] + q_pe[h] . k_pe[j] and its output is the probability-weighted sum of the latents c[j]; W_UV is
+applied outside.
 
 Every head of a sequence reads the same latents, so one program takes a tile of BLOCK_H heads: each cache tile
 is loaded once and used for all of them, both as keys and as values (MQA with a 576-wide key and a 512-wide
 value that is the key's prefix). Long contexts with few sequences are split over the context (split-K); a
-reduce kernel merges the splits by their log-sum-exp, as the paged decode kernel does.
+reduce kernel merges the splits by their log-sum-exp, as the paged decode kernel does, reading only the splits a
+sequence uses (a CUDA graph's grid is sized for the longest context; the programs of empty splits exit at once).
 
 Numerics: scores, softmax statistics and the accumulator in float32; probabilities cast to the cache dtype for
 the P @ C product (flash-attention style); the output rounded once.
@@ -21,7 +24,9 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
-from deepserve.kernels.paged_attention import split_bounds
+from deepserve.kernels.paged_attention import (active_splits, active_splits_ref, cache_slot, copy_heads,
+                                               merge_splits_ref, split_bounds)
+from deepserve.kernels.rotary import cos_sin_row, rotary_constexprs, rotate_heads
 
 _LOG2E = 1.4426950408889634
 MLA_BLOCK_N = 32         # cached tokens per inner step
@@ -70,6 +75,61 @@ def write_latents_ref(kv_cache, latent, k_pe, slot_mapping):
     kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = torch.cat((latent, k_pe), dim=-1)
 
 
+# positions and slot_mapping are views into the step's packed index buffer: not specialised on (see rotary.py).
+@triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])
+def _rotary_write_latent_kernel(pos_ptr, slot_ptr, q_pe_ptr, latent_ptr, k_pe_ptr, q_out_ptr, cache_ptr, cos_ptr,
+                                sin_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, stride_lt, stride_pt,
+                                stride_c_block, stride_c_slot, stride_cos, block_size, num_heads,
+                                RANK: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr,
+                                BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+                                HALF_CACHE: tl.constexpr):
+    """One token: q_pe's heads rotated into q_out (padding rows too), the latent copied and k_pe rotated straight
+    into the cache slot, [latent | k_pe]."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    dst, keep = cache_slot(cache_ptr, slot_ptr, t, stride_c_block, stride_c_slot, block_size)
+    cos1, sin1, cos2, sin2, j, jmask = cos_sin_row(cos_ptr, sin_ptr, pos, stride_cos, HALF, BLOCK_HALF, HALF_CACHE)
+    rotate_heads(q_pe_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh, num_heads, True,
+                 cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
+    rotate_heads(k_pe_ptr + t * stride_pt, dst + RANK, 0, 0, 1, keep,
+                 cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
+    copy_heads(latent_ptr + t * stride_lt, 0, dst, 0, 1, keep, RANK, BLOCK_R)
+
+
+def rotary_write_latents(kv_cache: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                         slot_mapping: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+                         sin_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The rotary embedding of q_pe [T, H, P] and k_pe [T, P] at `positions` (MLARotaryEmbedding's: `interleaved`
+    pairs or NeoX halves, its half-width cos/sin caches) and the cache write of [latent | rotated k_pe] (latent
+    [T, R]), in one launch: `apply_rotary(..., interleaved=interleaved)` then `write_latents`, rows with a negative
+    slot writing nothing. Any row/head strides, unit last strides. Returns the rotated q_pe, a new contiguous
+    tensor; the rotated k_pe lives only in the cache."""
+    require_triton(q_pe)
+    t, heads, rope = q_pe.shape
+    rank = latent.shape[-1]
+    q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=q_pe.device)
+    if t == 0:
+        return q_out
+    q_pe, latent, k_pe = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_pe, latent, k_pe))
+    assert kv_cache.shape[-1] == rank + rope and kv_cache.stride(-1) == 1 and k_pe.shape == (t, rope)
+    _rotary_write_latent_kernel[(t,)](
+        positions, slot_mapping, q_pe, latent, k_pe, q_out, kv_cache, cos_cache, sin_cache,
+        q_pe.stride(0), q_pe.stride(1), q_out.stride(0), q_out.stride(1), latent.stride(0), k_pe.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), cos_cache.stride(0), kv_cache.shape[1], heads,
+        RANK=rank, BLOCK_R=next_pow2(rank), **rotary_constexprs(rope, heads, cos_cache, sin_cache, interleaved),
+        num_warps=4)
+    return q_out
+
+
+def rotary_write_latents_ref(kv_cache, q_pe, latent, k_pe, slot_mapping, positions, rotary):
+    """The PyTorch twin, given the MLARotaryEmbedding whose caches the kernel reads: its reference rotation, then the
+    reference write of the rows with a valid slot."""
+    q_rot, k_rot = rotary.reference(positions, q_pe), rotary.reference(positions, k_pe.unsqueeze(1)).squeeze(1)
+    keep = slot_mapping >= 0
+    write_latents_ref(kv_cache, latent[keep], k_rot[keep], slot_mapping[keep])
+    return q_rot
+
+
 # Per-step arguments (block-table width, split layout) are not specialised on, so that a change between
 # "divisible by 16" and not does not compile a new variant in the middle of serving.
 _PER_STEP_ARGS = ["stride_po_b", "stride_po_h", "stride_pl_b", "stride_pl_h"]
@@ -91,6 +151,9 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
+    if SPLIT:
+        if start >= end:        # an empty split: the reduce does not read it, so nothing to load or store
+            return
 
     heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < num_heads
@@ -128,10 +191,9 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
 
     out_mask = h_ok[:, None] & r_ok[None, :]
     if SPLIT:
-        # This split's normalised output and log2-sum-exp; an empty split has lse = -inf and weighs nothing.
-        has = l_i > 0
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        # This (non-empty) split's normalised output and log2-sum-exp.
+        o = acc / l_i[:, None]
+        lse = m_i + tl.math.log2(l_i)
         tl.store(part_out_ptr + b * stride_po_b + heads[:, None] * stride_po_h + split * stride_po_s + r[None, :],
                  o, mask=out_mask)
         tl.store(part_lse_ptr + b * stride_pl_b + heads * stride_pl_h + split, lse, mask=h_ok)
@@ -142,23 +204,25 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
 
 
 @triton.jit(do_not_specialize=_PER_STEP_ARGS + ["num_splits"])
-def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr,
+def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
                        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_ob, stride_oh,
                        num_splits,
-                       RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+                       RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
     """Merge the splits of one (sequence, head): weights 2^(lse_s - max lse), one split row at a time (a
-    [splits, 512] float32 tile would not fit in registers)."""
+    [splits, 512] float32 tile would not fit in registers), over this sequence's active splits only: the empty
+    ones (most of a CUDA graph's grid at short contexts) weigh 0 and their programs store nothing."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    used = active_splits(tl.load(seq_lens_ptr + b).to(tl.int32), num_splits, BLOCK_N)
     s = tl.arange(0, BLOCK_S)
     lse_ptr = part_lse_ptr + b * stride_pl_b + h * stride_pl_h
-    lse = tl.load(lse_ptr + s, mask=s < num_splits, other=float("-inf"))
+    lse = tl.load(lse_ptr + s, mask=s < used, other=float("-inf"))
     lse_max = tl.max(lse, 0)                                  # finite: split 0 always holds token 0
-    total = tl.sum(tl.math.exp2(lse - lse_max), 0)           # empty splits weigh 0
+    total = tl.sum(tl.math.exp2(lse - lse_max), 0)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < RANK
     acc = tl.zeros([BLOCK_R], tl.float32)
-    for i in range(0, num_splits):
+    for i in range(0, used):
         w = tl.math.exp2(tl.load(lse_ptr + i) - lse_max)
         o = tl.load(part_out_ptr + b * stride_po_b + h * stride_po_h + i * stride_po_s + r, mask=r_ok, other=0.0)
         acc += w * o
@@ -233,9 +297,29 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision, num_warps=warps,
         num_stages=num_stages)
     if split:
-        _mla_reduce_kernel[(bsz, heads)](
-            part_out, part_lse, out, *po, *pl, out.stride(0), out.stride(1), num_splits,
-            RANK=rank, BLOCK_R=block_r, BLOCK_S=max(64, next_pow2(num_splits)), num_warps=4)
+        mla_reduce(part_out, part_lse, seq_lens, out, block_n)
+    return out
+
+
+def mla_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
+               block_n: int = MLA_BLOCK_N) -> torch.Tensor:
+    """Merge the split-K partials of sequence b (normalised latents part_out [B, H, S, R] float32, log2-sum-exps
+    part_lse [B, H, S]) into out[b] ([B, H, R], any batch/head strides). Only the splits that hold tokens of
+    sequence b (partitions of `block_n`-token tiles, as the decode kernel's) are read."""
+    bsz, heads, num_splits, rank = part_out.shape
+    assert part_out.stride(-1) == 1 and part_lse.stride(-1) == 1 and out.stride(-1) == 1
+    _mla_reduce_kernel[(bsz, heads)](
+        part_out, part_lse, seq_lens, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), num_splits,
+        RANK=rank, BLOCK_R=max(16, next_pow2(rank)), BLOCK_S=max(64, next_pow2(num_splits)), BLOCK_N=block_n,
+        num_warps=4)
+    return out
+
+
+def mla_reduce_ref(part_out, part_lse, seq_lens, out, block_n: int = MLA_BLOCK_N):
+    """The PyTorch twin of `mla_reduce`."""
+    used = active_splits_ref(seq_lens, part_out.shape[2], block_n)
+    out.copy_(merge_splits_ref(part_out, part_lse, used))
     return out
 
 
@@ -258,5 +342,5 @@ def mla_decode_ref(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, out=Non
     return out
 
 
-__all__ = ["mla_decode", "mla_decode_ref", "mla_num_splits", "write_latents", "write_latents_ref", "MLA_BLOCK_H",
-           "MLA_BLOCK_N"]
+__all__ = ["mla_decode", "mla_decode_ref", "mla_num_splits", "mla_reduce", "mla_reduce_ref", "write_latents",
+           "write_latents_ref", "rotary_write_latents", "rotary_write_latents_ref", "MLA_BLOCK_H", "MLA_BLOCK_N"]

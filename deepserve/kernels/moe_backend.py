@@ -12,15 +12,17 @@ from typing import Optional
 
 import torch
 
-from deepserve.kernels.fused_moe import MoEConfig, fused_moe
+from deepserve.kernels.fused_moe import MoEConfig, MoEPairConfig, fused_moe
 
 
 class TritonMoE:
-    def __init__(self, config: Optional[MoEConfig] = None) -> None:
-        self.config = config      # force a tile configuration (tests, tuning); None: heuristic per call
+    def __init__(self, config: Optional[MoEConfig | MoEPairConfig] = None) -> None:
+        # Force a mode and its tiles (tests, tuning): MoEConfig the aligned grouped GEMMs, MoEPairConfig the
+        # pair mode; None: both picked per call by batch size.
+        self.config = config
 
-    def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None):
-        return fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit, config=self.config)
+    def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, shared_out=None):
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit, config=self.config, shared_out=shared_out)
 
 
 def select_moe_and_mla_backends(model, device) -> None:

@@ -1,5 +1,6 @@
-"""Paged attention kernels: KV-cache write, decode (GQA, split-K with a reduce step) and varlen prefill over a
-paged cached prefix (flash-attention style, causal with an offset).
+"""Paged attention kernels: KV-cache write (alone, or fused with the rotary embedding of q and k), decode (GQA,
+split-K with a reduce step) and varlen prefill over a paged cached prefix (flash-attention style, causal with an
+offset).
 
 KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = keys, 1 = values); a token's
 slot is block_id * block_size + offset. Any block size works (a block table entry is looked up per key).
@@ -17,33 +18,45 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import HAS_TRITON, cdiv, next_pow2, require_triton, tl, triton
+from deepserve.kernels.rotary import cos_sin_row, rotary_constexprs, rotate_heads
 
 _LOG2E = 1.4426950408889634
 
 
 # ------------------------------------------------------------------------------------------------
-# KV-cache write
+# KV-cache write, alone or with the rotary embedding of q and k (one launch instead of two)
 # ------------------------------------------------------------------------------------------------
+@triton.jit
+def copy_heads(src_row, stride_sh, dst_row, stride_dh, num_heads, keep,
+               HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr):
+    """dst[h, :] = src[h, :] for the num_heads heads of one token (rows given by their first head), if `keep`."""
+    offs = tl.arange(0, BLOCK_HD)
+    h = offs // HEAD_DIM
+    d = offs % HEAD_DIM
+    mask = (offs < num_heads * HEAD_DIM) & keep
+    x = tl.load(src_row + h * stride_sh + d, mask=mask)
+    tl.store(dst_row + h * stride_dh + d, x, mask=mask)
+
+
+@triton.jit
+def cache_slot(cache_ptr, slot_ptr, t, stride_c_block, stride_c_slot, block_size):
+    """(address of the slot row t writes, whether it writes): a negative slot marks a padding row (e.g. a CUDA-graph
+    batch padded to its captured size), which writes nothing."""
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    return cache_ptr + (slot // block_size) * stride_c_block + (slot % block_size) * stride_c_slot, slot >= 0
+
+
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
                      block_size, num_kv_heads,
                      HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    blk = slot // block_size
-    off = slot % block_size
-    offs = tl.arange(0, BLOCK_HD)
-    h = offs // HEAD_DIM
-    d = offs % HEAD_DIM
-    # A negative slot marks a padding row (e.g. a CUDA-graph batch padded to its captured size): nothing written.
-    mask = (offs < num_kv_heads * HEAD_DIM) & (slot >= 0)
-    dst = cache_ptr + blk * stride_c_block + off * stride_c_slot + h * stride_c_head + d
-    k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
-    tl.store(dst, k, mask=mask)
-    v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(dst + stride_c_kv, v, mask=mask)
+    t = tl.program_id(0).to(tl.int64)
+    dst, keep = cache_slot(cache_ptr, slot_ptr, t, stride_c_block, stride_c_slot, block_size)
+    copy_heads(k_ptr + t * stride_kt, stride_kh, dst, stride_c_head, num_kv_heads, keep, HEAD_DIM, BLOCK_HD)
+    copy_heads(v_ptr + t * stride_vt, stride_vh, dst + stride_c_kv, stride_c_head, num_kv_heads, keep, HEAD_DIM,
+               BLOCK_HD)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -65,6 +78,65 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         bs, hkv, HEAD_DIM=d, BLOCK_HD=next_pow2(hkv * d), num_warps=4)
 
 
+# positions and slot_mapping are views into the step's packed index buffer: not specialised on (see rotary.py).
+@triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])
+def _rotary_write_kv_kernel(pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, cache_ptr, cos_ptr, sin_ptr,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
+                            stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_cos,
+                            block_size, num_q_heads, num_kv_heads,
+                            HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr, HALF: tl.constexpr,
+                            BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+                            HALF_CACHE: tl.constexpr):
+    """One token: q rotated into q_out (padding rows too: harmless, and the decode kernel reads them), k rotated
+    and v copied straight into the cache slot."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    dst, keep = cache_slot(cache_ptr, slot_ptr, t, stride_c_block, stride_c_slot, block_size)
+    cos1, sin1, cos2, sin2, j, jmask = cos_sin_row(cos_ptr, sin_ptr, pos, stride_cos, HALF, BLOCK_HALF, HALF_CACHE)
+    rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh, num_q_heads, True,
+                 cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
+    rotate_heads(k_ptr + t * stride_kt, dst, stride_kh, stride_c_head, num_kv_heads, keep,
+                 cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
+    copy_heads(v_ptr + t * stride_vt, stride_vh, dst + stride_c_kv, stride_c_head, num_kv_heads, keep, HEAD_DIM,
+               BLOCK_HD)
+
+
+def rotary_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    slot_mapping: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+                    sin_cache: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of q and k at `positions` and the cache write of the rotated k and of v, in one launch:
+    `q_rot, k_rot = apply_rotary(positions, q, k, cos_cache, sin_cache)` (NeoX halves; full- or half-width caches)
+    then `write_kv(kv_cache, k_rot, v, slot_mapping)`, rows with a negative slot writing nothing.
+    q: [T, H, D], k, v: [T, Hkv, D] (any row/head strides, unit last stride). Returns q_rot, a new contiguous
+    tensor; the rotated k lives only in the cache."""
+    require_triton(q)
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if t == 0:
+        return q_out
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    assert kv_cache.stride(-1) == 1 and kv_cache.shape[0] == 2 and kv_cache.shape[3:] == k.shape[1:]
+    _rotary_write_kv_kernel[(t,)](
+        positions, slot_mapping, q, k, v, q_out, kv_cache, cos_cache, sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
+        q_out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        cos_cache.stride(0), kv_cache.shape[2], h, hkv,
+        HEAD_DIM=d, BLOCK_HD=next_pow2(hkv * d), **rotary_constexprs(d, h, cos_cache, sin_cache, False),
+        num_warps=4)
+    return q_out
+
+
+def rotary_write_kv_ref(kv_cache, q, k, v, slot_mapping, positions, cos_cache, sin_cache):
+    """The PyTorch twin: the reference rotation (RotaryEmbedding's), then the reference backend's write; rows with a
+    negative slot are skipped (the reference's write needs valid slots)."""
+    from deepserve.kernels.rotary import apply_rotary_ref
+    q_rot, k_rot = apply_rotary_ref(positions, q, k, cos_cache, sin_cache)
+    keep = slot_mapping >= 0
+    write_kv_ref(kv_cache, k_rot[keep], v[keep], slot_mapping[keep])
+    return q_rot
+
+
 def write_kv_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     from deepserve.layers.attention import write_kv as _ref
     _ref(kv_cache, k, v, slot_mapping)
@@ -72,22 +144,36 @@ def write_kv_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_
 
 # ------------------------------------------------------------------------------------------------
 # Decode: one query token per sequence, all G = H / Hkv query heads of a KV head in one program (the keys and
-# values of a head group are read once), optionally split over the context (split-K) and merged by a reduce.
+# values of a head group are read once), optionally split over the context (split-K) and merged by a reduce that
+# reads only the splits a sequence uses.
 # ------------------------------------------------------------------------------------------------
 @triton.jit
+def split_partition(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per split when a sequence of `seq_len` keys is spread over `num_splits` splits: whole BLOCK_N tiles.
+    The partition follows this sequence's own length, not the launch's longest: a grid sized for a long context
+    (a CUDA graph's, sized for max_model_len) still spreads a short one over several programs."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def split_bounds(seq_len, split, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[start, end) of the keys that split `split` (program axis 2) of a split-K decode reads. The partition
-    follows this sequence's own length, not the launch's longest: a grid sized for a long context (a CUDA
-    graph's, sized for max_model_len) still spreads a short one over several programs; splits past the end
-    are empty."""
+    """[start, end) of the keys that split `split` (program axis 2) of a split-K decode reads; splits at or past
+    `active_splits` are empty."""
     if SPLIT:
-        partition = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        partition = split_partition(seq_len, tl.num_programs(2), BLOCK_N)
         start = split * partition
         end = tl.minimum(start + partition, seq_len)
     else:
         start = 0
         end = seq_len
     return start, end
+
+
+@triton.jit
+def active_splits(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """How many splits hold keys: the first ones. The decode programs of the others exit without storing, so a
+    reduce reads only these (a short context in a CUDA graph's grid uses a few of up to 128 splits)."""
+    return tl.cdiv(seq_len, split_partition(seq_len, num_splits, BLOCK_N))
 
 
 # Arguments that change from step to step (block-table width, split layout) are not specialised on: Triton would
@@ -113,6 +199,9 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     seq = tl.load(seq_ids_ptr + i).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
+    if SPLIT:
+        if start >= end:        # an empty split: the reduce does not read it, so nothing to load or store
+            return
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -147,10 +236,9 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
         m_i = m_new
 
     if SPLIT:
-        # Partial result of this split: normalised output and log2-sum-exp; an empty split has lse = -inf.
-        has = l_i > 0
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        # Partial result of this (non-empty) split: normalised output and log2-sum-exp.
+        o = acc / l_i[:, None]
+        lse = m_i + tl.math.log2(l_i)
         tl.store(part_out_ptr + i * stride_po_r + heads[:, None] * stride_po_h + split * stride_po_s + d[None, :],
                  o, mask=gmask[:, None] & dmask[None, :])
         tl.store(part_lse_ptr + i * stride_pl_r + heads * stride_pl_h + split, lse, mask=gmask)
@@ -161,16 +249,22 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
 
 
 @triton.jit(do_not_specialize=_PER_STEP_ARGS[1:] + ["num_splits"])
-def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, q_rows_ptr, out_ptr,
+def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, q_rows_ptr, seq_ids_ptr, seq_lens_ptr, out_ptr,
                           stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
                           stride_ot, stride_oh, num_splits,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """Merge the splits of one (decode row, head) by their log-sum-exp, in one [BLOCK_S, BLOCK_D] tile. Only the
+    active splits are loaded: the empty ones' lanes take lse = -inf and o = 0 (weight 0), the values their
+    programs used to store, so the sum is the same, lane for lane."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(q_rows_ptr + i).to(tl.int64)
+    seq = tl.load(seq_ids_ptr + i).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    smask = s < num_splits
+    smask = s < active_splits(seq_len, num_splits, BLOCK_N)
     lse = tl.load(part_lse_ptr + i * stride_pl_r + h * stride_pl_h + s, mask=smask, other=float("-inf"))
     lse_max = tl.max(lse, 0)                       # finite: split 0 always holds key 0
     w = tl.math.exp2(lse - lse_max)                 # 0 for empty splits
@@ -256,9 +350,47 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=DECODE_BLOCK_N, SPLIT=split,
         num_warps=4, num_stages=2)
     if split:
-        _decode_reduce_kernel[(n, h)](
-            part_out, part_lse, q_rows, out, *po_strides, *pl_strides, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(64, next_pow2(num_splits)), num_warps=4)
+        decode_reduce(part_out, part_lse, q_rows, seq_ids, seq_lens, out)
+    return out
+
+
+def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, q_rows: torch.Tensor, seq_ids: torch.Tensor,
+                  seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Merge the split-K partials of decode row i (normalised outputs part_out [n, H, S, D] float32 and their
+    log2-sum-exps part_lse [n, H, S]) into out[q_rows[i]]. Only the splits that hold keys of sequence seq_ids[i]
+    (DECODE_BLOCK_N tiles, see `split_partition`) are read."""
+    n, h, num_splits, d = part_out.shape
+    assert part_out.stride(-1) == 1 and part_lse.stride(-1) == 1
+    _decode_reduce_kernel[(n, h)](
+        part_out, part_lse, q_rows, seq_ids, seq_lens, out,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_S=max(64, next_pow2(num_splits)), BLOCK_N=DECODE_BLOCK_N,
+        num_warps=4)
+    return out
+
+
+def active_splits_ref(seq_lens: torch.Tensor, num_splits: int, block_n: int) -> torch.Tensor:
+    """The PyTorch twin of `active_splits`, per sequence."""
+    partition = (seq_lens + num_splits - 1) // num_splits
+    partition = (partition + block_n - 1) // block_n * block_n
+    return (seq_lens + partition - 1) // partition
+
+
+def merge_splits_ref(part_out: torch.Tensor, part_lse: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """Float32 log-sum-exp merge of partials [n, H, S, D] / [n, H, S] over each row's first `used[i]` splits
+    (the others are never read: they may hold anything)."""
+    live = torch.arange(part_lse.shape[-1], device=part_lse.device)[None, :] < used[:, None]       # [n, S]
+    lse = torch.where(live[:, None, :], part_lse, float("-inf"))
+    w = torch.exp2(lse - lse.amax(-1, keepdim=True))
+    o = torch.where(live[:, None, :, None], part_out, 0.0)
+    return (o * w[..., None]).sum(-2) / w.sum(-1, keepdim=True)
+
+
+def decode_reduce_ref(part_out, part_lse, q_rows, seq_ids, seq_lens, out):
+    """The PyTorch twin of `decode_reduce`."""
+    used = active_splits_ref(seq_lens[seq_ids], part_out.shape[2], DECODE_BLOCK_N)
+    out[q_rows] = merge_splits_ref(part_out, part_lse, used).to(out.dtype)
     return out
 
 
@@ -441,6 +573,8 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-__all__ = ["HAS_TRITON", "split_bounds", "write_kv", "write_kv_ref", "decode_attention", "decode_attention_ref",
-           "decode_num_splits",
+__all__ = ["HAS_TRITON", "split_partition", "split_bounds", "active_splits", "write_kv", "write_kv_ref",
+           "rotary_write_kv", "rotary_write_kv_ref", "copy_heads", "cache_slot",
+           "decode_attention", "decode_attention_ref", "decode_num_splits", "decode_reduce", "decode_reduce_ref",
+           "active_splits_ref", "merge_splits_ref",
            "prefill_tiles", "prefill_attention", "prefill_attention_ref", "default_scale"]

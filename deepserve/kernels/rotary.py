@@ -10,6 +10,10 @@ Two variants for DeepSeek's MLA (deepserve/layers/mla.py):
                by the NeoX rotation, in one pass (the output is in the NeoX layout, as HF leaves it);
   half caches  cos/sin of width D/2 (one column per angle, as MLARotaryEmbedding keeps them) instead of the
                duplicated width-D caches of RotaryEmbedding: both halves read the same column.
+
+The rotation (`cos_sin_row` + `rotate_heads`, with `rotary_constexprs` for its settings) is shared with the kernels
+that rotate and write the cache in one launch: `rotary_write_kv` (deepserve/kernels/paged_attention.py) and
+`rotary_write_latents` (deepserve/kernels/mla_decode.py).
 """
 
 import torch
@@ -18,13 +22,34 @@ from deepserve.kernels import next_pow2, require_triton, tl, triton
 
 
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, num_heads,
-                  cos1, sin1, cos2, sin2, j, jmask,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+def cos_sin_row(cos_ptr, sin_ptr, pos, stride_cos,
+                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HALF_CACHE: tl.constexpr):
+    """float32 cos/sin of position `pos` for the two halves of a head (one column read twice from half-width
+    caches), the angle index j and its mask: what `rotate_heads` takes."""
+    j = tl.arange(0, BLOCK_HALF)
+    jmask = j < HALF
+    cos1 = tl.load(cos_ptr + pos * stride_cos + j, mask=jmask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + pos * stride_cos + j, mask=jmask, other=0.0).to(tl.float32)
+    if HALF_CACHE:
+        cos2 = cos1
+        sin2 = sin1
+    else:
+        cos2 = tl.load(cos_ptr + pos * stride_cos + HALF + j, mask=jmask, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + pos * stride_cos + HALF + j, mask=jmask, other=0.0).to(tl.float32)
+    return cos1, sin1, cos2, sin2, j, jmask
+
+
+@triton.jit
+def rotate_heads(x_row, o_row, stride_xh, stride_oh, num_heads, keep,
+                 cos1, sin1, cos2, sin2, j, jmask,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Rotate the `num_heads` heads of one token (x_row, o_row: that token's first head) and store them at o_row, if
+    `keep`. Each value is rounded to x's dtype, then stored in o's (a KV cache may hold another dtype): the rotated
+    tensor, then written, as the reference does it."""
     for h0 in range(0, num_heads, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         mask = (h < num_heads)[:, None] & jmask[None, :]
-        row = x_ptr + t * stride_xt + h[:, None] * stride_xh
+        row = x_row + h[:, None] * stride_xh
         if INTERLEAVED:
             x1 = tl.load(row + 2 * j[None, :], mask=mask, other=0.0).to(tl.float32)
             x2 = tl.load(row + 2 * j[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
@@ -33,9 +58,9 @@ def _rotate_heads(x_ptr, o_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, n
             x2 = tl.load(row + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32)
         o1 = x1 * cos1[None, :] - x2 * sin1[None, :]
         o2 = x2 * cos2[None, :] + x1 * sin2[None, :]
-        dst = o_ptr + t * stride_ot + h[:, None] * stride_oh + j[None, :]
-        tl.store(dst, o1.to(o_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, o2.to(o_ptr.dtype.element_ty), mask=mask)
+        dst = o_row + h[:, None] * stride_oh + j[None, :]
+        tl.store(dst, o1.to(x_row.dtype.element_ty).to(o_row.dtype.element_ty), mask=mask & keep)
+        tl.store(dst + HALF, o2.to(x_row.dtype.element_ty).to(o_row.dtype.element_ty), mask=mask & keep)
 
 
 # positions is a view into the step's packed index buffer: its 16-byte alignment changes with the step's token
@@ -48,20 +73,11 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
                    INTERLEAVED: tl.constexpr, HALF_CACHE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)
-    jmask = j < HALF
-    cos1 = tl.load(cos_ptr + pos * stride_cos + j, mask=jmask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + pos * stride_cos + j, mask=jmask, other=0.0).to(tl.float32)
-    if HALF_CACHE:
-        cos2 = cos1
-        sin2 = sin1
-    else:
-        cos2 = tl.load(cos_ptr + pos * stride_cos + HALF + j, mask=jmask, other=0.0).to(tl.float32)
-        sin2 = tl.load(sin_ptr + pos * stride_cos + HALF + j, mask=jmask, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, num_q_heads,
-                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
-    _rotate_heads(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, num_k_heads,
-                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
+    cos1, sin1, cos2, sin2, j, jmask = cos_sin_row(cos_ptr, sin_ptr, pos, stride_cos, HALF, BLOCK_HALF, HALF_CACHE)
+    rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, num_q_heads, True,
+                 cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
+    rotate_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, stride_kh, stride_koh, num_k_heads, True,
+                 cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
 
 
 def _check_caches(d: int, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> bool:
@@ -71,20 +87,26 @@ def _check_caches(d: int, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> b
     return cos_cache.shape[-1] == d // 2
 
 
+def rotary_constexprs(head_dim: int, max_heads: int, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                      interleaved: bool) -> dict:
+    """The compile-time settings of `cos_sin_row` + `rotate_heads` for heads of `head_dim` with these caches, the
+    largest rotated tensor having `max_heads` heads (a program rotates up to BLOCK_H heads at a time)."""
+    half = head_dim // 2
+    block_half = next_pow2(half)
+    return dict(HALF=half, BLOCK_HALF=block_half, BLOCK_H=max(1, min(next_pow2(max_heads), 4096 // block_half)),
+                INTERLEAVED=interleaved, HALF_CACHE=_check_caches(head_dim, cos_cache, sin_cache))
+
+
 def _launch(positions, q, k, q_out, k_out, num_k_heads, cos_cache, sin_cache, interleaved: bool) -> None:
     t, h, d = q.shape
     if t == 0:
         return
-    half_cache = _check_caches(d, cos_cache, sin_cache)
-    half = d // 2
-    block_half = next_pow2(half)
-    block_h = max(1, min(next_pow2(max(h, num_k_heads)), 4096 // block_half))
     _rotary_kernel[(t,)](
         positions, q, k, q_out, k_out, cos_cache, sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        cos_cache.stride(0), h, num_k_heads, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
-        INTERLEAVED=interleaved, HALF_CACHE=half_cache, num_warps=4)
+        cos_cache.stride(0), h, num_k_heads, **rotary_constexprs(d, max(h, num_k_heads), cos_cache, sin_cache,
+                                                                 interleaved), num_warps=4)
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
@@ -144,4 +166,5 @@ def rotary_rotate(rope, positions: torch.Tensor, x: torch.Tensor, inplace: bool 
     return rotate(positions, x, rope.cos_cache, rope.sin_cache, inplace=inplace)
 
 
-__all__ = ["apply_rotary", "apply_rotary_ref", "rotate", "rotate_ref", "rotary_forward", "rotary_rotate"]
+__all__ = ["apply_rotary", "apply_rotary_ref", "rotate", "rotate_ref", "rotary_forward", "rotary_rotate", "cos_sin_row",
+           "rotate_heads", "rotary_constexprs"]

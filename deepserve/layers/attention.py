@@ -1,6 +1,7 @@
 """Paged attention: the backend protocol and its PyTorch reference implementation.
 
-A backend owns two things: how a layer's new keys/values are written into the paged cache, and how
+A backend owns two things: how a layer's new keys/values are written into the paged cache (after the
+layer's rotary embedding, when the layer hands it over: the GPU backend fuses the two), and how
 queries attend over a sequence's cached keys. `build_metadata` runs once per step (index tensors
 shared by all layers); `forward` runs per layer. The GPU path swaps in Triton kernels with the same
 signatures; this reference is what the CPU runs and what those kernels are tested against.
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepserve.kernels import cpu as cpu_kernels
+from deepserve.layers.rotary import RotaryEmbedding
 from deepserve.worker.forward_batch import ForwardBatch
 
 
@@ -29,7 +31,10 @@ class AttentionBackend(Protocol):
     def build_metadata(self, batch: ForwardBatch) -> object: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                batch: ForwardBatch, scale: float) -> torch.Tensor: ...
+                batch: ForwardBatch, scale: float, rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+        """q [T, H, D], k, v [T, Hkv, D] -> [T, H, D]. With `rotary`, q and k are first rotated at
+        batch.positions (`rotary(batch.positions, q, k)`), so that a backend may fuse that with its cache write."""
+        ...
 
 
 @dataclass
@@ -83,8 +88,10 @@ class TorchPagedAttention:
             meta.prefills.append(_PrefillSegment(starts[b], n, seq_len - n, seq_len, blocks))
         return meta
 
-    def forward(self, q, k, v, kv_cache, batch, scale):
+    def forward(self, q, k, v, kv_cache, batch, scale, rotary=None):
         meta: TorchAttentionMetadata = batch.attn_metadata
+        if rotary is not None:
+            q, k = rotary(batch.positions, q, k)
         write_kv(kv_cache, k, v, batch.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]       # [num_blocks, block_size, Hkv, D]
         out = torch.empty_like(q)
@@ -167,6 +174,8 @@ class Attention(nn.Module):
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=dtype).element_size()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+        """Attention of q over the cached keys after k, v are written; `rotary` (if given) rotates q and k first."""
         assert self.kv_cache is not None, "the model runner binds a KV cache before the first forward"
-        return self.backend.forward(q, k, v, self.kv_cache, batch, self.scale)
+        return self.backend.forward(q, k, v, self.kv_cache, batch, self.scale, rotary=rotary)

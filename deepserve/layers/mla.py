@@ -98,9 +98,12 @@ class MLAWeights:
 
 class MLABackend(Protocol):
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
-                kv_cache: torch.Tensor, weights: MLAWeights, batch: ForwardBatch, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, weights: MLAWeights, batch: ForwardBatch, scale: float,
+                rotary: MLARotaryEmbedding | None = None) -> torch.Tensor:
         """q_nope [T, H, nope], q_pe [T, H, rope]; this step's latent [T, r] and k_pe [T, rope] (written to
-        the cache at batch.slot_mapping); kv_cache [num_blocks, block_size, r + rope] -> [T, H, v]."""
+        the cache at batch.slot_mapping); kv_cache [num_blocks, block_size, r + rope] -> [T, H, v]. With
+        `rotary`, q_pe and k_pe are first rotated at batch.positions, so that a backend may fuse that with its
+        cache write."""
         ...
 
 
@@ -108,9 +111,12 @@ class TorchMLA:
     """Reference backend. Reads the per-step metadata of `TorchPagedAttention.build_metadata` (decode rows
     with their block tables, prefill segments), which does not depend on what a slot holds."""
 
-    def forward(self, q_nope, q_pe, latent, k_pe, kv_cache, weights, batch, scale):
+    def forward(self, q_nope, q_pe, latent, k_pe, kv_cache, weights, batch, scale, rotary=None):
         meta = batch.attn_metadata
         rank = latent.shape[-1]
+        if rotary is not None:
+            q_pe, k_pe = rotary(batch.positions, q_pe, k_pe.unsqueeze(1))
+            k_pe = k_pe.squeeze(1)
         kv_cache.view(-1, kv_cache.shape[-1])[batch.slot_mapping] = torch.cat((latent, k_pe), dim=-1)
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], weights.w_uv.shape[1])
         if meta.decode_rows is not None:
@@ -172,9 +178,11 @@ class MLAAttention(nn.Module):
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return (self.kv_lora_rank + self.rope_dim) * torch.empty(0, dtype=dtype).element_size()
 
-    def forward(self, q_nope, q_pe, latent, k_pe, weights: MLAWeights, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q_nope, q_pe, latent, k_pe, weights: MLAWeights, batch: ForwardBatch,
+                rotary: MLARotaryEmbedding | None = None) -> torch.Tensor:
         assert self.kv_cache is not None, "the model runner binds a KV cache before the first forward"
-        return self.backend.forward(q_nope, q_pe, latent, k_pe, self.kv_cache, weights, batch, self.scale)
+        return self.backend.forward(q_nope, q_pe, latent, k_pe, self.kv_cache, weights, batch, self.scale,
+                                    rotary=rotary)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -209,9 +217,8 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_pe, k_pe = self.rotary(batch.positions, q_pe, k_pe.unsqueeze(1))
-        k_pe = k_pe.squeeze(1)
-        out = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.per_head(), batch)
+        # The attention applies the rotary embedding to q_pe and k_pe: the GPU backend fuses it with the cache write.
+        out = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.per_head(), batch, rotary=self.rotary)
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
 
 

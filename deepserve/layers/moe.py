@@ -99,16 +99,19 @@ class MoEBackend(Protocol):
     """Routed-expert computation; a fused GPU kernel implements the same signature."""
 
     def forward(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+                topk_ids: torch.Tensor, swiglu_limit: float | None = None,
+                shared_out: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I];
-        topk_weights: [T, k] float32; topk_ids: [T, k] int64 -> [T, H] in x's dtype."""
+        topk_weights: [T, k] float32; topk_ids: [T, k] int64; shared_out: None or [T, H] in x's dtype (the
+        shared experts' output) -> [T, H] in x's dtype: the weighted sum of each token's experts, plus shared_out,
+        in float32 and rounded once (the GPU backend adds it in its combine kernel, not in another launch)."""
         ...
 
 
 class TorchMoE:
     """Reference backend: (token, expert) pairs sorted by expert, one GEMM pair per expert that got tokens."""
 
-    def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None):
+    def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, shared_out=None):
         t, k = topk_ids.shape
         flat_ids = topk_ids.flatten()
         order = torch.argsort(flat_ids, stable=True)          # pair p = token p // k, its (p % k)-th expert
@@ -126,6 +129,8 @@ class TorchMoE:
         # Summing each token's k outputs in slot order (not via scattered adds) keeps a token's result
         # independent of what else is in the batch.
         combined = (per_pair.view(t, k, -1).float() * topk_weights[:, :, None].float()).sum(dim=1)
+        if shared_out is not None:
+            combined += shared_out.float()      # in float32 too: the result is rounded to x's dtype once
         return combined.to(x.dtype)
 
 
@@ -191,10 +196,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, self.expert_load)       # also counts the tokens routed to each expert
-        out = self.backend.forward(x, self.w13, self.w2, weights, ids, self.swiglu_limit)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        # The backend adds the shared experts' output to the routed sum (on the GPU inside its combine kernel:
+        # no separate add launch).
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return self.backend.forward(x, self.w13, self.w2, weights, ids, self.swiglu_limit, shared_out=shared)
 
     def reset_expert_load(self) -> None:
         self.expert_load.zero_()

@@ -41,16 +41,14 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
-            # q and k heads side by side: one rotary pass over both.
-            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = self.rotary.rotate(batch.positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
-            q = self.q_norm(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
-            q, k = self.rotary(batch.positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch).reshape(t, self.q_size))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # The attention applies the rotary embedding: the GPU backend fuses it with the KV-cache write (one launch);
+        # the reference rotates q and k as views side by side in qkv, in one pass (one C call on the CPU).
+        return self.o_proj(self.attn(q, k, v, batch, rotary=self.rotary).reshape(t, self.q_size))
 
 
 class LlamaForCausalLM(CausalLM):

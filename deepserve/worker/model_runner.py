@@ -143,9 +143,9 @@ class ModelRunner:
         """One forward of the largest step the scheduler may form: a max_num_batched_tokens-token prefill, with
         logits for max_num_seqs rows. Caches are one dummy block (slot -1 writes nothing; reads hit block 0).
 
-        Then the same at half, a quarter, ... of the tokens (not measured): kernels whose launch configuration
-        depends on the step size (the fused MoE picks its tiles by tokens per expert) are compiled here, at
-        start-up, instead of in the middle of serving (a Triton compile takes 1-4 s)."""
+        Then the same at half, a quarter, ... down to one token (not measured): kernels whose launch configuration
+        depends on the step size (the fused MoE picks its mode and tiles by tokens per expert) are compiled here,
+        at start-up, instead of in the middle of serving (a Triton compile takes 1-4 s)."""
         sched = self.config.scheduler
         n = min(sched.max_num_batched_tokens, sched.max_model_len)
         layers = self.model.attention_layers()
@@ -153,7 +153,7 @@ class ModelRunner:
             layer.kv_cache = torch.zeros(layer.kv_cache_shape(1, self.block_size), dtype=self.kv_cache_dtype,
                                          device=self.device)
         peak = None
-        while n >= 16:
+        while n >= 1:
             self._dummy_forward(n, min(sched.max_num_seqs, n))
             if peak is None:
                 torch.cuda.synchronize(self.device)

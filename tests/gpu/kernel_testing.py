@@ -92,3 +92,12 @@ def assert_close_rel(out, ref, tol):
     rel = ((o - r).norm() / r.norm()).item()
     max_abs = (o - r).abs().max().item()
     assert rel < tol[0] and max_abs < tol[1], f"rel {rel:.2e} (tol {tol[0]}), max abs {max_abs:.2e} (tol {tol[1]})"
+
+
+def poison_unused_splits(part_out, part_lse, used):
+    """Split-K partials [n, H, S, D] / [n, H, S] with NaN in every split at or past used[i] (splits a reduce must not
+    read)."""
+    unused = torch.arange(part_lse.shape[-1], device=part_lse.device)[None, :] >= used[:, None]      # [n, S]
+    part_out = part_out.masked_fill(unused[:, None, :, None], float("nan"))
+    part_lse = part_lse.masked_fill(unused[:, None, :], float("nan"))
+    return part_out, part_lse

@@ -1,12 +1,13 @@
-"""Fused MoE kernels (align, grouped gate/up + SwiGLU, grouped down + router weight, combine) and the TritonMoE
-backend against the PyTorch reference backend TorchMoE."""
+"""Fused MoE kernels (align, grouped gate/up + SwiGLU, grouped down + router weight, the pair mode's GEMVs, combine
+with the shared experts' output) and the TritonMoE backend against the PyTorch reference backend TorchMoE."""
 
 import pytest
 import torch
 
 from deepserve.kernels import INTERPRET
-from deepserve.kernels.fused_moe import (MoEConfig, align_max_rows, fused_moe, fused_moe_ref, moe_align,
-                                         moe_align_ref)
+import deepserve.kernels.fused_moe as fused_moe_module
+from deepserve.kernels.fused_moe import (MoEConfig, MoEPairConfig, align_max_rows, fused_moe, fused_moe_ref,
+                                         moe_align, moe_align_ref, moe_combine, pick_pair_config, use_pair_mode)
 from deepserve.kernels.moe_backend import TritonMoE
 from deepserve.layers.moe import FusedMoE, RoutingConfig
 from kernel_testing import skip_bf16_in_interpreter
@@ -16,7 +17,8 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Relative Frobenius error and max abs error / max |ref|. fp32: IEEE products, only the summation order
 # differs. Half types: the kernel keeps gate/up in float32 through the SwiGLU and rounds the weighted pair
-# rows once, the reference rounds gate/up, the activation and each pair's row to the dtype.
+# rows once, the reference rounds gate/up, the activation and each pair's row to the dtype. Both modes (aligned
+# and pair) and the shared experts' output (added in float32, one rounding, in both) are under the same bounds.
 MOE_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 1e-2), torch.bfloat16: (2e-2, 5e-2)}
 
 
@@ -60,16 +62,24 @@ def _check(out, ref, dtype):
     assert rel < rel_tol and max_rel < max_tol, f"rel {rel:.2e} (tol {rel_tol}), max {max_rel:.2e} (tol {max_tol})"
 
 
-def _run(device, dtype, t, num_experts, top_k, hidden, inter, experts=None, limit=None, config=None):
+def _inputs(device, dtype, t, num_experts, top_k, hidden, inter, experts=None, shared=False):
+    """x, w13, w2, router weights, expert ids, and (with `shared`) a shared experts' output of order 1."""
     x = torch.randn(t, hidden, device=device).to(dtype)
     w13, w2 = _weights(num_experts, hidden, inter, dtype, device)
     weights, ids = _routing(t, num_experts, top_k, device, experts)
-    out = fused_moe(x, w13, w2, weights, ids, limit, config=config)
-    _check(out, fused_moe_ref(x, w13, w2, weights, ids, limit), dtype)
+    shared_out = torch.randn(t, hidden, device=device).to(dtype) if shared else None
+    return x, w13, w2, weights, ids, shared_out
 
 
-# (T, E, top_k, H, I): batch-1 decode (DeepSeek-like fan-out), odd sizes that need masks, top-1 (no combine),
-# more tokens than one block per expert.
+def _run(device, dtype, t, num_experts, top_k, hidden, inter, experts=None, limit=None, config=None, shared=False):
+    x, w13, w2, weights, ids, shared_out = _inputs(device, dtype, t, num_experts, top_k, hidden, inter, experts,
+                                                   shared)
+    out = fused_moe(x, w13, w2, weights, ids, limit, config=config, shared_out=shared_out)
+    _check(out, fused_moe_ref(x, w13, w2, weights, ids, limit, shared_out=shared_out), dtype)
+
+
+# (T, E, top_k, H, I): batch-1 decode (DeepSeek-like fan-out; pair mode by the heuristic), odd sizes that need
+# masks, top-1 (no combine), more tokens than one block per expert.
 SHAPES = [(1, 8, 2, 64, 32), (1, 64, 6, 128, 96), (7, 16, 4, 96, 80), (33, 4, 1, 64, 48), (70, 8, 2, 64, 64)]
 
 
@@ -106,6 +116,101 @@ def test_swiglu_limit(device, dtype):
 def test_tile_configs(device, config):
     """Every block shape the heuristic picks, forced, on sizes that are not multiples of the tiles."""
     _run(device, torch.float32, 37, 6, 2, 80, 72, config=config)
+
+
+# --- pair mode ------------------------------------------------------------------------------------
+
+# Tiles small enough that the test shapes take several K steps, N tiles and masked tails in both GEMVs.
+SMALL_PAIR_TILES = MoEPairConfig(block_n_up=8, block_n_down=16, block_k=32)
+# (T, E, top_k, H, I, swiglu_limit, shared_out): H and I are no multiples of the tiles.
+PAIR_CASES = [
+    (1, 8, 1, 72, 44, None, False),      # top-1 without shared experts: no combine
+    (1, 8, 1, 72, 44, None, True),       # top-1 with them: the combine runs for the add
+    (2, 8, 2, 100, 36, 0.5, False),      # the clamp cuts many gate and up values
+    (3, 8, 6, 72, 44, None, True),       # 18 pairs on 8 experts: experts picked by several tokens
+    (1, 64, 6, 100, 56, 0.5, True),      # DeepSeek-like batch-1 decode
+    (2, 64, 8, 100, 44, 0.5, True),
+    (3, 64, 8, 72, 36, None, False),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: "T{}-E{}-k{}-H{}-I{}-limit{}-shared{}".format(*c))
+def test_pair_mode_matches_reference(device, dtype, case):
+    skip_bf16_in_interpreter(dtype)
+    t, num_experts, top_k, hidden, inter, limit, shared = case
+    _run(device, dtype, t, num_experts, top_k, hidden, inter, limit=limit, config=SMALL_PAIR_TILES, shared=shared)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pair_mode_with_picked_tiles(device, dtype):
+    """The heuristic's tiles (BLOCK_K capped at the small test shapes) on a batch the heuristic sends to pair mode."""
+    skip_bf16_in_interpreter(dtype)
+    assert use_pair_mode(2 * 6, 64)
+    _run(device, dtype, 2, 64, 6, 136, 72, limit=0.5, shared=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pair_and_aligned_modes_agree(device, dtype):
+    """Both modes forced on the same inputs (16 pairs on 8 experts: shared experts, several tokens per block).
+    fp32: exact products in both, only the summation order differs."""
+    skip_bf16_in_interpreter(dtype)
+    x, w13, w2, weights, ids, shared_out = _inputs(device, dtype, 4, 8, 4, 72, 44, shared=True)
+    pair = fused_moe(x, w13, w2, weights, ids, 0.5, config=SMALL_PAIR_TILES, shared_out=shared_out)
+    aligned = fused_moe(x, w13, w2, weights, ids, 0.5, config=MoEConfig(16, 32, 32, 32), shared_out=shared_out)
+    if dtype == torch.float32:
+        torch.testing.assert_close(pair, aligned, rtol=1e-5, atol=1e-5)
+    else:
+        _check(pair, aligned, dtype)
+
+
+def test_pair_mode_threshold():
+    """Pair mode for at most one pair per expert and at most PAIR_MODE_MAX_PAIRS pairs."""
+    assert use_pair_mode(6, 64) and use_pair_mode(8 * 6, 64) and use_pair_mode(2, 8)
+    assert not use_pair_mode(11 * 6, 64)                 # more pairs than experts
+    assert not use_pair_mode(9 * 8, 128)                 # the cap
+    assert use_pair_mode(8 * 8, 128)
+
+
+@pytest.mark.parametrize("top_k,inter,hidden", [(6, 1408, 2048), (8, 768, 2048), (2, 14336, 4096), (8, 2048, 7168)],
+                         ids=["deepseek-v2-lite", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"])
+def test_pair_tiles_fill_an_h200(monkeypatch, top_k, inter, hidden):
+    """Real shapes at batch 1 on 132 SMs: 16-byte loads per lane along K, and >= 4 programs per SM in both GEMVs
+    unless the tile is already at its narrowest."""
+    monkeypatch.setattr(fused_moe_module, "_num_sms", lambda device: 132)
+    for dtype in (torch.bfloat16, torch.float32):
+        cfg = pick_pair_config(top_k, inter, hidden, dtype, torch.device("cuda"))
+        assert cfg.block_k * dtype.itemsize == 32 * 16
+        assert top_k * -(-inter // cfg.block_n_up) >= 4 * 132 or cfg.block_n_up == 4
+        assert top_k * -(-hidden // cfg.block_n_down) >= 4 * 132 or cfg.block_n_down == 8
+
+
+# --- combine --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("top_k", [1, 2, 6])
+def test_combine_with_shared_out_is_exact(device, dtype, top_k):
+    """out[t] = pair rows of t added in slot order, then the shared output, in float32, rounded once: the same
+    float32 additions in torch give the same bits."""
+    skip_bf16_in_interpreter(dtype)
+    t, hidden = 3, 1100                     # two hidden blocks, the second one masked
+    pair_out = torch.randn(t * top_k, hidden, device=device).to(dtype)
+    shared_out = torch.randn(t, hidden, device=device).to(dtype)
+    expected = torch.zeros(t, hidden, device=device)
+    for j in range(top_k):
+        expected += pair_out.view(t, top_k, hidden)[:, j].float()
+    expected = (expected + shared_out.float()).to(dtype)
+    assert torch.equal(moe_combine(pair_out, top_k, shared_out), expected)
+    if top_k == 1:
+        assert moe_combine(pair_out, 1) is pair_out         # nothing to add: no launch
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 16, 4, 96, 80), (33, 4, 1, 64, 48)], ids=["k4", "k1"])
+def test_aligned_mode_with_shared_out(device, dtype, shape):
+    """The shared experts' output through the aligned mode's combine (top-1 included) against TorchMoE."""
+    skip_bf16_in_interpreter(dtype)
+    _run(device, dtype, *shape, config=MoEConfig(16, 32, 32, 64), shared=True)
 
 
 def test_empty_batch(device):
@@ -166,8 +271,10 @@ def test_decode_touches_only_the_routed_experts(device):
 # --- backend --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backend_in_moe_layer(device, dtype):
-    """A whole FusedMoE layer (router, shared expert) with TritonMoE equals the same layer on TorchMoE."""
+@pytest.mark.parametrize("config", [None, SMALL_PAIR_TILES], ids=["picked", "pair-mode"])
+def test_backend_in_moe_layer(device, dtype, config):
+    """A whole FusedMoE layer (router, shared expert added in the combine) with TritonMoE equals the same layer on
+    TorchMoE; 52 pairs on 16 experts: the aligned mode when picked, and the pair mode forced."""
     skip_bf16_in_interpreter(dtype)
     routing = RoutingConfig(top_k=4, topk_method="group_limited_greedy", num_groups=4, topk_groups=2,
                             scaling_factor=2.0)
@@ -180,16 +287,19 @@ def test_backend_in_moe_layer(device, dtype):
     with torch.inference_mode():
         ref = layer(x)
         load_ref = layer.expert_load.clone()
-        layer.backend = TritonMoE()
+        layer.backend = TritonMoE(config)
         out = layer(x)
     _check(out, ref, dtype)
     assert torch.equal(layer.expert_load, 2 * load_ref)
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
-def test_moe_layer_in_cuda_graph(device):
+@pytest.mark.parametrize("t", [2, 8], ids=["pair-mode", "aligned"])
+def test_moe_layer_in_cuda_graph(device, t):
     """A FusedMoE layer on TritonMoE captured in a CUDA graph (fixed shapes, no host sync) and replayed on new
-    inputs written into the captured tensor: equals the eager layer each time."""
+    inputs written into the captured tensor: equals the eager layer each time. Top-4 of 16 experts: 2 tokens run
+    the pair mode, 8 the aligned one."""
+    assert use_pair_mode(t * 4, 16) == (t == 2)
     dtype = torch.bfloat16
     layer = FusedMoE(64, 32, 16, RoutingConfig(top_k=4, renormalize=True), shared_intermediate_size=48).to(device)
     with torch.no_grad():
@@ -197,7 +307,7 @@ def test_moe_layer_in_cuda_graph(device):
             p.normal_(0.0, 0.2)
     layer = layer.to(dtype)
     layer.backend = TritonMoE()
-    x = torch.randn(8, 64, device=device).to(dtype)
+    x = torch.randn(t, 64, device=device).to(dtype)
     with torch.inference_mode():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -208,7 +318,7 @@ def test_moe_layer_in_cuda_graph(device):
         with torch.cuda.graph(graph):
             out = layer(x)
         for _ in range(3):
-            x.copy_(torch.randn(8, 64, device=device))
+            x.copy_(torch.randn(t, 64, device=device))
             graph.replay()
             torch.cuda.synchronize()
             _check(out, layer(x), dtype)

@@ -8,11 +8,13 @@ import torch
 
 from deepserve.kernels import INTERPRET
 from deepserve.kernels.mla_backend import TritonMLA, TritonMLAMetadata
-from deepserve.kernels.mla_decode import mla_decode, mla_decode_ref, mla_num_splits, write_latents, write_latents_ref
+from deepserve.kernels.mla_decode import (MLA_BLOCK_N, mla_decode, mla_decode_ref, mla_num_splits, mla_reduce,
+                                          mla_reduce_ref, write_latents, write_latents_ref)
+from deepserve.kernels.paged_attention import active_splits_ref
 from deepserve.kernels.moe_backend import TritonMoE, select_moe_and_mla_backends
 from deepserve.layers.attention import TorchPagedAttention
 from deepserve.layers.mla import MLAWeights, TorchMLA
-from kernel_testing import make_batch, skip_bf16_in_interpreter, assert_close_rel
+from kernel_testing import assert_close_rel, make_batch, poison_unused_splits, skip_bf16_in_interpreter
 from test_fused_moe import _interpreter_scalars  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.gpu
@@ -83,6 +85,37 @@ def test_decode_long_context_uses_split_k(device, dtype):
     assert_close_rel(out, ref, KERNEL_TOL[dtype])
 
 
+@pytest.mark.parametrize("num_splits", [2, 37, 128])
+def test_reduce_reads_only_active_splits(device, num_splits):
+    """The reduce over a CUDA graph's grid (up to 128 splits sized for a long context) at short and long contexts:
+    a float32 merge of the same partials into a heads-major output view; the splits a sequence does not use hold NaN
+    and are never read; a sequence within one split gets that split's latents bit for bit (weight exactly 1)."""
+    lens = [1, 31, 32, 33, 193, 1000, 4096]
+    bsz, heads, rank = len(lens), 3, 48
+    seq_lens = torch.tensor(lens, device=device)
+    used = active_splits_ref(seq_lens, num_splits, MLA_BLOCK_N)
+    part_out, part_lse = poison_unused_splits(torch.randn(bsz, heads, num_splits, rank, device=device),
+                                              4 * torch.randn(bsz, heads, num_splits, device=device), used)
+    out = torch.full((heads, bsz, rank), float("nan"), device=device).transpose(0, 1)
+    mla_reduce(part_out, part_lse, seq_lens, out)
+    ref = mla_reduce_ref(part_out, part_lse, seq_lens, torch.empty(bsz, heads, rank, device=device))
+    assert_close_rel(out, ref, (1e-6, 1e-5))
+    single = used == 1
+    assert single.any() and torch.equal(out[single], part_out[single, :, 0])
+
+
+@pytest.mark.parametrize("num_splits", [None, 128])
+def test_decode_graph_grid_short_contexts(device, num_splits):
+    """A launch sized as a CUDA graph's (max_seq_len far above every context): most splits are empty, their programs
+    exit without storing, and the reduce merges only the used ones."""
+    lens = [1, 17, 32, 33, 193]
+    batch, cache, q_lat, q_pe = _decode_case(device, torch.float32, 16, 64, 16, lens, 16)
+    ref = mla_decode_ref(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 0.1)
+    out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 0.1, max_seq_len=4096,
+                     num_splits=num_splits)
+    assert_close_rel(out, ref, KERNEL_TOL[torch.float32])
+
+
 def test_decode_strided_inputs_and_output(device):
     """q_lat as the backend makes it (a transposed bmm output) and a heads-major output view."""
     lens = [40, 7, 300]
@@ -129,9 +162,9 @@ def _mla_inputs(device, dtype, t, heads=4, nope=16, rope=8, v_dim=16, rank=32):
     return (*tensors, MLAWeights(w_uk, w_uv))
 
 
-def _both_backends(device, dtype, seqs, num_blocks=64, block_size=16, own_metadata=True, **dims):
+def _both_backends(device, dtype, seqs, num_blocks=64, block_size=16, own_metadata=True, rotary=None, **dims):
     """(output, cache) of TorchMLA and of TritonMLA on one step; TritonMLA with its own metadata builder or
-    with the reference's."""
+    with the reference's; with `rotary`, both rotate q_pe and k_pe themselves."""
     batch = make_batch(seqs, block_size, num_blocks, device)
     q_nope, q_pe, latent, k_pe, weights = _mla_inputs(device, dtype, batch.num_tokens, **dims)
     rank, rope = latent.shape[-1], k_pe.shape[-1]
@@ -141,19 +174,20 @@ def _both_backends(device, dtype, seqs, num_blocks=64, block_size=16, own_metada
                              (TritonMLA(), TritonMLA() if own_metadata else TorchPagedAttention())):
         batch.attn_metadata = builder.build_metadata(batch)
         c = cache.clone()
-        results.append((backend.forward(q_nope, q_pe, latent, k_pe, c, weights, batch, 0.15), c))
+        results.append((backend.forward(q_nope, q_pe, latent, k_pe, c, weights, batch, 0.15, rotary=rotary), c))
     return results
 
 
 @pytest.mark.parametrize("own_metadata", [True, False], ids=["triton_meta", "torch_meta"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backend_decode_matches_torch_mla(device, dtype, own_metadata):
-    """A decode-only step: same cache writes, outputs within the half-precision tolerance."""
+    """A decode-only step: same cache writes, outputs within the half-precision tolerance, contiguous."""
     skip_bf16_in_interpreter(dtype)
     seqs = [(n - 1, 1) for n in (1, 16, 17, 90, 200)]
     (ref, ref_cache), (out, out_cache) = _both_backends(device, dtype, seqs, own_metadata=own_metadata)
     assert torch.equal(out_cache, ref_cache)
     assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert out.is_contiguous()          # the layer's reshape for o_proj is a view, not a copy per layer
     assert_close_rel(out, ref, BACKEND_TOL[dtype])
 
 
@@ -169,6 +203,21 @@ def test_backend_mixed_step(device, own_metadata):
         assert_close_rel(out, ref, BACKEND_TOL[torch.float32])
     else:
         assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("seqs", [[(n - 1, 1) for n in (1, 17, 90, 200)], [(0, 23), (40, 1), (7, 1), (30, 12)]],
+                         ids=["decode", "mixed"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
+def test_backend_with_rotary_matches_torch_mla(device, seqs, interleaved):
+    """The layer's rotary embedding handed to the backend: the reference rotates then writes, TritonMLA does both in
+    one kernel. Same latents in the cache, rotated keys within the rotation's tolerance, outputs within the
+    backend tolerance (decode-only and mixed steps)."""
+    from deepserve.layers.mla import MLARotaryEmbedding
+    rotary = MLARotaryEmbedding(8, 512, {"rope_type": "default", "rope_theta": 10000.0}, 512, interleaved).to(device)
+    (ref, ref_cache), (out, out_cache) = _both_backends(device, torch.float32, seqs, rotary=rotary)
+    assert torch.equal(out_cache[..., :32], ref_cache[..., :32])
+    assert_close_rel(out_cache[..., 32:], ref_cache[..., 32:], (1e-6, 1e-5))
+    assert_close_rel(out, ref, BACKEND_TOL[torch.float32])
 
 
 def _padded_decode(device, lens, pad, num_blocks=40, block_size=16):

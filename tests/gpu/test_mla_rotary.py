@@ -1,9 +1,11 @@
-"""The MLA rotary kernel (deepserve/kernels/rotary.py with `interleaved` and half-width caches) against
-MLARotaryEmbedding's PyTorch path (deepserve/layers/mla.py), which HF's DeepSeek code fixes."""
+"""The MLA rotary kernel (deepserve/kernels/rotary.py with `interleaved` and half-width caches), alone and fused with
+the latent cache write, against MLARotaryEmbedding's PyTorch path (deepserve/layers/mla.py), which HF's DeepSeek code
+fixes."""
 
 import pytest
 import torch
 
+from deepserve.kernels.mla_decode import rotary_write_latents, rotary_write_latents_ref, write_latents
 from deepserve.kernels.rotary import apply_rotary, rotate
 from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.mla import MLARotaryEmbedding
@@ -95,3 +97,41 @@ def test_mla_rotary_no_tokens(device):
     out_q, out_k = apply_rotary(torch.zeros(0, dtype=torch.int64, device=device), q_pe, k_pe, rotary.cos_cache,
                                 rotary.sin_cache, interleaved=True)
     assert out_q.shape == (0, 4, 64) and out_k.shape == (0, 1, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
+@pytest.mark.parametrize("scaling", ["default", "yarn"])
+@pytest.mark.parametrize("heads,nope,rope,rank", [(16, 128, 64, 512), (3, 5, 10, 7)], ids=["V2", "odd"])
+def test_rotary_write_latents_matches_reference(device, dtype, interleaved, scaling, heads, nope, rope, rank):
+    """One launch = the rotary kernel then the latent write, bit for bit (the same rotation code); = the PyTorch
+    rotation then the reference write within one rounding; padding rows (slot -1) write nothing."""
+    skip_bf16_in_interpreter(dtype)
+    rotary = MLARotaryEmbedding(rope, MAX_POS, SCALINGS[scaling], 163840, interleaved).to(device)
+    t, nb, bs = 13, 4, 8
+    positions = _positions(t, device)
+    q_pe, k_pe = _views(t, heads, nope, rope, rank, dtype, device)
+    k_pe = k_pe.squeeze(1)                                         # [T, rope], as the backend takes it
+    latent = torch.randn(t, rank + rope, device=device).to(dtype)[:, :rank]
+    slots = torch.randperm(nb * bs, device=device)[:t]
+    slots[[2, 7]] = -1
+    cache = torch.randn(nb, bs, rank + rope, device=device).to(dtype)
+    fused = cache.clone()
+    q_rot = rotary_write_latents(fused, q_pe, latent, k_pe, slots, positions, rotary.cos_cache, rotary.sin_cache,
+                                 interleaved)
+    assert q_rot.shape == q_pe.shape and q_rot.is_contiguous()
+
+    two_launches = cache.clone()
+    kernel_q, kernel_k = apply_rotary(positions, q_pe, k_pe.unsqueeze(1), rotary.cos_cache, rotary.sin_cache,
+                                      interleaved=interleaved)
+    write_latents(two_launches, latent, kernel_k.squeeze(1), slots)
+    assert torch.equal(q_rot, kernel_q) and torch.equal(fused, two_launches)
+
+    ref = cache.clone()
+    ref_q = rotary_write_latents_ref(ref, q_pe, latent, k_pe, slots, positions, rotary)
+    _assert_close(q_rot, ref_q, dtype, q_pe)
+    _assert_close(fused[..., rank:], ref[..., rank:], dtype, k_pe)
+    assert torch.equal(fused[..., :rank], ref[..., :rank])
+    unwritten = torch.ones(nb * bs, dtype=torch.bool, device=device)
+    unwritten[slots[slots >= 0]] = False
+    assert torch.equal(fused.view(nb * bs, -1)[unwritten], cache.view(nb * bs, -1)[unwritten])

@@ -1,5 +1,5 @@
-"""Paged attention kernels (KV write, decode with split-K, varlen prefill over a cached prefix) and the
-TritonPagedAttention backend against the PyTorch reference backend."""
+"""Paged attention kernels (KV write, alone or fused with the rotary embedding; decode with split-K and its reduce;
+varlen prefill over a cached prefix) and the TritonPagedAttention backend against the PyTorch reference backend."""
 
 import math
 
@@ -8,11 +8,16 @@ import torch
 
 from deepserve.kernels import INTERPRET
 from deepserve.kernels.attention_backend import TritonPagedAttention
-from deepserve.kernels.paged_attention import (decode_attention, decode_attention_ref, decode_num_splits,
-                                               prefill_attention, prefill_attention_ref, prefill_tiles, write_kv,
+from deepserve.kernels.paged_attention import (DECODE_BLOCK_N, active_splits_ref, decode_attention,
+                                               decode_attention_ref, decode_num_splits, decode_reduce,
+                                               decode_reduce_ref, prefill_attention, prefill_attention_ref,
+                                               prefill_tiles, rotary_write_kv, rotary_write_kv_ref, write_kv,
                                                write_kv_ref)
+from deepserve.kernels.rotary import apply_rotary
 from deepserve.layers.attention import TorchPagedAttention
-from kernel_testing import DTYPES, assert_attention_close, make_batch, random_cache, skip_bf16_in_interpreter
+from deepserve.layers.rotary import RotaryEmbedding
+from kernel_testing import (DTYPES, assert_attention_close, assert_close_rel, assert_within_ulps, make_batch,
+                            poison_unused_splits, random_cache, skip_bf16_in_interpreter)
 
 pytestmark = pytest.mark.gpu
 
@@ -48,6 +53,72 @@ def test_write_kv_skips_negative_slots(device):
     mask = torch.ones(flat.shape[1], dtype=torch.bool, device=device)
     mask[[5, 17]] = False
     assert torch.equal(flat[:, mask], before.view(2, -1, 2, 64)[:, mask])
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def _rotary_case(device, dtype, heads, kv_heads, head_dim, t, num_blocks, bs):
+    """q, k, v as strided views of one projection output, distinct slots with two padding rows (slot -1), random
+    positions with the cache's first and last."""
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, device=device).to(dtype)
+    q = qkv[:, :heads * head_dim].view(t, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(t, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * bs, device=device)[:t]
+    slots[[1, t - 2]] = -1
+    positions = torch.randint(0, 4096, (t,), device=device)
+    positions[0], positions[-1] = 0, 4095
+    return q, k, v, slots, positions
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 64), (7, 1, 128), (6, 3, 96)])
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["default", "llama3"])
+@pytest.mark.parametrize("half_cache", [False, True], ids=["full_cache", "half_cache"])
+def test_rotary_write_kv_matches_reference(device, dtype, heads, kv_heads, head_dim, scaling, half_cache):
+    """One launch = the rotary kernel then the cache write, bit for bit (the same rotation code); = the PyTorch
+    rotation then the reference write within one rounding; padding rows (slot -1) write nothing."""
+    skip_bf16_in_interpreter(dtype)
+    nb, bs, t = 12, 16, 19
+    rope = RotaryEmbedding(head_dim, 4096, 500000.0, scaling).to(device)
+    cos, sin = rope.cos_cache, rope.sin_cache
+    if half_cache:     # MLARotaryEmbedding's layout: one column per angle (RotaryEmbedding's halves are equal)
+        cos, sin = cos[:, :head_dim // 2].contiguous(), sin[:, :head_dim // 2].contiguous()
+    q, k, v, slots, positions = _rotary_case(device, dtype, heads, kv_heads, head_dim, t, nb, bs)
+    cache = random_cache(nb, bs, kv_heads, head_dim, dtype, device)
+    fused = cache.clone()
+    q_rot = rotary_write_kv(fused, q, k, v, slots, positions, cos, sin)
+    assert q_rot.shape == q.shape and q_rot.is_contiguous()
+
+    two_launches = cache.clone()
+    kernel_q, kernel_k = apply_rotary(positions, q, k, cos, sin)
+    write_kv(two_launches, kernel_k, v, slots)
+    assert torch.equal(q_rot, kernel_q) and torch.equal(fused, two_launches)
+
+    ref = cache.clone()
+    ref_q = rotary_write_kv_ref(ref, q, k, v, slots, positions, rope.cos_cache, rope.sin_cache)
+    # x1*cos - x2*sin may be contracted into one fused multiply-add (see test_elementwise_kernels.py).
+    atol = 2.0 ** -21 * max(q.float().abs().max().item(), k.float().abs().max().item())
+    assert_within_ulps(q_rot, ref_q, dtype, ulps=1, min_exact=0.98, atol=atol)
+    assert_within_ulps(fused[0], ref[0], dtype, ulps=1, min_exact=0.98, atol=atol)
+    assert torch.equal(fused[1], ref[1])
+    written = torch.zeros(nb * bs, dtype=torch.bool, device=device)
+    written[slots[slots >= 0]] = True
+    untouched = cache.view(2, nb * bs, kv_heads, head_dim)[:, ~written]
+    assert torch.equal(fused.view(2, nb * bs, kv_heads, head_dim)[:, ~written], untouched)
+
+
+def test_rotary_write_kv_no_tokens(device):
+    rope = RotaryEmbedding(64, 128, 10000.0).to(device)
+    cache = random_cache(2, 16, 2, 64, torch.float16, device)
+    before = cache.clone()
+    empty = torch.zeros(0, 2, 64, device=device).half()
+    none = torch.zeros(0, dtype=torch.int64, device=device)
+    q_rot = rotary_write_kv(cache, torch.zeros(0, 4, 64, device=device).half(), empty, empty, none, none,
+                            rope.cos_cache, rope.sin_cache)
+    assert q_rot.shape == (0, 4, 64) and torch.equal(cache, before)
 
 
 def _decode_case(device, dtype, head_dim, group, lens, block_size, num_blocks):
@@ -103,6 +174,40 @@ def test_decode_long_context_uses_split_k(device, dtype, head_dim):
     # Sharper scores than 1/sqrt(d) so that long contexts are not a near-uniform average.
     ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 4 * scale)
     out = decode_attention(q, cache, batch.block_tables, batch.seq_lens, 4 * scale)
+    assert_attention_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [2, 33, 64])
+def test_decode_reduce_reads_only_active_splits(device, num_splits):
+    """The reduce over a CUDA graph's grid (splits sized for a long context) at short and long contexts: a float32
+    merge of the same partials; the splits a sequence does not use hold NaN and are never read; a sequence within
+    one split gets that split's output bit for bit (weight exactly 1)."""
+    lens = [1, 63, 64, 65, 193, 1000, 4096]
+    n, h, d = len(lens), 4, 64
+    seq_lens = torch.tensor(lens, device=device)
+    seq_ids = torch.randperm(n, device=device)
+    q_rows = torch.randperm(n + 3, device=device)[:n]
+    used = active_splits_ref(seq_lens[seq_ids], num_splits, DECODE_BLOCK_N)
+    part_out, part_lse = poison_unused_splits(torch.randn(n, h, num_splits, d, device=device),
+                                              4 * torch.randn(n, h, num_splits, device=device), used)
+    out = torch.full((n + 3, h, d), float("nan"), device=device)
+    decode_reduce(part_out, part_lse, q_rows, seq_ids, seq_lens, out)
+    ref = decode_reduce_ref(part_out, part_lse, q_rows, seq_ids, seq_lens, torch.zeros_like(out))
+    assert_close_rel(out[q_rows], ref[q_rows], (1e-6, 1e-5))
+    single = used == 1
+    assert single.any() and torch.equal(out[q_rows][single], part_out[single, :, 0])
+
+
+@pytest.mark.parametrize("num_splits", [None, 64])
+def test_decode_graph_grid_short_contexts(device, num_splits):
+    """A decode launch sized as a CUDA graph's (max_seq_len far above every context): most splits are empty, their
+    programs exit without storing, and the reduce merges only the used ones."""
+    dtype = torch.float16
+    lens = [1, 17, 64, 65, 193]
+    batch, cache, q = _decode_case(device, dtype, 64, 4, lens, 16, 40)
+    ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.125)
+    out = decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.125, max_seq_len=8192,
+                           num_splits=num_splits)
     assert_attention_close(out, ref, dtype)
 
 
@@ -176,6 +281,37 @@ def test_backend_matches_torch_backend(device, dtype, head_dim, group):
         results[name] = (backend.forward(q, k, v, c, batch, scale), c)
     (ref, ref_cache), (out, out_cache) = results["torch"], results["triton"]
     assert torch.equal(out_cache, ref_cache)
+    assert_attention_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qkv_views", [True, False], ids=["qkv_views", "separate"])
+def test_backend_with_rotary_matches_torch_backend(device, dtype, qkv_views):
+    """A mixed step with the layer's rotary embedding handed to the backend (the Llama layer's call): the reference
+    rotates then writes, the Triton backend does both in one kernel; same cache (rotated keys within one rounding),
+    outputs within the attention tolerance. q and k as views of one qkv output (Llama) or separate tensors (Qwen3's
+    normalised q and k)."""
+    skip_bf16_in_interpreter(dtype)
+    bs, h, hkv, d = 16, 8, 2, 64
+    batch = make_batch(MIXED_SEQS, bs, 160, device)
+    t = batch.num_tokens
+    qkv = torch.randn(t, (h + 2 * hkv) * d, device=device).to(dtype)
+    q = qkv[:, :h * d].view(t, h, d)
+    k = qkv[:, h * d:(h + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
+    if not qkv_views:
+        q, k = q.contiguous(), k.contiguous()
+    rope = RotaryEmbedding(d, 4096, 10000.0, LLAMA3_SCALING).to(device)
+    cache = random_cache(160, bs, hkv, d, dtype, device)
+    results = {}
+    for name, backend in (("torch", TorchPagedAttention()), ("triton", TritonPagedAttention())):
+        c = cache.clone()
+        batch.attn_metadata = backend.build_metadata(batch)
+        results[name] = (backend.forward(q, k, v, c, batch, 0.125, rotary=rope), c)
+    (ref, ref_cache), (out, out_cache) = results["torch"], results["triton"]
+    atol = 2.0 ** -21 * qkv.float().abs().max().item()      # a fused multiply-add in the rotation (see above)
+    assert_within_ulps(out_cache[0], ref_cache[0], dtype, ulps=1, min_exact=0.98, atol=atol)
+    assert torch.equal(out_cache[1], ref_cache[1])
     assert_attention_close(out, ref, dtype)
 
 

@@ -17,6 +17,17 @@ def test_dequantize_matches_torch_bit_for_bit(rows, cols):
     assert torch.equal(dequantize(acc, row_scales, col_scales), dequantize_ref(acc, row_scales, col_scales))
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows,cols", [(1, 576), (64, 1536), (33, 49), (600, 576)])   # 600 x 576: threaded
+def test_quantize_matches_torch_bit_for_bit(rows, cols):
+    x = torch.randn(rows, cols) * torch.logspace(-3, 3, rows)[:, None]
+    x[0, :8] = torch.tensor([0.5, -1.5, 2.5, 126.5, -126.5, 3.4999, 0.0, -0.0]) * x[0].abs().max() / 127
+    q, s = quantize_per_token(x)
+    q_ref, s_ref = quantize_per_token_ref(x)
+    assert q.dtype == torch.int8 and s.shape == (rows, 1)
+    assert torch.equal(s, s_ref) and torch.equal(q, q_ref)
+
+
 def test_quantize_per_token_rounds_half_to_even_and_clamps_zero_rows():
     x = torch.randn(3, 32)
     x[0, 3] = 127.0                        # the row's maximum: its scale is exactly 1
@@ -32,3 +43,5 @@ def test_fallback_without_kernels(monkeypatch):
     acc = torch.randint(-2**20, 2**20, (4, 16), dtype=torch.int32)
     rs, cs = torch.rand(4, 1), torch.rand(16)
     assert torch.equal(dequantize(acc, rs, cs), dequantize_ref(acc, rs, cs))
+    x = torch.randn(4, 16)
+    assert all(torch.equal(a, b) for a, b in zip(quantize_per_token(x), quantize_per_token_ref(x)))

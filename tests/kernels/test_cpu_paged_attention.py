@@ -69,8 +69,8 @@ SEQ_LENS = [[1], [15], [16], [17], [300], [1, 15, 16, 17, 300, 33, 2, 64]]
 
 @requires_kernel
 @pytest.mark.parametrize("seq_lens", SEQ_LENS, ids=lambda s: "-".join(map(str, s)))
-@pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 5])
+@pytest.mark.parametrize("head_dim", [64, 128, 96])      # 96: the path for head sizes without a special case
 def test_kernel_matches_reference(seq_lens, group, head_dim):
     q, kv_cache, tables, lens = random_case(seq_lens, hkv=3, group=group, head_dim=head_dim)
     scale = 1 / math.sqrt(head_dim)
@@ -81,7 +81,7 @@ def test_kernel_matches_reference(seq_lens, group, head_dim):
 @requires_kernel
 @pytest.mark.parametrize("block_size", [1, 8, 32])
 def test_other_block_sizes(block_size):
-    q, kv_cache, tables, lens = random_case([1, 7, 8, 9, 31, 32, 33, 100], hkv=2, group=2, head_dim=16,
+    q, kv_cache, tables, lens = random_case([1, 7, 8, 9, 31, 32, 33, 100], hkv=2, group=2, head_dim=32,
                                             block_size=block_size)
     assert_matches_reference(run_kernel(q, kv_cache, tables, lens, 0.25),
                              reference_decode(q, kv_cache, tables, lens, 0.25))
@@ -143,8 +143,10 @@ def test_plan_refuses_what_it_cannot_take(monkeypatch):
     assert not plan.run(q.double(), kv_cache.double(), out.double(), 0.1)             # fp32 only
     assert not plan.run(q, kv_cache[:, :1], out, 0.1)                                 # block id out of range
     assert not plan.run(q[:0], kv_cache, out[:0], 0.1)                                # row out of range
-    assert not plan.run(q[..., :40], kv_cache[..., :40].contiguous(), out[..., :40], 0.1)   # D % 16
+    assert not plan.run(q[..., :48], kv_cache[..., :48].contiguous(), out[..., :48], 0.1)   # D % 32
     assert plan.run(q, kv_cache, out, 0.1)
+    wide_q, wide_cache, _, _ = random_case([20], hkv=2, group=2, head_dim=288)
+    assert not plan.run(wide_q, wide_cache, torch.empty_like(wide_q), 0.1)                  # D > 256
 
 
 # --- in the attention backend ----------------------------------------------------------------------------
@@ -319,8 +321,9 @@ requires_bf16_kernel = pytest.mark.skipif(cpu.library(torch.bfloat16) is None, r
 @requires_bf16_kernel
 @pytest.mark.parametrize("seq_lens", SEQ_LENS, ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize("group", [1, 3])
-def test_bf16_cache_kernel_matches_reference(seq_lens, group):
-    q, kv_cache, tables, lens = random_case(seq_lens, hkv=3, group=group, head_dim=64)
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+def test_bf16_cache_kernel_matches_reference(seq_lens, group, head_dim):
+    q, kv_cache, tables, lens = random_case(seq_lens, hkv=3, group=group, head_dim=head_dim)
     cache16 = kv_cache.bfloat16()
     # The reference reads the same bf16 values (widened to float64): only the arithmetic differs.
     assert_matches_reference(run_kernel(q, cache16, tables, lens, 0.125),

@@ -90,7 +90,8 @@ class DecodePlan:
             return False
         _, num_blocks, block_size, hkv, d = kv_cache.shape
         rows, heads, dim = q.shape
-        return (q.stride(2) == 1 and out.stride(2) == 1 and out.shape == q.shape and dim == d and d % 16 == 0
+        return (q.stride(2) == 1 and out.stride(2) == 1 and out.shape == q.shape and dim == d
+                and d % 32 == 0 and d <= 256   # pairs of 16-float vectors, at most 16 of them per head
                 and heads % hkv == 0 and self.max_row < rows and self.max_block < num_blocks
                 and self.max_len <= self.max_blocks * block_size)
 

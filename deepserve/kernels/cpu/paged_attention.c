@@ -5,169 +5,241 @@
  * shifted up), so the two builds differ only in what the cache holds, and the bf16 one reads half the bytes.
  *
  * Cache of one layer: keys and values each [num_blocks, block_size, Hkv, D], contiguous. Sequence b's
- * token i lives in block block_tables[b][i / block_size] at slot i % block_size.
+ * token i lives in block block_tables[b][i / block_size] at slot i % block_size. D: a multiple of 32, <= 256.
  *
- * Each kv head's G = H / Hkv query heads walk the sequence's blocks once, reading the cache in place (no
- * gather), so each key and value is read from memory exactly once; an online softmax (running max,
- * running sum, rescaled accumulator) needs no second pass. Everything accumulates in fp32 in a fixed
- * order that depends only on the sequence's own data: a row's result does not depend on the rest of the
- * batch, on the thread count, nor on which thread ran it.
+ * Decode attention reads every cached key and value once per step and does little arithmetic on it, so
+ * what bounds it is getting the cache from memory; what this kernel is built around:
+ *  - each block is read front to back once, for all the query heads of the kv heads in a work item, and the
+ *    next block is prefetched row by row while this one is computed (a block is a few pages: too short for
+ *    the hardware prefetcher);
+ *  - a key or value row, once loaded, serves all query heads of its group (GQA) from registers: queries and
+ *    accumulators of up to 16 vectors stay in registers for a chunk of 16 keys;
+ *  - a chunk's 16 scores per head come out of one transposed reduction of the keys' lane partial sums, not
+ *    16 horizontal sums;
+ *  - an online softmax (running max, running sum, rescaled accumulator) needs no second pass.
  *
- * Built with -O3 -march=native -fno-math-errno and no -ffast-math, so the compiler may not reorder sums:
- * the loops are written to vectorize as they are (dot products keep LANES independent partial sums,
- * exp is a polynomial instead of a call to expf).
+ * Everything accumulates in fp32 in a fixed order that depends only on the sequence's own data: a row's
+ * result does not depend on the rest of the batch, on the thread count, nor on which thread ran it.
+ *
+ * Written with GCC/Clang vector extensions (16-float vectors: one AVX-512 register, two AVX ones, whatever
+ * -march=native has), not intrinsics. Built with -O3 -march=native -fno-math-errno and no -ffast-math: the
+ * compiler may not reorder sums, so the order written here is the order computed.
  */
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#if !(defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
+#error "needs __builtin_shufflevector (GCC >= 12 or Clang); the PyTorch path is used instead"
+#endif
+
+#define W 16          /* floats per vector, and keys per chunk */
+#define MAX_VEC 16    /* query heads x (D / W) kept in registers at once */
+#define MAX_GROUP 4   /* query heads per group */
+#define MAX_DV 16     /* vectors per head: head_dim <= 256 */
+
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef float vf_u __attribute__((vector_size(4 * W), aligned(4)));          /* unaligned access */
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+
+#define EVENS 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define ODDS 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+
+static inline vf load_f(const float *p) { return *(const vf_u *)p; }
+static inline void store_f(float *p, vf x) { *(vf_u *)p = x; }
+
+/* Dimensions are handled in pairs of vectors: 2 W consecutive entries of a query, key, value or output row.
+ * The bf16 build loads 2 W cache entries in one 64-byte load and widens them with a shift and a mask:
+ * the even entries come out in the first vector, the odd ones in the second. Queries are loaded in that
+ * same order and outputs put back in place, so every product still pairs the same dimension of q and k,
+ * and of p and v. */
 #ifdef KV_BF16
 typedef uint16_t kv_t;
-static inline float KV(kv_t x)
+typedef uint32_t vu_u __attribute__((vector_size(4 * W), aligned(2)));
+static inline void load_kv_pair(const kv_t *p, vf *lo, vf *hi)
 {
-    const uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    const vu_u x = *(const vu_u *)p;        /* lane i: entry 2i in its low 16 bits, 2i + 1 in its high ones */
+    *lo = (vf)(x << 16);
+    *hi = (vf)(x & 0xffff0000u);
+}
+static inline void load_q_pair(const float *p, vf *lo, vf *hi)
+{
+    const vf a = load_f(p), b = load_f(p + W);
+    *lo = __builtin_shufflevector(a, b, EVENS);
+    *hi = __builtin_shufflevector(a, b, ODDS);
+}
+static inline void store_pair(float *p, vf lo, vf hi)
+{
+    store_f(p, __builtin_shufflevector(lo, hi, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
+    store_f(p + W, __builtin_shufflevector(lo, hi, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
 }
 #else
 typedef float kv_t;
-#define KV(x) (x)
+static inline void load_kv_pair(const kv_t *p, vf *lo, vf *hi)
+{
+    *lo = load_f(p);
+    *hi = load_f(p + W);
+}
+static inline void load_q_pair(const float *p, vf *lo, vf *hi) { load_kv_pair(p, lo, hi); }
+static inline void store_pair(float *p, vf lo, vf hi)
+{
+    store_f(p, lo);
+    store_f(p + W, hi);
+}
 #endif
 
-#define LANES 16   /* partial sums per dot product: one 512-bit or two 256-bit vectors */
-#define TILE 16    /* keys whose dot products are reduced together */
+static inline vf splat(float x) { return (vf){0} + x; }
 
-/* Sums of LANES partial sums, all in one fixed tree (halving the width each step), so that a dot product
- * gives the same bits whichever of the two functions below computes it. */
-#define REDUCE_LANES(part, out)                      \
-    do {                                             \
-        float h8[8], h4[4], h2[2];                   \
-        for (int j = 0; j < 8; ++j)                  \
-            h8[j] = (part)[j] + (part)[j + 8];       \
-        for (int j = 0; j < 4; ++j)                  \
-            h4[j] = h8[j] + h8[j + 4];               \
-        for (int j = 0; j < 2; ++j)                  \
-            h2[j] = h4[j] + h4[j + 2];               \
-        (out) = h2[0] + h2[1];                       \
-    } while (0)
-
-/* a . b over D floats (D a multiple of LANES). */
-static inline float dot(const float *restrict a, const kv_t *restrict b, int64_t D)
+/* out[i] = sum of the 16 lanes of p[i], for 16 vectors at once: each step adds the two halves of every
+ * vector's remaining lanes while packing two vectors into one (30 shuffles and 15 adds in all). */
+static inline vf sum_lanes_16(const vf p[W])
 {
-    float part[LANES] = {0.f}, sum;
-    for (int64_t d = 0; d < D; d += LANES)
-        for (int j = 0; j < LANES; ++j)
-            part[j] += a[d + j] * KV(b[d + j]);
-    REDUCE_LANES(part, sum);
-    return sum;
+    vf c[8], d[4], e[2];
+    for (int i = 0; i < 8; ++i)
+        c[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; ++i)
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i)
+        e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-/* out[t] = q . k[t * stride] for TILE keys at once: reducing TILE dot products together lets gcc do it
- * with a transpose across vectors, instead of one horizontal sum per key. */
-static inline void dot_tile(const float *restrict q, const kv_t *restrict k, int64_t stride, int64_t D,
-                            float *restrict out)
+static inline vf vmax(vf a, vf b)
 {
-    float part[TILE][LANES];
-    for (int t = 0; t < TILE; ++t) {
-        for (int j = 0; j < LANES; ++j)
-            part[t][j] = 0.f;
-        for (int64_t d = 0; d < D; d += LANES)
-            for (int j = 0; j < LANES; ++j)
-                part[t][j] += q[d + j] * KV(k[t * stride + d + j]);
-    }
-    for (int t = 0; t < TILE; ++t)
-        REDUCE_LANES(part[t], out[t]);
+    const vi gt = a > b;
+    return (vf)((gt & (vi)a) | (~gt & (vi)b));
 }
 
-/* exp(x) for x <= 0 (scores minus their running max), within 1.02 ulp of the exact value (expf: 0.5).
- * Unlike a call to expf, gcc vectorizes it. Cody-Waite range reduction x = n ln2 + r, |r| <= ln2 / 2,
- * Cephes' degree-6 polynomial for exp(r), then 2^n built in the exponent bits. Below -87, where 2^n
- * leaves the normal range, it returns 0 (the true value is < 1.7e-38, nothing next to the max's exp(0)
- * = 1 in the softmax sum); -inf gives 0 and NaN stays NaN. tests/kernels measures the error. */
-static inline float exp_nonpos(float x)
+/* Largest lane (exact whatever the order). */
+static inline float max_lanes(vf x)
 {
-    const float lo = -87.f;
-    const float xc = x < lo ? lo : x;
-    const float n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;   /* round(x / ln2) */
-    const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;            /* ln2 in two parts */
-    float p = 1.9875691500e-4f;
+    x = vmax(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    x = vmax(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    x = vmax(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    x = vmax(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return x[0];
+}
+
+/* Sum of the lanes in one fixed tree. */
+static inline float sum_lanes(vf x)
+{
+    x = x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x = x + __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x = x + __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return x[0];
+}
+
+/* exp(x) per lane for x <= 0 (scores minus their running max), within 1.02 ulp of the exact value (expf:
+ * 0.5). Cody-Waite range reduction x = n ln2 + r, |r| <= ln2 / 2, Cephes' degree-6 polynomial for exp(r),
+ * then 2^n built in the exponent bits. Below -87, where 2^n leaves the normal range, it returns 0 (the true
+ * value is < 1.7e-38, nothing next to the max's exp(0) = 1 in the softmax sum); -inf gives 0 and NaN stays
+ * NaN. tests/kernels measures the error. */
+static inline vf exp_nonpos(vf x)
+{
+    const vf lo = splat(-87.f);
+    const vi below = x < lo;
+    const vf xc = (vf)((below & (vi)lo) | (~below & (vi)x));
+    const vf n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;   /* round(x / ln2) */
+    const vf r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;            /* ln2 in two parts */
+    vf p = splat(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return x < lo ? 0.f : p * two_n;
+    const vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
+    return (vf)(~below & (vi)(p * (vf)two_n));
 }
 
-/* Running state of one group: per head the max score m, the sum of exp(score - m) l, and the
- * accumulator acc = sum of exp(score - m) * value. */
+/* Ask for a row of the next block before it is needed (a block is only a few pages, too short for the
+ * hardware prefetcher to get ahead of the loads); one row per key of this block spreads the requests out
+ * instead of stalling on a burst of them. */
+static inline void prefetch_row(const kv_t *p, int64_t width)
+{
+    for (int64_t off = 0; off < width; off += 64 / sizeof(kv_t))   /* one 64-byte cache line */
+        __builtin_prefetch(p + off);
+}
+
+/* Running softmax state of one query head: max score m, sum of exp(score - m) l, accumulator of
+ * exp(score - m) * value. */
 typedef struct {
-    float *m, *l, *acc;
+    vf acc[MAX_DV];
+    float m, l;
 } Running;
 
-/* Fold n (<= block_size) keys/values of one block into the running state of G heads.
- * k, v point at the block's first token for this kv head; consecutive tokens are `token_stride` apart.
- * p is scratch for G * block_size probabilities. */
+/* Fold one chunk of cnt <= W keys/values (k, v: the first key's slice of this kv head; consecutive tokens
+ * token_stride apart) into the running state of GS query heads (q: their rows, q_stride apart). GS and DV
+ * are compile-time constants at every call (see fold_group), so the queries, the accumulators and each
+ * key's vectors live in registers; the state goes back to memory once per chunk. */
 static inline __attribute__((always_inline)) void
-attend_block(const float *restrict q, const kv_t *restrict k, const kv_t *restrict v, int64_t n,
-             int64_t token_stride, int64_t G, int64_t D, int64_t block_size, float scale,
-             float *restrict p, Running st)
+fold_chunk(const float *restrict q, int64_t q_stride, const kv_t *restrict k, const kv_t *restrict v,
+           const kv_t *pk, const kv_t *pv, int64_t cnt,
+           int64_t token_stride, float scale, Running *restrict st, const int GS, const int DV)
 {
-    int64_t t0 = 0;
-    for (; t0 + TILE <= n; t0 += TILE)
-        for (int64_t g = 0; g < G; ++g)
-            dot_tile(q + g * D, k + t0 * token_stride, token_stride, D, p + g * block_size + t0);
-    for (int64_t t = t0; t < n; ++t)           /* a block shorter than a tile, or its tail */
-        for (int64_t g = 0; g < G; ++g)
-            p[g * block_size + t] = dot(q + g * D, k + t * token_stride, D);
-    for (int64_t g = 0; g < G; ++g)
-        for (int64_t t = 0; t < n; ++t)
-            p[g * block_size + t] *= scale;
+    /* Fixed-size arrays (not sized by GS and DV: those would be variable-length arrays, kept in memory even
+     * when inlining makes GS and DV constants); only [GS][DV] is used. */
+    vf qv[MAX_GROUP][MAX_DV], part[MAX_GROUP][W], p[MAX_GROUP];
+    for (int g = 0; g < GS; ++g)
+        for (int c = 0; c < DV; c += 2)
+            load_q_pair(q + g * q_stride + c * W, &qv[g][c], &qv[g][c + 1]);
 
-    for (int64_t g = 0; g < G; ++g) {
-        float *pg = p + g * block_size;
-        float mx = st.m[g];
-        for (int64_t t = 0; t < n; ++t)
-            mx = pg[t] > mx ? pg[t] : mx;
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-            pg[t] = exp_nonpos(pg[t] - mx);
-            sum += pg[t];
+    /* Scores: lane partial sums per key, then one transposed reduction per head. Missing keys (a short
+     * chunk) are zero partials, masked to -inf below. */
+    for (int t = 0; t < W; ++t) {
+        if (t < cnt) {
+            vf kt[MAX_DV];
+            if (pk)
+                prefetch_row(pk + t * token_stride, DV * W);
+            for (int c = 0; c < DV; c += 2)
+                load_kv_pair(k + t * token_stride + c * W, &kt[c], &kt[c + 1]);
+            for (int g = 0; g < GS; ++g) {
+                vf s = qv[g][0] * kt[0];
+                for (int c = 1; c < DV; ++c)
+                    s += qv[g][c] * kt[c];
+                part[g][t] = s;
+            }
+        } else {
+            for (int g = 0; g < GS; ++g)
+                part[g][t] = splat(0.f);
         }
-        float alpha = exp_nonpos(st.m[g] - mx);      /* 0 on the first block (m = -inf) */
-        st.l[g] = st.l[g] * alpha + sum;
-        st.m[g] = mx;
-        if (alpha != 1.f)
-            for (int64_t d = 0; d < D; ++d)
-                st.acc[g * D + d] *= alpha;
     }
 
-    for (int64_t g = 0; g < G; ++g) {          /* head-major: the head's accumulator stays in registers */
-        float *restrict a = st.acc + g * D;
-        for (int64_t t = 0; t < n; ++t) {
-            const kv_t *vt = v + t * token_stride;
-            const float w = p[g * block_size + t];
-            for (int64_t d = 0; d < D; ++d)
-                a[d] += w * KV(vt[d]);
+    vf acc[MAX_GROUP][MAX_DV];
+    for (int g = 0; g < GS; ++g) {
+        vf s = sum_lanes_16(part[g]) * scale;
+        for (int t = (int)cnt; t < W; ++t)
+            s[t] = -INFINITY;
+        const float mx = fmaxf(st[g].m, max_lanes(s));
+        p[g] = exp_nonpos(s - mx);
+        const float alpha = exp_nonpos(splat(st[g].m - mx))[0];   /* 0 on the first chunk (m = -inf) */
+        st[g].l = st[g].l * alpha + sum_lanes(p[g]);
+        st[g].m = mx;
+        for (int c = 0; c < DV; ++c)
+            acc[g][c] = alpha == 1.f ? st[g].acc[c] : st[g].acc[c] * alpha;
+    }
+
+    for (int t = 0; t < cnt; ++t) {
+        vf vt[MAX_DV];
+        if (pv)
+            prefetch_row(pv + t * token_stride, DV * W);
+        for (int c = 0; c < DV; c += 2)
+            load_kv_pair(v + t * token_stride + c * W, &vt[c], &vt[c + 1]);
+        for (int g = 0; g < GS; ++g) {
+            const vf w = splat(p[g][t]);
+            for (int c = 0; c < DV; ++c)
+                acc[g][c] += w * vt[c];
         }
     }
-}
-
-/* Ask for the given heads' slices of n token rows before they are needed: a block is only a few pages,
- * too short for the hardware prefetcher to get ahead of the loads. */
-static inline void prefetch_rows(const kv_t *k, const kv_t *v, int64_t n, int64_t token_stride, int64_t width)
-{
-    for (int64_t t = 0; t < n; ++t)
-        for (int64_t off = 0; off < width; off += 64 / sizeof(kv_t)) {   /* one 64-byte cache line */
-            __builtin_prefetch(k + t * token_stride + off);
-            __builtin_prefetch(v + t * token_stride + off);
-        }
+    for (int g = 0; g < GS; ++g)
+        for (int c = 0; c < DV; ++c)
+            st[g].acc[c] = acc[g][c];
 }
 
 typedef struct {
@@ -177,62 +249,82 @@ typedef struct {
     const int64_t *rows, *block_tables, *seq_lens;
     float *out;
     int64_t out_row_stride, out_head_stride;
-    int64_t H, Hkv, block_size, max_blocks;
+    int64_t H, Hkv, D, block_size, max_blocks;
     float scale;
 } Args;
 
-/* One work item: sequence b, kv heads [h0, h0 + nh). Each kv head's arithmetic is the same whatever nh
- * is, so how the work is split never changes a result. Inlined per head_dim so the common sizes get
- * constant trip counts. */
+/* Fold n <= block_size tokens of one block into GS query heads' states, a chunk of W tokens at a time. */
 static inline __attribute__((always_inline)) void
-attend_item(const Args *a, int64_t b, int64_t h0, int64_t nh, int64_t D)
+fold_block(const float *q, int64_t q_stride, const kv_t *k, const kv_t *v, const kv_t *pk, const kv_t *pv,
+           int64_t n, int64_t token_stride, float scale, Running *st, const int GS, const int DV)
 {
-    const int64_t G = a->H / a->Hkv, bs = a->block_size;
-    const int64_t token_stride = a->Hkv * D, block_stride = bs * token_stride;
-    const int64_t len = a->seq_lens[b];
-    const int64_t *table = a->block_tables + b * a->max_blocks;
-    const int64_t nq = nh * G;                 /* query heads of the item, from query head h0 * G on */
-
-    float q[nq * D], m[nq], l[nq], acc[nq * D], p[G * bs];
-    const float *qb = a->q + a->rows[b] * a->q_row_stride + h0 * G * a->q_head_stride;
-    for (int64_t i = 0; i < nq; ++i) {
-        for (int64_t d = 0; d < D; ++d) {
-            q[i * D + d] = qb[i * a->q_head_stride + d];
-            acc[i * D + d] = 0.f;
-        }
-        m[i] = -INFINITY;
-        l[i] = 0.f;
-    }
-
-    for (int64_t start = 0, j = 0; start < len; start += bs, ++j) {
-        const int64_t n = len - start < bs ? len - start : bs;
-        if (start + bs < len) {
-            const int64_t next = table[j + 1] * block_stride + h0 * D;
-            const int64_t n_next = len - start - bs < bs ? len - start - bs : bs;
-            prefetch_rows(a->k_cache + next, a->v_cache + next, n_next, token_stride, nh * D);
-        }
-        for (int64_t h = 0; h < nh; ++h) {
-            const int64_t offset = table[j] * block_stride + (h0 + h) * D;
-            Running st = {m + h * G, l + h * G, acc + h * G * D};
-            attend_block(q + h * G * D, a->k_cache + offset, a->v_cache + offset, n, token_stride, G, D, bs,
-                         a->scale, p, st);
-        }
-    }
-
-    float *ob = a->out + a->rows[b] * a->out_row_stride + h0 * G * a->out_head_stride;
-    for (int64_t i = 0; i < nq; ++i) {
-        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;   /* len == 0 gives zeros, not NaN */
-        for (int64_t d = 0; d < D; ++d)
-            ob[i * a->out_head_stride + d] = acc[i * D + d] * inv;
-    }
+    for (int64_t t0 = 0; t0 < n; t0 += W)
+        fold_chunk(q, q_stride, k + t0 * token_stride, v + t0 * token_stride, pk ? pk + t0 * token_stride : NULL,
+                   pv ? pv + t0 * token_stride : NULL, n - t0 < W ? n - t0 : W, token_stride, scale, st, GS, DV);
 }
 
-static void run_item(const Args *a, int64_t b, int64_t h0, int64_t nh, int64_t D)
+/* Query heads [0, gs) of q (rows q_stride apart), all of one kv head (k, v: its slice of the block). Each
+ * head's arithmetic is the same whatever group it is computed in, so the grouping never changes a result. */
+static void fold_group(const float *q, int64_t q_stride, const kv_t *k, const kv_t *v, const kv_t *pk,
+                       const kv_t *pv, int64_t n,
+                       int64_t token_stride, float scale, Running *st, int64_t gs, int64_t D)
 {
-    switch (D) {
-    case 64: attend_item(a, b, h0, nh, 64); break;
-    case 128: attend_item(a, b, h0, nh, 128); break;
-    default: attend_item(a, b, h0, nh, D); break;
+#define FOLD(GS, DV) fold_block(q, q_stride, k, v, pk, pv, n, token_stride, scale, st, GS, DV)
+    switch (D / W * 8 + gs) {     /* (D / W, gs) for the common head sizes 64 and 128 */
+    case 4 * 8 + 1: FOLD(1, 4); return;
+    case 4 * 8 + 2: FOLD(2, 4); return;
+    case 4 * 8 + 3: FOLD(3, 4); return;
+    case 4 * 8 + 4: FOLD(4, 4); return;
+    case 8 * 8 + 1: FOLD(1, 8); return;
+    case 8 * 8 + 2: FOLD(2, 8); return;
+    }
+#undef FOLD
+    for (int64_t i = 0; i < gs; ++i)   /* other head sizes: a head at a time, its vectors counted at run time */
+        fold_block(q + i * q_stride, q_stride, k, v, i ? NULL : pk, i ? NULL : pv, n, token_stride, scale, st + i, 1,
+                   (int)(D / W));
+}
+
+/* Query heads handled together: as many as keep their queries and accumulators within MAX_VEC vectors. */
+static int64_t group_size(int64_t D)
+{
+    const int64_t per_head = D / W;
+    return per_head == 4 || per_head == 8 ? MAX_VEC / per_head : 1;
+}
+
+/* One work item: sequence b, kv heads [h0, h0 + nh). Block by block (each block is read front to back
+ * once), every query head of those kv heads folds the block into its running state. */
+static void run_item(const Args *a, int64_t b, int64_t h0, int64_t nh)
+{
+    const int64_t G = a->H / a->Hkv, D = a->D, bs = a->block_size, nq = nh * G, gmax = group_size(D);
+    const int64_t token_stride = a->Hkv * D, block_stride = bs * token_stride, len = a->seq_lens[b];
+    const int64_t *table = a->block_tables + b * a->max_blocks;
+    const float *qb = a->q + a->rows[b] * a->q_row_stride + h0 * G * a->q_head_stride;
+    Running st[nq];
+    for (int64_t i = 0; i < nq; ++i) {
+        memset(st[i].acc, 0, sizeof st[i].acc);
+        st[i].m = -INFINITY;
+        st[i].l = 0.f;
+    }
+    for (int64_t start = 0, j = 0; start < len; start += bs, ++j) {
+        const int64_t n = len - start < bs ? len - start : bs;
+        const int64_t base = table[j] * block_stride;
+        /* The next block's slices, prefetched row by row while this one is computed. */
+        const int64_t next = start + bs < len ? table[j + 1] * block_stride : -1;
+        for (int64_t h = 0; h < nh; ++h) {
+            const int64_t offset = base + (h0 + h) * D;
+            const kv_t *pk = next < 0 ? NULL : a->k_cache + next + (h0 + h) * D;
+            const kv_t *pv = next < 0 ? NULL : a->v_cache + next + (h0 + h) * D;
+            for (int64_t i = 0; i < G; i += gmax, pk = pv = NULL)   /* the first group prefetches */
+                fold_group(qb + (h * G + i) * a->q_head_stride, a->q_head_stride, a->k_cache + offset,
+                           a->v_cache + offset, pk, pv, n, token_stride, a->scale, st + h * G + i,
+                           G - i < gmax ? G - i : gmax, D);
+        }
+    }
+    float *ob = a->out + a->rows[b] * a->out_row_stride + h0 * G * a->out_head_stride;
+    for (int64_t i = 0; i < nq; ++i) {
+        const float inv = st[i].l > 0.f ? 1.f / st[i].l : 0.f;   /* len == 0 gives zeros, not NaN */
+        for (int64_t c = 0; c < D / W; c += 2)
+            store_pair(ob + i * a->out_head_stride + c * W, st[i].acc[c] * inv, st[i].acc[c + 1] * inv);
     }
 }
 
@@ -247,7 +339,7 @@ void paged_decode_attention(const float *q, int64_t q_row_stride, int64_t q_head
                             float scale, int num_threads)
 {
     const Args a = {q, q_row_stride, q_head_stride, k_cache, v_cache, rows, block_tables, seq_lens,
-                    out, out_row_stride, out_head_stride, H, Hkv, block_size, max_blocks, scale};
+                    out, out_row_stride, out_head_stride, H, Hkv, D, block_size, max_blocks, scale};
     /* A whole sequence per item reads each block front to back; with few sequences per thread, split
      * them by kv head instead so that every thread gets work. */
     const int64_t nh = B >= 4 * (int64_t)num_threads ? Hkv : 1;
@@ -256,5 +348,5 @@ void paged_decode_attention(const float *q, int64_t q_row_stride, int64_t q_head
      * is computed whole by one thread. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
     for (int64_t i = 0; i < B * per_seq; ++i)
-        run_item(&a, i / per_seq, i % per_seq * nh, nh, D);
+        run_item(&a, i / per_seq, i % per_seq * nh, nh);
 }
