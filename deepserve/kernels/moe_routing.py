@@ -1,5 +1,6 @@
 """Fused MoE routing: everything after the gate GEMM in one launch. The GPU twin of `route()` (+ the expert-load
-`index_add_`) in deepserve/layers/moe.py, which stays the reference and the CPU path; the gate GEMM stays on cuBLAS.
+`index_add_`) in deepserve/layers/moe.py, which stays the reference and the CPU path. The gate GEMM stays on cuBLAS except at
+decode sizes (`router_logits`: one GEMV launch).
 
 logits [T, E] float32 (+ e_score_correction_bias [E]) -> weights [T, k] float32, ids [T, k] int64, and
 expert_load[e] += (count of e among the ids). One program per token row, the row's E scores in registers, laid
@@ -218,6 +219,55 @@ def fused_route(logits: torch.Tensor, cfg, bias: torch.Tensor | None = None,
     return weights, ids
 
 
+# ------------------------------------------------------------------------------------------------
+# The gate GEMM at decode sizes
+# ------------------------------------------------------------------------------------------------
+ROUTER_GEMV_MAX_TOKENS = 16     # above this, cuBLAS (the gate is a real GEMM by then)
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, num_experts, hidden, stride_xt, stride_we, stride_ot,
+                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[t, e] = sum_k float32(x[t, k]) * float32(w[e, k]) for BLOCK_E experts of token t: exact float32 products
+    into a [BLOCK_E, BLOCK_K] accumulator reduced once after the K loop."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = k < hidden - k0
+        x = tl.load(x_ptr + t * stride_xt + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + k0 + k[None, :],
+                    mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    tl.store(out_ptr + t * stride_ot + e, tl.sum(acc, 1), mask=e_ok)
+
+
+def router_logits_supported(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and 0 < x.shape[0] <= ROUTER_GEMV_MAX_TOKENS
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H] (any float dtype), weight [E, H] (DeepSeek keeps it float32) -> [T, E] float32 logits,
+    F.linear(x.float(), weight.float()) up to summation order. One launch at decode sizes, where the torch path is
+    three (x cast to float32, cuBLAS's dot and reduce kernels) for a 0.5 MB weight."""
+    require_triton(x)
+    t, hidden = x.shape
+    num_experts = weight.shape[0]
+    assert weight.shape == (num_experts, hidden)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    out = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)
+    # 4 experts x 512 fp32 columns (2 KB per row per step) a program: E / 4 programs per token pull the weight.
+    block_e, block_k = 4, min(512, next_pow2(hidden))
+    _router_logits_kernel[(t, triton.cdiv(num_experts, block_e))](
+        x, weight, out, num_experts, hidden, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
 def fused_route_ref(logits, cfg, bias=None, expert_load=None):
     """The PyTorch twin: route() and the index_add_ of FusedMoE."""
     from deepserve.layers.moe import route
@@ -227,4 +277,5 @@ def fused_route_ref(logits, cfg, bias=None, expert_load=None):
     return weights, ids
 
 
-__all__ = ["MAX_EXPERTS", "fused_route", "fused_route_ref", "fused_route_supported"]
+__all__ = ["MAX_EXPERTS", "fused_route", "fused_route_ref", "fused_route_supported", "router_logits",
+           "router_logits_supported"]

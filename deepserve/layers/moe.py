@@ -151,10 +151,19 @@ class Router(nn.Module):
         bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32)) if cfg.uses_bias else None
         self.register_parameter("e_score_correction_bias", bias)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, E] float32, the gate GEMM in the gate's dtype."""
+        if use_triton(x) and not torch.is_grad_enabled():
+            from deepserve.kernels.moe_routing import router_logits, router_logits_supported
+            if router_logits_supported(x):
+                # One GEMV launch at decode sizes instead of a cast and cuBLAS's two GEMV kernels.
+                return router_logits(x, self.weight)
+        return F.linear(x.to(self.weight.dtype), self.weight).float()
+
     def forward(self, x: torch.Tensor, expert_load: torch.Tensor | None = None):
         """x: [T, H] -> (weights [T, k] float32, ids [T, k] int64); with `expert_load` ([E] int64), each expert's
         count among the ids is added to it."""
-        logits = F.linear(x.to(self.weight.dtype), self.weight).float()
+        logits = self.logits(x)
         if use_triton(logits) and not logits.requires_grad:
             from deepserve.kernels.moe_routing import fused_route, fused_route_supported
             if fused_route_supported(self.cfg, logits.shape[1]):

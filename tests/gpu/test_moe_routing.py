@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from deepserve.kernels import INTERPRET
-from deepserve.kernels.moe_routing import fused_route, fused_route_ref, fused_route_supported
+from deepserve.kernels.moe_routing import (ROUTER_GEMV_MAX_TOKENS, fused_route, fused_route_ref, fused_route_supported,
+                                           router_logits, router_logits_supported)
 from deepserve.layers import moe as moe_module
 from deepserve.layers.moe import FusedMoE, RoutingConfig
 
@@ -230,3 +231,27 @@ def test_cuda_graph(device):
         assert torch.equal(ids, ref_ids)
         torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=0.0)
     assert torch.equal(load, expected)
+
+
+@pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.parametrize("e,h", [(8, 40), (60, 2048), (64, 2048), (256, 700)])
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16)])
+def test_router_logits_match_the_gate_gemm(device, t, e, h, x_dtype, w_dtype):
+    """The decode-size gate GEMV = F.linear in float32 on the same values (exact products; only the summation
+    order differs: within 1e-5 of the row's magnitude)."""
+    if INTERPRET and torch.bfloat16 in (x_dtype, w_dtype):
+        pytest.skip("bf16 loads are slow in the interpreter")
+    x = torch.randn(t, h, device=device).to(x_dtype)
+    w = (torch.randn(e, h, device=device) * 0.05).to(w_dtype)
+    out = router_logits(x, w)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    assert out.dtype == torch.float32 and out.shape == (t, e)
+    scale = (x.float().abs() @ w.float().abs().t()).max().item()
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5 * scale)
+
+
+def test_router_logits_only_at_decode_sizes():
+    assert router_logits_supported(torch.zeros(1, 8)) and router_logits_supported(torch.zeros(ROUTER_GEMV_MAX_TOKENS, 8))
+    assert not router_logits_supported(torch.zeros(ROUTER_GEMV_MAX_TOKENS + 1, 8))
+    assert not router_logits_supported(torch.zeros(0, 8))

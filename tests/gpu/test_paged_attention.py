@@ -101,8 +101,11 @@ def test_rotary_write_kv_matches_reference(device, dtype, heads, kv_heads, head_
     ref_q = rotary_write_kv_ref(ref, q, k, v, slots, positions, rope.cos_cache, rope.sin_cache)
     # x1*cos - x2*sin may be contracted into one fused multiply-add (see test_elementwise_kernels.py).
     atol = 2.0 ** -21 * max(q.float().abs().max().item(), k.float().abs().max().item())
-    assert_within_ulps(q_rot, ref_q, dtype, ulps=1, min_exact=0.98, atol=atol)
-    assert_within_ulps(fused[0], ref[0], dtype, ulps=1, min_exact=0.98, atol=atol)
+    # float32 outputs keep the contraction's last-bit difference (measured on an H200: 81% bit-identical); bf16 and
+    # fp16 round it away almost always.
+    min_exact = 0.5 if dtype == torch.float32 else 0.98
+    assert_within_ulps(q_rot, ref_q, dtype, ulps=1, min_exact=min_exact, atol=atol)
+    assert_within_ulps(fused[0], ref[0], dtype, ulps=1, min_exact=min_exact, atol=atol)
     assert torch.equal(fused[1], ref[1])
     written = torch.zeros(nb * bs, dtype=torch.bool, device=device)
     written[slots[slots >= 0]] = True
