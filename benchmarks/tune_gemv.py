@@ -4,7 +4,7 @@ Llama-3.2-1B layer (an experiment: does a hand-written GEMV beat cuBLAS at M = 1
 Times are CUDA-graph replays of 20 back-to-back calls (launch gaps as in the engine's decode graphs), L2-cold
 weights (each call reads a different copy when the weights fit in L2). GB/s counts the weight bytes.
 
-Run (GPU machine):  python benchmarks/tune_gemv.py --output tune_gemv.json
+Run (GPU machine):  python benchmarks/tune_gemv.py --output tune_gemv.json [--kernel 2d --output tune_gemv_2d.json]
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ import triton.language as tl
 
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
           "lm_head": (128256, 2048)}
+# DeepSeek-V2-Lite's batch-1 GEMVs that stay on cuBLAS: q_proj, kv_a_proj, shared experts' gate/up and down.
+SHAPES_V2_LITE = {"v2lite_q": (3072, 2048), "v2lite_kv_a": (576, 2048), "v2lite_shared_gate_up": (5632, 2048),
+                  "v2lite_shared_down": (2048, 2816)}
 
 
 @triton.jit
@@ -41,6 +44,32 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLO
         tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
     else:
         tl.atomic_add(y_ptr + n, acc, mask=n_ok, sem="relaxed")
+
+
+@triton.jit
+def _gemv_2d_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fused MoE's pair-mode GEMV: products summed into a [BLOCK_N, BLOCK_K] float32 accumulator, reduced once
+    after the K loop (no cross-lane reduction per step); few rows per program, so many programs."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k < K - k0
+        x = tl.load(x_ptr + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+        w_ptrs += BLOCK_K
+    tl.store(y_ptr + n, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def gemv_2d(x, w, block_n, block_k, warps):
+    n, k = w.shape
+    y = torch.empty(n, dtype=x.dtype, device=x.device)
+    _gemv_2d_kernel[(triton.cdiv(n, block_n),)](x, w, y, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+                                                num_warps=warps)
+    return y
 
 
 def gemv(x, w, block_n, block_k, split_k, warps, stages):
@@ -82,11 +111,20 @@ def graph_time(fn_of_copy, copies: int, calls: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default="tune_gemv.json")
+    ap.add_argument("--kernel", default="1d", choices=["1d", "2d"],
+                    help="1d: the split-K kernel with a reduction per K step; 2d: the pair-mode GEMV (2-D accumulator)")
     args = ap.parse_args()
-    configs = [(8, 256, 1, 4, 3), (16, 256, 1, 4, 3), (16, 512, 1, 8, 3), (32, 256, 1, 4, 4), (8, 512, 1, 4, 4),
-               (16, 256, 4, 4, 3), (32, 256, 4, 8, 3), (64, 128, 8, 4, 3)]
+    if args.kernel == "1d":
+        shapes = SHAPES
+        configs = [(8, 256, 1, 4, 3), (16, 256, 1, 4, 3), (16, 512, 1, 8, 3), (32, 256, 1, 4, 4), (8, 512, 1, 4, 4),
+                   (16, 256, 4, 4, 3), (32, 256, 4, 8, 3), (64, 128, 8, 4, 3)]
+        run = gemv
+    else:
+        shapes = {**SHAPES, **SHAPES_V2_LITE}
+        configs = [(bn, bk, w) for bn in (2, 4, 8, 16) for bk in (256, 512) for w in (1, 2, 4)]
+        run = gemv_2d
     out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "results": {}}
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         copies = max(1, min(8, (200 << 20) // (n * k * 2)))       # > L2 (50 MB) in total
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -96,14 +134,14 @@ def main() -> None:
         row["cublas"] = {"us": round(ms * 1e3, 2), "GBps": round(n * k * 2 / ms / 1e6)}
         for cfg in configs:
             try:
-                err = (gemv(x[0], ws[0], *cfg).float() - ref[0]).abs().max().item()
-                ms = graph_time(lambda c: gemv(x[0], ws[c], *cfg), copies)
+                err = (run(x[0], ws[0], *cfg).float() - ref[0]).abs().max().item()
+                ms = graph_time(lambda c: run(x[0], ws[c], *cfg), copies)
                 row[str(cfg)] = {"us": round(ms * 1e3, 2), "GBps": round(n * k * 2 / ms / 1e6), "max_err": err}
             except Exception as exc:
                 row[str(cfg)] = f"error: {str(exc)[:160]}"
         best = min((v["us"], c) for c, v in row.items() if isinstance(v, dict) and "us" in v)
         row["best"] = best
-        print(name, json.dumps(row), flush=True)
+        print(name, "cublas", row["cublas"], "best", best, flush=True)
         out["results"][name] = row
         del ws
     with open(args.output, "w") as f:

@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
+from deepserve.kernels.gemv import gemv_rows
 
 _ALIGN_CELLS = 8192      # one-hot cells [pairs, experts] per align program: bounds its registers
 
@@ -259,24 +260,6 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, w
 # Pair mode: one (token, expert) pair per program row, no align
 # ------------------------------------------------------------------------------------------------
 @triton.jit
-def _gemv(x_ptr, w_ptr, rows, rows_ok, length, stride_wn, BLOCK_K: tl.constexpr):
-    """[R] float32: w[rows[r], :length] . x[:length] for R rows of a row-major matrix (K contiguous).
-
-    The products go into an [R, BLOCK_K] float32 accumulator that is reduced once after the K loop: no
-    cross-lane reduction inside the loop, and fp32 inputs get exact fp32 products (no TF32)."""
-    k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + k[None, :]
-    acc = tl.zeros(w_ptrs.shape, tl.float32)
-    for k0 in range(0, length, BLOCK_K):
-        k_ok = k < length - k0
-        x = tl.load(x_ptr + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-        w_ptrs += BLOCK_K
-    return tl.sum(acc, 1)
-
-
-@triton.jit
 def _gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, top_k, inter, hidden, limit,
                          stride_xt, stride_we, stride_wn, stride_ap,
                          HAS_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -290,7 +273,7 @@ def _gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, top_k, inter, hidden,
     r = tl.arange(0, 2 * BLOCK_N)
     col = tl.program_id(1) * BLOCK_N + r // 2
     rows = col + (r % 2) * inter
-    gate_up = _gemv(x_ptr + token * stride_xt, w13_ptr + expert * stride_we, rows, col < inter, hidden,
+    gate_up = gemv_rows(x_ptr + token * stride_xt, w13_ptr + expert * stride_we, rows, col < inter, hidden,
                     stride_wn, BLOCK_K)
     gate, up = tl.split(tl.reshape(gate_up, [BLOCK_N, 2]))
     act = _swiglu(gate, up, limit, HAS_LIMIT)
@@ -307,7 +290,7 @@ def _down_pair_kernel(act_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, in
     expert = tl.load(ids_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
-    acc = _gemv(act_ptr + p * stride_ap, w2_ptr + expert * stride_we, n, n_ok, inter, stride_wn, BLOCK_K)
+    acc = gemv_rows(act_ptr + p * stride_ap, w2_ptr + expert * stride_we, n, n_ok, inter, stride_wn, BLOCK_K)
     acc = acc * tl.load(weights_ptr + p)
     tl.store(out_ptr + p * stride_op + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 

@@ -34,6 +34,7 @@ import functools
 import torch
 
 from deepserve.kernels import USE_LIBDEVICE, libdevice, next_pow2, require_triton, tl, triton
+from deepserve.kernels.gemv import gemv_rows
 
 MAX_EXPERTS = 1024
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
@@ -228,20 +229,12 @@ ROUTER_GEMV_MAX_TOKENS = 16     # above this, cuBLAS (the gate is a real GEMM by
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, num_experts, hidden, stride_xt, stride_we, stride_ot,
                           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[t, e] = sum_k float32(x[t, k]) * float32(w[e, k]) for BLOCK_E experts of token t: exact float32 products
-    into a [BLOCK_E, BLOCK_K] accumulator reduced once after the K loop."""
+    """out[t, e] = sum_k float32(x[t, k]) * float32(w[e, k]) for BLOCK_E experts of token t (exact float32 products)."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < num_experts
-    k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = k < hidden - k0
-        x = tl.load(x_ptr + t * stride_xt + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + k0 + k[None, :],
-                    mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += w * x[None, :]
-    tl.store(out_ptr + t * stride_ot + e, tl.sum(acc, 1), mask=e_ok)
+    logits = gemv_rows(x_ptr + t * stride_xt, w_ptr, e, e_ok, hidden, stride_we, BLOCK_K)
+    tl.store(out_ptr + t * stride_ot + e, logits, mask=e_ok)
 
 
 def router_logits_supported(x: torch.Tensor) -> bool:

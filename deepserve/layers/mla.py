@@ -27,6 +27,7 @@ from torch import nn
 
 from deepserve.layers.attention import gather_blocks
 from deepserve.layers.kernel_dispatch import use_triton
+from deepserve.layers.linear import Linear
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import rope_inv_freq, yarn_mscale
 from deepserve.worker.forward_batch import ForwardBatch
@@ -199,15 +200,15 @@ class MultiHeadLatentAttention(nn.Module):
         q_size = self.num_heads * (self.nope_dim + self.rope_dim)
         # HF builds these two inner norms with the default eps, not rms_norm_eps.
         if self.q_lora_rank:
-            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, q_size, bias=False)
+            self.q_b_proj = Linear(self.q_lora_rank, q_size, bias=False)
         else:
-            self.q_proj = nn.Linear(hidden, q_size, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+            self.q_proj = Linear(hidden, q_size, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = LatentUpProjection(self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias)
         self.rotary = rotary
         self.attn = MLAAttention(self.num_heads, self.kv_lora_rank, self.rope_dim, scale)
 

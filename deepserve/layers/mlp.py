@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepserve.layers.kernel_dispatch import use_triton
+from deepserve.layers.linear import Linear
 
 
 def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
@@ -38,8 +39,8 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.swiglu_limit = swiglu_limit
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Module calls, not F.linear on .weight: a quantized Linear may stand in for either projection.

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from deepserve.layers.linear import Linear, linear
 from deepserve.layers.norm import RMSNorm
 from deepserve.worker.forward_batch import ForwardBatch
 
@@ -43,7 +43,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         # Tied: the embedding doubles as the LM head (quantization may later install a separate one).
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(hidden, cfg["vocab_size"], bias=False)
+        self.lm_head = None if self.tie_word_embeddings else Linear(hidden, cfg["vocab_size"], bias=False)
 
     def attention_layers(self) -> list[nn.Module]:
         """The per-layer KV cache holders, in layer order (the model runner sizes and binds their caches)."""
@@ -65,5 +65,5 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
+            return linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from deepserve.layers.attention import Attention
+from deepserve.layers.linear import Linear
 from deepserve.layers.mlp import GatedMLP
 from deepserve.layers.norm import RMSNorm
 from deepserve.models.base import CausalLM, DecoderLayer
@@ -30,8 +31,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(cfg.get("attention_bias", False)) or cfg.get("model_type") == "qwen2"
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=False)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None

@@ -1,0 +1,64 @@
+"""The batch-1 GEMV against F.linear in float32 on the same values (exact products, another summation order: within
+one rounding of the output dtype), its tiling rule, and the Linear layer's dispatch."""
+
+import pytest
+import torch
+from torch import nn
+
+from deepserve.kernels.gemv import gemv, gemv_config
+from deepserve.layers import linear as linear_module
+from deepserve.layers.linear import Linear, linear
+
+from kernel_testing import DTYPES, assert_within_ulps, skip_bf16_in_interpreter
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(1, 16), (7, 40), (33, 1100), (300, 64), (64, 513)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_linear(device, dtype, n, k, with_bias):
+    skip_bf16_in_interpreter(dtype)
+    x = torch.randn(1, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
+    bias = torch.randn(n, device=device).to(dtype) if with_bias else None
+    out = gemv(x, w, bias)
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float()).to(dtype)
+    assert out.shape == (1, n) and out.dtype == dtype
+    scale = (x.float().abs() @ w.float().abs().t()).max().item()
+    assert_within_ulps(out, ref, dtype, ulps=1, min_exact=0.9, atol=2.0 ** -20 * scale)
+
+
+def test_gemv_strided_row(device):
+    x = torch.randn(3, 2 * 48, device=device).half()[1:2, ::2]           # one row, stride 2 along K
+    w = torch.randn(20, 48, device=device).half()
+    ref = torch.nn.functional.linear(x.float(), w.float()).half()
+    assert_within_ulps(gemv(x, w), ref, torch.float16, ulps=1, min_exact=0.9, atol=1e-5)
+
+
+def test_gemv_tiles():
+    """Wide matrices (N >= 2K: gate/up, LM heads) take 4 rows and 1 warp, the rest 2 rows and 2 warps; K steps of
+    512 elements, fewer for short rows (tuned on an H200: benchmarks/tune_gemv_2d.json)."""
+    assert gemv_config(16384, 2048) == (4, 512, 1) and gemv_config(128256, 2048) == (4, 512, 1)
+    assert gemv_config(3072, 2048) == (2, 512, 2) and gemv_config(2048, 8192) == (2, 512, 2)
+    assert gemv_config(7, 40) == (2, 64, 2)
+
+
+def test_linear_dispatch(device, monkeypatch):
+    """One row of a half-precision activation goes to the GEMV; more rows, float32, or autograd stay on F.linear."""
+    calls = []
+    monkeypatch.setattr(linear_module, "use_triton", lambda x: True)
+    import deepserve.kernels.gemv as gemv_module
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a: calls.append(1) or real(*a))
+    layer = Linear(40, 24, bias=True).to(device).half()
+    ref_layer = nn.Linear(40, 24, bias=True).to(device).half()
+    ref_layer.load_state_dict(layer.state_dict())
+    x = torch.randn(1, 40, device=device).half()
+    with torch.inference_mode():
+        out = layer(x)
+        assert len(calls) == 1
+        assert_within_ulps(out, ref_layer(x.float().half()), torch.float16, ulps=1, min_exact=0.9, atol=1e-4)
+        layer(torch.randn(2, 40, device=device).half())                  # two rows
+        linear(x.float(), layer.weight.float())                         # float32
+    assert len(calls) == 1
+    layer(x)                                                             # autograd on
+    assert len(calls) == 1
