@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
-from deepserve.kernels.gemv import gemv_rows
+from deepserve.kernels.gemv import gemv_rows, swiglu, swiglu_rows
 
 _ALIGN_CELLS = 8192      # one-hot cells [pairs, experts] per align program: bounds its registers
 
@@ -168,19 +168,6 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoE
 
 
 # ------------------------------------------------------------------------------------------------
-# Pieces both modes share
-# ------------------------------------------------------------------------------------------------
-@triton.jit
-def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
-    """silu(gate) * up in float32. DeepSeek-V4.1's clamp first: gate from above, up on both sides (as
-    swiglu_activation)."""
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    return gate * tl.sigmoid(gate) * up
-
-
-# ------------------------------------------------------------------------------------------------
 # Aligned mode: grouped GEMMs over blocks of sorted rows
 # ------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_pairs"])   # the batch size: no new variant per step
@@ -217,7 +204,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    act = _swiglu(acc_g, acc_u, limit, HAS_LIMIT)
+    act = swiglu(acc_g, acc_u, limit, HAS_LIMIT)
     dst = act_ptr + rows[:, None].to(tl.int64) * stride_am + n[None, :]
     tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -268,15 +255,8 @@ def _gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, top_k, inter, hidden,
     p = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + p).to(tl.int64)
     token = p // top_k
-    # One [2 * BLOCK_N, BLOCK_K] tile: even rows are gate rows, odd rows the up rows of the same columns, so
-    # one loop streams both and the result splits into (gate, up) pairs.
-    r = tl.arange(0, 2 * BLOCK_N)
-    col = tl.program_id(1) * BLOCK_N + r // 2
-    rows = col + (r % 2) * inter
-    gate_up = gemv_rows(x_ptr + token * stride_xt, w13_ptr + expert * stride_we, rows, col < inter, hidden,
-                    stride_wn, BLOCK_K)
-    gate, up = tl.split(tl.reshape(gate_up, [BLOCK_N, 2]))
-    act = _swiglu(gate, up, limit, HAS_LIMIT)
+    act = swiglu_rows(x_ptr + token * stride_xt, w13_ptr + expert * stride_we, tl.program_id(1) * BLOCK_N, inter,
+                      hidden, stride_wn, limit, HAS_LIMIT, BLOCK_N, BLOCK_K)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(act_ptr + p * stride_ap + n, act.to(act_ptr.dtype.element_ty), mask=n < inter)
 

@@ -42,6 +42,39 @@ def gemv_rows(x_ptr, w_ptr, rows, rows_ok, length, stride_wn, BLOCK_K: tl.conste
 
 
 @triton.jit
+def swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
+    """silu(gate) * up in float32. DeepSeek-V4.1's clamp first: gate from above, up on both sides (as
+    swiglu_activation)."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def swiglu_rows(x_ptr, w_ptr, col0, inter, length, stride_wn, limit,
+                HAS_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N] float32: swiglu(x . w[n], x . w[inter + n]) for columns n = col0 .. col0 + BLOCK_N of a [2 * inter, K]
+    gate-then-up weight. Gate and up rows are interleaved in one [2 * BLOCK_N, BLOCK_K] tile, so one K loop streams
+    both and the result splits into (gate, up) pairs: the activation never goes through memory."""
+    r = tl.arange(0, 2 * BLOCK_N)
+    col = col0 + r // 2
+    rows = col + (r % 2) * inter
+    gate_up = gemv_rows(x_ptr, w_ptr, rows, col < inter, length, stride_wn, BLOCK_K)
+    gate, up = tl.split(tl.reshape(gate_up, [BLOCK_N, 2]))
+    return swiglu(gate, up, limit, HAS_LIMIT)
+
+
+@triton.jit
+def _swiglu_gemv_kernel(x_ptr, w_ptr, act_ptr, inter, k_len, stride_wn, limit,
+                        HAS_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    act = swiglu_rows(x_ptr, w_ptr, tl.program_id(0) * BLOCK_N, inter, k_len, stride_wn, limit,
+                      HAS_LIMIT, BLOCK_N, BLOCK_K)
+    tl.store(act_ptr + n, act.to(act_ptr.dtype.element_ty), mask=n < inter)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, n_rows, k_len, stride_wn,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,8 +109,33 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     return y
 
 
+def swiglu_gemv(x: torch.Tensor, w13: torch.Tensor, limit: Optional[float] = None) -> torch.Tensor:
+    """x [1, K], w13 [2I, K] (gate rows then up rows, x's dtype) -> [1, I] = swiglu_activation(F.linear(x, w13), limit)
+    in one launch: the gate/up GEMV with the SwiGLU in its epilogue (silu(gate) * up in float32, rounded once)."""
+    require_triton(x)
+    two_i, k = w13.shape
+    inter = two_i // 2
+    assert x.shape == (1, k) and x.dtype == w13.dtype and two_i % 2 == 0
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w13.stride(-1) != 1:
+        w13 = w13.contiguous()
+    act = torch.empty(1, inter, dtype=x.dtype, device=x.device)
+    rows, block_k, warps = gemv_config(two_i, k)
+    block_n = rows // 2                  # columns per program: a gate row and an up row each
+    _swiglu_gemv_kernel[(triton.cdiv(inter, block_n),)](x, w13, act, inter, k, w13.stride(0), float(limit or 0.0),
+                                                        HAS_LIMIT=limit is not None, BLOCK_N=block_n,
+                                                        BLOCK_K=block_k, num_warps=warps)
+    return act
+
+
+def swiglu_gemv_ref(x, w13, limit=None):
+    from deepserve.layers.mlp import swiglu_activation
+    return swiglu_activation(torch.nn.functional.linear(x.float(), w13.float()), limit).to(x.dtype)
+
+
 def gemv_ref(x, weight, bias=None):
     return torch.nn.functional.linear(x, weight, bias)
 
 
-__all__ = ["gemv", "gemv_config", "gemv_ref", "gemv_rows"]
+__all__ = ["gemv", "gemv_config", "gemv_ref", "gemv_rows", "swiglu", "swiglu_gemv", "swiglu_gemv_ref", "swiglu_rows"]

@@ -16,12 +16,26 @@ from deepserve.layers.kernel_dispatch import use_triton
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def _one_row_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype and weight.dtype in _GEMV_DTYPES
+            and use_triton(x) and not torch.is_grad_enabled())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if (x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype and weight.dtype in _GEMV_DTYPES
-            and (bias is None or bias.dtype == weight.dtype) and use_triton(x) and not torch.is_grad_enabled()):
+    if _one_row_on_gpu(x, weight) and (bias is None or bias.dtype == weight.dtype):
         from deepserve.kernels.gemv import gemv
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None) -> torch.Tensor | None:
+    """swiglu_activation(gate_up(x), limit) in one GEMV launch (the SwiGLU in its epilogue) for one row on the GPU
+    through a plain `Linear` without bias; None otherwise (a quantized layer, more rows, the CPU): the caller then
+    runs the two steps."""
+    if type(gate_up) is Linear and gate_up.bias is None and _one_row_on_gpu(x, gate_up.weight):
+        from deepserve.kernels.gemv import swiglu_gemv
+        return swiglu_gemv(x, gate_up.weight, limit)
+    return None
 
 
 class Linear(nn.Linear):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepserve.layers.kernel_dispatch import use_triton
-from deepserve.layers.linear import Linear
+from deepserve.layers.linear import Linear, fused_swiglu_linear
 
 
 def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
@@ -43,8 +43,11 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Module calls, not F.linear on .weight: a quantized Linear may stand in for either projection.
-        return self.down_proj(swiglu_activation(self.gate_up_proj(x), self.swiglu_limit))
+        act = fused_swiglu_linear(x, self.gate_up_proj, self.swiglu_limit)    # batch-1 decode on a GPU: one launch
+        if act is None:
+            # Module calls, not F.linear on .weight: a quantized Linear may stand in for either projection.
+            act = swiglu_activation(self.gate_up_proj(x), self.swiglu_limit)
+        return self.down_proj(act)
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> str:
         """HF name relative to this MLP (`gate_proj.weight`, ...) -> the parameter it filled."""

@@ -5,9 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-from deepserve.kernels.gemv import gemv, gemv_config
+from deepserve.kernels.gemv import gemv, gemv_config, swiglu_gemv
 from deepserve.layers import linear as linear_module
-from deepserve.layers.linear import Linear, linear
+from deepserve.layers.linear import Linear, fused_swiglu_linear, linear
+from deepserve.layers.mlp import GatedMLP, swiglu_activation
 
 from kernel_testing import DTYPES, assert_within_ulps, skip_bf16_in_interpreter
 
@@ -62,3 +63,35 @@ def test_linear_dispatch(device, monkeypatch):
     assert len(calls) == 1
     layer(x)                                                             # autograd on
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter,k", [(1, 16), (5, 40), (48, 1100), (300, 64)])
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_swiglu_gemv_matches_linear_then_swiglu(device, dtype, inter, k, limit):
+    """One launch = swiglu_activation of the float32 gate/up product (silu(gate) * up in float32, rounded once: within
+    one rounding of the dtype of the reference's float32 result)."""
+    skip_bf16_in_interpreter(dtype)
+    x = torch.randn(1, k, device=device).to(dtype)
+    w13 = (torch.randn(2 * inter, k, device=device) * k ** -0.5).to(dtype)
+    out = swiglu_gemv(x, w13, limit)
+    ref = swiglu_activation(torch.nn.functional.linear(x.float(), w13.float()), limit).to(dtype)
+    assert out.shape == (1, inter) and out.dtype == dtype
+    assert_within_ulps(out, ref, dtype, ulps=1, min_exact=0.8, atol=2.0 ** -18)
+
+
+def test_gated_mlp_fuses_only_one_row_through_a_plain_linear(device, monkeypatch):
+    monkeypatch.setattr(linear_module, "use_triton", lambda x: True)
+    mlp = GatedMLP(40, 24).to(device).half()
+    x = torch.randn(1, 40, device=device).half()
+    with torch.inference_mode():
+        fused = fused_swiglu_linear(x, mlp.gate_up_proj, None)
+        assert fused is not None and fused.shape == (1, 24)
+        assert fused_swiglu_linear(torch.randn(2, 40, device=device).half(), mlp.gate_up_proj, None) is None
+        plain = nn.Linear(40, 48, bias=False).to(device).half()
+        assert fused_swiglu_linear(x, plain, None) is None                 # e.g. a quantized stand-in
+        out = mlp(x)
+        ref = torch.nn.functional.linear(
+            swiglu_activation(torch.nn.functional.linear(x.float(), mlp.gate_up_proj.weight.float()), None).half().float(),
+            mlp.down_proj.weight.float()).half()
+    assert_within_ulps(out, ref, torch.float16, ulps=2, min_exact=0.5, atol=1e-3)
