@@ -12,6 +12,19 @@ from deepserve.kernels import USE_LIBDEVICE, libdevice, require_triton, tl, trit
 
 
 @triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+    """silu(gate) * up as PyTorch computes it on `dtype` tensors (gate, up: float32 holding dtype values): silu in
+    float32 rounded to dtype, then the product rounded again. Shared with the batch-1 gate/up GEMV (kernels/gemv.py),
+    so that its fused SwiGLU gives the same bits as this kernel after the GEMM."""
+    if ACCURATE_EXP:
+        e = libdevice.exp(-gate)
+    else:
+        e = tl.exp(-gate)
+    silu = tl.math.div_rn(gate, 1.0 + e).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols,
                          BLOCK: tl.constexpr, ACCURATE_EXP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -19,12 +32,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols,
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    if ACCURATE_EXP:
-        e = libdevice.exp(-gate)
-    else:
-        e = tl.exp(-gate)
-    silu = tl.math.div_rn(gate, 1.0 + e).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, silu_mul(gate, up, out_ptr.dtype.element_ty, ACCURATE_EXP), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

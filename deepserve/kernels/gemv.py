@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from deepserve.kernels import next_pow2, require_triton, tl, triton
+from deepserve.kernels import USE_LIBDEVICE, next_pow2, require_triton, tl, triton
+from deepserve.kernels.activation import silu_mul
 
 
 @triton.jit
@@ -52,26 +53,41 @@ def swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def swiglu_rows(x_ptr, w_ptr, col0, inter, length, stride_wn, limit,
-                HAS_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N] float32: swiglu(x . w[n], x . w[inter + n]) for columns n = col0 .. col0 + BLOCK_N of a [2 * inter, K]
-    gate-then-up weight. Gate and up rows are interleaved in one [2 * BLOCK_N, BLOCK_K] tile, so one K loop streams
-    both and the result splits into (gate, up) pairs: the activation never goes through memory."""
+def gate_up_rows(x_ptr, w_ptr, col0, inter, length, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """([BLOCK_N], [BLOCK_N]) float32: (x . w[n], x . w[inter + n]) for columns n = col0 .. col0 + BLOCK_N of a
+    [2 * inter, K] gate-then-up weight. Gate and up rows are interleaved in one [2 * BLOCK_N, BLOCK_K] tile, so one K
+    loop streams both and the result splits into (gate, up) pairs: the activation never goes through memory."""
     r = tl.arange(0, 2 * BLOCK_N)
     col = col0 + r // 2
     rows = col + (r % 2) * inter
     gate_up = gemv_rows(x_ptr, w_ptr, rows, col < inter, length, stride_wn, BLOCK_K)
-    gate, up = tl.split(tl.reshape(gate_up, [BLOCK_N, 2]))
+    return tl.split(tl.reshape(gate_up, [BLOCK_N, 2]))
+
+
+@triton.jit
+def swiglu_rows(x_ptr, w_ptr, col0, inter, length, stride_wn, limit,
+                HAS_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N] float32: swiglu(gate, up) of `gate_up_rows`, in float32 (the fused MoE's arithmetic)."""
+    gate, up = gate_up_rows(x_ptr, w_ptr, col0, inter, length, stride_wn, BLOCK_N, BLOCK_K)
     return swiglu(gate, up, limit, HAS_LIMIT)
 
 
 @triton.jit
 def _swiglu_gemv_kernel(x_ptr, w_ptr, act_ptr, inter, k_len, stride_wn, limit,
-                        HAS_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        HAS_LIMIT: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """act = silu_and_mul(F.linear(x, w)) with the unfused path's roundings: gate and up rounded to the activation
+    dtype (the GEMM's output), clamped (V4.1), then silu_mul (kernels/activation.py). A batch-1 step then gives
+    the tokens a batched one does: only the GEMM's summation order differs."""
+    dtype = act_ptr.dtype.element_ty
+    gate, up = gate_up_rows(x_ptr, w_ptr, tl.program_id(0) * BLOCK_N, inter, k_len, stride_wn, BLOCK_N, BLOCK_K)
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    act = swiglu_rows(x_ptr, w_ptr, tl.program_id(0) * BLOCK_N, inter, k_len, stride_wn, limit,
-                      HAS_LIMIT, BLOCK_N, BLOCK_K)
-    tl.store(act_ptr + n, act.to(act_ptr.dtype.element_ty), mask=n < inter)
+    tl.store(act_ptr + n, silu_mul(gate, up, dtype, ACCURATE_EXP), mask=n < inter)
 
 
 @triton.jit
@@ -111,7 +127,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
 
 def swiglu_gemv(x: torch.Tensor, w13: torch.Tensor, limit: Optional[float] = None) -> torch.Tensor:
     """x [1, K], w13 [2I, K] (gate rows then up rows, x's dtype) -> [1, I] = swiglu_activation(F.linear(x, w13), limit)
-    in one launch: the gate/up GEMV with the SwiGLU in its epilogue (silu(gate) * up in float32, rounded once)."""
+    in one launch: the gate/up GEMV with the SwiGLU in its epilogue, rounded as the two-launch path rounds."""
     require_triton(x)
     two_i, k = w13.shape
     inter = two_i // 2
@@ -124,18 +140,19 @@ def swiglu_gemv(x: torch.Tensor, w13: torch.Tensor, limit: Optional[float] = Non
     rows, block_k, warps = gemv_config(two_i, k)
     block_n = rows // 2                  # columns per program: a gate row and an up row each
     _swiglu_gemv_kernel[(triton.cdiv(inter, block_n),)](x, w13, act, inter, k, w13.stride(0), float(limit or 0.0),
-                                                        HAS_LIMIT=limit is not None, BLOCK_N=block_n,
-                                                        BLOCK_K=block_k, num_warps=warps)
+                                                        HAS_LIMIT=limit is not None, ACCURATE_EXP=USE_LIBDEVICE,
+                                                        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return act
 
 
 def swiglu_gemv_ref(x, w13, limit=None):
     from deepserve.layers.mlp import swiglu_activation
-    return swiglu_activation(torch.nn.functional.linear(x.float(), w13.float()), limit).to(x.dtype)
+    return swiglu_activation(torch.nn.functional.linear(x, w13), limit)
 
 
 def gemv_ref(x, weight, bias=None):
     return torch.nn.functional.linear(x, weight, bias)
 
 
-__all__ = ["gemv", "gemv_config", "gemv_ref", "gemv_rows", "swiglu", "swiglu_gemv", "swiglu_gemv_ref", "swiglu_rows"]
+__all__ = ["gate_up_rows", "gemv", "gemv_config", "gemv_ref", "gemv_rows", "swiglu", "swiglu_gemv", "swiglu_gemv_ref",
+           "swiglu_rows"]
