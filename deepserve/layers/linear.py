@@ -17,8 +17,9 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _one_row_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype and weight.dtype in _GEMV_DTYPES
-            and use_triton(x) and not torch.is_grad_enabled())
+    # use_triton first (it tests x.is_cuda first): the CPU path pays one attribute read per layer.
+    return (use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
+            and weight.dtype in _GEMV_DTYPES and not torch.is_grad_enabled())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
