@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
           "lm_head": (128256, 2048)}
@@ -46,30 +49,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLO
         tl.atomic_add(y_ptr + n, acc, mask=n_ok, sem="relaxed")
 
 
-@triton.jit
-def _gemv_2d_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The fused MoE's pair-mode GEMV: products summed into a [BLOCK_N, BLOCK_K] float32 accumulator, reduced once
-    after the K loop (no cross-lane reduction per step); few rows per program, so many programs."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = k < K - k0
-        x = tl.load(x_ptr + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-        w_ptrs += BLOCK_K
-    tl.store(y_ptr + n, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=n_ok)
-
-
 def gemv_2d(x, w, block_n, block_k, warps):
-    n, k = w.shape
-    y = torch.empty(n, dtype=x.dtype, device=x.device)
-    _gemv_2d_kernel[(triton.cdiv(n, block_n),)](x, w, y, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                                num_warps=warps)
-    return y
+    """The engine's batch-1 GEMV (deepserve/kernels/gemv.py: products summed into a [BLOCK_N, BLOCK_K] float32
+    accumulator, reduced once after the K loop) with a given tiling."""
+    from deepserve.kernels.gemv import gemv_with
+    return gemv_with(x[None], w, None, block_n, block_k, warps)[0]
 
 
 def gemv(x, w, block_n, block_k, split_k, warps, stages):

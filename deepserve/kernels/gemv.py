@@ -110,32 +110,36 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [1, K], weight [N, K] (same dtype), bias [N] or None -> [1, N] = F.linear(x, weight, bias)."""
-    require_triton(x)
+    x, weight = _one_row_operands(x, weight)
     n, k = weight.shape
-    assert x.shape == (1, k) and x.dtype == weight.dtype, f"gemv takes one row of {k}; got {tuple(x.shape)}"
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
+    return gemv_with(x, weight, bias, *gemv_config(n, k))
+
+
+def gemv_with(x, weight, bias, block_n: int, block_k: int, warps: int) -> torch.Tensor:
+    """`gemv` with a given tiling (benchmarks/tune_gemv.py sweeps these); x, weight as `_one_row_operands` leaves them."""
+    n, k = weight.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = gemv_config(n, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
                                             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
                                             num_warps=warps)
     return y
 
 
+def _one_row_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [1, K] and weight [N, K] of one dtype, each with a unit stride along K."""
+    require_triton(x)
+    k = weight.shape[1]
+    assert x.shape == (1, k) and x.dtype == weight.dtype, f"a GEMV takes one row of {k}; got {tuple(x.shape)}"
+    return (x if x.stride(-1) == 1 else x.contiguous()), (weight if weight.stride(-1) == 1 else weight.contiguous())
+
+
 def swiglu_gemv(x: torch.Tensor, w13: torch.Tensor, limit: Optional[float] = None) -> torch.Tensor:
     """x [1, K], w13 [2I, K] (gate rows then up rows, x's dtype) -> [1, I] = swiglu_activation(F.linear(x, w13), limit)
     in one launch: the gate/up GEMV with the SwiGLU in its epilogue, rounded as the two-launch path rounds."""
-    require_triton(x)
+    x, w13 = _one_row_operands(x, w13)
     two_i, k = w13.shape
+    assert two_i % 2 == 0
     inter = two_i // 2
-    assert x.shape == (1, k) and x.dtype == w13.dtype and two_i % 2 == 0
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if w13.stride(-1) != 1:
-        w13 = w13.contiguous()
     act = torch.empty(1, inter, dtype=x.dtype, device=x.device)
     rows, block_k, warps = gemv_config(two_i, k)
     block_n = rows // 2                  # columns per program: a gate row and an up row each
@@ -154,5 +158,5 @@ def gemv_ref(x, weight, bias=None):
     return torch.nn.functional.linear(x, weight, bias)
 
 
-__all__ = ["gate_up_rows", "gemv", "gemv_config", "gemv_ref", "gemv_rows", "swiglu", "swiglu_gemv", "swiglu_gemv_ref",
+__all__ = ["gate_up_rows", "gemv", "gemv_config", "gemv_with", "gemv_ref", "gemv_rows", "swiglu", "swiglu_gemv", "swiglu_gemv_ref",
            "swiglu_rows"]
