@@ -64,17 +64,19 @@ def run(name: str, s: dict, tokens: int) -> dict:
     return res
 
 
-def main() -> None:
+def sweep(run_one, default_tokens: str, default_output: str) -> None:
+    """Command line shared with tune_moe_pair.py: run_one(name, shape, tokens) -> dict for every shape and token
+    count, written to --output after each shape."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="1024,8192")
-    ap.add_argument("--output", default="tune_fused_moe.json")
+    ap.add_argument("--tokens", default=default_tokens)
+    ap.add_argument("--output", default=default_output)
     args = ap.parse_args()
     out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "results": {}}
     for name, s in SHAPES.items():
-        out["results"][name] = [run(name, s, int(t)) for t in args.tokens.split(",")]
+        out["results"][name] = [run_one(name, s, int(t)) for t in args.tokens.split(",")]
         with open(args.output, "w") as f:
             json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+    sweep(run, "1024,8192", "tune_fused_moe.json")

@@ -10,9 +10,7 @@ Run (GPU machine):  python benchmarks/tune_moe_pair.py --output tune_moe_pair.js
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -21,36 +19,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from deepserve.kernels.fused_moe import MoEPairConfig, fused_moe, pick_config  # noqa: E402
+from tune_fused_moe import sweep  # noqa: E402  (this folder: the shapes and the command line)
+from tune_gemv import graph_time  # noqa: E402  (CUDA-graph replay timing)
 
-SHAPES = {"deepseek-v2-lite": dict(experts=64, top_k=6, hidden=2048, inter=1408),
-          "qwen3-moe": dict(experts=128, top_k=8, hidden=2048, inter=768)}
 TILES = [(4, 8), (8, 16), (16, 32), (32, 64)]                # (block_n_up, block_n_down)
 K_WARPS = [(128, 4), (256, 4), (512, 4), (256, 8), (512, 8), (128, 2), (256, 2)]
 CANDIDATES = [MoEPairConfig(n_up, n_down, bk, w) for (bk, w), (n_up, n_down) in itertools.product(K_WARPS, TILES)]
-CALLS_PER_GRAPH = 20
-
 
 def graph_us(fn) -> float:
-    """Microseconds per call of `fn`, replayed from a CUDA graph of CALLS_PER_GRAPH calls."""
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(CALLS_PER_GRAPH):
-                fn()
-    torch.cuda.synchronize()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (10 * CALLS_PER_GRAPH)
-
+    """Microseconds per call of `fn`, replayed from a CUDA graph of 20 calls (as a decode step runs it)."""
+    return graph_time(lambda _copy: fn(), 1) * 1e3
 
 def run(name: str, s: dict, tokens: int) -> dict:
     dev = "cuda"
@@ -75,18 +53,5 @@ def run(name: str, s: dict, tokens: int) -> dict:
     print(name, tokens, "best", res["best"], flush=True)
     return res
 
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="1,4")
-    ap.add_argument("--output", default="tune_moe_pair.json")
-    args = ap.parse_args()
-    out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "results": {}}
-    for name, s in SHAPES.items():
-        out["results"][name] = [run(name, s, int(t)) for t in args.tokens.split(",")]
-        with open(args.output, "w") as f:
-            json.dump(out, f, indent=1)
-
-
 if __name__ == "__main__":
-    main()
+    sweep(run, "1,4", "tune_moe_pair.json")
