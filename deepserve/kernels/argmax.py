@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
+from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 _BLOCK = 4096
 # Inside the kernels the "no index" sentinel is the literal 2147483647 (int32 max): Triton kernels may only read
@@ -20,7 +21,10 @@ _BLOCK = 4096
 
 
 @triton.jit(do_not_specialize=["num_pieces"])
-def _piece_argmax_kernel(x_ptr, val_ptr, idx_ptr, stride_x, n_cols, num_pieces, BLOCK: tl.constexpr):
+def _piece_argmax_kernel(x_ptr, val_ptr, idx_ptr, stride_x, n_cols, num_pieces, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)
     cols = piece * BLOCK + tl.arange(0, BLOCK)
@@ -33,7 +37,8 @@ def _piece_argmax_kernel(x_ptr, val_ptr, idx_ptr, stride_x, n_cols, num_pieces, 
 
 
 @triton.jit(do_not_specialize=["num_pieces"])
-def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_pieces, BLOCK_P: tl.constexpr):
+def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_pieces, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, BLOCK_P)
     ok = p < num_pieces
@@ -54,8 +59,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     pieces = cdiv(n, _BLOCK)
     vals = torch.empty(rows, pieces, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows, pieces, dtype=torch.int32, device=x.device)
-    _piece_argmax_kernel[(rows, pieces)](x, vals, idx, x.stride(0), n, pieces, BLOCK=_BLOCK, num_warps=8)
-    _row_argmax_kernel[(rows,)](vals, idx, out, pieces, BLOCK_P=max(16, next_pow2(pieces)), num_warps=1)
+    _piece_argmax_kernel[(rows, pieces)](x, vals, idx, x.stride(0), n, pieces, BLOCK=_BLOCK, num_warps=8,
+                                         **pdl_launch_args(x))
+    _row_argmax_kernel[(rows,)](vals, idx, out, pieces, BLOCK_P=max(16, next_pow2(pieces)), num_warps=1,
+                                 **pdl_launch_args(x))
     return out
 
 

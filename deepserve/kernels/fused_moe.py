@@ -39,6 +39,7 @@ import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_rows, swiglu, swiglu_rows
+from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 _ALIGN_CELLS = 8192      # one-hot cells [pairs, experts] per align program: bounds its registers
 
@@ -249,9 +250,13 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, w
 @triton.jit
 def _gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, top_k, inter, hidden, limit,
                          stride_xt, stride_we, stride_wn, stride_ap,
-                         HAS_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         HAS_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """act[p, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for pair p: token p // top_k,
-    expert e = ids[p]. No per-step int argument: the number of pairs is the grid."""
+    expert e = ids[p]. No per-step int argument: the number of pairs is the grid. Which weight rows a program
+    reads depends on the routing, so nothing loads before the PDL wait."""
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     p = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + p).to(tl.int64)
     token = p // top_k
@@ -264,13 +269,15 @@ def _gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, top_k, inter, hidden,
 @triton.jit
 def _down_pair_kernel(act_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, inter,
                       stride_ap, stride_we, stride_wn, stride_op,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """out[p, n] = router_weight[p] * (act[p] . w2[e, n]) for pair p, expert e = ids[p]."""
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     p = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
-    acc = gemv_rows(act_ptr + p * stride_ap, w2_ptr + expert * stride_we, n, n_ok, inter, stride_wn, BLOCK_K)
+    acc = gemv_rows(act_ptr + p * stride_ap, w2_ptr + expert * stride_we, n, n_ok, inter, stride_wn, BLOCK_K, False)
     acc = acc * tl.load(weights_ptr + p)
     tl.store(out_ptr + p * stride_op + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -280,8 +287,10 @@ def _down_pair_kernel(act_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, hidden, in
 # ------------------------------------------------------------------------------------------------
 @triton.jit
 def _combine_kernel(pair_out_ptr, shared_ptr, out_ptr, hidden, stride_pp, stride_st, stride_ot,
-                    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+                    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     """out[t] = sum over slots j of pair_out[t * k + j] in slot order (+ shared[t]), in float32, one rounding."""
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < hidden
@@ -435,12 +444,13 @@ def _pair_experts(x, w13, w2, weights, topk_ids, swiglu_limit, cfg: MoEPairConfi
     _gate_up_pair_kernel[(num_pairs, cdiv(inter, cfg.block_n_up))](
         x, w13, act, ids, top_k, inter, hidden, float(swiglu_limit or 0.0),
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        HAS_LIMIT=swiglu_limit is not None, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+        HAS_LIMIT=swiglu_limit is not None, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        **pdl_launch_args(x))
     pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_pair_kernel[(num_pairs, cdiv(hidden, cfg.block_n_down))](
         act, w2, pair_out, ids, weights, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
-        BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+        BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **pdl_launch_args(x))
     return pair_out
 
 
@@ -459,7 +469,7 @@ def moe_combine(pair_out: torch.Tensor, top_k: int, shared_out: Optional[torch.T
     block_h = min(1024, next_pow2(hidden))
     _combine_kernel[(t, cdiv(hidden, block_h))](
         pair_out, shared, out, hidden, pair_out.stride(0), shared.stride(0), out.stride(0),
-        TOP_K=top_k, HAS_SHARED=shared_out is not None, BLOCK_H=block_h, num_warps=4)
+        TOP_K=top_k, HAS_SHARED=shared_out is not None, BLOCK_H=block_h, num_warps=4, **pdl_launch_args(out))
     return out
 
 

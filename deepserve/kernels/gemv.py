@@ -21,24 +21,34 @@ import torch
 
 from deepserve.kernels import USE_LIBDEVICE, next_pow2, require_triton, tl, triton
 from deepserve.kernels.activation import silu_mul
+from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 
 @triton.jit
-def gemv_rows(x_ptr, w_ptr, rows, rows_ok, length, stride_wn, BLOCK_K: tl.constexpr):
+def gemv_rows(x_ptr, w_ptr, rows, rows_ok, length, stride_wn, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """[R] float32: w[rows[r], :length] . x[:length] for R rows of a row-major matrix (K contiguous).
 
     The products go into an [R, BLOCK_K] float32 accumulator that is reduced once after the K loop: no cross-lane
     reduction inside the loop, and fp32 inputs get exact fp32 products (no TF32). Shared with the fused MoE's pair
-    mode."""
+    mode and the router.
+
+    The first K step's weights load before `pdl_wait(USE_PDL)` (weights are constant): under PDL they stream in
+    while the previous kernel finishes; the next kernel may start once every program is past the wait. With USE_PDL the caller's `rows` must not depend on a previous kernel's
+    output; a caller whose rows do (the MoE pair kernels read expert ids) waits itself and passes False."""
     k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + k[None, :]
-    acc = tl.zeros(w_ptrs.shape, tl.float32)
-    for k0 in range(0, length, BLOCK_K):
+    k_ok = k < length
+    w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K, length, BLOCK_K):
+        w_ptrs += BLOCK_K
         k_ok = k < length - k0
         x = tl.load(x_ptr + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
-        w_ptrs += BLOCK_K
     return tl.sum(acc, 1)
 
 
@@ -53,34 +63,37 @@ def swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def gate_up_rows(x_ptr, w_ptr, col0, inter, length, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def gate_up_rows(x_ptr, w_ptr, col0, inter, length, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """([BLOCK_N], [BLOCK_N]) float32: (x . w[n], x . w[inter + n]) for columns n = col0 .. col0 + BLOCK_N of a
     [2 * inter, K] gate-then-up weight. Gate and up rows are interleaved in one [2 * BLOCK_N, BLOCK_K] tile, so one K
     loop streams both and the result splits into (gate, up) pairs: the activation never goes through memory."""
     r = tl.arange(0, 2 * BLOCK_N)
     col = col0 + r // 2
     rows = col + (r % 2) * inter
-    gate_up = gemv_rows(x_ptr, w_ptr, rows, col < inter, length, stride_wn, BLOCK_K)
+    gate_up = gemv_rows(x_ptr, w_ptr, rows, col < inter, length, stride_wn, BLOCK_K, USE_PDL)
     return tl.split(tl.reshape(gate_up, [BLOCK_N, 2]))
 
 
 @triton.jit
 def swiglu_rows(x_ptr, w_ptr, col0, inter, length, stride_wn, limit,
                 HAS_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N] float32: swiglu(gate, up) of `gate_up_rows`, in float32 (the fused MoE's arithmetic)."""
-    gate, up = gate_up_rows(x_ptr, w_ptr, col0, inter, length, stride_wn, BLOCK_N, BLOCK_K)
+    """[BLOCK_N] float32: swiglu(gate, up) of `gate_up_rows`, in float32 (the fused MoE's arithmetic). The
+    caller has waited for the previous kernel (its weight rows depend on the routing)."""
+    gate, up = gate_up_rows(x_ptr, w_ptr, col0, inter, length, stride_wn, BLOCK_N, BLOCK_K, False)
     return swiglu(gate, up, limit, HAS_LIMIT)
 
 
 @triton.jit
 def _swiglu_gemv_kernel(x_ptr, w_ptr, act_ptr, inter, k_len, stride_wn, limit,
                         HAS_LIMIT: tl.constexpr, ACCURATE_EXP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """act = silu_and_mul(F.linear(x, w)) with the unfused path's roundings: gate and up rounded to the activation
     dtype (the GEMM's output), clamped (V4.1), then silu_mul (kernels/activation.py). A batch-1 step then gives
     the tokens a batched one does: only the GEMM's summation order differs."""
     dtype = act_ptr.dtype.element_ty
-    gate, up = gate_up_rows(x_ptr, w_ptr, tl.program_id(0) * BLOCK_N, inter, k_len, stride_wn, BLOCK_N, BLOCK_K)
+    gate, up = gate_up_rows(x_ptr, w_ptr, tl.program_id(0) * BLOCK_N, inter, k_len, stride_wn, BLOCK_N, BLOCK_K,
+                            USE_PDL)
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
     if HAS_LIMIT:
@@ -92,10 +105,10 @@ def _swiglu_gemv_kernel(x_ptr, w_ptr, act_ptr, inter, k_len, stride_wn, limit,
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, n_rows, k_len, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_rows
-    y = gemv_rows(x_ptr, w_ptr, n, n_ok, k_len, stride_wn, BLOCK_K)
+    y = gemv_rows(x_ptr, w_ptr, n, n_ok, k_len, stride_wn, BLOCK_K, USE_PDL)
     if HAS_BIAS:
         y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -121,7 +134,7 @@ def gemv_with(x, weight, bias, block_n: int, block_k: int, warps: int) -> torch.
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
                                             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-                                            num_warps=warps)
+                                            num_warps=warps, **pdl_launch_args(x))
     return y
 
 
@@ -145,7 +158,8 @@ def swiglu_gemv(x: torch.Tensor, w13: torch.Tensor, limit: Optional[float] = Non
     block_n = rows // 2                  # columns per program: a gate row and an up row each
     _swiglu_gemv_kernel[(triton.cdiv(inter, block_n),)](x, w13, act, inter, k, w13.stride(0), float(limit or 0.0),
                                                         HAS_LIMIT=limit is not None, ACCURATE_EXP=USE_LIBDEVICE,
-                                                        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+                                                        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                                                        **pdl_launch_args(x))
     return act
 
 

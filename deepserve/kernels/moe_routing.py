@@ -35,6 +35,7 @@ import torch
 
 from deepserve.kernels import USE_LIBDEVICE, libdevice, next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_rows
+from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 MAX_EXPERTS = 1024
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
@@ -111,8 +112,10 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, load_ptr,
                   SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_MODE: tl.constexpr,
                   TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                   COUNT_LOAD: tl.constexpr, ACCURATE: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """One token row: scores, choice, group filter, top-k, weights, load count."""
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)[:, None]
     j = tl.arange(0, BLOCK_S)[None, :]
@@ -216,7 +219,7 @@ def fused_route(logits: torch.Tensor, cfg, bias: torch.Tensor | None = None,
         logits, bias if bias is not None else logits, weights, ids,
         expert_load if expert_load is not None else ids,
         num_groups, group_size, logits.stride(0), float(cfg.scaling_factor),
-        HAS_BIAS=bias is not None, COUNT_LOAD=expert_load is not None, **meta)
+        HAS_BIAS=bias is not None, COUNT_LOAD=expert_load is not None, **meta, **pdl_launch_args(logits))
     return weights, ids
 
 
@@ -228,12 +231,12 @@ ROUTER_GEMV_MAX_TOKENS = 16     # above this, cuBLAS (the gate is a real GEMM by
 
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, num_experts, hidden, stride_xt, stride_we, stride_ot,
-                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """out[t, e] = sum_k float32(x[t, k]) * float32(w[e, k]) for BLOCK_E experts of token t (exact float32 products)."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < num_experts
-    logits = gemv_rows(x_ptr + t * stride_xt, w_ptr, e, e_ok, hidden, stride_we, BLOCK_K)
+    logits = gemv_rows(x_ptr + t * stride_xt, w_ptr, e, e_ok, hidden, stride_we, BLOCK_K, USE_PDL)
     tl.store(out_ptr + t * stride_ot + e, logits, mask=e_ok)
 
 
@@ -258,7 +261,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block_e, block_k = 1, min(4096, next_pow2(hidden))
     _router_logits_kernel[(t, triton.cdiv(num_experts, block_e))](
         x, weight, out, num_experts, hidden, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
+        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4, **pdl_launch_args(x))
     return out
 
 

@@ -12,16 +12,20 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import next_pow2, require_triton, tl, triton
+from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      stride_x, stride_r, stride_o, stride_ro,
                      n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)    # constant: may load before the wait
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -31,7 +35,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     var = tl.sum(xf * xf, 0) / n_cols
     rstd = 1.0 / tl.sqrt(var + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -58,7 +61,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight
         num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
         _rms_norm_kernel[(rows,)](
             x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
-            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps)
+            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+            **pdl_launch_args(x2))
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))
 

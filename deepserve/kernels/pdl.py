@@ -1,0 +1,71 @@
+"""Programmatic dependent launch (PDL; Hopper and later): a kernel launched with it may start while the kernel
+before it in the stream is still finishing. It waits (`pdl_wait`) before it touches anything that kernel wrote.
+
+Why: a batch-1 decode step is 150-500 short kernels, and each one pays its launch and its first loads' latency
+while the SMs drain the previous kernel's last wave. With PDL the next kernel's programs are already resident:
+a GEMV loads its first weight tile (weights are never written by a kernel) during that drain, then waits.
+
+The rules every kernel launched with PDL keeps, or it races:
+1. Every program calls `pdl_wait` before it reads anything a previous kernel may have written, and before it
+   writes anything. Only constant data (weights, norm weights, cos/sin tables) may be read before it.
+2. The wait is unconditional and comes first: a program that returns early waits before returning. (A grid that
+   finished without waiting could let the kernel after it overtake the kernel before it.)
+3. `pdl_launch_dependents` may come anywhere after the wait; it only lets the next kernel start its own
+   pre-wait part sooner. The next kernel's wait still waits for this whole grid to finish and flush.
+A kernel launched without PDL (cuBLAS, torch ops) starts after the previous one finished, as always, so the
+chain is safe with any mix of launches.
+
+Launchers pass `**pdl_launch_args(tensor)`: `USE_PDL=True, launch_pdl=True` on an SM90+ GPU with a Triton that has
+the option (unless DEEPSERVE_PDL=0), else `USE_PDL=False`. Kernels take `USE_PDL: tl.constexpr`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from deepserve.kernels import HAS_TRITON, INTERPRET, tl, triton
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait until the previous kernel in the stream has finished and its writes are visible (no-op without PDL)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_launch_dependents(USE_PDL: tl.constexpr):
+    """Let the next kernel's programs start (their pre-wait part) once every program of this grid got here."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    if not HAS_TRITON or INTERPRET or os.environ.get("DEEPSERVE_PDL", "1") == "0":
+        return False
+    if torch.version.hip is not None or torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        import triton.language.extra.cuda as cuda_extra
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(cuda_extra, "gdc_wait")   # Triton >= 3.4
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch_args(tensor: torch.Tensor) -> dict:
+    """The launch keywords for a kernel taking `USE_PDL: tl.constexpr`, on `tensor`'s device."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(tensor.device) else {"USE_PDL": False}
+
+
+__all__ = ["pdl_enabled", "pdl_launch_args", "pdl_launch_dependents", "pdl_wait"]
