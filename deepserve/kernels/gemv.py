@@ -25,6 +25,21 @@ from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wa
 
 
 @triton.jit
+def prefetch_rows_to_l2(w_ptr, rows, rows_ok, length, stride_wn, BLOCK_K: tl.constexpr):
+    """Ask L2 for w[rows[r], :length] of a row-major matrix, one `prefetch.global.L2` per 128-byte line, and move
+    on: no register waits for the data, which the K loop then reads from L2."""
+    STEP: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth        # elements per 128-byte line
+    LINES: tl.constexpr = max(BLOCK_K // STEP, 1)                                  # lines per BLOCK_K step
+    col = tl.arange(0, LINES) * STEP
+    row_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+    for k0 in range(0, length, LINES * STEP):
+        ok = rows_ok[:, None] & (col[None, :] < length - k0)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r", [row_ptrs + k0 + col[None, :], ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def gemv_rows(x_ptr, w_ptr, rows, rows_ok, length, stride_wn, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """[R] float32: w[rows[r], :length] . x[:length] for R rows of a row-major matrix (K contiguous).
 
@@ -32,23 +47,23 @@ def gemv_rows(x_ptr, w_ptr, rows, rows_ok, length, stride_wn, BLOCK_K: tl.conste
     reduction inside the loop, and fp32 inputs get exact fp32 products (no TF32). Shared with the fused MoE's pair
     mode and the router.
 
-    The first K step's weights load before `pdl_wait(USE_PDL)` (weights are constant): under PDL they stream in
-    while the previous kernel finishes; the next kernel may start once every program is past the wait. With USE_PDL the caller's `rows` must not depend on a previous kernel's
-    output; a caller whose rows do (the MoE pair kernels read expert ids) waits itself and passes False."""
-    k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + k[None, :]
-    k_ok = k < length
-    w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+    With USE_PDL the program first asks L2 for all its weight rows (weights are constant), then waits for the
+    previous kernel (`pdl_wait`): the weights stream in while that kernel finishes, and the loop reads them from
+    L2. The caller's `rows` must then not depend on a previous kernel's output; a caller whose rows do (the MoE
+    pair kernels read expert ids) waits itself and passes False."""
+    if USE_PDL:
+        prefetch_rows_to_l2(w_ptr, rows, rows_ok, length, stride_wn, BLOCK_K)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
-    x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-    acc = w.to(tl.float32) * x[None, :]
-    for k0 in range(BLOCK_K, length, BLOCK_K):
-        w_ptrs += BLOCK_K
+    k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + k[None, :]
+    acc = tl.zeros(w_ptrs.shape, tl.float32)
+    for k0 in range(0, length, BLOCK_K):
         k_ok = k < length - k0
         x = tl.load(x_ptr + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
+        w_ptrs += BLOCK_K
     return tl.sum(acc, 1)
 
 
