@@ -76,6 +76,16 @@ class TritonPagedAttention:
             if q.stride(-1) != 1:
                 q = q.contiguous()
             write_kv(kv_cache, k, v, batch.slot_mapping)
+        return self._attend(q, kv_cache, batch, meta, scale)
+
+    def attend_cached(self, q: torch.Tensor, kv_cache: torch.Tensor, batch, scale: float) -> torch.Tensor:
+        """`forward` once this step's keys and values are in the cache already (the batch-1 fused qkv projection
+        wrote them: kernels/qkv_rotary.py); q [T, H, D] is rotated."""
+        meta = batch.attn_metadata
+        return self._attend(q, kv_cache, batch, meta if isinstance(meta, TritonAttentionMetadata)
+                            else self.build_metadata(batch), scale)
+
+    def _attend(self, q, kv_cache, batch, meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, out=out,

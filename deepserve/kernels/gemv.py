@@ -15,13 +15,18 @@ same as cuBLAS up to the summation order.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
-from deepserve.kernels import USE_LIBDEVICE, next_pow2, require_triton, tl, triton
+from deepserve.kernels import HAS_TRITON, USE_LIBDEVICE, next_pow2, require_triton, tl, triton
 from deepserve.kernels.activation import silu_mul
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
+
+# What a GEMV program does with its weights before the PDL wait (an H200 A/B, DEEPSERVE_GEMV_PREFETCH): 0 nothing,
+# 1 an L2 prefetch of its first K step, 2 an L2 prefetch of all its rows, 3 its first K step into registers.
+PDL_PREFETCH = tl.constexpr(int(os.environ.get("DEEPSERVE_GEMV_PREFETCH", "1"))) if HAS_TRITON else 0
 
 
 @triton.jit
@@ -47,18 +52,32 @@ def gemv_rows(x_ptr, w_ptr, rows, rows_ok, length, stride_wn, BLOCK_K: tl.conste
     reduction inside the loop, and fp32 inputs get exact fp32 products (no TF32). Shared with the fused MoE's pair
     mode and the router.
 
-    With USE_PDL the program first asks L2 for all its weight rows (weights are constant), then waits for the
-    previous kernel (`pdl_wait`): the weights stream in while that kernel finishes, and the loop reads them from
-    L2. The caller's `rows` must then not depend on a previous kernel's output; a caller whose rows do (the MoE
-    pair kernels read expert ids) waits itself and passes False."""
-    if USE_PDL:
-        prefetch_rows_to_l2(w_ptr, rows, rows_ok, length, stride_wn, BLOCK_K)
-    pdl_wait(USE_PDL)
-    pdl_launch_dependents(USE_PDL)
+    With USE_PDL the program may touch its weight rows before it waits for the previous kernel (`pdl_wait`):
+    weights are constant, so they can stream in while that kernel finishes (PDL_PREFETCH says how). The caller's
+    `rows` must then not depend on a previous kernel's output; a caller whose rows do (the MoE pair kernels read
+    expert ids) waits itself and passes False."""
     k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + k[None, :]
-    acc = tl.zeros(w_ptrs.shape, tl.float32)
-    for k0 in range(0, length, BLOCK_K):
+    if USE_PDL and PDL_PREFETCH == 3:
+        # The first K step's weights into registers before the wait; the loop takes the rest.
+        k_ok = k < length
+        w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+        pdl_wait(USE_PDL)
+        pdl_launch_dependents(USE_PDL)
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        acc = w.to(tl.float32) * x[None, :]
+        w_ptrs += BLOCK_K
+        first = BLOCK_K
+    else:
+        if USE_PDL and PDL_PREFETCH == 1:      # L2: the first K step
+            prefetch_rows_to_l2(w_ptr, rows, rows_ok, tl.minimum(length, BLOCK_K), stride_wn, BLOCK_K)
+        if USE_PDL and PDL_PREFETCH == 2:      # L2: all of the program's rows
+            prefetch_rows_to_l2(w_ptr, rows, rows_ok, length, stride_wn, BLOCK_K)
+        pdl_wait(USE_PDL)
+        pdl_launch_dependents(USE_PDL)
+        acc = tl.zeros(w_ptrs.shape, tl.float32)
+        first = 0
+    for k0 in range(first, length, BLOCK_K):
         k_ok = k < length - k0
         x = tl.load(x_ptr + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
@@ -129,6 +148,22 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, n_rows, k_len, stride_wn,
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _gemv_two_kernel(x_ptr, wa_ptr, wb_ptr, ya_ptr, yb_ptr, n_a, n_b, k_len, stride_wa, stride_wb, programs_a,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """y_a = x W_a^T and y_b = x W_b^T in one grid: the first `programs_a` programs take W_a's rows, the rest W_b's
+    (each program waits once, in gemv_rows)."""
+    pid = tl.program_id(0)
+    if pid < programs_a:
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        y = gemv_rows(x_ptr, wa_ptr, n, n < n_a, k_len, stride_wa, BLOCK_K, USE_PDL)
+        tl.store(ya_ptr + n, y.to(ya_ptr.dtype.element_ty), mask=n < n_a)
+    else:
+        n = (pid - programs_a) * BLOCK_N + tl.arange(0, BLOCK_N)
+        y = gemv_rows(x_ptr, wb_ptr, n, n < n_b, k_len, stride_wb, BLOCK_K, USE_PDL)
+        tl.store(yb_ptr + n, y.to(yb_ptr.dtype.element_ty), mask=n < n_b)
+
+
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     """(rows per program, BLOCK_K, warps), from the H200 sweep of 24 tilings (tune_gemv_2d.json): 2 rows and 2 warps
     for all shapes but the wide ones (N >= 2K: gate/up projections, LM heads), where 4 rows and 1 warp win."""
@@ -151,6 +186,22 @@ def gemv_with(x, weight, bias, block_n: int, block_k: int, warps: int) -> torch.
                                             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
                                             num_warps=warps, **pdl_launch_args(x))
     return y
+
+
+def gemv_two(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [1, K], w_a [N_a, K], w_b [N_b, K] -> (F.linear(x, w_a), F.linear(x, w_b)) in one launch: two projections of
+    one input (MLA's q and kv_a) cost one kernel's latency. The tiling is the one `gemv` gives N_a + N_b rows."""
+    x, w_a = _one_row_operands(x, w_a)
+    _, w_b = _one_row_operands(x, w_b)
+    (n_a, k), n_b = w_a.shape, w_b.shape[0]
+    block_n, block_k, warps = gemv_config(n_a + n_b, k)
+    y_a = torch.empty(1, n_a, dtype=x.dtype, device=x.device)
+    y_b = torch.empty(1, n_b, dtype=x.dtype, device=x.device)
+    programs_a = triton.cdiv(n_a, block_n)
+    _gemv_two_kernel[(programs_a + triton.cdiv(n_b, block_n),)](
+        x, w_a, w_b, y_a, y_b, n_a, n_b, k, w_a.stride(0), w_b.stride(0), programs_a,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_launch_args(x))
+    return y_a, y_b
 
 
 def _one_row_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,5 +238,5 @@ def gemv_ref(x, weight, bias=None):
     return torch.nn.functional.linear(x, weight, bias)
 
 
-__all__ = ["gate_up_rows", "gemv", "gemv_config", "gemv_with", "gemv_ref", "gemv_rows", "swiglu", "swiglu_gemv", "swiglu_gemv_ref",
+__all__ = ["gate_up_rows", "gemv", "gemv_config", "gemv_two", "gemv_with", "gemv_ref", "gemv_rows", "swiglu", "swiglu_gemv", "swiglu_gemv_ref",
            "swiglu_rows"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepserve.kernels.mla_absorb import absorb_query, absorb_supported, expand_values
 from deepserve.kernels.mla_decode import mla_decode, rotary_write_latents, write_latents
 from deepserve.kernels.mla_prefill import MLAPrefillPlan, mla_prefill, plan_prefill
 from deepserve.layers.mla import MLAWeights, TorchMLA
@@ -68,18 +69,24 @@ class TritonMLA:
         return TritonMLAMetadata(max_seq_len)
 
     # --- per layer --------------------------------------------------------------------------------
-    def forward(self, q_nope, q_pe, latent, k_pe, kv_cache, weights: MLAWeights, batch, scale, rotary=None):
+    def forward(self, q_nope, q_pe, latent, k_pe, kv_cache, weights: MLAWeights, batch, scale, rotary=None,
+                latent_norm=None):
         meta = batch.attn_metadata
         decode_only = batch.is_decode_only
         if q_nope.shape[0] == 0 or (not decode_only and not isinstance(meta, TritonMLAMetadata)):
-            return self.reference.forward(q_nope, q_pe, latent, k_pe, kv_cache, weights, batch, scale, rotary)
+            return self.reference.forward(q_nope, q_pe, latent, k_pe, kv_cache, weights, batch, scale, rotary,
+                                          latent_norm)
         if rotary is None:
+            if latent_norm is not None:
+                latent = latent_norm(latent)
             write_latents(kv_cache, latent, k_pe, batch.slot_mapping)
         else:
-            # One launch rotates q_pe (into a new tensor) and k_pe, and writes [latent | k_pe]: the rotated k_pe is
-            # only read back from the cache.
+            # One launch normalises the latent, rotates q_pe (into a new tensor) and k_pe, and writes
+            # [latent | k_pe]: the normalised latent and the rotated k_pe are only read back from the cache.
             q_pe = rotary_write_latents(kv_cache, q_pe, latent, k_pe, batch.slot_mapping, batch.positions,
-                                        rotary.cos_cache, rotary.sin_cache, rotary.interleaved)
+                                        rotary.cos_cache, rotary.sin_cache, rotary.interleaved,
+                                        None if latent_norm is None else latent_norm.weight,
+                                        0.0 if latent_norm is None else latent_norm.eps)
         if decode_only:
             # Row b is sequence b's one token.
             longest = meta.max_seq_len if isinstance(meta, TritonMLAMetadata) else max(batch.seq_lens_cpu)
@@ -98,15 +105,24 @@ class TritonMLA:
         / seq_lens -> [B, H, v], contiguous."""
         bsz, heads, _ = q_nope.shape
         rank = weights.w_uk.shape[-1]
-        q_lat = torch.bmm(q_nope.transpose(0, 1), weights.w_uk).transpose(0, 1)       # [B, H, R] view
+        # At a few rows the two per-head weight products are GEMVs: Triton kernels that stream W_UK / W_UV once
+        # (and start under PDL) instead of cuBLAS's batched GEMMs (kernels/mla_absorb.py has the numbers).
+        small = absorb_supported(bsz) and weights.w_uk.dtype == q_nope.dtype
+        if small:
+            q_lat = absorb_query(q_nope, weights.w_uk)                                  # [B, H, R]
+        else:
+            q_lat = torch.bmm(q_nope.transpose(0, 1), weights.w_uk).transpose(0, 1)   # [B, H, R] view
         # Heads-major output, so the W_UV GEMM reads it without a copy.
         out_lat = torch.empty(heads, bsz, rank, dtype=q_nope.dtype, device=q_nope.device)
         mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, out=out_lat.transpose(0, 1),
                    max_seq_len=longest, num_splits=self.num_splits)
-        # The W_UV GEMM writes [B, H, v] through a heads-major view (cuBLAS takes the row stride), so the layer's
+        # The W_UV product writes [B, H, v] through a heads-major view (cuBLAS takes the row stride), so the layer's
         # reshape to [B, H * v] for o_proj is a view: a [H, B, v] result would be copied there, once per layer.
         out = torch.empty(bsz, heads, weights.w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
-        torch.bmm(out_lat, weights.w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        if small:
+            expand_values(out_lat.transpose(0, 1), weights.w_uv, out)
+        else:
+            torch.bmm(out_lat, weights.w_uv.transpose(1, 2), out=out.transpose(0, 1))
         return out
 
 

@@ -26,6 +26,8 @@ import torch
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
 from deepserve.kernels.paged_attention import (active_splits, active_splits_ref, cache_slot, copy_heads,
                                                merge_splits_ref, split_bounds)
+from deepserve.kernels.norm import rms_normed
+from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from deepserve.kernels.rotary import cos_sin_row, rotary_constexprs, rotate_heads
 
 _LOG2E = 1.4426950408889634
@@ -38,8 +40,10 @@ _MAX_SPLITS = 128
 @triton.jit
 def _write_latent_kernel(latent_ptr, k_pe_ptr, cache_ptr, slot_ptr, stride_lt, stride_pt,
                          stride_c_block, stride_c_slot, block_size,
-                         RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr):
+                         RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """cache[slot] = [latent | k_pe] for one row; a negative slot (a CUDA-graph padding row) writes nothing."""
+    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK)
@@ -67,7 +71,8 @@ def write_latents(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tens
     assert kv_cache.shape[-1] == rank + rope and kv_cache.stride(-1) == 1
     _write_latent_kernel[(t,)](latent, k_pe, kv_cache, slot_mapping, latent.stride(0), k_pe.stride(0),
                                kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[1],
-                               RANK=rank, ROPE=rope, BLOCK=next_pow2(rank + rope), num_warps=4)
+                               RANK=rank, ROPE=rope, BLOCK=next_pow2(rank + rope), num_warps=4,
+                               **pdl_launch_args(latent))
 
 
 def write_latents_ref(kv_cache, latent, k_pe, slot_mapping):
@@ -78,13 +83,16 @@ def write_latents_ref(kv_cache, latent, k_pe, slot_mapping):
 # positions and slot_mapping are views into the step's packed index buffer: not specialised on (see rotary.py).
 @triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])
 def _rotary_write_latent_kernel(pos_ptr, slot_ptr, q_pe_ptr, latent_ptr, k_pe_ptr, q_out_ptr, cache_ptr, cos_ptr,
-                                sin_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, stride_lt, stride_pt,
-                                stride_c_block, stride_c_slot, stride_cos, block_size, num_heads,
+                                sin_ptr, norm_w_ptr, eps, stride_qt, stride_qh, stride_qot, stride_qoh, stride_lt,
+                                stride_pt, stride_c_block, stride_c_slot, stride_cos, block_size, num_heads,
                                 RANK: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr,
                                 BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
-                                HALF_CACHE: tl.constexpr):
-    """One token: q_pe's heads rotated into q_out (padding rows too), the latent copied and k_pe rotated straight
-    into the cache slot, [latent | k_pe]."""
+                                HALF_CACHE: tl.constexpr, HAS_NORM: tl.constexpr, NORM_OUT_FP32: tl.constexpr,
+                                USE_PDL: tl.constexpr):
+    """One token: q_pe's heads rotated into q_out (padding rows too), the latent (RMS-normed first with HAS_NORM)
+    and k_pe rotated straight into the cache slot, [latent | k_pe]."""
+    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     dst, keep = cache_slot(cache_ptr, slot_ptr, t, stride_c_block, stride_c_slot, block_size)
@@ -93,17 +101,27 @@ def _rotary_write_latent_kernel(pos_ptr, slot_ptr, q_pe_ptr, latent_ptr, k_pe_pt
                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
     rotate_heads(k_pe_ptr + t * stride_pt, dst + RANK, 0, 0, 1, keep,
                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
-    copy_heads(latent_ptr + t * stride_lt, 0, dst, 0, 1, keep, RANK, BLOCK_R)
+    if HAS_NORM:
+        r = tl.arange(0, BLOCK_R)
+        r_ok = r < RANK
+        x = tl.load(latent_ptr + t * stride_lt + r, mask=r_ok, other=0.0)
+        tl.store(dst + r, rms_normed(x, norm_w_ptr, r, r_ok, RANK, eps, NORM_OUT_FP32).to(cache_ptr.dtype.element_ty),
+                 mask=r_ok & keep)
+    else:
+        copy_heads(latent_ptr + t * stride_lt, 0, dst, 0, 1, keep, RANK, BLOCK_R)
 
 
 def rotary_write_latents(kv_cache: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                          slot_mapping: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-                         sin_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
+                         sin_cache: torch.Tensor, interleaved: bool, norm_weight: Optional[torch.Tensor] = None,
+                         norm_eps: float = 0.0) -> torch.Tensor:
     """The rotary embedding of q_pe [T, H, P] and k_pe [T, P] at `positions` (MLARotaryEmbedding's: `interleaved`
     pairs or NeoX halves, its half-width cos/sin caches) and the cache write of [latent | rotated k_pe] (latent
     [T, R]), in one launch: `apply_rotary(..., interleaved=interleaved)` then `write_latents`, rows with a negative
     slot writing nothing. Any row/head strides, unit last strides. Returns the rotated q_pe, a new contiguous
-    tensor; the rotated k_pe lives only in the cache."""
+    tensor; the rotated k_pe lives only in the cache. With `norm_weight`, the latent is the kv_a projection's raw
+    output and is cached as `rms_norm(latent, norm_weight, norm_eps)` (kernels/norm.py's arithmetic): the
+    kv_a_layernorm launch folds into this one."""
     require_triton(q_pe)
     t, heads, rope = q_pe.shape
     rank = latent.shape[-1]
@@ -112,18 +130,26 @@ def rotary_write_latents(kv_cache: torch.Tensor, q_pe: torch.Tensor, latent: tor
         return q_out
     q_pe, latent, k_pe = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_pe, latent, k_pe))
     assert kv_cache.shape[-1] == rank + rope and kv_cache.stride(-1) == 1 and k_pe.shape == (t, rope)
+    if norm_weight is not None:
+        assert norm_weight.shape == (rank,) and norm_weight.is_contiguous()
     _rotary_write_latent_kernel[(t,)](
         positions, slot_mapping, q_pe, latent, k_pe, q_out, kv_cache, cos_cache, sin_cache,
-        q_pe.stride(0), q_pe.stride(1), q_out.stride(0), q_out.stride(1), latent.stride(0), k_pe.stride(0),
+        norm_weight if norm_weight is not None else latent, float(norm_eps), q_pe.stride(0), q_pe.stride(1), q_out.stride(0), q_out.stride(1), latent.stride(0), k_pe.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), cos_cache.stride(0), kv_cache.shape[1], heads,
         RANK=rank, BLOCK_R=next_pow2(rank), **rotary_constexprs(rope, heads, cos_cache, sin_cache, interleaved),
-        num_warps=4)
+        HAS_NORM=norm_weight is not None,
+        NORM_OUT_FP32=norm_weight is not None and torch.promote_types(norm_weight.dtype, latent.dtype) == torch.float32,
+        num_warps=4, **pdl_launch_args(q_pe))
     return q_out
 
 
-def rotary_write_latents_ref(kv_cache, q_pe, latent, k_pe, slot_mapping, positions, rotary):
-    """The PyTorch twin, given the MLARotaryEmbedding whose caches the kernel reads: its reference rotation, then the
-    reference write of the rows with a valid slot."""
+def rotary_write_latents_ref(kv_cache, q_pe, latent, k_pe, slot_mapping, positions, rotary, norm_weight=None,
+                             norm_eps=0.0):
+    """The PyTorch twin, given the MLARotaryEmbedding whose caches the kernel reads: the reference norm of the latent
+    (with norm_weight), its reference rotation, then the reference write of the rows with a valid slot."""
+    if norm_weight is not None:
+        from deepserve.layers.norm import rms_norm
+        latent = rms_norm(latent, norm_weight, norm_eps)
     q_rot, k_rot = rotary.reference(positions, q_pe), rotary.reference(positions, k_pe.unsqueeze(1)).squeeze(1)
     keep = slot_mapping >= 0
     write_latents_ref(kv_cache, latent[keep], k_rot[keep], slot_mapping[keep])
@@ -145,7 +171,9 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
                        num_heads, block_size,
                        RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
+    pdl_launch_dependents(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     head_tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -207,10 +235,13 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
 def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
                        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_ob, stride_oh,
                        num_splits,
-                       RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+                       RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     """Merge the splits of one (sequence, head): weights 2^(lse_s - max lse), one split row at a time (a
     [splits, 512] float32 tile would not fit in registers), over this sequence's active splits only: the empty
     ones (most of a CUDA graph's grid at short contexts) weigh 0 and their programs store nothing."""
+    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
+    pdl_launch_dependents(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     used = active_splits(tl.load(seq_lens_ptr + b).to(tl.int32), num_splits, BLOCK_N)
@@ -295,7 +326,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         *po, *pl, heads, kv_cache.shape[1],
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(rope)),
         BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision, num_warps=warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **pdl_launch_args(q_lat))
     if split:
         mla_reduce(part_out, part_lse, seq_lens, out, block_n)
     return out
@@ -312,7 +343,7 @@ def mla_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.T
         part_out, part_lse, seq_lens, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), num_splits,
         RANK=rank, BLOCK_R=max(16, next_pow2(rank)), BLOCK_S=max(64, next_pow2(num_splits)), BLOCK_N=block_n,
-        num_warps=4)
+        num_warps=4, **pdl_launch_args(out))
     return out
 
 

@@ -16,6 +16,21 @@ from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wa
 
 
 @triton.jit
+def rms_normed(x, w_ptr, cols, mask, n_cols, eps, OUT_FP32: tl.constexpr):
+    """RMSNorm of one row x (masked lanes 0) with weight w: statistics in float32, the normalised value rounded to
+    x's dtype before the weight multiplies it, the product in float32 (OUT_FP32: the promoted dtype of a float32
+    weight) or else rounded to x's dtype. Shared with the MLA latent cache write (kernels/mla_decode.py)."""
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n_cols
+    rstd = 1.0 / tl.sqrt(var + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    out = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) * normed
+    if not OUT_FP32:
+        out = out.to(x.dtype)
+    return out
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      stride_x, stride_r, stride_o, stride_ro,
                      n_cols, eps,

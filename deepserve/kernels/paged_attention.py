@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import HAS_TRITON, cdiv, next_pow2, require_triton, tl, triton
+from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from deepserve.kernels.rotary import cos_sin_row, rotary_constexprs, rotate_heads
 
 _LOG2E = 1.4426950408889634
@@ -51,7 +52,9 @@ def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
                      block_size, num_kv_heads,
-                     HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     dst, keep = cache_slot(cache_ptr, slot_ptr, t, stride_c_block, stride_c_slot, block_size)
     copy_heads(k_ptr + t * stride_kt, stride_kh, dst, stride_c_head, num_kv_heads, keep, HEAD_DIM, BLOCK_HD)
@@ -75,7 +78,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         k, v, kv_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        bs, hkv, HEAD_DIM=d, BLOCK_HD=next_pow2(hkv * d), num_warps=4)
+        bs, hkv, HEAD_DIM=d, BLOCK_HD=next_pow2(hkv * d), num_warps=4, **pdl_launch_args(k))
 
 
 # positions and slot_mapping are views into the step's packed index buffer: not specialised on (see rotary.py).
@@ -86,9 +89,11 @@ def _rotary_write_kv_kernel(pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, c
                             block_size, num_q_heads, num_kv_heads,
                             HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr, HALF: tl.constexpr,
                             BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
-                            HALF_CACHE: tl.constexpr):
+                            HALF_CACHE: tl.constexpr, USE_PDL: tl.constexpr):
     """One token: q rotated into q_out (padding rows too: harmless, and the decode kernel reads them), k rotated
     and v copied straight into the cache slot."""
+    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     dst, keep = cache_slot(cache_ptr, slot_ptr, t, stride_c_block, stride_c_slot, block_size)
@@ -123,7 +128,7 @@ def rotary_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         q_out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         cos_cache.stride(0), kv_cache.shape[2], h, hkv,
         HEAD_DIM=d, BLOCK_HD=next_pow2(hkv * d), **rotary_constexprs(d, h, cos_cache, sin_cache, False),
-        num_warps=4)
+        num_warps=4, **pdl_launch_args(q))
     return q_out
 
 
@@ -191,7 +196,9 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
                    block_size, group,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
+    pdl_launch_dependents(USE_PDL)
     i = tl.program_id(0)           # decode row
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -253,10 +260,12 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, q_rows_ptr, seq_ids_ptr, s
                           stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
                           stride_ot, stride_oh, num_splits,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     """Merge the splits of one (decode row, head) by their log-sum-exp, in one [BLOCK_S, BLOCK_D] tile. Only the
     active splits are loaded: the empty ones' lanes take lse = -inf and o = 0 (weight 0), the values their
     programs used to store, so the sum is the same, lane for lane."""
+    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
+    pdl_launch_dependents(USE_PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(q_rows_ptr + i).to(tl.int64)
@@ -348,7 +357,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         block_tables.stride(0), *po_strides, *pl_strides,
         bs, group,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=DECODE_BLOCK_N, SPLIT=split,
-        num_warps=4, num_stages=2)
+        num_warps=4, num_stages=2, **pdl_launch_args(q))
     if split:
         decode_reduce(part_out, part_lse, q_rows, seq_ids, seq_lens, out)
     return out
@@ -366,7 +375,7 @@ def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, q_rows: torch.
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_S=max(64, next_pow2(num_splits)), BLOCK_N=DECODE_BLOCK_N,
-        num_warps=4)
+        num_warps=4, **pdl_launch_args(out))
     return out
 
 

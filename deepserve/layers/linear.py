@@ -39,6 +39,30 @@ def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None
     return None
 
 
+def fused_two_linear(x: torch.Tensor, a: nn.Module, b: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(a(x), b(x)) in one GEMV launch for one row on the GPU through two plain `Linear`s without bias (MLA's q and
+    kv_a projections); None otherwise: the caller applies them one by one."""
+    if type(a) is Linear and type(b) is Linear and a.bias is None and b.bias is None and \
+            _one_row_on_gpu(x, a.weight) and b.weight.dtype == a.weight.dtype:
+        from deepserve.kernels.gemv import gemv_two
+        return gemv_two(x, a.weight, b.weight)
+    return None
+
+
+def fused_qkv_rotary_write(x: torch.Tensor, qkv_proj: nn.Module, kv_cache: torch.Tensor, batch, rotary,
+                           num_heads: int, num_kv_heads: int) -> torch.Tensor | None:
+    """Batch-1 decode on the GPU: the qkv projection (a plain `Linear`, q then k then v rows), the NeoX rotary
+    embedding of q and k at batch.positions, and the write of k and v at batch.slot_mapping, in one launch
+    (kernels/qkv_rotary.py) -> q rotated [1, H, D]; None where that path does not apply (the caller runs the
+    projection, then the attention backend's rotary + cache write)."""
+    if type(qkv_proj) is Linear and _one_row_on_gpu(x, qkv_proj.weight) and \
+            (qkv_proj.bias is None or qkv_proj.bias.dtype == x.dtype):
+        from deepserve.kernels.qkv_rotary import qkv_rotary_write
+        return qkv_rotary_write(x, qkv_proj.weight, qkv_proj.bias, kv_cache, batch.slot_mapping, batch.positions,
+                                rotary.cos_cache, rotary.sin_cache, num_heads, num_kv_heads)
+    return None
+
+
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

@@ -27,7 +27,7 @@ from torch import nn
 
 from deepserve.layers.attention import gather_blocks
 from deepserve.layers.kernel_dispatch import use_triton
-from deepserve.layers.linear import Linear
+from deepserve.layers.linear import Linear, fused_two_linear
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import rope_inv_freq, yarn_mscale
 from deepserve.worker.forward_batch import ForwardBatch
@@ -100,11 +100,11 @@ class MLAWeights:
 class MLABackend(Protocol):
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                 kv_cache: torch.Tensor, weights: MLAWeights, batch: ForwardBatch, scale: float,
-                rotary: MLARotaryEmbedding | None = None) -> torch.Tensor:
+                rotary: MLARotaryEmbedding | None = None, latent_norm: RMSNorm | None = None) -> torch.Tensor:
         """q_nope [T, H, nope], q_pe [T, H, rope]; this step's latent [T, r] and k_pe [T, rope] (written to
         the cache at batch.slot_mapping); kv_cache [num_blocks, block_size, r + rope] -> [T, H, v]. With
-        `rotary`, q_pe and k_pe are first rotated at batch.positions, so that a backend may fuse that with its
-        cache write."""
+        `rotary`, q_pe and k_pe are first rotated at batch.positions; with `latent_norm` (kv_a_layernorm) the
+        latent is normalised before it is written: a backend may fuse both with its cache write."""
         ...
 
 
@@ -112,9 +112,11 @@ class TorchMLA:
     """Reference backend. Reads the per-step metadata of `TorchPagedAttention.build_metadata` (decode rows
     with their block tables, prefill segments), which does not depend on what a slot holds."""
 
-    def forward(self, q_nope, q_pe, latent, k_pe, kv_cache, weights, batch, scale, rotary=None):
+    def forward(self, q_nope, q_pe, latent, k_pe, kv_cache, weights, batch, scale, rotary=None, latent_norm=None):
         meta = batch.attn_metadata
         rank = latent.shape[-1]
+        if latent_norm is not None:
+            latent = latent_norm(latent)
         if rotary is not None:
             q_pe, k_pe = rotary(batch.positions, q_pe, k_pe.unsqueeze(1))
             k_pe = k_pe.squeeze(1)
@@ -180,10 +182,10 @@ class MLAAttention(nn.Module):
         return (self.kv_lora_rank + self.rope_dim) * torch.empty(0, dtype=dtype).element_size()
 
     def forward(self, q_nope, q_pe, latent, k_pe, weights: MLAWeights, batch: ForwardBatch,
-                rotary: MLARotaryEmbedding | None = None) -> torch.Tensor:
+                rotary: MLARotaryEmbedding | None = None, latent_norm: RMSNorm | None = None) -> torch.Tensor:
         assert self.kv_cache is not None, "the model runner binds a KV cache before the first forward"
         return self.backend.forward(q_nope, q_pe, latent, k_pe, self.kv_cache, weights, batch, self.scale,
-                                    rotary=rotary)
+                                    rotary=rotary, latent_norm=latent_norm)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -214,12 +216,18 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q_first = self.q_a_proj if self.q_lora_rank else self.q_proj
+        # Both projections read x: one launch at batch-1 decode on the GPU (None elsewhere).
+        both = fused_two_linear(x, q_first, self.kv_a_proj_with_mqa)
+        q, kv_a = both if both is not None else (q_first(x), self.kv_a_proj_with_mqa(x))
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
-        # The attention applies the rotary embedding to q_pe and k_pe: the GPU backend fuses it with the cache write.
-        out = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.per_head(), batch, rotary=self.rotary)
+        latent, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        # The attention applies kv_a_layernorm to the latent and the rotary embedding to q_pe and k_pe: the GPU
+        # backend fuses both with the cache write (the latent is only read back from the cache).
+        out = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.per_head(), batch, rotary=self.rotary,
+                        latent_norm=self.kv_a_layernorm)
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
 
 

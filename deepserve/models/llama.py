@@ -41,6 +41,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
+        if self.q_norm is None:
+            # Batch-1 decode on the GPU: projection, rotary and cache write in one launch (None elsewhere).
+            out = self.attn.forward_from_hidden(x, self.qkv_proj, batch, self.rotary)
+            if out is not None:
+                return self.o_proj(out.reshape(t, self.q_size))
         qkv = self.qkv_proj(x)
         q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)

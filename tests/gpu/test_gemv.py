@@ -101,3 +101,37 @@ def test_gated_mlp_fuses_only_one_row_through_a_plain_linear(device, monkeypatch
         gate_up = torch.nn.functional.linear(x, mlp.gate_up_proj.weight)
         ref = torch.nn.functional.linear(swiglu_activation(gate_up, None), mlp.down_proj.weight)
     assert_within_ulps(out, ref, torch.float16, ulps=2, min_exact=0.5, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_a,n_b,k", [(3072, 576, 2048), (7, 33, 40), (64, 1, 513)])
+def test_gemv_two_matches_two_linears(device, dtype, n_a, n_b, k):
+    """Two projections of one row in one launch: each output as F.linear in float32 (within one rounding), and
+    bitwise what `gemv` gives each matrix under the same tiling."""
+    skip_bf16_in_interpreter(dtype)
+    from deepserve.kernels.gemv import gemv_two, gemv_with
+    x = torch.randn(1, k, device=device).to(dtype)
+    w_a = (torch.randn(n_a, k, device=device) * k ** -0.5).to(dtype)
+    w_b = (torch.randn(n_b, k, device=device) * k ** -0.5).to(dtype)
+    y_a, y_b = gemv_two(x, w_a, w_b)
+    tiling = gemv_config(n_a + n_b, k)
+    for y, w in ((y_a, w_a), (y_b, w_b)):
+        ref = torch.nn.functional.linear(x.float(), w.float()).to(dtype)
+        scale = (x.float().abs() @ w.float().abs().t()).max().item()
+        assert_within_ulps(y, ref, dtype, ulps=1, min_exact=0.9, atol=2.0 ** -20 * scale)
+        assert torch.equal(y, gemv_with(x, w, None, *tiling))
+
+
+def test_fused_two_linear_dispatch(device, monkeypatch):
+    """One launch for two plain bias-free Linears of one half-precision row on the GPU; None (the caller applies
+    them one by one) with a bias, more rows, or float32."""
+    from deepserve.layers.linear import fused_two_linear
+    monkeypatch.setattr(linear_module, "use_triton", lambda x: True)
+    a, b = Linear(40, 24, bias=False).to(device).half(), Linear(40, 8, bias=False).to(device).half()
+    x = torch.randn(1, 40, device=device).half()
+    with torch.inference_mode():
+        both = fused_two_linear(x, a, b)
+        assert both is not None and both[0].shape == (1, 24) and both[1].shape == (1, 8)
+        assert fused_two_linear(torch.randn(2, 40, device=device).half(), a, b) is None
+        assert fused_two_linear(x, a, Linear(40, 8, bias=True).to(device).half()) is None
+        assert fused_two_linear(x.float(), a.float(), b.float()) is None

@@ -135,3 +135,39 @@ def test_rotary_write_latents_matches_reference(device, dtype, interleaved, scal
     unwritten = torch.ones(nb * bs, dtype=torch.bool, device=device)
     unwritten[slots[slots >= 0]] = False
     assert torch.equal(fused.view(nb * bs, -1)[unwritten], cache.view(nb * bs, -1)[unwritten])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,nope,rope,rank", [(16, 128, 64, 512), (3, 5, 10, 7)], ids=["V2", "odd"])
+def test_rotary_write_latents_with_latent_norm(device, dtype, heads, nope, rope, rank):
+    """kv_a_layernorm folded into the launch: the cached latent = the RMSNorm kernel's output then the plain write
+    (within one rounding: the same arithmetic, the sum of squares maybe in another order), and = the PyTorch
+    reference norm within two roundings; q_pe, k_pe as without the norm; padding rows write nothing."""
+    skip_bf16_in_interpreter(dtype)
+    from deepserve.kernels.norm import fused_add_rms_norm
+    rotary = MLARotaryEmbedding(rope, MAX_POS, SCALINGS["yarn"], 163840, True).to(device)
+    t, nb, bs, eps = 9, 4, 8, 1e-6
+    positions = _positions(t, device)
+    q_pe, k_pe = _views(t, heads, nope, rope, rank, dtype, device)
+    k_pe = k_pe.squeeze(1)
+    latent = (3 * torch.randn(t, rank + rope, device=device)).to(dtype)[:, :rank]
+    weight = (1 + 0.1 * torch.randn(rank, device=device)).to(dtype)
+    slots = torch.randperm(nb * bs, device=device)[:t]
+    slots[4] = -1
+    cache = torch.randn(nb, bs, rank + rope, device=device).to(dtype)
+    fused = cache.clone()
+    q_rot = rotary_write_latents(fused, q_pe, latent, k_pe, slots, positions, rotary.cos_cache, rotary.sin_cache,
+                                 True, weight, eps)
+    two_launches = cache.clone()
+    q_two = rotary_write_latents(two_launches, q_pe, fused_add_rms_norm(latent, None, weight, eps), k_pe, slots,
+                                 positions, rotary.cos_cache, rotary.sin_cache, True)
+    assert torch.equal(q_rot, q_two) and torch.equal(fused[..., rank:], two_launches[..., rank:])
+    assert_within_ulps(fused[..., :rank], two_launches[..., :rank], dtype, ulps=1, min_exact=0.95, atol=1e-6)
+    ref = cache.clone()
+    rotary_write_latents_ref(ref, q_pe, latent, k_pe, slots, positions, rotary, weight, eps)
+    # float32: rsqrt vs 1/sqrt and the summation order show in the last bit of ~10% of the values.
+    min_exact = 0.5 if dtype == torch.float32 else 0.9
+    assert_within_ulps(fused[..., :rank], ref[..., :rank], dtype, ulps=2, min_exact=min_exact, atol=1e-6)
+    unwritten = torch.ones(nb * bs, dtype=torch.bool, device=device)
+    unwritten[slots[slots >= 0]] = False
+    assert torch.equal(fused.view(nb * bs, -1)[unwritten], cache.view(nb * bs, -1)[unwritten])

@@ -1,0 +1,91 @@
+"""The fused qkv GEMV + rotary + KV-cache write against the two-step path: F.linear in float32 rounded to the
+activation dtype (the projection's output), then rotary_write_kv's PyTorch twin. The GEMV sums in another order,
+so a projected value may differ by one rounding, and the rotation carries that through: within 2 roundings."""
+
+import pytest
+import torch
+
+from deepserve.kernels.qkv_rotary import qkv_rotary_write
+from deepserve.kernels.paged_attention import rotary_write_kv_ref
+from deepserve.layers.rotary import RotaryEmbedding
+
+from kernel_testing import DTYPES, assert_within_ulps, skip_bf16_in_interpreter
+
+
+def two_step(x, w, bias, cache, slots, positions, cos, sin, heads, kv_heads):
+    d = cache.shape[-1]
+    qkv = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+    q = qkv[:, :heads * d].view(1, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(1, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(1, kv_heads, d)
+    return rotary_write_kv_ref(cache, q, k, v, slots, positions, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 128), (6, 1, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("half_cache", [False, True])
+def test_matches_two_step_path(device, dtype, heads, kv_heads, head_dim, with_bias, half_cache):
+    skip_bf16_in_interpreter(dtype)
+    hidden, block_size, num_blocks = 96, 16, 6
+    n = (heads + 2 * kv_heads) * head_dim
+    x = torch.randn(1, hidden, device=device).to(dtype)
+    w = (torch.randn(n, hidden, device=device) * hidden ** -0.5).to(dtype)
+    bias = torch.randn(n, device=device).to(dtype) if with_bias else None
+    rot = RotaryEmbedding(head_dim, 512, 10000.0)
+    cos, sin = rot.cos_cache.to(device), rot.sin_cache.to(device)
+    # Half-width caches (one column per angle) hold the same values: the kernel must give the same result.
+    kcos, ksin = (cos[:, :head_dim // 2].contiguous(), sin[:, :head_dim // 2].contiguous()) if half_cache else (cos, sin)
+    positions = torch.tensor([37], device=device)
+    slots = torch.tensor([3 * block_size + 5], device=device)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, device=device).to(dtype)
+    ref_cache = cache.clone()
+    q = qkv_rotary_write(x, w, bias, cache, slots, positions, kcos, ksin, heads, kv_heads)
+    q_ref = two_step(x, w, bias, ref_cache, slots, positions, cos, sin, heads, kv_heads)
+    assert q.shape == (1, heads, head_dim) and q.dtype == dtype
+    assert_within_ulps(q, q_ref.view(q.shape), dtype, ulps=2, min_exact=0.85, atol=2e-3)
+    assert_within_ulps(cache, ref_cache, dtype, ulps=2, min_exact=0.98, atol=2e-3)
+    written = cache.view(2, -1, kv_heads, head_dim)[:, slots[0]]
+    assert not torch.equal(written, torch.zeros_like(written))
+
+
+def test_padding_slot_writes_nothing(device):
+    heads, kv_heads, d, hidden = 4, 2, 32, 64
+    n = (heads + 2 * kv_heads) * d
+    x = torch.randn(1, hidden, device=device).half()
+    w = torch.randn(n, hidden, device=device).half()
+    rot = RotaryEmbedding(d, 64, 10000.0)
+    cache = torch.randn(2, 3, 8, kv_heads, d, device=device).half()
+    before = cache.clone()
+    q = qkv_rotary_write(x, w, None, cache, torch.tensor([-1], device=device), torch.tensor([3], device=device),
+                         rot.cos_cache.to(device), rot.sin_cache.to(device), heads, kv_heads)
+    assert torch.equal(cache, before)
+    assert torch.isfinite(q.float()).all()
+
+
+def test_rejects_wrong_row_count(device):
+    x = torch.randn(1, 16, device=device).half()
+    cache = torch.zeros(2, 2, 4, 2, 8, device=device).half()
+    rot = RotaryEmbedding(8, 16, 10000.0)
+    with pytest.raises(AssertionError, match="qkv rows"):
+        qkv_rotary_write(x, torch.randn(40, 16, device=device).half(), None, cache, torch.tensor([0], device=device),
+                         torch.tensor([0], device=device), rot.cos_cache.to(device), rot.sin_cache.to(device), 2, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine on a CUDA GPU")
+def test_engine_batch1_decode_uses_it_and_keeps_the_tokens(tiny_llama, monkeypatch):
+    """bf16, CUDA graphs: a batch-1 decode step takes the fused launch, and greedy tokens equal those of the
+    unfused path (projection GEMV, then rotary + cache write) over 24 steps."""
+    from deepserve import LLM, SamplingParams
+    from deepserve.layers import attention as attention_module
+    prompt = {"prompt_token_ids": list(range(3, 30))}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    real, calls = attention_module.fused_qkv_rotary_write, []
+    monkeypatch.setattr(attention_module, "fused_qkv_rotary_write", lambda *a: calls.append(1) or real(*a))
+    fused = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=1 << 26)
+    fused_tokens = fused.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert calls, "the batch-1 decode never reached the fused qkv launch"
+    del fused
+    monkeypatch.setattr(attention_module, "fused_qkv_rotary_write", lambda *a: None)
+    plain = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=1 << 26)
+    assert plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == fused_tokens
