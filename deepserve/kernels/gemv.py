@@ -173,13 +173,13 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [1, K], weight [N, K] (same dtype), bias [N] or None -> [1, N] = F.linear(x, weight, bias)."""
-    x, weight = _one_row_operands(x, weight)
+    x, weight = one_row_operands(x, weight)
     n, k = weight.shape
     return gemv_with(x, weight, bias, *gemv_config(n, k))
 
 
 def gemv_with(x, weight, bias, block_n: int, block_k: int, warps: int) -> torch.Tensor:
-    """`gemv` with a given tiling (benchmarks/tune_gemv.py sweeps these); x, weight as `_one_row_operands` leaves them."""
+    """`gemv` with a given tiling (benchmarks/tune_gemv.py sweeps these); x, weight as `one_row_operands` leaves them."""
     n, k = weight.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
@@ -191,8 +191,8 @@ def gemv_with(x, weight, bias, block_n: int, block_k: int, warps: int) -> torch.
 def gemv_two(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [1, K], w_a [N_a, K], w_b [N_b, K] -> (F.linear(x, w_a), F.linear(x, w_b)) in one launch: two projections of
     one input (MLA's q and kv_a) cost one kernel's latency. The tiling is the one `gemv` gives N_a + N_b rows."""
-    x, w_a = _one_row_operands(x, w_a)
-    _, w_b = _one_row_operands(x, w_b)
+    x, w_a = one_row_operands(x, w_a)
+    _, w_b = one_row_operands(x, w_b)
     (n_a, k), n_b = w_a.shape, w_b.shape[0]
     block_n, block_k, warps = gemv_config(n_a + n_b, k)
     y_a = torch.empty(1, n_a, dtype=x.dtype, device=x.device)
@@ -204,7 +204,7 @@ def gemv_two(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> tuple[tor
     return y_a, y_b
 
 
-def _one_row_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def one_row_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [1, K] and weight [N, K] of one dtype, each with a unit stride along K."""
     require_triton(x)
     k = weight.shape[1]
@@ -215,7 +215,7 @@ def _one_row_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tens
 def swiglu_gemv(x: torch.Tensor, w13: torch.Tensor, limit: Optional[float] = None) -> torch.Tensor:
     """x [1, K], w13 [2I, K] (gate rows then up rows, x's dtype) -> [1, I] = swiglu_activation(F.linear(x, w13), limit)
     in one launch: the gate/up GEMV with the SwiGLU in its epilogue, rounded as the two-launch path rounds."""
-    x, w13 = _one_row_operands(x, w13)
+    x, w13 = one_row_operands(x, w13)
     two_i, k = w13.shape
     assert two_i % 2 == 0
     inter = two_i // 2
@@ -238,5 +238,5 @@ def gemv_ref(x, weight, bias=None):
     return torch.nn.functional.linear(x, weight, bias)
 
 
-__all__ = ["gate_up_rows", "gemv", "gemv_config", "gemv_two", "gemv_with", "gemv_ref", "gemv_rows", "swiglu", "swiglu_gemv", "swiglu_gemv_ref",
+__all__ = ["gate_up_rows", "gemv", "gemv_config", "gemv_two", "one_row_operands", "gemv_with", "gemv_ref", "gemv_rows", "swiglu", "swiglu_gemv", "swiglu_gemv_ref",
            "swiglu_rows"]

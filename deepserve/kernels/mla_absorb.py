@@ -9,7 +9,9 @@ N = qk_nope_head_dim, V = v_head_dim (128 each), R = kv_lora_rank (512). W_UK an
 
 Why: TritonMLA._decode did these as two cuBLAS bmm calls. At batch 1 on an H200 each takes ~3.4 us for 2 MB of
 weights (~0.5 us at HBM speed): 181 us per step over the 27 layers of DeepSeek-V2-Lite (H = 16). Both are
-weight-streaming products at small B, i.e. GEMVs with per-head activations, written here as such.
+weight-streaming products at small B, i.e. GEMVs with per-head activations, written here as such. Measured in the
+batch-1 step of that shape (benchmarks/pdl_prefetch_ab.json's run, without PDL): absorb_query 2.6 us, expand_values
+2.3 us per layer (134 us per step instead of 181); with PDL most of that latency overlaps the kernel before.
 
 Arithmetic contract (both kernels): inputs widened to float32 (exact products for bf16/fp16 inputs, no TF32),
 float32 accumulation, one rounding to the output dtype at the end: what cuBLAS computes, up to the summation order.
@@ -39,8 +41,8 @@ from deepserve.kernels import next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_config
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
-# Tiles and the batch limit were NOT tuned on a GPU (chosen by reasoning, without measurement): sweep them on the
-# H200 (batch 1..8, CUDA-graph replays, L2-cold weights, against the bmm pair) before trusting them.
+# Tiles and the batch limit were chosen by reasoning, not swept on a GPU (only batch 1 is measured, above): a sweep
+# (batch 1..8, CUDA-graph replays, L2-cold weights, against the bmm pair) may find better ones.
 MAX_ABSORB_BATCH = 4      # rows per head handled in-program; above, the backend keeps cuBLAS's bmm
 ABSORB_BLOCK_R = 32       # W_UK columns per program: 64-byte row segments (4 x 16-byte loads in bf16);
                           # H = 16, R = 512 -> 16 x 16 = 256 programs (~2 per SM on 132 SMs)

@@ -19,9 +19,9 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import require_triton, tl, triton
-from deepserve.kernels.gemv import _one_row_operands, gemv_config, gemv_rows
+from deepserve.kernels.gemv import one_row_operands, gemv_config, gemv_rows
 from deepserve.kernels.pdl import pdl_launch_args
-from deepserve.kernels.rotary import _check_caches
+from deepserve.kernels.rotary import half_width_caches
 
 
 @triton.jit
@@ -86,13 +86,13 @@ def qkv_rotary_write(x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.
     Hkv, D] -> q rotated at positions[0], [1, H, D]; k rotated and v written to the cache at slot_mapping[0]:
     `qkv_rotary_write_ref`, in one launch."""
     require_triton(x)
-    x, w_qkv = _one_row_operands(x, w_qkv)
+    x, w_qkv = one_row_operands(x, w_qkv)
     n, k = w_qkv.shape
     d = kv_cache.shape[-1]
     assert n == (num_heads + 2 * num_kv_heads) * d and d % 2 == 0, f"qkv rows {n} != (H + 2 Hkv) * {d}"
     assert kv_cache.stride(-1) == 1 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == num_kv_heads
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
-    half_cache = _check_caches(d, cos_cache, sin_cache)
+    half_cache = half_width_caches(d, cos_cache, sin_cache)
     q_out = torch.empty(1, num_heads, d, dtype=x.dtype, device=x.device)
     _, block_k, warps = gemv_config(n, k)
     _qkv_rotary_write_kernel[(n // 2,)](

@@ -80,7 +80,7 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
 
 
-def _check_caches(d: int, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> bool:
+def half_width_caches(d: int, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> bool:
     """True for half-width caches ([max_pos, D/2]), False for full-width ones ([max_pos, D])."""
     assert d % 2 == 0 and cos_cache.shape[-1] in (d, d // 2) and cos_cache.stride(-1) == 1
     assert sin_cache.shape == cos_cache.shape and sin_cache.stride() == cos_cache.stride()
@@ -94,7 +94,7 @@ def rotary_constexprs(head_dim: int, max_heads: int, cos_cache: torch.Tensor, si
     half = head_dim // 2
     block_half = next_pow2(half)
     return dict(HALF=half, BLOCK_HALF=block_half, BLOCK_H=max(1, min(next_pow2(max_heads), 4096 // block_half)),
-                INTERLEAVED=interleaved, HALF_CACHE=_check_caches(head_dim, cos_cache, sin_cache))
+                INTERLEAVED=interleaved, HALF_CACHE=half_width_caches(head_dim, cos_cache, sin_cache))
 
 
 def _launch(positions, q, k, q_out, k_out, num_k_heads, cos_cache, sin_cache, interleaved: bool) -> None:
