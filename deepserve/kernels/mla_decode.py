@@ -24,11 +24,11 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
-from deepserve.kernels.paged_attention import (active_splits, active_splits_ref, cache_slot, copy_heads,
-                                               merge_splits_ref, split_bounds)
 from deepserve.kernels.norm import rms_normed
+from deepserve.kernels.paged_attention import (active_splits, active_splits_ref, copy_heads, merge_splits_ref,
+                                               rotary_write_prologue, split_bounds)
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
-from deepserve.kernels.rotary import cos_sin_row, rotary_constexprs, rotate_heads
+from deepserve.kernels.rotary import rotary_constexprs, rotate_heads
 
 _LOG2E = 1.4426950408889634
 MLA_BLOCK_N = 32         # cached tokens per inner step
@@ -91,12 +91,9 @@ def _rotary_write_latent_kernel(pos_ptr, slot_ptr, q_pe_ptr, latent_ptr, k_pe_pt
                                 USE_PDL: tl.constexpr):
     """One token: q_pe's heads rotated into q_out (padding rows too), the latent (RMS-normed first with HAS_NORM)
     and k_pe rotated straight into the cache slot, [latent | k_pe]."""
-    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
-    pdl_launch_dependents(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    dst, keep = cache_slot(cache_ptr, slot_ptr, t, stride_c_block, stride_c_slot, block_size)
-    cos1, sin1, cos2, sin2, j, jmask = cos_sin_row(cos_ptr, sin_ptr, pos, stride_cos, HALF, BLOCK_HALF, HALF_CACHE)
+    t, dst, keep, cos1, sin1, cos2, sin2, j, jmask = rotary_write_prologue(
+        pos_ptr, slot_ptr, cache_ptr, cos_ptr, sin_ptr, stride_c_block, stride_c_slot, stride_cos, block_size,
+        HALF, BLOCK_HALF, HALF_CACHE, USE_PDL)
     rotate_heads(q_pe_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh, num_heads, True,
                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
     rotate_heads(k_pe_ptr + t * stride_pt, dst + RANK, 0, 0, 1, keep,

@@ -48,6 +48,22 @@ def cache_slot(cache_ptr, slot_ptr, t, stride_c_block, stride_c_slot, block_size
 
 
 @triton.jit
+def rotary_write_prologue(pos_ptr, slot_ptr, cache_ptr, cos_ptr, sin_ptr, stride_c_block, stride_c_slot, stride_cos,
+                          block_size, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HALF_CACHE: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """What a one-token rotate-and-write program (this file's and the MLA latent one) starts with: the PDL wait,
+    then its token t, the cache slot it writes (`cache_slot`) and the cos/sin row of its position
+    (`cos_sin_row`)."""
+    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
+    pdl_launch_dependents(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    dst, keep = cache_slot(cache_ptr, slot_ptr, t, stride_c_block, stride_c_slot, block_size)
+    cos1, sin1, cos2, sin2, j, jmask = cos_sin_row(cos_ptr, sin_ptr, pos, stride_cos, HALF, BLOCK_HALF, HALF_CACHE)
+    return t, dst, keep, cos1, sin1, cos2, sin2, j, jmask
+
+
+@triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
@@ -92,12 +108,9 @@ def _rotary_write_kv_kernel(pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, c
                             HALF_CACHE: tl.constexpr, USE_PDL: tl.constexpr):
     """One token: q rotated into q_out (padding rows too: harmless, and the decode kernel reads them), k rotated
     and v copied straight into the cache slot."""
-    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
-    pdl_launch_dependents(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    dst, keep = cache_slot(cache_ptr, slot_ptr, t, stride_c_block, stride_c_slot, block_size)
-    cos1, sin1, cos2, sin2, j, jmask = cos_sin_row(cos_ptr, sin_ptr, pos, stride_cos, HALF, BLOCK_HALF, HALF_CACHE)
+    t, dst, keep, cos1, sin1, cos2, sin2, j, jmask = rotary_write_prologue(
+        pos_ptr, slot_ptr, cache_ptr, cos_ptr, sin_ptr, stride_c_block, stride_c_slot, stride_cos, block_size,
+        HALF, BLOCK_HALF, HALF_CACHE, USE_PDL)
     rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh, num_q_heads, True,
                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
     rotate_heads(k_ptr + t * stride_kt, dst, stride_kh, stride_c_head, num_kv_heads, keep,
