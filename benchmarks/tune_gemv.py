@@ -95,17 +95,22 @@ def graph_time(fn_of_copy, copies: int, calls: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default="tune_gemv.json")
-    ap.add_argument("--kernel", default="1d", choices=["1d", "2d"],
-                    help="1d: the split-K kernel with a reduction per K step; 2d: the pair-mode GEMV (2-D accumulator)")
+    ap.add_argument("--kernel", default="1d", choices=["1d", "2d", "2d-wide"],
+                    help="1d: the split-K kernel with a reduction per K step; 2d: the pair-mode GEMV (2-D accumulator); "
+                         "2d-wide: the same with K steps of 512 to 2048 elements and 1 to 4 rows")
     args = ap.parse_args()
     if args.kernel == "1d":
         shapes = SHAPES
         configs = [(8, 256, 1, 4, 3), (16, 256, 1, 4, 3), (16, 512, 1, 8, 3), (32, 256, 1, 4, 4), (8, 512, 1, 4, 4),
                    (16, 256, 4, 4, 3), (32, 256, 4, 8, 3), (64, 128, 8, 4, 3)]
         run = gemv
-    else:
+    elif args.kernel == "2d":
         shapes = {**SHAPES, **SHAPES_V2_LITE}
         configs = [(bn, bk, w) for bn in (2, 4, 8, 16) for bk in (256, 512) for w in (1, 2, 4)]
+        run = gemv_2d
+    else:
+        shapes = {**SHAPES, **SHAPES_V2_LITE}
+        configs = [(bn, bk, w) for bn in (1, 2, 4) for bk in (512, 1024, 2048) for w in (1, 2, 4, 8)]
         run = gemv_2d
     out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "results": {}}
     for name, (n, k) in shapes.items():

@@ -71,7 +71,7 @@ class TritonPagedAttention:
             # One launch rotates q (into a new tensor) and k, and writes k and v: the rotated k is only read back
             # from the cache.
             q = rotary_write_kv(kv_cache, q, k, v, batch.slot_mapping, batch.positions, rotary.cos_cache,
-                                rotary.sin_cache)
+                                rotary.sin_cache, inputs_ready=True)
         else:
             if q.stride(-1) != 1:
                 q = q.contiguous()
@@ -90,7 +90,7 @@ class TritonPagedAttention:
         if meta.num_decodes:
             decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, out=out,
                              q_rows=meta.decode_rows, seq_ids=meta.decode_seqs, max_seq_len=meta.decode_max_len,
-                             num_splits=self.num_splits)
+                             num_splits=self.num_splits, inputs_ready=True)
         if meta.num_prefill_tiles:
             prefill_attention(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale,
                               meta.tile_seq, meta.tile_m0, out=out)

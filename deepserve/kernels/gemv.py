@@ -87,6 +87,43 @@ def gemv_rows(x_ptr, w_ptr, rows, rows_ok, length, stride_wn, BLOCK_K: tl.conste
 
 
 @triton.jit
+def one_step_rows(x_ptr, norm_ptr, eps, w_ptr, rows, rows_ok, length, stride_wn, NORM: tl.constexpr,
+                  BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """`gemv_rows` when one K step holds the whole row (BLOCK_K >= length), of rms_norm(x) * norm weight when NORM.
+
+    The program's whole weight tile (and the norm weight) goes into registers before the PDL wait, and x is a
+    single load after it: one round trip to L2 once the previous kernel ends. With NORM the RMSNorm that feeds the
+    projection runs here, on the x loaded anyway (its statistics are a register reduction), so it costs no launch:
+    x is the residual stream, normalised with the RMSNorm kernel's arithmetic (kernels/norm.py)."""
+    k = tl.arange(0, BLOCK_K)
+    k_ok = k < length
+    w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + k[None, :], mask=rows_ok[:, None] & k_ok[None, :],
+                other=0.0)                                         # constant: before the wait
+    if NORM:
+        weight = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+    if NORM:
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / length + eps)
+        x = (weight * (xf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+
+
+@triton.jit
+def normed_gemv_rows(x_ptr, norm_ptr, eps, w_ptr, rows, rows_ok, length, stride_wn, NORM: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr, USE_PDL: tl.constexpr):
+    """`one_step_rows` where one K step holds the row (ONE_STEP), else `gemv_rows` (no NORM there: the norm would
+    cost a round trip to L2 before the first step; `prologue_norm` runs it as a kernel instead)."""
+    if ONE_STEP:
+        return one_step_rows(x_ptr, norm_ptr, eps, w_ptr, rows, rows_ok, length, stride_wn, NORM, BLOCK_K, USE_PDL)
+    else:
+        tl.static_assert(not NORM, "an RMSNorm prologue needs a one-step GEMV")
+        return gemv_rows(x_ptr, w_ptr, rows, rows_ok, length, stride_wn, BLOCK_K, USE_PDL)
+
+
+@triton.jit
 def swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
     """silu(gate) * up in float32. DeepSeek-V4.1's clamp first: gate from above, up on both sides (as
     swiglu_activation)."""
@@ -97,15 +134,17 @@ def swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def gate_up_rows(x_ptr, w_ptr, col0, inter, length, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+def gate_up_rows(x_ptr, norm_ptr, eps, w_ptr, col0, inter, length, stride_wn, NORM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr, USE_PDL: tl.constexpr):
     """([BLOCK_N], [BLOCK_N]) float32: (x . w[n], x . w[inter + n]) for columns n = col0 .. col0 + BLOCK_N of a
-    [2 * inter, K] gate-then-up weight. Gate and up rows are interleaved in one [2 * BLOCK_N, BLOCK_K] tile, so one K
-    loop streams both and the result splits into (gate, up) pairs: the activation never goes through memory."""
+    [2 * inter, K] gate-then-up weight (x RMS-normalised first when NORM: `normed_gemv_rows`). Gate and up rows are
+    interleaved in one [2 * BLOCK_N, BLOCK_K] tile, so one K loop streams both and the result splits into
+    (gate, up) pairs: the activation never goes through memory."""
     r = tl.arange(0, 2 * BLOCK_N)
     col = col0 + r // 2
     rows = col + (r % 2) * inter
-    gate_up = gemv_rows(x_ptr, w_ptr, rows, col < inter, length, stride_wn, BLOCK_K, USE_PDL)
+    gate_up = normed_gemv_rows(x_ptr, norm_ptr, eps, w_ptr, rows, col < inter, length, stride_wn, NORM, BLOCK_K,
+                               ONE_STEP, USE_PDL)
     return tl.split(tl.reshape(gate_up, [BLOCK_N, 2]))
 
 
@@ -114,20 +153,21 @@ def swiglu_rows(x_ptr, w_ptr, col0, inter, length, stride_wn, limit,
                 HAS_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_N] float32: swiglu(gate, up) of `gate_up_rows`, in float32 (the fused MoE's arithmetic). The
     caller has waited for the previous kernel (its weight rows depend on the routing)."""
-    gate, up = gate_up_rows(x_ptr, w_ptr, col0, inter, length, stride_wn, BLOCK_N, BLOCK_K, False)
+    gate, up = gate_up_rows(x_ptr, x_ptr, 0.0, w_ptr, col0, inter, length, stride_wn, False, BLOCK_N, BLOCK_K,
+                            False, False)
     return swiglu(gate, up, limit, HAS_LIMIT)
 
 
 @triton.jit
-def _swiglu_gemv_kernel(x_ptr, w_ptr, act_ptr, inter, k_len, stride_wn, limit,
-                        HAS_LIMIT: tl.constexpr, ACCURATE_EXP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _swiglu_gemv_kernel(x_ptr, norm_ptr, w_ptr, act_ptr, inter, k_len, stride_wn, limit, eps,
+                        HAS_LIMIT: tl.constexpr, ACCURATE_EXP: tl.constexpr, NORM: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr, USE_PDL: tl.constexpr):
     """act = silu_and_mul(F.linear(x, w)) with the unfused path's roundings: gate and up rounded to the activation
     dtype (the GEMM's output), clamped (V4.1), then silu_mul (kernels/activation.py). A batch-1 step then gives
-    the tokens a batched one does: only the GEMM's summation order differs."""
+    the tokens a batched one does: only the GEMM's summation order differs. NORM: x is RMS-normalised first."""
     dtype = act_ptr.dtype.element_ty
-    gate, up = gate_up_rows(x_ptr, w_ptr, tl.program_id(0) * BLOCK_N, inter, k_len, stride_wn, BLOCK_N, BLOCK_K,
-                            USE_PDL)
+    gate, up = gate_up_rows(x_ptr, norm_ptr, eps, w_ptr, tl.program_id(0) * BLOCK_N, inter, k_len, stride_wn, NORM,
+                            BLOCK_N, BLOCK_K, ONE_STEP, USE_PDL)
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
     if HAS_LIMIT:
@@ -138,54 +178,88 @@ def _swiglu_gemv_kernel(x_ptr, w_ptr, act_ptr, inter, k_len, stride_wn, limit,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, n_rows, k_len, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, n_rows, k_len, stride_wn, eps,
+                 HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr, USE_PDL: tl.constexpr):
+    """y = F.linear(x, w, bias) (+ residual: added to the product rounded to y's dtype, then rounded again, as a
+    separate add would; x RMS-normalised first when NORM)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_rows
-    y = gemv_rows(x_ptr, w_ptr, n, n_ok, k_len, stride_wn, BLOCK_K, USE_PDL)
+    y = normed_gemv_rows(x_ptr, norm_ptr, eps, w_ptr, n, n_ok, k_len, stride_wn, NORM, BLOCK_K, ONE_STEP, USE_PDL)
     if HAS_BIAS:
         y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(res_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
 def _gemv_two_kernel(x_ptr, wa_ptr, wb_ptr, ya_ptr, yb_ptr, n_a, n_b, k_len, stride_wa, stride_wb, programs_a,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr, USE_PDL: tl.constexpr):
     """y_a = x W_a^T and y_b = x W_b^T in one grid: the first `programs_a` programs take W_a's rows, the rest W_b's
-    (each program waits once, in gemv_rows)."""
+    (each program waits once, in normed_gemv_rows)."""
     pid = tl.program_id(0)
     if pid < programs_a:
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        y = gemv_rows(x_ptr, wa_ptr, n, n < n_a, k_len, stride_wa, BLOCK_K, USE_PDL)
+        y = normed_gemv_rows(x_ptr, x_ptr, 0.0, wa_ptr, n, n < n_a, k_len, stride_wa, False, BLOCK_K, ONE_STEP,
+                             USE_PDL)
         tl.store(ya_ptr + n, y.to(ya_ptr.dtype.element_ty), mask=n < n_a)
     else:
         n = (pid - programs_a) * BLOCK_N + tl.arange(0, BLOCK_N)
-        y = gemv_rows(x_ptr, wb_ptr, n, n < n_b, k_len, stride_wb, BLOCK_K, USE_PDL)
+        y = normed_gemv_rows(x_ptr, x_ptr, 0.0, wb_ptr, n, n < n_b, k_len, stride_wb, False, BLOCK_K, ONE_STEP,
+                             USE_PDL)
         tl.store(yb_ptr + n, y.to(yb_ptr.dtype.element_ty), mask=n < n_b)
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    """(rows per program, BLOCK_K, warps), from the H200 sweep of 24 tilings (tune_gemv_2d.json): 2 rows and 2 warps
-    for all shapes but the wide ones (N >= 2K: gate/up projections, LM heads), where 4 rows and 1 warp win."""
-    block_k = min(512, max(16, next_pow2(k)))
-    return (4, block_k, 1) if n >= 2 * k else (2, block_k, 2)
+    """(rows per program, BLOCK_K, warps), from an H200 sweep of 36 tilings in CUDA-graph chains with PDL
+    (benchmarks/tune_gemv_wide.json), on Llama-3.2-1B and DeepSeek-V2-Lite shapes:
+      - many rows (N >= 8192: gate/up projections, LM heads): 4 rows, K steps of 512, 1 warp (many small programs
+        keep the most loads in flight; gate_up 16.8 us, lm_head 116.9 us);
+      - long rows (K > 2048: down projections): 1 row, steps of 512, 4 warps (down 2048x8192: 9.2 us, was 11.7);
+      - the rest (N < 8192, K <= 2048: qkv, o_proj, MLA's q and kv_a): 4 rows of up to 2048 in one step, 4 warps
+        (o_proj 3.3 us, was 3.9; qkv 4.6, was 5.9), whose weights load into registers before the PDL wait."""
+    if n >= 8192:
+        return 4, min(512, max(16, next_pow2(k))), 1
+    if k > 2048:
+        return 1, 512, 4
+    return 4, max(16, next_pow2(k)), 4
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [1, K], weight [N, K] (same dtype), bias [N] or None -> [1, N] = F.linear(x, weight, bias)."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+         residual: Optional[torch.Tensor] = None, norm=None) -> torch.Tensor:
+    """x [1, K], weight [N, K] (same dtype), bias [N] or None -> [1, N] = F.linear(x, weight, bias), plus `residual`
+    [1, N] if given (one rounding to x's dtype before the add, one after); of `norm(x)` if `norm` (an RMSNorm: its
+    `weight` in x's dtype and `eps`) is given."""
     x, weight = one_row_operands(x, weight)
     n, k = weight.shape
-    return gemv_with(x, weight, bias, *gemv_config(n, k))
+    return gemv_with(x, weight, bias, *gemv_config(n, k), residual=residual, norm=norm)
 
 
-def gemv_with(x, weight, bias, block_n: int, block_k: int, warps: int) -> torch.Tensor:
+def gemv_with(x, weight, bias, block_n: int, block_k: int, warps: int, residual=None, norm=None) -> torch.Tensor:
     """`gemv` with a given tiling (benchmarks/tune_gemv.py sweeps these); x, weight as `one_row_operands` leaves them."""
     n, k = weight.shape
+    x, norm = prologue_norm(x, norm, block_k >= k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
-                                            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-                                            num_warps=warps, **pdl_launch_args(x))
+    if residual is not None:
+        assert residual.shape == (1, n) and residual.dtype == x.dtype and residual.stride(-1) == 1
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, norm_weight_or(norm, x), weight, bias if bias is not None else y, residual if residual is not None else y,
+        y, n, k, weight.stride(0), norm_eps(norm), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        NORM=norm is not None, BLOCK_N=block_n, BLOCK_K=block_k, ONE_STEP=block_k >= k, num_warps=warps,
+        **pdl_launch_args(x))
     return y
+
+
+def prologue_norm(x: torch.Tensor, norm, one_step: bool):
+    """(x, norm) for a GEMV launch that may take an RMSNorm in its prologue. Only a one-step GEMV takes it: there
+    the statistics come from the x it loads anyway. A multi-step one would add a round trip to L2 before its first
+    step, more than the norm's own launch costs under PDL (an H200 A/B of that version: +15 us per Llama-3.2-1B
+    step), so for it the norm kernel runs first and the GEMV reads its output."""
+    if norm is None or one_step:
+        return x, norm
+    from deepserve.kernels.norm import fused_add_rms_norm
+    return fused_add_rms_norm(x, None, norm.weight, norm.eps), None
 
 
 def gemv_two(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +274,7 @@ def gemv_two(x: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> tuple[tor
     programs_a = triton.cdiv(n_a, block_n)
     _gemv_two_kernel[(programs_a + triton.cdiv(n_b, block_n),)](
         x, w_a, w_b, y_a, y_b, n_a, n_b, k, w_a.stride(0), w_b.stride(0), programs_a,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_launch_args(x))
+        BLOCK_N=block_n, BLOCK_K=block_k, ONE_STEP=block_k >= k, num_warps=warps, **pdl_launch_args(x))
     return y_a, y_b
 
 
@@ -212,31 +286,54 @@ def one_row_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tenso
     return (x if x.stride(-1) == 1 else x.contiguous()), (weight if weight.stride(-1) == 1 else weight.contiguous())
 
 
-def swiglu_gemv(x: torch.Tensor, w13: torch.Tensor, limit: Optional[float] = None) -> torch.Tensor:
+def norm_weight_or(norm, x: torch.Tensor) -> torch.Tensor:
+    """The weight of `norm` (an RMSNorm over x's last dimension, in x's dtype) for a NORM kernel, or x as the unused
+    pointer when norm is None."""
+    if norm is None:
+        return x
+    weight = norm.weight
+    assert weight.dtype == x.dtype and weight.shape == (x.shape[-1],) and weight.is_contiguous(), \
+        "a GEMV's RMSNorm prologue takes a contiguous weight of x's dtype and width"
+    return weight
+
+
+def norm_eps(norm) -> float:
+    return float(norm.eps) if norm is not None else 0.0
+
+
+def swiglu_gemv(x: torch.Tensor, w13: torch.Tensor, limit: Optional[float] = None, norm=None) -> torch.Tensor:
     """x [1, K], w13 [2I, K] (gate rows then up rows, x's dtype) -> [1, I] = swiglu_activation(F.linear(x, w13), limit)
-    in one launch: the gate/up GEMV with the SwiGLU in its epilogue, rounded as the two-launch path rounds."""
+    in one launch: the gate/up GEMV with the SwiGLU in its epilogue, rounded as the two-launch path rounds; of
+    `norm(x)` if `norm` (an RMSNorm) is given, the norm in the GEMV's prologue."""
     x, w13 = one_row_operands(x, w13)
     two_i, k = w13.shape
     assert two_i % 2 == 0
     inter = two_i // 2
-    act = torch.empty(1, inter, dtype=x.dtype, device=x.device)
     rows, block_k, warps = gemv_config(two_i, k)
-    block_n = rows // 2                  # columns per program: a gate row and an up row each
-    _swiglu_gemv_kernel[(triton.cdiv(inter, block_n),)](x, w13, act, inter, k, w13.stride(0), float(limit or 0.0),
-                                                        HAS_LIMIT=limit is not None, ACCURATE_EXP=USE_LIBDEVICE,
-                                                        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                                                        **pdl_launch_args(x))
+    x, norm = prologue_norm(x, norm, block_k >= k)
+    act = torch.empty(1, inter, dtype=x.dtype, device=x.device)
+    block_n = max(rows // 2, 1)          # columns per program: a gate row and an up row each
+    _swiglu_gemv_kernel[(triton.cdiv(inter, block_n),)](
+        x, norm_weight_or(norm, x), w13, act, inter, k, w13.stride(0), float(limit or 0.0), norm_eps(norm),
+        HAS_LIMIT=limit is not None, ACCURATE_EXP=USE_LIBDEVICE, NORM=norm is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, ONE_STEP=block_k >= k, num_warps=warps, **pdl_launch_args(x))
     return act
 
 
-def swiglu_gemv_ref(x, w13, limit=None):
+def swiglu_gemv_ref(x, w13, limit=None, norm=None):
     from deepserve.layers.mlp import swiglu_activation
-    return swiglu_activation(torch.nn.functional.linear(x, w13), limit)
+    return swiglu_activation(torch.nn.functional.linear(x if norm is None else norm_ref(x, norm), w13), limit)
 
 
-def gemv_ref(x, weight, bias=None):
-    return torch.nn.functional.linear(x, weight, bias)
+def gemv_ref(x, weight, bias=None, residual=None, norm=None):
+    y = torch.nn.functional.linear(x if norm is None else norm_ref(x, norm), weight, bias)
+    return y if residual is None else y + residual
 
 
-__all__ = ["gate_up_rows", "gemv", "gemv_config", "gemv_two", "one_row_operands", "gemv_with", "gemv_ref", "gemv_rows", "swiglu", "swiglu_gemv", "swiglu_gemv_ref",
-           "swiglu_rows"]
+def norm_ref(x, norm):
+    from deepserve.layers.norm import rms_norm
+    return rms_norm(x, norm.weight, norm.eps)
+
+
+__all__ = ["gate_up_rows", "gemv", "gemv_config", "gemv_two", "one_row_operands", "gemv_with", "gemv_ref", "gemv_rows",
+           "norm_eps", "norm_weight_or", "normed_gemv_rows", "one_step_rows", "prologue_norm", "swiglu", "swiglu_gemv", "swiglu_gemv_ref", "swiglu_rows"]

@@ -86,7 +86,7 @@ class TritonMLA:
             q_pe = rotary_write_latents(kv_cache, q_pe, latent, k_pe, batch.slot_mapping, batch.positions,
                                         rotary.cos_cache, rotary.sin_cache, rotary.interleaved,
                                         None if latent_norm is None else latent_norm.weight,
-                                        0.0 if latent_norm is None else latent_norm.eps)
+                                        0.0 if latent_norm is None else latent_norm.eps, inputs_ready=True)
         if decode_only:
             # Row b is sequence b's one token.
             longest = meta.max_seq_len if isinstance(meta, TritonMLAMetadata) else max(batch.seq_lens_cpu)
@@ -115,7 +115,7 @@ class TritonMLA:
         # Heads-major output, so the W_UV GEMM reads it without a copy.
         out_lat = torch.empty(heads, bsz, rank, dtype=q_nope.dtype, device=q_nope.device)
         mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, out=out_lat.transpose(0, 1),
-                   max_seq_len=longest, num_splits=self.num_splits)
+                   max_seq_len=longest, num_splits=self.num_splits, inputs_ready=True)
         # The W_UV product writes [B, H, v] through a heads-major view (cuBLAS takes the row stride), so the layer's
         # reshape to [B, H * v] for o_proj is a view: a [H, B, v] result would be copied there, once per layer.
         out = torch.empty(bsz, heads, weights.w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)

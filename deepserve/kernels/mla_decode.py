@@ -25,8 +25,8 @@ import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
 from deepserve.kernels.norm import rms_normed
-from deepserve.kernels.paged_attention import (active_splits, active_splits_ref, copy_heads, merge_splits_ref,
-                                               rotary_write_prologue, split_bounds)
+from deepserve.kernels.paged_attention import (EARLY_INPUTS, active_splits, active_splits_ref, copy_heads,
+                                               merge_splits_ref, rotary_write_prologue, split_bounds, tile_blocks)
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from deepserve.kernels.rotary import rotary_constexprs, rotate_heads
 
@@ -88,12 +88,12 @@ def _rotary_write_latent_kernel(pos_ptr, slot_ptr, q_pe_ptr, latent_ptr, k_pe_pt
                                 RANK: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr,
                                 BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
                                 HALF_CACHE: tl.constexpr, HAS_NORM: tl.constexpr, NORM_OUT_FP32: tl.constexpr,
-                                USE_PDL: tl.constexpr):
+                                INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
     """One token: q_pe's heads rotated into q_out (padding rows too), the latent (RMS-normed first with HAS_NORM)
     and k_pe rotated straight into the cache slot, [latent | k_pe]."""
     t, dst, keep, cos1, sin1, cos2, sin2, j, jmask = rotary_write_prologue(
         pos_ptr, slot_ptr, cache_ptr, cos_ptr, sin_ptr, stride_c_block, stride_c_slot, stride_cos, block_size,
-        HALF, BLOCK_HALF, HALF_CACHE, USE_PDL)
+        HALF, BLOCK_HALF, HALF_CACHE, INPUTS_READY, USE_PDL)
     rotate_heads(q_pe_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh, num_heads, True,
                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
     rotate_heads(k_pe_ptr + t * stride_pt, dst + RANK, 0, 0, 1, keep,
@@ -111,14 +111,14 @@ def _rotary_write_latent_kernel(pos_ptr, slot_ptr, q_pe_ptr, latent_ptr, k_pe_pt
 def rotary_write_latents(kv_cache: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                          slot_mapping: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
                          sin_cache: torch.Tensor, interleaved: bool, norm_weight: Optional[torch.Tensor] = None,
-                         norm_eps: float = 0.0) -> torch.Tensor:
+                         norm_eps: float = 0.0, inputs_ready: bool = False) -> torch.Tensor:
     """The rotary embedding of q_pe [T, H, P] and k_pe [T, P] at `positions` (MLARotaryEmbedding's: `interleaved`
     pairs or NeoX halves, its half-width cos/sin caches) and the cache write of [latent | rotated k_pe] (latent
     [T, R]), in one launch: `apply_rotary(..., interleaved=interleaved)` then `write_latents`, rows with a negative
     slot writing nothing. Any row/head strides, unit last strides. Returns the rotated q_pe, a new contiguous
     tensor; the rotated k_pe lives only in the cache. With `norm_weight`, the latent is the kv_a projection's raw
     output and is cached as `rms_norm(latent, norm_weight, norm_eps)` (kernels/norm.py's arithmetic): the
-    kv_a_layernorm launch folds into this one."""
+    kv_a_layernorm launch folds into this one. `inputs_ready` as in `rotary_write_kv`."""
     require_triton(q_pe)
     t, heads, rope = q_pe.shape
     rank = latent.shape[-1]
@@ -136,7 +136,7 @@ def rotary_write_latents(kv_cache: torch.Tensor, q_pe: torch.Tensor, latent: tor
         RANK=rank, BLOCK_R=next_pow2(rank), **rotary_constexprs(rope, heads, cos_cache, sin_cache, interleaved),
         HAS_NORM=norm_weight is not None,
         NORM_OUT_FP32=norm_weight is not None and torch.promote_types(norm_weight.dtype, latent.dtype) == torch.float32,
-        num_warps=4, **pdl_launch_args(q_pe))
+        INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=4, **pdl_launch_args(q_pe))
     return q_out
 
 
@@ -168,14 +168,25 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
                        num_heads, block_size,
                        RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
-    pdl_launch_dependents(USE_PDL)
+                       PRECISION: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     head_tile = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
+    table = block_tables_ptr + b * stride_bt
+    if INPUTS_READY:
+        # The step's inputs were in place before its first kernel (kernels/pdl.py, rule 1): the length and the
+        # first tile's block ids load while the previous kernel finishes.
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
+        blk = tile_blocks(table, start + tl.arange(0, BLOCK_N), end, block_size)
+        pdl_wait(USE_PDL)
+        pdl_launch_dependents(USE_PDL)
+    else:
+        pdl_wait(USE_PDL)          # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
+        pdl_launch_dependents(USE_PDL)
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
+        blk = tile_blocks(table, start + tl.arange(0, BLOCK_N), end, block_size)
     if SPLIT:
         if start >= end:        # an empty split: the reduce does not read it, so nothing to load or store
             return
@@ -191,7 +202,6 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
     q_pe = tl.load(q_pe_ptr + b * stride_qpb + heads[:, None] * stride_qph + p[None, :],
                    mask=h_ok[:, None] & p_ok[None, :], other=0.0)
 
-    table = block_tables_ptr + b * stride_bt
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
@@ -199,8 +209,8 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_ok = tok < end
-        blk = tl.load(table + tok // block_size, mask=t_ok, other=0).to(tl.int64)
         slot = cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
+        blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
         latent = tl.load(slot[:, None] + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
         k_pe = tl.load(slot[:, None] + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
         s = tl.dot(q_lat, tl.trans(latent), input_precision=PRECISION)          # [BLOCK_H, BLOCK_N]
@@ -233,15 +243,21 @@ def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
                        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_ob, stride_oh,
                        num_splits,
                        RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                       USE_PDL: tl.constexpr):
-    """Merge the splits of one (sequence, head): weights 2^(lse_s - max lse), one split row at a time (a
+                       CHUNK_S: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
+    """Merge the splits of one (sequence, head): weights 2^(lse_s - max lse), CHUNK_S split rows per load (a
     [splits, 512] float32 tile would not fit in registers), over this sequence's active splits only: the empty
     ones (most of a CUDA graph's grid at short contexts) weigh 0 and their programs store nothing."""
-    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
-    pdl_launch_dependents(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    used = active_splits(tl.load(seq_lens_ptr + b).to(tl.int32), num_splits, BLOCK_N)
+    if INPUTS_READY:               # not written by the previous kernel (the decode's): may load before the wait
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        pdl_wait(USE_PDL)
+        pdl_launch_dependents(USE_PDL)
+    else:
+        pdl_wait(USE_PDL)          # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
+        pdl_launch_dependents(USE_PDL)
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    used = active_splits(seq_len, num_splits, BLOCK_N)
     s = tl.arange(0, BLOCK_S)
     lse_ptr = part_lse_ptr + b * stride_pl_b + h * stride_pl_h
     lse = tl.load(lse_ptr + s, mask=s < used, other=float("-inf"))
@@ -249,11 +265,14 @@ def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
     total = tl.sum(tl.math.exp2(lse - lse_max), 0)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < RANK
+    c = tl.arange(0, CHUNK_S)
     acc = tl.zeros([BLOCK_R], tl.float32)
-    for i in range(0, used):
-        w = tl.math.exp2(tl.load(lse_ptr + i) - lse_max)
-        o = tl.load(part_out_ptr + b * stride_po_b + h * stride_po_h + i * stride_po_s + r, mask=r_ok, other=0.0)
-        acc += w * o
+    for s0 in range(0, used, CHUNK_S):
+        c_ok = s0 + c < used
+        w = tl.math.exp2(tl.load(lse_ptr + s0 + c, mask=c_ok, other=float("-inf")) - lse_max)    # 0 past `used`
+        o = tl.load(part_out_ptr + b * stride_po_b + h * stride_po_h + (s0 + c)[:, None] * stride_po_s + r[None, :],
+                    mask=c_ok[:, None] & r_ok[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + r, (acc / total).to(out_ptr.dtype.element_ty), mask=r_ok)
 
 
@@ -274,14 +293,16 @@ def mla_num_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.d
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None,
                max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, block_n: int = MLA_BLOCK_N,
-               num_warps: Optional[int] = None, num_stages: int = 2) -> torch.Tensor:
+               num_warps: Optional[int] = None, num_stages: int = 2, inputs_ready: bool = False) -> torch.Tensor:
     """One query token per sequence b (row b) over its paged latents.
 
     q_lat: [B, H, R] (q_nope with W_UK absorbed), q_pe: [B, H, P] (any batch/head strides, unit last stride);
     kv_cache: [num_blocks, block_size, R + P]; block_tables [B, max_blocks]; seq_lens [B] (>= 1, this step's
     latent already written) -> [B, H, R] attention-weighted latents (in `out` if given, else q_lat's dtype).
     `max_seq_len` (host int) sizes the split without a device sync; `num_splits` forces it; `block_n`,
-    `num_warps`, `num_stages` are the tile and launch settings (tuning).
+    `num_warps`, `num_stages` are the tile and launch settings (tuning). `inputs_ready`: seq_lens and block_tables
+    were in place before the kernel launched just before this call (the backend's per-step metadata), so they
+    may be read before the PDL wait.
     """
     require_triton(q_lat)
     bsz, heads, rank = q_lat.shape
@@ -322,25 +343,28 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         *po, *pl, heads, kv_cache.shape[1],
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(rope)),
-        BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision, num_warps=warps,
-        num_stages=num_stages, **pdl_launch_args(q_lat))
+        BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision,
+        INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=warps, num_stages=num_stages,
+        **pdl_launch_args(q_lat))
     if split:
-        mla_reduce(part_out, part_lse, seq_lens, out, block_n)
+        # The decode kernel, the reduce's predecessor, does not write seq_lens: ready for it.
+        mla_reduce(part_out, part_lse, seq_lens, out, block_n, inputs_ready=EARLY_INPUTS)
     return out
 
 
 def mla_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
-               block_n: int = MLA_BLOCK_N) -> torch.Tensor:
+               block_n: int = MLA_BLOCK_N, inputs_ready: bool = False) -> torch.Tensor:
     """Merge the split-K partials of sequence b (normalised latents part_out [B, H, S, R] float32, log2-sum-exps
     part_lse [B, H, S]) into out[b] ([B, H, R], any batch/head strides). Only the splits that hold tokens of
-    sequence b (partitions of `block_n`-token tiles, as the decode kernel's) are read."""
+    sequence b (partitions of `block_n`-token tiles, as the decode kernel's) are read. `inputs_ready` as in
+    `mla_decode`."""
     bsz, heads, num_splits, rank = part_out.shape
     assert part_out.stride(-1) == 1 and part_lse.stride(-1) == 1 and out.stride(-1) == 1
     _mla_reduce_kernel[(bsz, heads)](
         part_out, part_lse, seq_lens, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), num_splits,
         RANK=rank, BLOCK_R=max(16, next_pow2(rank)), BLOCK_S=max(64, next_pow2(num_splits)), BLOCK_N=block_n,
-        num_warps=4, **pdl_launch_args(out))
+        CHUNK_S=4, INPUTS_READY=inputs_ready, num_warps=4, **pdl_launch_args(out))
     return out
 
 

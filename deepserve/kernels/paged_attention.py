@@ -13,6 +13,7 @@ for the P @ V product (as flash attention does), the output is rounded once to t
 """
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -50,16 +51,21 @@ def cache_slot(cache_ptr, slot_ptr, t, stride_c_block, stride_c_slot, block_size
 @triton.jit
 def rotary_write_prologue(pos_ptr, slot_ptr, cache_ptr, cos_ptr, sin_ptr, stride_c_block, stride_c_slot, stride_cos,
                           block_size, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HALF_CACHE: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
     """What a one-token rotate-and-write program (this file's and the MLA latent one) starts with: the PDL wait,
-    then its token t, the cache slot it writes (`cache_slot`) and the cos/sin row of its position
-    (`cos_sin_row`)."""
-    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
-    pdl_launch_dependents(USE_PDL)
+    its token t, the cache slot it writes (`cache_slot`) and the cos/sin row of its position (`cos_sin_row`).
+    INPUTS_READY: positions and slots were in place before the previous kernel (kernels/pdl.py, rule 1), so their
+    loads and the cos/sin loads they lead to come before the wait."""
+    if not INPUTS_READY:
+        pdl_wait(USE_PDL)          # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
+        pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     dst, keep = cache_slot(cache_ptr, slot_ptr, t, stride_c_block, stride_c_slot, block_size)
     cos1, sin1, cos2, sin2, j, jmask = cos_sin_row(cos_ptr, sin_ptr, pos, stride_cos, HALF, BLOCK_HALF, HALF_CACHE)
+    if INPUTS_READY:
+        pdl_wait(USE_PDL)
+        pdl_launch_dependents(USE_PDL)
     return t, dst, keep, cos1, sin1, cos2, sin2, j, jmask
 
 
@@ -105,12 +111,12 @@ def _rotary_write_kv_kernel(pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, c
                             block_size, num_q_heads, num_kv_heads,
                             HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr, HALF: tl.constexpr,
                             BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
-                            HALF_CACHE: tl.constexpr, USE_PDL: tl.constexpr):
+                            HALF_CACHE: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
     """One token: q rotated into q_out (padding rows too: harmless, and the decode kernel reads them), k rotated
     and v copied straight into the cache slot."""
     t, dst, keep, cos1, sin1, cos2, sin2, j, jmask = rotary_write_prologue(
         pos_ptr, slot_ptr, cache_ptr, cos_ptr, sin_ptr, stride_c_block, stride_c_slot, stride_cos, block_size,
-        HALF, BLOCK_HALF, HALF_CACHE, USE_PDL)
+        HALF, BLOCK_HALF, HALF_CACHE, INPUTS_READY, USE_PDL)
     rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh, num_q_heads, True,
                  cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
     rotate_heads(k_ptr + t * stride_kt, dst, stride_kh, stride_c_head, num_kv_heads, keep,
@@ -121,12 +127,13 @@ def _rotary_write_kv_kernel(pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, c
 
 def rotary_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     slot_mapping: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-                    sin_cache: torch.Tensor) -> torch.Tensor:
+                    sin_cache: torch.Tensor, inputs_ready: bool = False) -> torch.Tensor:
     """Rotary embedding of q and k at `positions` and the cache write of the rotated k and of v, in one launch:
     `q_rot, k_rot = apply_rotary(positions, q, k, cos_cache, sin_cache)` (NeoX halves; full- or half-width caches)
     then `write_kv(kv_cache, k_rot, v, slot_mapping)`, rows with a negative slot writing nothing.
     q: [T, H, D], k, v: [T, Hkv, D] (any row/head strides, unit last stride). Returns q_rot, a new contiguous
-    tensor; the rotated k lives only in the cache."""
+    tensor; the rotated k lives only in the cache. `inputs_ready`: positions and slot_mapping were in place before
+    the kernel launched just before this call (the step's input buffers): read before the PDL wait."""
     require_triton(q)
     t, h, d = q.shape
     hkv = k.shape[1]
@@ -141,7 +148,7 @@ def rotary_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         q_out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         cos_cache.stride(0), kv_cache.shape[2], h, hkv,
         HEAD_DIM=d, BLOCK_HD=next_pow2(hkv * d), **rotary_constexprs(d, h, cos_cache, sin_cache, False),
-        num_warps=4, **pdl_launch_args(q))
+        INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=4, **pdl_launch_args(q))
     return q_out
 
 
@@ -194,6 +201,31 @@ def active_splits(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(seq_len, split_partition(seq_len, num_splits, BLOCK_N))
 
 
+@triton.jit
+def tile_blocks(table, tok, end, block_size):
+    """Block ids (int64) of the keys `tok` of a sequence with block-table row `table`; 0 past `end`."""
+    return tl.load(table + tok // block_size, mask=tok < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def decode_row(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, i):
+    """(q row, sequence, sequence length) of decode row i."""
+    row = tl.load(q_rows_ptr + i).to(tl.int64)
+    seq = tl.load(seq_ids_ptr + i).to(tl.int64)
+    return row, seq, tl.load(seq_lens_ptr + seq).to(tl.int32)
+
+
+@triton.jit
+def decode_row_inputs(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, block_tables_ptr, stride_bt, i, split, block_size,
+                      SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What decode row i's program needs from the step's inputs: (its q row, its sequence, the sequence's length,
+    the sequence's block-table row, the block ids of the first tile of split `split`)."""
+    row, seq, seq_len = decode_row(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, i)
+    table = block_tables_ptr + seq * stride_bt
+    start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
+    return row, seq, seq_len, table, tile_blocks(table, start + tl.arange(0, BLOCK_N), end, block_size)
+
+
 # Arguments that change from step to step (block-table width, split layout) are not specialised on: Triton would
 # otherwise compile a new variant whenever one of them changes between "divisible by 16" and not, mid-serving.
 _PER_STEP_ARGS = ["stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "stride_pl_h"]
@@ -209,15 +241,25 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
                    block_size, group,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
-    pdl_launch_dependents(USE_PDL)
+                   SPLIT: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
     i = tl.program_id(0)           # decode row
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    row = tl.load(q_rows_ptr + i).to(tl.int64)
-    seq = tl.load(seq_ids_ptr + i).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    table = block_tables_ptr
+    if INPUTS_READY:
+        # The step's inputs were in place before its first kernel (kernels/pdl.py, rule 1): their loads, and the
+        # first tile's block ids, overlap the previous kernel instead of adding three round trips after the wait.
+        row, seq, seq_len, table, first_blk = decode_row_inputs(q_rows_ptr, seq_ids_ptr, seq_lens_ptr,
+                                                                block_tables_ptr, stride_bt, i, split, block_size,
+                                                                SPLIT, BLOCK_N)
+        pdl_wait(USE_PDL)
+        pdl_launch_dependents(USE_PDL)
+    else:
+        pdl_wait(USE_PDL)          # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
+        pdl_launch_dependents(USE_PDL)
+        row, seq, seq_len, table, first_blk = decode_row_inputs(q_rows_ptr, seq_ids_ptr, seq_lens_ptr,
+                                                                block_tables_ptr, stride_bt, i, split, block_size,
+                                                                SPLIT, BLOCK_N)
     start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
     if SPLIT:
         if start >= end:        # an empty split: the reduce does not read it, so nothing to load or store
@@ -233,16 +275,16 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
 
     k_base = cache_ptr + kvh * stride_c_head
     v_base = k_base + stride_c_kv
-    table = block_tables_ptr + seq * stride_bt
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    blk = first_blk
     # Every tile holds at least one real key (the loop stops at `end`), so m_i is finite after the first tile.
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < end
-        blk = tl.load(table + tok // block_size, mask=tmask, other=0).to(tl.int64)
         off = blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
+        blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
         kv_mask = tmask[:, None] & dmask[None, :]
         k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale                      # [BLOCK_G, BLOCK_N], log2 domain
@@ -273,17 +315,20 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, q_rows_ptr, seq_ids_ptr, s
                           stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
                           stride_ot, stride_oh, num_splits,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                          BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+                          BLOCK_N: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
     """Merge the splits of one (decode row, head) by their log-sum-exp, in one [BLOCK_S, BLOCK_D] tile. Only the
     active splits are loaded: the empty ones' lanes take lse = -inf and o = 0 (weight 0), the values their
     programs used to store, so the sum is the same, lane for lane."""
-    pdl_wait(USE_PDL)              # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
-    pdl_launch_dependents(USE_PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
-    row = tl.load(q_rows_ptr + i).to(tl.int64)
-    seq = tl.load(seq_ids_ptr + i).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    if INPUTS_READY:               # not written by the previous kernel (the decode's): may load before the wait
+        row, seq, seq_len = decode_row(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, i)
+        pdl_wait(USE_PDL)
+        pdl_launch_dependents(USE_PDL)
+    else:
+        pdl_wait(USE_PDL)          # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
+        pdl_launch_dependents(USE_PDL)
+        row, seq, seq_len = decode_row(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, i)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     smask = s < active_splits(seq_len, num_splits, BLOCK_N)
@@ -309,6 +354,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 DECODE_BLOCK_N = 64
+# A/B switch for the H200 run (DEEPSERVE_EARLY_INPUTS=0: every decode program loads its inputs after the wait).
+EARLY_INPUTS = os.environ.get("DEEPSERVE_EARLY_INPUTS", "1") != "0"
 _MIN_PARTITION = 256
 
 
@@ -324,12 +371,14 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, out: Optional[torch.Tensor] = None, q_rows: Optional[torch.Tensor] = None,
                      seq_ids: Optional[torch.Tensor] = None, max_seq_len: Optional[int] = None,
-                     num_splits: Optional[int] = None) -> torch.Tensor:
+                     num_splits: Optional[int] = None, inputs_ready: bool = False) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys.
 
     q: [T, H, D]; the decode rows are `q_rows` (default: all T rows), row i belonging to sequence `seq_ids[i]`
     (default i) of `block_tables` [B, max_blocks] / `seq_lens` [B]. Writes rows `q_rows` of `out` ([T, H, D],
     allocated when None) and returns it. `max_seq_len` (host int) sizes the split; `num_splits` forces it.
+    `inputs_ready`: q_rows, seq_ids, seq_lens and block_tables were in place before the kernel launched just
+    before this call (the attention backends' per-step metadata), so they may be read before the PDL wait.
     """
     require_triton(q)
     t, h, d = q.shape
@@ -338,6 +387,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     group = h // hkv
     if out is None:
         out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    # Default rows come from a kernel launched just before: not ready for a pre-wait read.
+    assert not inputs_ready or (q_rows is not None and seq_ids is not None), "inputs_ready needs q_rows, seq_ids"
     if q_rows is None:
         q_rows = torch.arange(t, device=q.device)
     if seq_ids is None:
@@ -370,17 +421,18 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         block_tables.stride(0), *po_strides, *pl_strides,
         bs, group,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=DECODE_BLOCK_N, SPLIT=split,
-        num_warps=4, num_stages=2, **pdl_launch_args(q))
+        INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=4, num_stages=2, **pdl_launch_args(q))
     if split:
-        decode_reduce(part_out, part_lse, q_rows, seq_ids, seq_lens, out)
+        # The decode kernel, the reduce's predecessor, writes none of the inputs: they are ready for it.
+        decode_reduce(part_out, part_lse, q_rows, seq_ids, seq_lens, out, inputs_ready=EARLY_INPUTS)
     return out
 
 
 def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, q_rows: torch.Tensor, seq_ids: torch.Tensor,
-                  seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                  seq_lens: torch.Tensor, out: torch.Tensor, inputs_ready: bool = False) -> torch.Tensor:
     """Merge the split-K partials of decode row i (normalised outputs part_out [n, H, S, D] float32 and their
     log2-sum-exps part_lse [n, H, S]) into out[q_rows[i]]. Only the splits that hold keys of sequence seq_ids[i]
-    (DECODE_BLOCK_N tiles, see `split_partition`) are read."""
+    (DECODE_BLOCK_N tiles, see `split_partition`) are read. `inputs_ready` as in `decode_attention`."""
     n, h, num_splits, d = part_out.shape
     assert part_out.stride(-1) == 1 and part_lse.stride(-1) == 1
     _decode_reduce_kernel[(n, h)](
@@ -388,7 +440,7 @@ def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, q_rows: torch.
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_S=max(64, next_pow2(num_splits)), BLOCK_N=DECODE_BLOCK_N,
-        num_warps=4, **pdl_launch_args(out))
+        INPUTS_READY=inputs_ready, num_warps=4, **pdl_launch_args(out))
     return out
 
 

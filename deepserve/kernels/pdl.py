@@ -6,8 +6,13 @@ while the SMs drain the previous kernel's last wave. With PDL the next kernel's 
 a GEMV loads its first weight tile (weights are never written by a kernel) during that drain, then waits.
 
 The rules every kernel launched with PDL keeps, or it races:
-1. Every program calls `pdl_wait` before it reads anything a previous kernel may have written, and before it
-   writes anything. Only constant data (weights, norm weights, cos/sin tables) may be read before it.
+1. Every program calls `pdl_wait` before it reads anything the previous kernel may have written, and before it
+   writes anything. Before it, a program may read constant data (weights, norm weights, cos/sin tables) and data
+   that was in place before the previous kernel started: every kernel waits before it lets its dependents start
+   (rule 3), so when this one starts, the kernel before the previous one has finished and its writes are visible.
+   The step's inputs (positions, slots, sequence lengths, block tables: copied in before the step's first kernel)
+   are such data; launchers read them early only when their caller says so (`inputs_ready=True`, the attention
+   backends), since a direct caller may have just computed them with a kernel.
 2. The wait is unconditional and comes first: a program that returns early waits before returning. (A grid that
    finished without waiting could let the kernel after it overtake the kernel before it.)
 3. `pdl_launch_dependents` may come anywhere after the wait; it only lets the next kernel start its own

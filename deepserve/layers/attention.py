@@ -182,13 +182,15 @@ class Attention(nn.Module):
         return self.backend.forward(q, k, v, self.kv_cache, batch, self.scale, rotary=rotary)
 
     def forward_from_hidden(self, x: torch.Tensor, qkv_proj: nn.Module, batch: ForwardBatch,
-                            rotary: RotaryEmbedding) -> torch.Tensor | None:
-        """`forward` of qkv_proj(x) split into q, k, v, when one launch can project, rotate and write the cache
-        (one decode token on the GPU, a backend that can attend to an already written cache, a plain NeoX rotary
-        embedding); None otherwise, and the caller takes the usual path."""
+                            rotary: RotaryEmbedding, norm: nn.Module | None = None) -> torch.Tensor | None:
+        """`forward` of qkv_proj(x) (of qkv_proj(norm(x)) given an RMSNorm `norm`) split into q, k, v, when one
+        launch can normalise, project, rotate and write the cache (one decode token on the GPU, a backend that can
+        attend to an already written cache, a plain NeoX rotary embedding); None otherwise, and the caller takes
+        the usual path."""
         attend_cached = getattr(self.backend, "attend_cached", None)
         if attend_cached is None or x.shape[0] != 1 or type(rotary) is not RotaryEmbedding \
                 or not batch.is_decode_only:
             return None
-        q = fused_qkv_rotary_write(x, qkv_proj, self.kv_cache, batch, rotary, self.num_heads, self.num_kv_heads)
+        q = fused_qkv_rotary_write(x, qkv_proj, self.kv_cache, batch, rotary, self.num_heads, self.num_kv_heads,
+                                   norm)
         return None if q is None else attend_cached(q, self.kv_cache, batch, self.scale)

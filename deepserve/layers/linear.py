@@ -16,10 +16,20 @@ from deepserve.layers.kernel_dispatch import use_triton
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _one_row_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def one_row_on_gpu(x: torch.Tensor) -> bool:
+    """One activation row of a half-precision dtype on the GPU, no autograd: where the GEMV kernels apply."""
     # use_triton first (it tests x.is_cuda first): the CPU path pays one attribute read per layer.
-    return (use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
-            and weight.dtype in _GEMV_DTYPES and not torch.is_grad_enabled())
+    return (use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _GEMV_DTYPES
+            and not torch.is_grad_enabled())
+
+
+def _one_row_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return one_row_on_gpu(x) and x.dtype == weight.dtype
+
+
+def _norm_fits(norm: nn.Module | None, x: torch.Tensor) -> bool:
+    """A GEMV can run `norm` (an RMSNorm) in its prologue: its weight has x's dtype."""
+    return norm is None or norm.weight.dtype == x.dtype
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -29,13 +39,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None) -> torch.Tensor | None:
+def linear_residual(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor) -> torch.Tensor:
+    """layer(x) + residual; for one row on the GPU through a plain `Linear`, the add runs in the GEMV's epilogue
+    (the same two roundings: the product's, the sum's)."""
+    if type(layer) is Linear and _one_row_on_gpu(x, layer.weight) and \
+            (layer.bias is None or layer.bias.dtype == x.dtype) and residual.dtype == x.dtype:
+        from deepserve.kernels.gemv import gemv
+        return gemv(x, layer.weight, layer.bias, residual=residual)
+    return layer(x) + residual
+
+
+def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None,
+                        norm: nn.Module | None = None) -> torch.Tensor | None:
     """swiglu_activation(gate_up(x), limit) in one GEMV launch (the SwiGLU in its epilogue) for one row on the GPU
-    through a plain `Linear` without bias; None otherwise (a quantized layer, more rows, the CPU): the caller then
-    runs the two steps."""
-    if type(gate_up) is Linear and gate_up.bias is None and _one_row_on_gpu(x, gate_up.weight):
+    through a plain `Linear` without bias; of norm(x) with `norm` (an RMSNorm, run in the GEMV's prologue). None
+    otherwise (a quantized layer, more rows, the CPU): the caller then runs the steps one by one."""
+    if type(gate_up) is Linear and gate_up.bias is None and _one_row_on_gpu(x, gate_up.weight) and \
+            _norm_fits(norm, x):
         from deepserve.kernels.gemv import swiglu_gemv
-        return swiglu_gemv(x, gate_up.weight, limit)
+        return swiglu_gemv(x, gate_up.weight, limit, norm=norm)
     return None
 
 
@@ -50,16 +72,16 @@ def fused_two_linear(x: torch.Tensor, a: nn.Module, b: nn.Module) -> tuple[torch
 
 
 def fused_qkv_rotary_write(x: torch.Tensor, qkv_proj: nn.Module, kv_cache: torch.Tensor, batch, rotary,
-                           num_heads: int, num_kv_heads: int) -> torch.Tensor | None:
-    """Batch-1 decode on the GPU: the qkv projection (a plain `Linear`, q then k then v rows), the NeoX rotary
-    embedding of q and k at batch.positions, and the write of k and v at batch.slot_mapping, in one launch
-    (kernels/qkv_rotary.py) -> q rotated [1, H, D]; None where that path does not apply (the caller runs the
-    projection, then the attention backend's rotary + cache write)."""
+                           num_heads: int, num_kv_heads: int, norm: nn.Module | None = None) -> torch.Tensor | None:
+    """Batch-1 decode on the GPU: (the RMSNorm `norm` of x,) the qkv projection (a plain `Linear`, q then k then v
+    rows), the NeoX rotary embedding of q and k at batch.positions, and the write of k and v at batch.slot_mapping,
+    in one launch (kernels/qkv_rotary.py) -> q rotated [1, H, D]; None where that path does not apply (the caller
+    runs the norm and the projection, then the attention backend's rotary + cache write)."""
     if type(qkv_proj) is Linear and _one_row_on_gpu(x, qkv_proj.weight) and \
-            (qkv_proj.bias is None or qkv_proj.bias.dtype == x.dtype):
+            (qkv_proj.bias is None or qkv_proj.bias.dtype == x.dtype) and _norm_fits(norm, x):
         from deepserve.kernels.qkv_rotary import qkv_rotary_write
         return qkv_rotary_write(x, qkv_proj.weight, qkv_proj.bias, kv_cache, batch.slot_mapping, batch.positions,
-                                rotary.cos_cache, rotary.sin_cache, num_heads, num_kv_heads)
+                                rotary.cos_cache, rotary.sin_cache, num_heads, num_kv_heads, norm=norm)
     return None
 
 

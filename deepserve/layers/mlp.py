@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepserve.layers.kernel_dispatch import use_triton
-from deepserve.layers.linear import Linear, fused_swiglu_linear
+from deepserve.layers.linear import Linear, fused_swiglu_linear, linear_residual
+from deepserve.layers.norm import RMSNorm
 
 
 def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
@@ -43,11 +44,22 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = fused_swiglu_linear(x, self.gate_up_proj, self.swiglu_limit)    # batch-1 decode on a GPU: one launch
-        if act is None:
-            # Module calls, not F.linear on .weight: a quantized Linear may stand in for either projection.
-            act = swiglu_activation(self.gate_up_proj(x), self.swiglu_limit)
-        return self.down_proj(act)
+        return self.down_proj(self.activation(x))
+
+    def forward_residual(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """h + self(norm(h)) for the residual stream h (DecoderLayer's batch-1 GPU path): the norm runs in the
+        gate/up projection's prologue, the add in down_proj's epilogue, where the kernels allow."""
+        return linear_residual(self.activation(h, norm), self.down_proj, h)
+
+    def activation(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """swiglu(gate_up(x)) (of norm(x) given an RMSNorm): the down projection's input."""
+        act = fused_swiglu_linear(x, self.gate_up_proj, self.swiglu_limit, norm)   # batch-1 decode on a GPU: one launch
+        if act is not None:
+            return act
+        if norm is not None:
+            x = norm(x)
+        # Module calls, not F.linear on .weight: a quantized Linear may stand in for either projection.
+        return swiglu_activation(self.gate_up_proj(x), self.swiglu_limit)
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> str:
         """HF name relative to this MLP (`gate_proj.weight`, ...) -> the parameter it filled."""

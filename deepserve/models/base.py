@@ -3,18 +3,31 @@ trunk. A model file only says how its attention and MLP are built and how its ch
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from deepserve.layers.linear import Linear, linear
+from deepserve.layers.linear import Linear, linear, one_row_on_gpu
 from deepserve.layers.norm import RMSNorm
 from deepserve.worker.forward_batch import ForwardBatch
 
 
+# A/B switch (DEEPSERVE_FUSED_NORMS=0): batch-1 GPU layers run their norms and residual adds as separate launches.
+_FUSED_NORMS = os.environ.get("DEEPSERVE_FUSED_NORMS", "1") != "0"
+
+
 class DecoderLayer(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(.)); each residual add is fused into the norm that follows it."""
+    """x + attn(norm(x)), then + mlp(norm(.)).
+
+    Layers pass (x, residual) on: the sublayer output and the residual stream before it is added, so that each add
+    is fused into the norm that follows it (one kernel). A residual of None means x *is* the stream (the embedding,
+    before the first layer; or the output of a layer that took the one-row path below).
+
+    One row on the GPU (batch-1 decode), when the attention and the MLP offer `forward_residual`: each norm runs in
+    the prologue of the projection that reads it and each add in the epilogue of the projection before it, so the
+    layer passes the stream itself on (residual None) and launches no norm kernel: two launches fewer per layer."""
 
     def __init__(self, hidden_size: int, eps: float, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
@@ -22,8 +35,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = mlp
+        self.fuses_norms = _FUSED_NORMS and hasattr(self_attn, "forward_residual") and \
+            hasattr(mlp, "forward_residual")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
+        if residual is None and self.fuses_norms and one_row_on_gpu(x):
+            h = self.self_attn.forward_residual(x, self.input_layernorm, batch)
+            return self.mlp.forward_residual(h, self.post_attention_layernorm), None
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -61,6 +79,8 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, batch)
         # Only rows that are sampled (or asked for prompt logprobs) go through the last norm and the LM head.
         idx = batch.logits_indices
+        if residual is None:            # the last layer passed the stream itself on (DecoderLayer)
+            return self.norm(x[idx])
         return self.norm(x[idx], residual[idx])[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from deepserve.layers.attention import Attention
-from deepserve.layers.linear import Linear
+from deepserve.layers.linear import Linear, linear_residual
 from deepserve.layers.mlp import GatedMLP
 from deepserve.layers.norm import RMSNorm
 from deepserve.models.base import CausalLM, DecoderLayer
@@ -40,12 +40,24 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.o_proj(self.attend(x, batch))
+
+    def forward_residual(self, h: torch.Tensor, norm: RMSNorm, batch: ForwardBatch) -> torch.Tensor:
+        """h + self(norm(h)) for the residual stream h (DecoderLayer's batch-1 GPU path): the norm runs in the qkv
+        projection's prologue, the add in o_proj's epilogue, where the kernels allow."""
+        out = self.attend(h, batch, norm)
+        return linear_residual(out, self.o_proj, h)
+
+    def attend(self, x: torch.Tensor, batch: ForwardBatch, norm: RMSNorm | None = None) -> torch.Tensor:
+        """The attention's output before o_proj, [T, H * D], of x (of norm(x) given an RMSNorm)."""
         t = x.shape[0]
         if self.q_norm is None:
-            # Batch-1 decode on the GPU: projection, rotary and cache write in one launch (None elsewhere).
-            out = self.attn.forward_from_hidden(x, self.qkv_proj, batch, self.rotary)
+            # Batch-1 decode on the GPU: norm, projection, rotary and cache write in one launch (None elsewhere).
+            out = self.attn.forward_from_hidden(x, self.qkv_proj, batch, self.rotary, norm)
             if out is not None:
-                return self.o_proj(out.reshape(t, self.q_size))
+                return out.reshape(t, self.q_size)
+        if norm is not None:
+            x = norm(x)
         qkv = self.qkv_proj(x)
         q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
@@ -54,7 +66,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # The attention applies the rotary embedding: the GPU backend fuses it with the KV-cache write (one launch);
         # the reference rotates q and k as views side by side in qkv, in one pass (one C call on the CPU).
-        return self.o_proj(self.attn(q, k, v, batch, rotary=self.rotary).reshape(t, self.q_size))
+        return self.attn(q, k, v, batch, rotary=self.rotary).reshape(t, self.q_size)
 
 
 class LlamaForCausalLM(CausalLM):

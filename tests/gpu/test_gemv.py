@@ -37,11 +37,13 @@ def test_gemv_strided_row(device):
 
 
 def test_gemv_tiles():
-    """Wide matrices (N >= 2K: gate/up, LM heads) take 4 rows and 1 warp, the rest 2 rows and 2 warps; K steps of
-    512 elements, fewer for short rows (tuned on an H200: benchmarks/tune_gemv_2d.json)."""
+    """Many rows (N >= 8192: gate/up, LM heads): 4 rows, K steps of 512, 1 warp; long rows (K > 2048: down
+    projections): 1 row, steps of 512, 4 warps; the rest: 4 rows in one K step, 4 warps (tuned on an H200:
+    benchmarks/tune_gemv_wide.json)."""
     assert gemv_config(16384, 2048) == (4, 512, 1) and gemv_config(128256, 2048) == (4, 512, 1)
-    assert gemv_config(3072, 2048) == (2, 512, 2) and gemv_config(2048, 8192) == (2, 512, 2)
-    assert gemv_config(7, 40) == (2, 64, 2)
+    assert gemv_config(2048, 8192) == (1, 512, 4) and gemv_config(2048, 2816) == (1, 512, 4)
+    assert gemv_config(3072, 2048) == (4, 2048, 4) and gemv_config(576, 2048) == (4, 2048, 4)
+    assert gemv_config(7, 40) == (4, 64, 4)
 
 
 def test_linear_dispatch(device, monkeypatch):
@@ -135,3 +137,75 @@ def test_fused_two_linear_dispatch(device, monkeypatch):
         assert fused_two_linear(torch.randn(2, 40, device=device).half(), a, b) is None
         assert fused_two_linear(x, a, Linear(40, 8, bias=True).to(device).half()) is None
         assert fused_two_linear(x.float(), a.float(), b.float()) is None
+
+
+class _Norm(nn.Module):
+    """An RMSNorm's two fields, as the GEMVs read them."""
+
+    def __init__(self, k, dtype, device, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter((1 + 0.3 * torch.randn(k, device=device)).to(dtype), requires_grad=False)
+        self.eps = eps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(7, 40), (33, 1100), (300, 64), (64, 2048), (40, 3000)])
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemv_norm_prologue_and_residual_epilogue(device, dtype, n, k, with_norm, with_residual):
+    """gemv(x, w, residual=r, norm=n) is the three-launch path (the RMSNorm kernel, the GEMV, the add) in one:
+    within one rounding of it (the norm's sum of squares runs in another order), and within the float32
+    reference's roundings. K = 3000 takes several K steps: the norm then runs as its own kernel first."""
+    skip_bf16_in_interpreter(dtype)
+    from deepserve.kernels.gemv import gemv_ref
+    from deepserve.kernels.norm import fused_add_rms_norm
+    x = (3 * torch.randn(1, k, device=device)).to(dtype)
+    w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
+    norm = _Norm(k, dtype, device) if with_norm else None
+    residual = torch.randn(1, n, device=device).to(dtype) if with_residual else None
+    out = gemv(x, w, residual=residual, norm=norm)
+    assert out.shape == (1, n) and out.dtype == dtype
+    unfused = gemv(fused_add_rms_norm(x, None, norm.weight, norm.eps) if with_norm else x, w)
+    if with_residual:
+        unfused = unfused + residual
+    assert_within_ulps(out, unfused, dtype, ulps=1, min_exact=0.9, atol=1e-5)
+    ref = gemv_ref(x.float(), w.float(), None, None if residual is None else residual.float(),
+                   None if norm is None else _float_norm(norm)).to(dtype)
+    # The float32 reference skips the norm's roundings: a tolerance, no share of equal bits.
+    assert_within_ulps(out, ref, dtype, ulps=2, min_exact=0.0, atol=2e-2)
+
+
+def _float_norm(norm):
+    n = _Norm(norm.weight.shape[0], torch.float32, norm.weight.device, norm.eps)
+    n.weight.data.copy_(norm.weight.float())
+    return n
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter,k", [(5, 40), (48, 1100), (64, 2048), (4100, 256)])
+def test_swiglu_gemv_norm_prologue(device, dtype, inter, k):
+    """swiglu_gemv(x, w13, norm=n) = swiglu_gemv of the RMSNorm kernel's output, within one rounding."""
+    skip_bf16_in_interpreter(dtype)
+    from deepserve.kernels.norm import fused_add_rms_norm
+    x = (3 * torch.randn(1, k, device=device)).to(dtype)
+    w13 = (torch.randn(2 * inter, k, device=device) * k ** -0.5).to(dtype)
+    norm = _Norm(k, dtype, device)
+    out = swiglu_gemv(x, w13, norm=norm)
+    unfused = swiglu_gemv(fused_add_rms_norm(x, None, norm.weight, norm.eps), w13)
+    assert_within_ulps(out, unfused, dtype, ulps=1, min_exact=0.9, atol=1e-5)
+
+
+def test_linear_residual_dispatch(device, monkeypatch):
+    """The add goes into the GEMV's epilogue for one row through a plain Linear; elsewhere it is a separate add,
+    with the same result up to the GEMV's summation order."""
+    from deepserve.layers.linear import linear_residual
+    monkeypatch.setattr(linear_module, "use_triton", lambda x: True)
+    layer = Linear(40, 24, bias=False).to(device).half()
+    x = torch.randn(1, 40, device=device).half()
+    r = torch.randn(1, 24, device=device).half()
+    with torch.inference_mode():
+        out = linear_residual(x, layer, r)
+        ref = torch.nn.functional.linear(x.float(), layer.weight.float()).half() + r
+        assert_within_ulps(out, ref, torch.float16, ulps=1, min_exact=0.9, atol=1e-4)
+        two = linear_residual(torch.randn(2, 40, device=device).half(), layer, torch.zeros(2, 24, device=device).half())
+        assert two.shape == (2, 24)

@@ -104,15 +104,17 @@ def test_reduce_reads_only_active_splits(device, num_splits):
     assert single.any() and torch.equal(out[single], part_out[single, :, 0])
 
 
+@pytest.mark.parametrize("inputs_ready", [False, True])
 @pytest.mark.parametrize("num_splits", [None, 128])
-def test_decode_graph_grid_short_contexts(device, num_splits):
+def test_decode_graph_grid_short_contexts(device, num_splits, inputs_ready):
     """A launch sized as a CUDA graph's (max_seq_len far above every context): most splits are empty, their programs
-    exit without storing, and the reduce merges only the used ones."""
+    exit without storing, and the reduce merges only the used ones. inputs_ready: lengths and block ids read before
+    the PDL wait, as the backend launches it."""
     lens = [1, 17, 32, 33, 193]
     batch, cache, q_lat, q_pe = _decode_case(device, torch.float32, 16, 64, 16, lens, 16)
     ref = mla_decode_ref(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 0.1)
     out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 0.1, max_seq_len=4096,
-                     num_splits=num_splits)
+                     num_splits=num_splits, inputs_ready=inputs_ready)
     assert_close_rel(out, ref, KERNEL_TOL[torch.float32])
 
 

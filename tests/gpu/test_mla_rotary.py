@@ -103,9 +103,12 @@ def test_mla_rotary_no_tokens(device):
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
 @pytest.mark.parametrize("scaling", ["default", "yarn"])
 @pytest.mark.parametrize("heads,nope,rope,rank", [(16, 128, 64, 512), (3, 5, 10, 7)], ids=["V2", "odd"])
-def test_rotary_write_latents_matches_reference(device, dtype, interleaved, scaling, heads, nope, rope, rank):
+@pytest.mark.parametrize("inputs_ready", [False, True], ids=["after_wait", "before_wait"])
+def test_rotary_write_latents_matches_reference(device, dtype, interleaved, scaling, heads, nope, rope, rank,
+                                                inputs_ready):
     """One launch = the rotary kernel then the latent write, bit for bit (the same rotation code); = the PyTorch
-    rotation then the reference write within one rounding; padding rows (slot -1) write nothing."""
+    rotation then the reference write within one rounding; padding rows (slot -1) write nothing. Positions and slots
+    read after the PDL wait or before it (inputs_ready, as the backend launches it)."""
     skip_bf16_in_interpreter(dtype)
     rotary = MLARotaryEmbedding(rope, MAX_POS, SCALINGS[scaling], 163840, interleaved).to(device)
     t, nb, bs = 13, 4, 8
@@ -118,7 +121,7 @@ def test_rotary_write_latents_matches_reference(device, dtype, interleaved, scal
     cache = torch.randn(nb, bs, rank + rope, device=device).to(dtype)
     fused = cache.clone()
     q_rot = rotary_write_latents(fused, q_pe, latent, k_pe, slots, positions, rotary.cos_cache, rotary.sin_cache,
-                                 interleaved)
+                                 interleaved, inputs_ready=inputs_ready)
     assert q_rot.shape == q_pe.shape and q_rot.is_contiguous()
 
     two_launches = cache.clone()

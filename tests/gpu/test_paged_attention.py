@@ -77,9 +77,12 @@ def _rotary_case(device, dtype, heads, kv_heads, head_dim, t, num_blocks, bs):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 64), (7, 1, 128), (6, 3, 96)])
 @pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["default", "llama3"])
 @pytest.mark.parametrize("half_cache", [False, True], ids=["full_cache", "half_cache"])
-def test_rotary_write_kv_matches_reference(device, dtype, heads, kv_heads, head_dim, scaling, half_cache):
+@pytest.mark.parametrize("inputs_ready", [False, True], ids=["after_wait", "before_wait"])
+def test_rotary_write_kv_matches_reference(device, dtype, heads, kv_heads, head_dim, scaling, half_cache,
+                                          inputs_ready):
     """One launch = the rotary kernel then the cache write, bit for bit (the same rotation code); = the PyTorch
-    rotation then the reference write within one rounding; padding rows (slot -1) write nothing."""
+    rotation then the reference write within one rounding; padding rows (slot -1) write nothing. Positions and slots
+    read after the PDL wait or before it (inputs_ready, as the backend launches it)."""
     skip_bf16_in_interpreter(dtype)
     nb, bs, t = 12, 16, 19
     rope = RotaryEmbedding(head_dim, 4096, 500000.0, scaling).to(device)
@@ -89,7 +92,7 @@ def test_rotary_write_kv_matches_reference(device, dtype, heads, kv_heads, head_
     q, k, v, slots, positions = _rotary_case(device, dtype, heads, kv_heads, head_dim, t, nb, bs)
     cache = random_cache(nb, bs, kv_heads, head_dim, dtype, device)
     fused = cache.clone()
-    q_rot = rotary_write_kv(fused, q, k, v, slots, positions, cos, sin)
+    q_rot = rotary_write_kv(fused, q, k, v, slots, positions, cos, sin, inputs_ready=inputs_ready)
     assert q_rot.shape == q.shape and q_rot.is_contiguous()
 
     two_launches = cache.clone()
@@ -214,21 +217,26 @@ def test_decode_graph_grid_short_contexts(device, num_splits):
     assert_attention_close(out, ref, dtype)
 
 
-def test_decode_rows_subset(device):
-    """Decode rows scattered among other rows: only those rows are written, each from its own sequence."""
+@pytest.mark.parametrize("inputs_ready", [False, True])
+def test_decode_rows_subset(device, inputs_ready):
+    """Decode rows scattered among other rows: only those rows are written, each from its own sequence; the
+    inputs read before or after the PDL wait (inputs_ready: the backends' metadata, copied in before the step), with
+    and without a split."""
     dtype = torch.float16
     lens = [40, 7, 300]
     batch, cache, q_small = _decode_case(device, dtype, 64, 4, lens, 16, 64)
     q = torch.randn(10, q_small.shape[1], 64, device=device).half()
     rows = torch.tensor([8, 2, 5], device=device)
     seq_ids = torch.tensor([2, 0, 1], device=device)
-    out = torch.full_like(q, float("nan"))
-    decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.125, out=out, q_rows=rows, seq_ids=seq_ids)
     ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.125, q_rows=rows, seq_ids=seq_ids)
-    assert_attention_close(out[rows], ref[rows], dtype)
     others = torch.ones(10, dtype=torch.bool, device=device)
     others[rows] = False
-    assert torch.isnan(out[others]).all()
+    for splits in (1, 5):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.125, out=out, q_rows=rows,
+                         seq_ids=seq_ids, num_splits=splits, max_seq_len=4096, inputs_ready=inputs_ready)
+        assert_attention_close(out[rows], ref[rows], dtype)
+        assert torch.isnan(out[others]).all()
 
 
 PREFILL_SEQS = [(0, 2), (0, 37), (0, 64), (17, 50), (100, 129), (256, 3), (1000, 200), (31, 1), (0, 1)]

@@ -89,3 +89,29 @@ def test_engine_batch1_decode_uses_it_and_keeps_the_tokens(tiny_llama, monkeypat
     monkeypatch.setattr(attention_module, "fused_qkv_rotary_write", lambda *a: None)
     plain = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=1 << 26)
     assert plain.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == fused_tokens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_prologue_is_the_norm_kernel_then_the_launch(device, dtype):
+    """qkv_rotary_write(x, ..., norm=n) = the RMSNorm kernel, then qkv_rotary_write of its output: within one
+    rounding (the sum of squares runs in another order), the same cache slot written."""
+    skip_bf16_in_interpreter(dtype)
+    from torch import nn
+    from deepserve.kernels.norm import fused_add_rms_norm
+    heads, kv_heads, d, hidden = 8, 2, 64, 256
+    n = (heads + 2 * kv_heads) * d
+    x = (3 * torch.randn(1, hidden, device=device)).to(dtype)
+    w = (torch.randn(n, hidden, device=device) * hidden ** -0.5).to(dtype)
+    norm = nn.Module()
+    norm.weight = nn.Parameter((1 + 0.3 * torch.randn(hidden, device=device)).to(dtype), requires_grad=False)
+    norm.eps = 1e-6
+    rot = RotaryEmbedding(d, 128, 10000.0)
+    cos, sin = rot.cos_cache.to(device), rot.sin_cache.to(device)
+    positions, slots = torch.tensor([21], device=device), torch.tensor([13], device=device)
+    cache = torch.randn(2, 2, 8, kv_heads, d, device=device).to(dtype)
+    ref_cache = cache.clone()
+    q = qkv_rotary_write(x, w, None, cache, slots, positions, cos, sin, heads, kv_heads, norm=norm)
+    xn = fused_add_rms_norm(x, None, norm.weight, norm.eps)
+    q_ref = qkv_rotary_write(xn, w, None, ref_cache, slots, positions, cos, sin, heads, kv_heads)
+    assert_within_ulps(q, q_ref, dtype, ulps=1, min_exact=0.9, atol=1e-4)
+    assert_within_ulps(cache, ref_cache, dtype, ulps=1, min_exact=0.97, atol=1e-4)
