@@ -1,13 +1,15 @@
-"""GEMV on the GPU: y = x W^T (+ bias) for one activation row, the product of every linear layer in a batch-1 decode
-step. The GPU twin of `F.linear` at M = 1 (deepserve/layers/linear.py dispatches to it).
+"""GEMV on the GPU: y = x W^T (+ bias) (+ residual) for one activation row, the product of every linear layer in a
+batch-1 decode step; optionally of rms_norm(x) (the norm in the GEMV's prologue). The GPU twin of `F.linear` at
+M = 1 (deepserve/layers/linear.py dispatches to it).
 
 Batch-1 decode only reads weights; at M = 1 cuBLAS picks latency-bound kernels (split-K plus a reduce kernel for
 long rows) that reach 1.4-2.6 TB/s on a Llama-3.2-1B layer's matrices on an H200. Here each program takes a few
-weight rows (2 or 4) and walks K in 512-element steps, summing products into a [rows, BLOCK_K] float32 accumulator
-that is reduced once at the end (no cross-lane reduction per step): many small programs keep the most loads in
-flight. Measured against cuBLAS on the H200, CUDA-graph replays, L2-cold weights (benchmarks/tune_gemv_2d.json):
-faster on all nine shapes of Llama-3.2-1B and DeepSeek-V2-Lite, e.g. o_proj 2048x2048 4.4 vs 6.0 us, kv_a 576x2048
-2.4 vs 5.5 us, down 2048x8192 12.3 vs 13.1 us, lm_head 128256x2048 117.5 vs 126 us.
+weight rows and either holds them whole in one K step (rows of up to 2048: the tile is loaded into registers
+before the PDL wait, so after the previous kernel ends only x remains to load) or walks K in 512-element steps,
+summing products into a [rows, BLOCK_K] float32 accumulator that is reduced once at the end (no cross-lane
+reduction per step). Measured in CUDA-graph chains with PDL, L2-cold weights (benchmarks/tune_gemv_wide.json):
+qkv 3072x2048 4.6 us vs cuBLAS 6.1, o_proj 2048x2048 3.3 vs 6.0, down 2048x8192 9.2 vs 13.6, gate/up 16384x2048
+16.8 vs 18.1, lm_head 128256x2048 116.9 vs 121.5.
 
 Products are exact in float32 (inputs widened, not TF32), accumulated in float32, rounded once to x's dtype: the
 same as cuBLAS up to the summation order.

@@ -27,7 +27,8 @@ from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
 from deepserve.kernels.norm import rms_normed
 from deepserve.kernels.paged_attention import (EARLY_INPUTS, active_splits, active_splits_ref, copy_heads,
                                                merge_splits_ref, rotary_write_prologue, split_bounds, tile_blocks)
-from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
+from deepserve.kernels.pdl import (pdl_launch_args, pdl_launch_dependents, pdl_wait, pdl_wait_after_inputs,
+                                  pdl_wait_for_inputs)
 from deepserve.kernels.rotary import rotary_constexprs, rotate_heads
 
 _LOG2E = 1.4426950408889634
@@ -173,20 +174,13 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
     head_tile = tl.program_id(1)
     split = tl.program_id(2)
     table = block_tables_ptr + b * stride_bt
-    if INPUTS_READY:
-        # The step's inputs were in place before its first kernel (kernels/pdl.py, rule 1): the length and the
-        # first tile's block ids load while the previous kernel finishes.
-        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-        start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
-        blk = tile_blocks(table, start + tl.arange(0, BLOCK_N), end, block_size)
-        pdl_wait(USE_PDL)
-        pdl_launch_dependents(USE_PDL)
-    else:
-        pdl_wait(USE_PDL)          # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
-        pdl_launch_dependents(USE_PDL)
-        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-        start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
-        blk = tile_blocks(table, start + tl.arange(0, BLOCK_N), end, block_size)
+    # With INPUTS_READY (the step's inputs were in place before its first kernel) the length and the first tile's
+    # block ids load while the previous kernel finishes; else after the wait (kernels/pdl.py, rule 1).
+    pdl_wait_for_inputs(INPUTS_READY, USE_PDL)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
+    blk = tile_blocks(table, start + tl.arange(0, BLOCK_N), end, block_size)
+    pdl_wait_after_inputs(INPUTS_READY, USE_PDL)
     if SPLIT:
         if start >= end:        # an empty split: the reduce does not read it, so nothing to load or store
             return
@@ -249,14 +243,9 @@ def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
     ones (most of a CUDA graph's grid at short contexts) weigh 0 and their programs store nothing."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    if INPUTS_READY:               # not written by the previous kernel (the decode's): may load before the wait
-        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-        pdl_wait(USE_PDL)
-        pdl_launch_dependents(USE_PDL)
-    else:
-        pdl_wait(USE_PDL)          # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
-        pdl_launch_dependents(USE_PDL)
-        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    pdl_wait_for_inputs(INPUTS_READY, USE_PDL)    # the previous kernel (the decode's) writes no seq_lens
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    pdl_wait_after_inputs(INPUTS_READY, USE_PDL)
     used = active_splits(seq_len, num_splits, BLOCK_N)
     s = tl.arange(0, BLOCK_S)
     lse_ptr = part_lse_ptr + b * stride_pl_b + h * stride_pl_h

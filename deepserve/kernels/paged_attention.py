@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import HAS_TRITON, cdiv, next_pow2, require_triton, tl, triton
-from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
+from deepserve.kernels.pdl import (pdl_launch_args, pdl_launch_dependents, pdl_wait, pdl_wait_after_inputs,
+                                  pdl_wait_for_inputs)
 from deepserve.kernels.rotary import cos_sin_row, rotary_constexprs, rotate_heads
 
 _LOG2E = 1.4426950408889634
@@ -56,16 +57,12 @@ def rotary_write_prologue(pos_ptr, slot_ptr, cache_ptr, cos_ptr, sin_ptr, stride
     its token t, the cache slot it writes (`cache_slot`) and the cos/sin row of its position (`cos_sin_row`).
     INPUTS_READY: positions and slots were in place before the previous kernel (kernels/pdl.py, rule 1), so their
     loads and the cos/sin loads they lead to come before the wait."""
-    if not INPUTS_READY:
-        pdl_wait(USE_PDL)          # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
-        pdl_launch_dependents(USE_PDL)
+    pdl_wait_for_inputs(INPUTS_READY, USE_PDL)    # first (kernels/pdl.py), or after the inputs if they are ready
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     dst, keep = cache_slot(cache_ptr, slot_ptr, t, stride_c_block, stride_c_slot, block_size)
     cos1, sin1, cos2, sin2, j, jmask = cos_sin_row(cos_ptr, sin_ptr, pos, stride_cos, HALF, BLOCK_HALF, HALF_CACHE)
-    if INPUTS_READY:
-        pdl_wait(USE_PDL)
-        pdl_launch_dependents(USE_PDL)
+    pdl_wait_after_inputs(INPUTS_READY, USE_PDL)
     return t, dst, keep, cos1, sin1, cos2, sin2, j, jmask
 
 
@@ -245,21 +242,12 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     i = tl.program_id(0)           # decode row
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    table = block_tables_ptr
-    if INPUTS_READY:
-        # The step's inputs were in place before its first kernel (kernels/pdl.py, rule 1): their loads, and the
-        # first tile's block ids, overlap the previous kernel instead of adding three round trips after the wait.
-        row, seq, seq_len, table, first_blk = decode_row_inputs(q_rows_ptr, seq_ids_ptr, seq_lens_ptr,
-                                                                block_tables_ptr, stride_bt, i, split, block_size,
-                                                                SPLIT, BLOCK_N)
-        pdl_wait(USE_PDL)
-        pdl_launch_dependents(USE_PDL)
-    else:
-        pdl_wait(USE_PDL)          # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
-        pdl_launch_dependents(USE_PDL)
-        row, seq, seq_len, table, first_blk = decode_row_inputs(q_rows_ptr, seq_ids_ptr, seq_lens_ptr,
-                                                                block_tables_ptr, stride_bt, i, split, block_size,
-                                                                SPLIT, BLOCK_N)
+    # With INPUTS_READY (the step's inputs were in place before its first kernel) their loads, and the first tile's
+    # block ids, overlap the previous kernel instead of adding three round trips after the wait (kernels/pdl.py).
+    pdl_wait_for_inputs(INPUTS_READY, USE_PDL)
+    row, seq, seq_len, table, first_blk = decode_row_inputs(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, block_tables_ptr,
+                                                            stride_bt, i, split, block_size, SPLIT, BLOCK_N)
+    pdl_wait_after_inputs(INPUTS_READY, USE_PDL)
     start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
     if SPLIT:
         if start >= end:        # an empty split: the reduce does not read it, so nothing to load or store
@@ -321,14 +309,9 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, q_rows_ptr, seq_ids_ptr, s
     programs used to store, so the sum is the same, lane for lane."""
     i = tl.program_id(0)
     h = tl.program_id(1)
-    if INPUTS_READY:               # not written by the previous kernel (the decode's): may load before the wait
-        row, seq, seq_len = decode_row(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, i)
-        pdl_wait(USE_PDL)
-        pdl_launch_dependents(USE_PDL)
-    else:
-        pdl_wait(USE_PDL)          # first (kernels/pdl.py): reads this step's data, writes the cache/outputs
-        pdl_launch_dependents(USE_PDL)
-        row, seq, seq_len = decode_row(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, i)
+    pdl_wait_for_inputs(INPUTS_READY, USE_PDL)    # the previous kernel (the decode's) writes none of them
+    row, seq, seq_len = decode_row(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, i)
+    pdl_wait_after_inputs(INPUTS_READY, USE_PDL)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     smask = s < active_splits(seq_len, num_splits, BLOCK_N)

@@ -48,6 +48,23 @@ def pdl_launch_dependents(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def pdl_wait_for_inputs(INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
+    """Where a kernel reads the step's inputs: the wait, unless INPUTS_READY (rule 1: the caller vouches that the
+    previous kernel does not write them), in which case `pdl_wait_after_inputs` waits once they are loaded."""
+    if not INPUTS_READY:
+        pdl_wait(USE_PDL)
+        pdl_launch_dependents(USE_PDL)
+
+
+@triton.jit
+def pdl_wait_after_inputs(INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
+    """The deferred wait of `pdl_wait_for_inputs` (a no-op when that one waited)."""
+    if INPUTS_READY:
+        pdl_wait(USE_PDL)
+        pdl_launch_dependents(USE_PDL)
+
+
 @functools.cache
 def _pdl_supported(device_index: int) -> bool:
     if not HAS_TRITON or INTERPRET or os.environ.get("DEEPSERVE_PDL", "1") == "0":
@@ -73,4 +90,5 @@ def pdl_launch_args(tensor: torch.Tensor) -> dict:
     return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(tensor.device) else {"USE_PDL": False}
 
 
-__all__ = ["pdl_enabled", "pdl_launch_args", "pdl_launch_dependents", "pdl_wait"]
+__all__ = ["pdl_enabled", "pdl_launch_args", "pdl_launch_dependents", "pdl_wait", "pdl_wait_after_inputs",
+           "pdl_wait_for_inputs"]

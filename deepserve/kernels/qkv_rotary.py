@@ -10,6 +10,9 @@ cache slot, rotated, and a value head's pair into the cache as is.
 Same arithmetic as the two launches: the GEMV's float32 sums (`gemv_rows`), rounded to the activation dtype (the
 projection's output), then `rotate_heads`' float32 rotation, rounded to the activation dtype and stored in the
 cache's. One token only (T = 1); a negative slot (a padded CUDA-graph row) writes no key or value.
+
+Given the layer's input RMSNorm, a one-step GEMV (rows of up to 2048) normalises x itself (`one_step_rows`, the
+RMSNorm kernel's arithmetic), so the layer's norm costs no launch either; longer rows get the norm kernel first.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def _qkv_rotary_write_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, pos_ptr, slot_ptr
     y = normed_gemv_rows(x_ptr, norm_ptr, eps, w_ptr, rows, pair < 2, k_len, stride_wn, NORM, BLOCK_K, ONE_STEP,
                          USE_PDL)            # waits for x (PDL)
     # After the wait: loading the position, slot and cos/sin before it (they are ready) measured slower on an H200
-    # at a 193-token context (0.826 vs 0.802 ms per step, benchmarks/ab_b1_qkv_inputs.json).
+    # at a 193-token context (0.826 vs 0.802 ms per step, run 4 of benchmarks/ab_b1_session6.json).
     slot, cos1, sin1, cos2, sin2 = rotation_inputs(pos_ptr, slot_ptr, cos_ptr, sin_ptr, stride_cos, j, HALF,
                                                    HALF_CACHE)
     if HAS_BIAS:
