@@ -57,7 +57,9 @@ def main() -> None:
         env.update(a.split("=", 1) for a in assigns.split(",") if a)
         for shape in args.shapes.split(","):
             t0 = time.perf_counter()
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", shape] + (["--offline"] if args.offline else [])
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", shape]
+            if args.offline:
+                cmd.append("--offline")
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             res = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-2000:]}

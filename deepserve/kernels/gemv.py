@@ -337,5 +337,6 @@ def norm_ref(x, norm):
     return rms_norm(x, norm.weight, norm.eps)
 
 
-__all__ = ["gate_up_rows", "gemv", "gemv_config", "gemv_two", "one_row_operands", "gemv_with", "gemv_ref", "gemv_rows",
-           "norm_eps", "norm_weight_or", "normed_gemv_rows", "one_step_rows", "prologue_norm", "swiglu", "swiglu_gemv", "swiglu_gemv_ref", "swiglu_rows"]
+__all__ = ["gate_up_rows", "gemv", "gemv_config", "gemv_ref", "gemv_rows", "gemv_two", "gemv_with", "norm_eps",
+           "norm_weight_or", "normed_gemv_rows", "one_row_operands", "one_step_rows", "prologue_norm", "swiglu",
+           "swiglu_gemv", "swiglu_gemv_ref", "swiglu_rows"]

@@ -337,7 +337,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 DECODE_BLOCK_N = 64
-# A/B switch for the H200 run (DEEPSERVE_EARLY_INPUTS=0: every decode program loads its inputs after the wait).
+# DEEPSERVE_EARLY_INPUTS=0: decode, reduce and rotary-write programs load the step's inputs after the PDL wait
+# (an A/B switch, see benchmarks/ab_env.py; the inputs_ready arguments say where early loads are allowed at all).
 EARLY_INPUTS = os.environ.get("DEEPSERVE_EARLY_INPUTS", "1") != "0"
 _MIN_PARTITION = 256
 
