@@ -25,9 +25,11 @@ class DecoderLayer(nn.Module):
     is fused into the norm that follows it (one kernel). A residual of None means x *is* the stream (the embedding,
     before the first layer; or the output of a layer that took the one-row path below).
 
-    One row on the GPU (batch-1 decode), when the attention and the MLP offer `forward_residual`: each norm runs in
-    the prologue of the projection that reads it and each add in the epilogue of the projection before it, so the
-    layer passes the stream itself on (residual None) and launches no norm kernel: two launches fewer per layer."""
+    One row on the GPU (batch-1 decode), when the attention and the MLP offer `forward_residual`: each add runs in
+    the epilogue of the projection before it, and each norm in the prologue of the projection that reads it where
+    that GEMV can take it (one K step: the qkv projection of a Llama-3.2-1B layer), else as a norm-only kernel
+    (`prologue_norm` in kernels/gemv.py). The layer passes the stream itself on (residual None): at 1B shapes one
+    launch fewer per layer, no add + norm kernel before the attention."""
 
     def __init__(self, hidden_size: int, eps: float, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
