@@ -26,6 +26,7 @@ import torch
 
 from deepserve import LLM, SamplingParams
 from deepserve.bench.throughput import machine_info, random_prompts, run_latency, write_json
+from deepserve.kernels.cpu import isa
 from deepserve.loader.gguf_loader import default_model_path
 
 
@@ -161,6 +162,8 @@ def main() -> None:
         "results": results, "ratios": ratios, "targets": {"batch1_decode_vs_hf": 1.5,
                                                           "offline_output_tokens_vs_hf_batch8": 5.0},
         "machine": machine_info(),
+        # The int8 paths depend on the vector ISA (layers/quantization.py): which CPU these numbers are from.
+        "cpu": isa.host().to_json(),
         # Other processes on the machine skew CPU numbers: the 1-minute load average, before and after.
         "load_average_start_end": [round(load_at_start[0], 2), round(os.getloadavg()[0], 2)],
     }

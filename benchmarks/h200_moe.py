@@ -125,7 +125,7 @@ def _backend_names(model) -> dict:
 def deepserve_runs(path: str, args, deadline: float) -> dict:
     from deepserve import LLM
     from deepserve.bench.throughput import run_latency, run_throughput
-    from deepserve.kernels.moe_backend import select_moe_and_mla_backends
+    from deepserve.layers.moe_triton import select_moe_and_mla_backends
 
     entry: dict = {}
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""`deepserve generate | serve | bench throughput | bench latency | bench serve`.
+"""`deepserve generate | serve | env | bench throughput | bench latency | bench serve`.
 
 Every EngineArgs field is also a flag (`--max-model-len`, `--enable-prefix-caching/--no-enable-...`).
 """
@@ -13,6 +13,7 @@ import shlex
 import sys
 from typing import Any
 
+from deepserve import envs
 from deepserve.config import EngineArgs
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n",
@@ -62,9 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    from deepserve.serving.openai.server import add_serve_args
+    from deepserve.serving.openai.options import add_serve_args      # light: no fastapi, no engine
     add_serve_args(serve)
     add_engine_args(serve)
+
+    sub.add_parser("env", help="print every DEEPSERVE_* environment variable: its value, default and meaning")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -90,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    envs.warn_unknown_variables()
     try:
+        if args.command == "env":
+            print(envs.describe())
+            return 0
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":
@@ -106,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from deepserve import LLM, SamplingParams
+    from deepserve.llm import LLM
+    from deepserve.sampling_params import SamplingParams
 
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give either a PROMPT or --input FILE")
@@ -177,8 +185,8 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
 
 
 def _bench(args: argparse.Namespace, argv: list[str]) -> int:
-    from deepserve import LLM
     from deepserve.bench.throughput import machine_info, run_latency, run_throughput, write_json
+    from deepserve.llm import LLM
 
     kwargs = engine_kwargs(args)
     if kwargs.get("load_format") == "dummy" and kwargs.get("model") and not _has_tokenizer(kwargs["model"]):

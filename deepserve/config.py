@@ -13,9 +13,25 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from typing import TYPE_CHECKING
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+# torch is imported where a dtype or device is built, not here: `deepserve --help` reads EngineArgs' fields and
+# should not pay for importing torch.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    import torch
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+# CPU default of SchedulerConfig.max_prefill_tokens_while_decoding. A CPU step's time grows with its token count
+# (2-core Xeon, default model: 16 decodes ~63 ms, + ~0.7 ms a prefill token; benchmarks/cpu_serve_itl.json), so
+# 128 prefill tokens keep a step with decodes within ~2.4x a decode-only step, where 2048 made it ~25x. GPU
+# defaults are left as they were (not measured there).
+CPU_MAX_PREFILL_TOKENS_WHILE_DECODING = 128
 
 
 @dataclass
@@ -59,6 +75,9 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     async_scheduling: bool = False      # overlap: schedule step n+1 while step n runs on the device
+    # Prefill tokens (prompt chunks) a step may carry while some sequence decodes; None: no cap beyond
+    # max_num_batched_tokens. Every decode waits for its whole step, so this bounds inter-token latency.
+    max_prefill_tokens_while_decoding: int | None = None
     # Fraction of blocks kept free when admitting new prompts, so that a request resumed after
     # preemption is not preempted again at once by the next admission (vLLM uses 1%).
     watermark: float = 0.01
@@ -117,12 +136,12 @@ class EngineArgs:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ValueError(msg)
-        need(self.dtype in ("auto", *_DTYPES), f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        need(self.dtype in ("auto", *DTYPE_NAMES), f"dtype must be one of auto, {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be auto, cpu or cuda; got {self.device!r}")
         need(self.load_format in ("auto", "dummy"), f"load_format must be auto or dummy; got {self.load_format!r}")
-        need(self.kv_cache_dtype in ("auto", *_DTYPES),
-             f"kv_cache_dtype must be one of auto, {', '.join(_DTYPES)}; got {self.kv_cache_dtype!r}")
+        need(self.kv_cache_dtype in ("auto", *DTYPE_NAMES),
+             f"kv_cache_dtype must be one of auto, {', '.join(DTYPE_NAMES)}; got {self.kv_cache_dtype!r}")
         need(self.quantization in (None, "int8", "w8a8"),
              f"quantization must be None, int8 or w8a8; got {self.quantization!r}")
         need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
@@ -138,6 +157,13 @@ class EngineArgs:
              f"cuda_graph_max_batch_size must be >= 1; got {self.cuda_graph_max_batch_size}")
         need(0.0 < self.gpu_memory_utilization <= 1.0,
              f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+
+    def _prefill_cap_while_decoding(self, device: torch.device) -> int | None:
+        """The CPU's default cap; none on a GPU, with an explicit max_num_batched_tokens (the user's budget holds for
+        every step) or without chunked prefill (a prompt must then enter whole)."""
+        if device.type != "cpu" or self.max_num_batched_tokens is not None or not self.enable_chunked_prefill:
+            return None
+        return CPU_MAX_PREFILL_TOKENS_WHILE_DECODING
 
     def resolve_model_path(self) -> str:
         if self.model is None:
@@ -166,7 +192,7 @@ class EngineArgs:
             raise ValueError(f"without chunked prefill max_num_batched_tokens ({max_batched}) must be >= "
                              f"max_model_len ({max_model_len})")
         max_batched = max(max_batched, self.max_num_seqs) if self.max_num_batched_tokens is None else max_batched
-        kv_dtype = dtype if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
+        kv_dtype = dtype if self.kv_cache_dtype == "auto" else torch_dtype(self.kv_cache_dtype)
         if kv_dtype != dtype and device.type != "cpu":
             # The GPU kernels read the cache in the activations' dtype.
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} differs from the model dtype {dtype}: "
@@ -181,6 +207,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                                       max_model_len=max_model_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
+                                      max_prefill_tokens_while_decoding=self._prefill_cap_while_decoding(device),
                                       async_scheduling=(device.type == "cuda" if self.async_scheduling is None
                                                         else self.async_scheduling)),
             device=DeviceConfig(device=device, enforce_eager=self.enforce_eager,
@@ -200,6 +227,8 @@ def load_hf_config(path: str) -> dict[str, Any]:
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -208,8 +237,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+    import torch
+
     if name != "auto":
-        return _DTYPES[name]
+        return torch_dtype(name)
     if device.type == "cpu":
         # fp32 is the fastest and most exact choice on CPUs without AMX (measured: bf16 GEMMs are
         # slower than fp32 on AVX-512 Xeons for the small matrices of small models).

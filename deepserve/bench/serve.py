@@ -25,9 +25,10 @@ import shlex
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:  # pragma: no cover
+    import httpx
 
 _WORDS = ["time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school", "state", "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea", "kid", "body", "information", "back", "parent", "face", "others", "level", "office", "door", "health", "person", "art", "war", "history", "party", "result", "change", "morning", "reason", "research", "girl", "guy", "moment", "air", "teacher", "force", "education", "good", "new", "first", "last", "long", "great", "little", "own", "other", "old", "right", "big", "high", "different", "small", "large", "next", "early", "young", "important", "few", "public", "bad", "same", "able", "make", "know", "take", "see", "come", "think", "look", "want", "give", "use", "find", "tell", "ask", "seem", "feel", "try", "leave", "call", "keep", "let", "begin", "show", "hear", "play", "run", "move", "like", "live", "believe", "hold", "bring", "happen", "write", "provide", "sit", "stand", "lose", "pay", "meet", "include", "continue", "set", "learn", "lead", "understand", "watch", "follow", "stop", "create", "speak", "read", "allow", "add", "spend", "grow", "open", "walk", "win", "offer", "remember", "love", "consider", "appear", "buy", "wait", "serve", "die", "send", "expect"]
 
@@ -116,6 +117,8 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
 # --- running ------------------------------------------------------------------------------------
 
 async def _run_all(args: argparse.Namespace, slos: dict[str, float]) -> list[dict[str, Any]]:
+    import httpx  # here, not at import: `deepserve --help` and `deepserve generate` never load the HTTP client
+
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
@@ -168,6 +171,8 @@ def _payload(args: argparse.Namespace, model: str, prompt: str, max_tokens: int)
 
 
 async def _send(client: httpx.AsyncClient, payload: dict[str, Any]) -> RequestResult:
+    import httpx
+
     path = "/v1/chat/completions" if "messages" in payload else "/v1/completions"
     result = RequestResult(ok=False)
     start = last = time.perf_counter()

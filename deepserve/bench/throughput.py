@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from deepserve.kernels.cpu import isa
 from deepserve.llm import LLM
 from deepserve.sampling_params import SamplingParams
 
@@ -120,7 +121,8 @@ def _time_steps(engine, seqs: list) -> dict[str, Any]:
 
 def machine_info() -> dict[str, Any]:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cpu": isa.host().to_json()}       # model and ISA flags: CPU numbers differ by instruction set
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     try:

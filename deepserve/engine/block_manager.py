@@ -21,7 +21,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from deepserve.engine.sequence import Sequence
+from deepserve.sequence import Sequence
 
 
 class NoFreeBlocksError(RuntimeError):

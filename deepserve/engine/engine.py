@@ -13,14 +13,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from deepserve import envs
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
 from deepserve.engine.output_processor import OutputProcessor, RequestState
-from deepserve.engine.scheduler import Scheduler, SchedulerOutput
-from deepserve.engine.sequence import Sequence, SequenceStatus
+from deepserve.engine.scheduler import Scheduler
 from deepserve.outputs import RequestOutput
 from deepserve.sampling_params import SamplingParams
+from deepserve.sequence import Sequence, SequenceStatus
 from deepserve.worker.model_runner import LaunchedStep, ModelRunner
+from deepserve.worker.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        envs.warn_unknown_variables()      # a mistyped DEEPSERVE_* name would otherwise be silently ignored
         self.config = config
         self.tokenizer = None
         if not config.model.skip_tokenizer_init:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deepserve.engine.scheduler import ScheduledSequence
-from deepserve.engine.sequence import Sequence, SequenceStatus
 from deepserve.outputs import CompletionOutput, Logprob, LogprobsEntry, RequestMetrics, RequestOutput
 from deepserve.sampling_params import SamplingParams
+from deepserve.sequence import Sequence, SequenceStatus
 from deepserve.worker.model_runner import ModelRunnerOutput, TokenLogprobs
+from deepserve.worker.scheduler_output import ScheduledSequence
 
 
 @dataclass

@@ -6,6 +6,8 @@ chunk of a long prompt is a part of it: one mechanism, so decodes and prefill ch
 
 Invariants:
 - running sequences are served first, in admission order; the budget left goes to waiting ones (FCFS);
+- while any sequence decodes, prompt chunks get at most `max_prefill_tokens_while_decoding` tokens of a step
+  (when set: a CPU default), so that no decode waits behind a long prefill;
 - when blocks run out, the most recently admitted running sequence is preempted (its KV dropped, it goes
   back to the front of `waiting`); no new sequence is admitted in a step that preempted, and admissions
   keep a watermark of free blocks, so a resumed sequence is not preempted again straight away;
@@ -19,40 +21,11 @@ Invariants:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from deepserve.config import SchedulerConfig
 from deepserve.engine.block_manager import BlockManager
-from deepserve.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    start: int              # first position computed in this step
-    num_new_tokens: int     # positions [start, start + num_new_tokens) are computed
-    # The chunk reaches the sequence's last token, so this step samples the next one (fixed when scheduled:
-    # the sequence grows while the step runs).
-    samples: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    ignored: list[Sequence] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from deepserve.sequence import Sequence, SequenceStatus
+from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 
 
 class Scheduler:
@@ -96,20 +69,31 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget, prefill = self._schedule_running(out, budget, self._prefill_budget(budget))
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, min(budget, prefill))
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _prefill_budget(self, budget: int) -> int:
+        """Tokens this step may give to prefills (work of more than one token). Every decode waits for its whole step,
+        so while one runs, the config's cap (if any) keeps prompt chunks from stalling it."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is None or not any(s.num_tokens - s.num_computed_tokens <= 1 for s in self.running):
+            return budget
+        return min(cap, budget)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: int) -> tuple[int, int]:
+        """Returns the (step, prefill) budgets left."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.num_inflight and self._finishes_by_length(seq):
                 i += 1          # its in-flight token is its last: nothing more to compute
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            left = seq.num_tokens - seq.num_computed_tokens
+            is_prefill = left > 1
+            n = min(left, budget, prefill) if is_prefill else min(left, budget)
             # Most decode steps fit in the sequence's last block: no allocation, no preemption check.
             fits = n > 0 and self.block_manager.fits_in_place(seq, n)
             if fits or (n > 0 and self._make_room(seq, n, out)):
@@ -118,8 +102,9 @@ class Scheduler:
                     self.block_manager.allocate_slots(seq, n)
                 seq.num_computed_tokens += n
                 budget -= n
+                prefill -= n if is_prefill else 0
             i += 1
-        return budget
+        return budget, prefill
 
     def _finishes_by_length(self, seq: Sequence) -> bool:
         max_tokens, known = seq.params.max_tokens, len(seq.token_ids)

@@ -39,7 +39,9 @@ import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_rows, swiglu, swiglu_rows
+from deepserve.kernels.paged_attention import num_sms
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
+from deepserve.kernels.reference.moe import moe_experts
 
 _ALIGN_CELLS = 8192      # one-hot cells [pairs, experts] per align program: bounds its registers
 
@@ -325,11 +327,6 @@ class MoEPairConfig:
     num_warps: int = 4
 
 
-def _num_sms(device: torch.device) -> int:
-    from deepserve.kernels.paged_attention import _num_sms as sms
-    return sms(device)
-
-
 def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, device: torch.device) -> MoEConfig:
     """BLOCK_M follows the rows an active expert gets (small batches waste no padded rows); narrower N tiles
     when few blocks are active, so that a decode step still has enough programs to pull weights at full
@@ -339,7 +336,7 @@ def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, devic
         return MoEConfig(128, 128, 128, num_warps=8)
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
     blocks = cdiv(align_max_rows(num_pairs, num_experts, block_m), block_m)
-    target = 2 * _num_sms(device)
+    target = 2 * num_sms(device)
     n_up = 32 if blocks * cdiv(inter, 64) < target else 64
     n_down = 32 if blocks * cdiv(hidden, 64) < target else (128 if block_m >= 64 else 64)
     # Few rows per block: long K steps keep more weight bytes in flight per program.
@@ -475,8 +472,7 @@ def moe_combine(pair_out: torch.Tensor, top_k: int, shared_out: Optional[torch.T
 
 def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, config=None, shared_out=None):
     """The PyTorch twin: the engine's reference expert backend."""
-    from deepserve.layers.moe import TorchMoE
-    return TorchMoE().forward(x, w13, w2, topk_weights, topk_ids, swiglu_limit, shared_out)
+    return moe_experts(x, w13, w2, topk_weights, topk_ids, swiglu_limit, shared_out)
 
 
 __all__ = ["MoEAlignment", "MoEConfig", "MoEPairConfig", "PAIR_MODE_MAX_PAIRS", "moe_align", "moe_align_ref",

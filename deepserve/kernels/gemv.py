@@ -17,18 +17,20 @@ same as cuBLAS up to the summation order.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from deepserve.kernels import HAS_TRITON, USE_LIBDEVICE, next_pow2, require_triton, tl, triton
-from deepserve.kernels.activation import silu_mul
+from deepserve import envs
+from deepserve.kernels import HAS_TRITON, INTERPRET, USE_LIBDEVICE, next_pow2, require_triton, tl, triton
+from deepserve.kernels.activation import silu_and_mul, silu_mul
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
+from deepserve.kernels.reference.activation import swiglu as swiglu_reference
+from deepserve.kernels.reference.norm import rms_norm
 
 # What a GEMV program does with its weights before the PDL wait (an H200 A/B, DEEPSERVE_GEMV_PREFETCH): 0 nothing,
 # 1 an L2 prefetch of its first K step, 2 an L2 prefetch of all its rows, 3 its first K step into registers.
-PDL_PREFETCH = tl.constexpr(int(os.environ.get("DEEPSERVE_GEMV_PREFETCH", "1"))) if HAS_TRITON else 0
+PDL_PREFETCH = tl.constexpr(envs.DEEPSERVE_GEMV_PREFETCH) if HAS_TRITON else 0
 
 
 @triton.jit
@@ -323,8 +325,12 @@ def swiglu_gemv(x: torch.Tensor, w13: torch.Tensor, limit: Optional[float] = Non
 
 
 def swiglu_gemv_ref(x, w13, limit=None, norm=None):
-    from deepserve.layers.mlp import swiglu_activation
-    return swiglu_activation(torch.nn.functional.linear(x if norm is None else norm_ref(x, norm), w13), limit)
+    """The unfused path: the GEMM, then the SwiGLU as a layer runs it (the SiLU-and-mul kernel on CUDA without a
+    limit, else the PyTorch twin): the fused kernel must round as that path does."""
+    gate_up = torch.nn.functional.linear(x if norm is None else norm_ref(x, norm), w13)
+    if limit is None and gate_up.is_cuda and HAS_TRITON and not INTERPRET and not torch.is_grad_enabled():
+        return silu_and_mul(gate_up)
+    return swiglu_reference(gate_up, limit)
 
 
 def gemv_ref(x, weight, bias=None, residual=None, norm=None):
@@ -333,7 +339,6 @@ def gemv_ref(x, weight, bias=None, residual=None, norm=None):
 
 
 def norm_ref(x, norm):
-    from deepserve.layers.norm import rms_norm
     return rms_norm(x, norm.weight, norm.eps)
 
 

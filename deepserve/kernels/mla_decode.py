@@ -25,10 +25,11 @@ import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
 from deepserve.kernels.norm import rms_normed
-from deepserve.kernels.paged_attention import (EARLY_INPUTS, active_splits, active_splits_ref, copy_heads,
+from deepserve.kernels.paged_attention import (EARLY_INPUTS, num_sms, active_splits, active_splits_ref, copy_heads,
                                                merge_splits_ref, rotary_write_prologue, split_bounds, tile_blocks)
 from deepserve.kernels.pdl import (pdl_launch_args, pdl_launch_dependents, pdl_wait, pdl_wait_after_inputs,
                                   pdl_wait_for_inputs)
+from deepserve.kernels.reference.norm import rms_norm
 from deepserve.kernels.rotary import rotary_constexprs, rotate_heads
 
 _LOG2E = 1.4426950408889634
@@ -146,7 +147,6 @@ def rotary_write_latents_ref(kv_cache, q_pe, latent, k_pe, slot_mapping, positio
     """The PyTorch twin, given the MLARotaryEmbedding whose caches the kernel reads: the reference norm of the latent
     (with norm_weight), its reference rotation, then the reference write of the rows with a valid slot."""
     if norm_weight is not None:
-        from deepserve.layers.norm import rms_norm
         latent = rms_norm(latent, norm_weight, norm_eps)
     q_rot, k_rot = rotary.reference(positions, q_pe), rotary.reference(positions, k_pe.unsqueeze(1)).squeeze(1)
     keep = slot_mapping >= 0
@@ -265,15 +265,10 @@ def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
     tl.store(out_ptr + b * stride_ob + h * stride_oh + r, (acc / total).to(out_ptr.dtype.element_ty), mask=r_ok)
 
 
-def _num_sms(device: torch.device) -> int:
-    from deepserve.kernels.paged_attention import _num_sms as sms
-    return sms(device)
-
-
 def mla_num_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Split the context only when (sequences x head tiles) programs leave the GPU idle and contexts are long."""
     programs = max(1, batch * cdiv(num_heads, MLA_BLOCK_H))
-    target = 2 * _num_sms(device)
+    target = 2 * num_sms(device)
     if programs >= target or max_seq_len <= 2 * _MIN_PARTITION:
         return 1
     return max(1, min(cdiv(target, programs), cdiv(max_seq_len, _MIN_PARTITION), _MAX_SPLITS))

@@ -36,6 +36,7 @@ import torch
 from deepserve.kernels import USE_LIBDEVICE, libdevice, next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_rows
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
+from deepserve.kernels.reference.moe import count_expert_load, route
 
 MAX_EXPERTS = 1024
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
@@ -267,10 +268,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def fused_route_ref(logits, cfg, bias=None, expert_load=None):
     """The PyTorch twin: route() and the index_add_ of FusedMoE."""
-    from deepserve.layers.moe import route
     weights, ids = route(logits, cfg, bias)
     if expert_load is not None:
-        expert_load.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+        count_expert_load(expert_load, ids)
     return weights, ids
 
 

@@ -13,6 +13,7 @@ import torch
 
 from deepserve.kernels import next_pow2, require_triton, tl, triton
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
+from deepserve.kernels.reference.norm import add_rms_norm
 
 
 @triton.jit
@@ -83,13 +84,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight
 
 
 def fused_add_rms_norm_ref(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
-    """The PyTorch twin (what RMSNorm.forward computes)."""
-    from deepserve.layers.norm import rms_norm
-    if residual is not None:
-        x = x + residual
-        residual = x
-    out = rms_norm(x, weight, eps)
-    return out if residual is None else (out, residual)
+    """The PyTorch twin (what RMSNorm.forward computes off the GPU)."""
+    return add_rms_norm(x, residual, weight, eps)
 
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_ref"]

@@ -13,14 +13,15 @@ for the P @ V product (as flash attention does), the output is rounded once to t
 """
 
 import math
-import os
 from typing import Optional
 
 import torch
 
+from deepserve import envs
 from deepserve.kernels import HAS_TRITON, cdiv, next_pow2, require_triton, tl, triton
 from deepserve.kernels.pdl import (pdl_launch_args, pdl_launch_dependents, pdl_wait, pdl_wait_after_inputs,
                                   pdl_wait_for_inputs)
+from deepserve.kernels.reference import attention as reference
 from deepserve.kernels.rotary import cos_sin_row, rotary_constexprs, rotate_heads
 
 _LOG2E = 1.4426950408889634
@@ -160,8 +161,7 @@ def rotary_write_kv_ref(kv_cache, q, k, v, slot_mapping, positions, cos_cache, s
 
 
 def write_kv_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    from deepserve.layers.attention import write_kv as _ref
-    _ref(kv_cache, k, v, slot_mapping)
+    reference.write_kv(kv_cache, k, v, slot_mapping)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -327,7 +327,7 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, q_rows_ptr, seq_ids_ptr, s
 _NUM_SMS: dict = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -339,14 +339,14 @@ def _num_sms(device: torch.device) -> int:
 DECODE_BLOCK_N = 64
 # DEEPSERVE_EARLY_INPUTS=0: decode, reduce and rotary-write programs load the step's inputs after the PDL wait
 # (an A/B switch, see benchmarks/ab_env.py; the inputs_ready arguments say where early loads are allowed at all).
-EARLY_INPUTS = os.environ.get("DEEPSERVE_EARLY_INPUTS", "1") != "0"
+EARLY_INPUTS = envs.DEEPSERVE_EARLY_INPUTS
 _MIN_PARTITION = 256
 
 
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Split the context only when (rows x KV heads) programs would leave the GPU idle and contexts are long."""
     programs = max(1, num_rows * num_kv_heads)
-    target = 2 * _num_sms(device)
+    target = 2 * num_sms(device)
     if programs >= target or max_seq_len <= 2 * _MIN_PARTITION:
         return 1
     return max(1, min(cdiv(target, programs), cdiv(max_seq_len, _MIN_PARTITION), 64))
@@ -455,7 +455,6 @@ def decode_reduce_ref(part_out, part_lse, q_rows, seq_ids, seq_lens, out):
 def decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, out=None, q_rows=None, seq_ids=None,
                          max_seq_len=None, num_splits=None):
     """The PyTorch twin: gathers each row's keys and runs the reference backend's decode attention."""
-    from deepserve.layers.attention import _decode_attention
     t = q.shape[0]
     if out is None:
         out = torch.empty_like(q)
@@ -476,7 +475,7 @@ def decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, out=None, q
     slots = torch.where(mask, slots, 0)
     k_flat = kv_cache[0].flatten(0, 1)
     v_flat = kv_cache[1].flatten(0, 1)
-    out[q_rows] = _decode_attention(q[q_rows], k_flat[slots], v_flat[slots], mask, scale)
+    out[q_rows] = reference.masked_decode_attention(q[q_rows], k_flat[slots], v_flat[slots], mask, scale)
     return out
 
 
@@ -608,7 +607,6 @@ def prefill_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, 
                           out=None, seqs: Optional[list] = None):
     """The PyTorch twin: the reference backend's per-sequence prefill attention (sequences `seqs`, default all
     sequences with a tile, or all)."""
-    from deepserve.layers.attention import _prefill_attention
     if out is None:
         out = torch.empty_like(q)
     bs = kv_cache.shape[2]
@@ -623,7 +621,7 @@ def prefill_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, 
         pos = torch.arange(seq_len, device=q.device)
         slots = block_tables[b, pos // bs] * bs + pos % bs
         rows = slice(starts[b], starts[b + 1])
-        out[rows] = _prefill_attention(q[rows], k_flat[slots], v_flat[slots], seq_len - n, scale)
+        out[rows] = reference.causal_prefill_attention(q[rows], k_flat[slots], v_flat[slots], seq_len - n, scale)
     return out
 
 

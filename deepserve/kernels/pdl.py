@@ -27,10 +27,10 @@ the option (unless DEEPSERVE_PDL=0), else `USE_PDL=False`. Kernels take `USE_PDL
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from deepserve import envs
 from deepserve.kernels import HAS_TRITON, INTERPRET, tl, triton
 
 
@@ -67,7 +67,7 @@ def pdl_wait_after_inputs(INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
 
 @functools.cache
 def _pdl_supported(device_index: int) -> bool:
-    if not HAS_TRITON or INTERPRET or os.environ.get("DEEPSERVE_PDL", "1") == "0":
+    if not HAS_TRITON or INTERPRET or not envs.DEEPSERVE_PDL:
         return False
     if torch.version.hip is not None or torch.cuda.get_device_capability(device_index)[0] < 9:
         return False

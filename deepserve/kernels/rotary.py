@@ -19,6 +19,7 @@ that rotate and write the cache in one launch: `rotary_write_kv` (deepserve/kern
 import torch
 
 from deepserve.kernels import next_pow2, require_triton, tl, triton
+from deepserve.kernels.reference.rotary import rotate_at
 
 
 @triton.jit
@@ -138,17 +139,13 @@ def rotate(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor, si
 
 def rotate_ref(positions, x, cos_cache, sin_cache, inplace: bool = False):
     """The PyTorch twin of `rotate` (what RotaryEmbedding.rotate computes)."""
-    from deepserve.layers.rotary import _apply
-    out = _apply(x, cos_cache[positions].unsqueeze(1), sin_cache[positions].unsqueeze(1))
+    out = rotate_at(positions, x, cos_cache, sin_cache)
     return x.copy_(out) if inplace else out
 
 
 def apply_rotary_ref(positions, q, k, cos_cache, sin_cache, inplace: bool = False):
     """The PyTorch twin (what RotaryEmbedding.forward computes)."""
-    from deepserve.layers.rotary import _apply
-    cos = cos_cache[positions].unsqueeze(1)
-    sin = sin_cache[positions].unsqueeze(1)
-    q_rot, k_rot = _apply(q, cos, sin), _apply(k, cos, sin)
+    q_rot, k_rot = rotate_at(positions, q, cos_cache, sin_cache), rotate_at(positions, k, cos_cache, sin_cache)
     if inplace:
         q.copy_(q_rot)
         k.copy_(k_rot)

@@ -1,5 +1,5 @@
 """Sampling kernel: temperature, top-k, top-p, min-p and the float64 inverse CDF of deepserve/layers/sampler.py in
-one launch (one program per row), with the counter-based uniform of deepserve/layers/counter_rng.py computed
+one launch (one program per row), with the counter-based uniform of deepserve/kernels/reference/counter_rng.py computed
 in the kernel (or taken as given).
 
 No sort. The reference keeps a prefix of the stable descending order of the scaled logits; the kernel finds the
@@ -24,12 +24,13 @@ program per row) dominates. Next steps: after top-k, compact the k survivors so 
 tokens, not V; split long rows over several programs when the batch is small.
 """
 
-import types
 from typing import Optional
 
 import torch
 
 from deepserve.kernels import USE_LIBDEVICE, libdevice, require_triton, tl, triton
+from deepserve.kernels.reference.counter_rng import torch_sample_uniforms
+from deepserve.kernels.reference.sampling import sample_tokens as reference_sample_tokens
 
 @triton.jit
 def _counter_uniform(seed, pos, CASE: tl.constexpr):
@@ -340,16 +341,10 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, is_greedy: to
 
 def sample_tokens_ref(logits, temperature, is_greedy, top_k, top_p, min_p, uniforms=None, seeds=None,
                       positions=None, case: int = 0) -> torch.Tensor:
-    """The PyTorch twin: the reference sampler's shaping and inverse CDF (deepserve/layers/sampler.py)."""
-    from deepserve.layers.counter_rng import torch_sample_uniforms
-    from deepserve.layers.sampler import sample_from_probs, shaped_probs
+    """The PyTorch twin: the reference sampler's shaping and inverse CDF (kernels/reference/sampling.py)."""
     if uniforms is None:
         uniforms = torch_sample_uniforms(seeds, positions, case)
-    logits = logits.float()
-    meta = types.SimpleNamespace(temperature=temperature.float(), top_k=top_k.long(), top_p=top_p.float(),
-                                 min_p=min_p.float(), any_top_k_p=True, any_min_p=True)
-    sampled = sample_from_probs(shaped_probs(logits, meta), uniforms.to(torch.float64))
-    return torch.where(is_greedy.bool(), logits.argmax(dim=-1), sampled)
+    return reference_sample_tokens(logits, temperature, is_greedy, top_k, top_p, min_p, uniforms)
 
 
 def choose_tokens(logits: torch.Tensor, meta, config: Optional[dict] = None) -> torch.Tensor:

@@ -4,7 +4,8 @@ A backend owns two things: how a layer's new keys/values are written into the pa
 layer's rotary embedding, when the layer hands it over: the GPU backend fuses the two), and how
 queries attend over a sequence's cached keys. `build_metadata` runs once per step (index tensors
 shared by all layers); `forward` runs per layer. The GPU path swaps in Triton kernels with the same
-signatures; this reference is what the CPU runs and what those kernels are tested against.
+signatures; this reference (its tensor math in kernels/reference/attention.py) is what the CPU runs and
+what those kernels are tested against.
 
 KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = keys, 1 = values).
 """
@@ -15,17 +16,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepserve.kernels import cpu as cpu_kernels
+from deepserve.kernels.reference.attention import (causal_prefill_attention, gather_blocks,  # noqa: F401
+                                                  masked_decode_attention, write_kv)
+from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.linear import fused_qkv_rotary_write
 from deepserve.layers.rotary import RotaryEmbedding
-from deepserve.worker.forward_batch import ForwardBatch
-
-
-# torch >= 2.5 lets SDPA broadcast kv heads over query groups without copying them.
-_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 class AttentionBackend(Protocol):
@@ -101,59 +99,14 @@ class TorchPagedAttention:
             if plan is None or not plan.run(q, kv_cache, out, scale):
                 keys = gather_blocks(k_cache, meta.decode_blocks).flatten(1, 2)    # [Bd, max_blocks * bs, Hkv, D]
                 values = gather_blocks(v_cache, meta.decode_blocks).flatten(1, 2)
-                out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], keys, values, meta.decode_mask,
-                                                          scale)
+                out[meta.decode_rows] = masked_decode_attention(q[meta.decode_rows], keys, values,
+                                                                meta.decode_mask, scale)
         for seg in meta.prefills:
             rows = slice(seg.row_start, seg.row_start + seg.num_rows)
             keys = gather_blocks(k_cache, seg.blocks).flatten(0, 1)[: seg.seq_len].to(q.dtype)
             values = gather_blocks(v_cache, seg.blocks).flatten(0, 1)[: seg.seq_len].to(q.dtype)
-            out[rows] = _prefill_attention(q[rows], keys, values, seg.first_position, scale)
+            out[rows] = causal_prefill_attention(q[rows], keys, values, seg.first_position, scale)
         return out
-
-
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """cache[blocks] for a cache [num_blocks, ...]: index_select on a 2-D view copies each block as one
-    row, several times faster than advanced indexing on the full shape."""
-    rows = cache.reshape(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
-    return rows.view(*blocks.shape, *cache.shape[1:])
-
-
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """The cache may hold another dtype than the activations (kv_cache_dtype): values are rounded into it."""
-    kv_cache[0].view(-1, *k.shape[1:])[slot_mapping] = k.to(kv_cache.dtype)
-    kv_cache[1].view(-1, *v.shape[1:])[slot_mapping] = v.to(kv_cache.dtype)
-
-
-def _decode_attention(q, k, v, mask, scale):
-    """q: [B, H, D]; k, v: [B, L, Hkv, D]; mask: [B, L]. Grouped-query: H = Hkv * G."""
-    b, h, d = q.shape
-    hkv = k.shape[2]
-    qg = q.view(b, hkv, h // hkv, d).float()
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * scale          # [B, Hkv, G, L]
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3).float())                  # [B, Hkv, G, D]
-    return out.reshape(b, h, d).to(q.dtype)
-
-
-def _prefill_attention(q, k, v, first_position, scale):
-    """q: [n, H, D] at positions first_position..; k, v: [L, Hkv, D] (L = first_position + n)."""
-    n, h, _ = q.shape
-    group = h // k.shape[1]
-    if _SDPA_HAS_GQA:
-        gqa = {"enable_gqa": group > 1}
-    else:
-        k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
-    qh, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)    # [heads, len, D]
-    if first_position == 0:
-        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, **gqa)
-    else:
-        # Query i sits at position first_position + i and sees keys 0..first_position + i.
-        key_pos = torch.arange(k.shape[1], device=q.device)
-        query_pos = torch.arange(first_position, first_position + n, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, **gqa)
-    return out.transpose(0, 1)
 
 
 class Attention(nn.Module):

@@ -30,7 +30,7 @@ from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.linear import Linear, fused_two_linear
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import rope_inv_freq, yarn_mscale
-from deepserve.worker.forward_batch import ForwardBatch
+from deepserve.layers.forward_batch import ForwardBatch
 
 # --- RoPE: config, YaRN, rotation -----------------------------------------------------------------
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from deepserve.kernels.reference.activation import swiglu
 from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.linear import Linear, fused_swiglu_linear, linear_residual
 from deepserve.layers.norm import RMSNorm
@@ -20,17 +20,11 @@ def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
 
 def swiglu_activation(gate_up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """[.., 2I] (gate then up) -> silu(gate) * up; `limit` clamps gate from above and up on both sides
-    (DeepSeek-V4.1's swiglu_limit)."""
+    (DeepSeek-V4.1's swiglu_limit). The Triton kernel on CUDA, else the PyTorch twin."""
     if limit is None and use_triton(gate_up) and not torch.is_grad_enabled():
         from deepserve.kernels.activation import silu_and_mul
         return silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    if torch.is_grad_enabled():      # autograd forbids writing into chunk() views
-        return F.silu(gate) * up
-    # In place on the GEMM's output: no [tokens, intermediate] temporaries.
-    return F.silu(gate, inplace=True).mul_(up)
+    return swiglu(gate_up, limit)
 
 
 class GatedMLP(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepserve.kernels.reference.norm import add_rms_norm, rms_norm  # noqa: F401 (rms_norm: for models)
 from deepserve.layers.kernel_dispatch import use_triton
 
 
@@ -19,16 +20,4 @@ class RMSNorm(nn.Module):
         if use_triton(x):       # one pass: add, statistics, scale (the reference makes five)
             from deepserve.kernels.norm import fused_add_rms_norm
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if residual is not None:
-            x = x + residual
-            residual = x
-        out = rms_norm(x, self.weight, self.eps)
-        return out if residual is None else (out, residual)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Statistics in fp32 whatever the activation dtype, as HF transformers does.
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepserve.kernels.reference.rotary import apply_rotate_half
 from deepserve.layers.kernel_dispatch import use_triton
 
 
@@ -119,7 +120,7 @@ class RotaryEmbedding(nn.Module):
                 return q_rot, k_rot
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+        return apply_rotate_half(q, cos, sin), apply_rotate_half(k, cos, sin)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D] (any heads, e.g. q and k side by side) -> rotated copy."""
@@ -130,7 +131,7 @@ class RotaryEmbedding(nn.Module):
             out = self._rotate_in_c(positions, x)
             if out is not None:
                 return out
-        return _apply(x, self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1))
+        return apply_rotate_half(x, self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1))
 
     def _rotate_in_c(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """The C kernel's rotation (float32 CPU tensors: one call instead of ~9 ops), or None."""
@@ -149,11 +150,3 @@ def side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
             or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()):
         return None
     return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
-
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos + rotated * sin).to(dtype)

@@ -17,7 +17,8 @@ from itertools import chain
 
 import torch
 
-from deepserve.layers.counter_rng import CASE_SAMPLE, sample_uniforms
+from deepserve.kernels.reference.counter_rng import CASE_SAMPLE, sample_uniforms
+from deepserve.kernels.reference.sampling import sample_from_probs, shaped_probs
 from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.sampling_params import SamplingParams
 
@@ -159,7 +160,9 @@ class Sampler:
         greedy = greedy_tokens(logits) if not meta.all_random else None
         if meta.all_greedy:
             return greedy
-        sampled = sample_from_probs(shaped_probs(logits, meta), meta.uniforms)
+        top_k, top_p = (meta.top_k, meta.top_p) if meta.any_top_k_p else (None, None)
+        probs = shaped_probs(logits, meta.temperature, top_k, top_p, meta.min_p if meta.any_min_p else None)
+        sampled = sample_from_probs(probs, meta.uniforms)
         return sampled if greedy is None else torch.where(meta.is_greedy, greedy, sampled)
 
 
@@ -178,7 +181,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-# --- logits processing ------------------------------------------------------------------------
+# --- logits processing (the shaping and the inverse CDF are kernels/reference/sampling.py) ------------
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Repetition penalty on prompt or output tokens (positive logits divided, negative multiplied), then
     frequency (x count) and presence (x seen) penalties on output tokens. Neutral rows come out unchanged."""
@@ -189,53 +192,6 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     logits = torch.where(logits > 0, logits / rep, logits * rep)
     logits = logits - meta.frequency_penalty[:, None] * counts.float()
     return logits - meta.presence_penalty[:, None] * seen_in_output.float()
-
-
-def shaped_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """softmax(logits / T), then top-k, top-p and min_p zero out tokens; not renormalised (the inverse CDF
-    scales its uniform by the kept mass instead, which is the same draw without another rounding)."""
-    scaled = logits / meta.temperature[:, None]
-    probs = torch.softmax(scaled, dim=-1)
-    if meta.any_top_k_p:
-        probs = _apply_top_k_top_p(scaled, probs, meta.top_k, meta.top_p)
-    if meta.any_min_p:
-        probs = _apply_min_p(probs, meta.min_p)
-    return probs
-
-
-def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF in float64 over vocabulary order: the first index i with cdf[i] > u * total.
-    A token of probability 0 can never be chosen: the cdf does not rise at it."""
-    cdf = torch.cumsum(probs.double(), dim=-1)
-    targets = uniforms[:, None] * cdf[:, -1:]
-    index = torch.searchsorted(cdf, targets, right=True)[:, 0]
-    return index.clamp_(max=probs.shape[-1] - 1)
-
-
-def _apply_top_k_top_p(scaled_logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor,
-                       top_p: torch.Tensor) -> torch.Tensor:
-    """Zero the tokens outside the top k, then outside the smallest set (by descending probability) whose mass
-    reaches top_p of what top-k kept. Only a mask is computed in sorted order; kept probabilities keep their
-    exact values, so a row with both disabled is unchanged bit for bit."""
-    # Stable descending sort: among equal logits the lowest index ranks first, as argmax does.
-    order = torch.sort(scaled_logits, dim=-1, descending=True, stable=True).indices
-    sorted_probs = probs.gather(-1, order)
-    ranks = torch.arange(probs.shape[-1], device=probs.device)
-    drop = ranks[None, :] >= top_k[:, None]
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0).double()
-    cumulative = torch.cumsum(sorted_probs, dim=-1)
-    mass_before = cumulative - sorted_probs
-    # The top token has mass_before 0 < top_p, so it always survives; top_p >= 1 keeps everything top-k kept.
-    beyond_p = (mass_before >= top_p[:, None].double() * cumulative[:, -1:]) & (top_p[:, None] < 1)
-    drop = drop | beyond_p
-    drop_in_vocab_order = torch.zeros_like(drop).scatter_(-1, order, drop)
-    return probs.masked_fill(drop_in_vocab_order, 0.0)
-
-
-def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zero tokens less likely than min_p x the most likely one; min_p = 0 drops nothing."""
-    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-    return probs.masked_fill(probs < threshold, 0.0)
 
 
 def _gather_logprobs(raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor,

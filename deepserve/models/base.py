@@ -3,19 +3,19 @@ trunk. A model file only says how its attention and MLP are built and how its ch
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
+from deepserve import envs
 from deepserve.layers.linear import Linear, linear, one_row_on_gpu
 from deepserve.layers.norm import RMSNorm
-from deepserve.worker.forward_batch import ForwardBatch
+from deepserve.layers.forward_batch import ForwardBatch
 
 
 # A/B switch (DEEPSERVE_FUSED_NORMS=0): batch-1 GPU layers run their norms and residual adds as separate launches.
-_FUSED_NORMS = os.environ.get("DEEPSERVE_FUSED_NORMS", "1") != "0"
+_FUSED_NORMS = envs.DEEPSERVE_FUSED_NORMS
 
 
 class DecoderLayer(nn.Module):

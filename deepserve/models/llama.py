@@ -18,7 +18,7 @@ from deepserve.layers.mlp import GatedMLP
 from deepserve.layers.norm import RMSNorm
 from deepserve.models.base import CausalLM, DecoderLayer
 from deepserve.layers.rotary import RotaryEmbedding
-from deepserve.worker.forward_batch import ForwardBatch
+from deepserve.layers.forward_batch import ForwardBatch
 
 
 class LlamaAttention(nn.Module):

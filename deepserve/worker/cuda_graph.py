@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from deepserve.engine.scheduler import SchedulerOutput
-from deepserve.worker.forward_batch import ForwardBatch
+from deepserve.layers.forward_batch import ForwardBatch
+from deepserve.worker.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 launch(SchedulerOutput) -> LaunchedStep, without waiting for the device:
   1. copy-on-write block copies;
-  2. ForwardBatch.build (host -> device once), or the static inputs of a captured CUDA graph;
+  2. build_forward_batch (host -> device once), or the static inputs of a captured CUDA graph;
   3. model forward -> hidden states of the rows that need logits;
   4. logits -> Sampler (rows that sample) and prompt logprobs (rows that asked for them);
   5. sampled tokens start their copy to the host.
@@ -19,14 +19,19 @@ from dataclasses import dataclass, field
 import torch
 
 from deepserve.config import EngineConfig
-from deepserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from deepserve.layers.attention import Attention, TorchPagedAttention
-from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SequenceSamplingRow, greedy_tokens
-from deepserve.loader.model_loader import load_model
-from deepserve.worker.forward_batch import ForwardBatch
+from deepserve.layers.forward_batch import ForwardBatch
+from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, SequenceSamplingRow
+from deepserve.sampling_params import SamplingParams
+from deepserve.worker.model_loader import load_model
+from deepserve.worker.batch_builder import build_forward_batch
 from deepserve.worker.host_memory import retain_freed_memory
+from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# Prompt-logprob logits are computed this many rows at a time (bounds the largest buffer of a step).
+PROMPT_LOGPROB_ROWS = 512
 
 _CUDA_GRAPH_RESERVE = 512 << 20   # graph pool (activations of the largest decode batch) and fragmentation
 
@@ -42,9 +47,12 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int], memory: "CudaMemory | None" = None) -> None:
+        """`memory`: what sizes the KV cache from a profile of the largest step (default: the CUDA device's
+        allocator on a GPU; none on the CPU, whose cache is sized from the config alone)."""
         self.config = config
         self.device = config.device.device
+        self.memory = memory if memory is not None or self.device.type != "cuda" else CudaMemory(self.device)
         self.block_size = config.cache.block_size
         self.eos_token_ids = eos_token_ids
         if self.device.type == "cpu":
@@ -72,10 +80,10 @@ class ModelRunner:
         from deepserve.kernels import HAS_TRITON
         if not HAS_TRITON:
             return reference
-        from deepserve.kernels.moe_backend import select_moe_and_mla_backends
+        from deepserve.layers.moe_triton import select_moe_and_mla_backends
         select_moe_and_mla_backends(self.model, self.device)
         if all(isinstance(layer.backend, TorchPagedAttention) for layer in layers):
-            from deepserve.kernels.attention_backend import TritonPagedAttention
+            from deepserve.layers.attention_triton import TritonPagedAttention
             triton_backend = TritonPagedAttention()
             for layer in layers:
                 layer.backend = triton_backend
@@ -97,8 +105,8 @@ class ModelRunner:
         cache = self.config.cache
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
-        if self.device.type == "cuda":
-            return self._profiled_gpu_budget()
+        if self.memory is not None:
+            return self._profiled_budget()
         # CPU: enough for every sequence at full length, capped at 1 GiB (zeroing more costs start-up time).
         sched = self.config.scheduler
         want = sched.max_num_seqs * sched.max_model_len * self.kv_bytes_per_token()
@@ -118,67 +126,121 @@ class ModelRunner:
                     num_blocks * per_block / 2**20)
         return caches
 
-    def _profiled_gpu_budget(self) -> int:
-        """gpu_memory_utilization x total, minus what is not ours (other processes, the CUDA context), the
-        weights, the peak activations of a max-size step (measured by running one), and room for CUDA graphs."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        peak = self._profile_run()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        not_torch = total - free - torch.cuda.memory_reserved(self.device)
-        graphs = 0 if self.config.device.enforce_eager else _CUDA_GRAPH_RESERVE
-        budget = int(total * self.config.cache.gpu_memory_utilization) - not_torch - peak - graphs
+    def _profiled_budget(self) -> int:
+        """gpu_memory_utilization x total, minus what is not ours (other processes, the CUDA context), the weights,
+        the peak of the largest step the scheduler can form (measured by running it), and room for CUDA graphs.
+
+        What start-up accepts must run: a setting whose largest step leaves too little KV cache for that step's own
+        tokens and one max_model_len sequence is refused here (naming max_num_batched_tokens and a value that fits),
+        not left to run out of memory at its first big step."""
+        util = self.config.cache.gpu_memory_utilization
+        weights = self.memory.allocated()
+        peaks = self._profile_run()
+        free, total, reserved = self.memory.info()
+        not_torch = total - free - reserved
+        graphs = _CUDA_GRAPH_RESERVE if self.device.type == "cuda" and not self.config.device.enforce_eager else 0
+        room = int(total * util) - not_torch - graphs        # for the largest step and the KV cache
+        tokens = self.config.scheduler.max_num_batched_tokens
+        peak = peaks[tokens]
+        if peak is None or room - peak < self._kv_bytes_needed(tokens):
+            raise RuntimeError(self._refusal(peaks, weights, room))
         self.profiled_peak_bytes = peak
-        logger.info("memory profile: peak %.2f GiB (weights + activations), other %.2f GiB, KV budget %.2f GiB",
-                    peak / 2**30, not_torch / 2**30, budget / 2**30)
-        if budget < self.kv_bytes_per_token() * self.block_size:
-            raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB of "
-                               f"{total / 2**30:.1f} GiB); lower max_num_batched_tokens or raise "
-                               "gpu_memory_utilization")
-        return budget
+        logger.info("memory profile: peak %.2f GiB (weights + largest step), other %.2f GiB, KV budget %.2f GiB",
+                    peak / 2**30, not_torch / 2**30, (room - peak) / 2**30)
+        return room - peak
+
+    def _kv_bytes_needed(self, tokens: int) -> int:
+        """The least KV cache a token budget is served with: the blocks of its largest step's own keys and values
+        (chunks of fresh prompts, each rounded up to whole blocks), and at least those of one max_model_len sequence
+        (less could not serve every request start-up accepts)."""
+        sched, bs = self.config.scheduler, self.block_size
+        step = largest_steps(tokens, sched.max_num_seqs, sched.max_model_len)[0]
+        blocks = max(-(-sum(step) // bs) + len(step), -(-sched.max_model_len // bs))
+        return blocks * bs * self.kv_bytes_per_token()
+
+    def _refusal(self, peaks: dict[int, int | None], weights: int, room: int) -> str:
+        sched, util = self.config.scheduler, self.config.cache.gpu_memory_utilization
+        n = sched.max_num_batched_tokens
+        steps = largest_steps(n, sched.max_num_seqs, sched.max_model_len)
+        peak, need = peaks[n], self._kv_bytes_needed(n)
+        what = "runs out of memory" if peak is None else f"peaks at {peak / 2**30:.2f} GiB with the weights"
+        fits = fitting_budget(peaks, weights, room, self._kv_bytes_needed)
+        hint = (f"max_num_batched_tokens={fits} fits (estimated from the profile); or " if fits is not None
+                else "even a one-token step does not fit; ")
+        return (f"max_num_batched_tokens={n} does not fit in GPU memory: its largest step ({sum(steps[0])} tokens over "
+                f"{len(steps[0])} sequences, every row's hidden state as prompt logprobs may ask) {what}, and "
+                f"gpu_memory_utilization={util} leaves {room / 2**30:.2f} GiB for the weights, that step and a KV "
+                f"cache for its tokens and at least one max_model_len={sched.max_model_len} sequence "
+                f"({need / 2**30:.2f} GiB). {hint}"
+                "raise gpu_memory_utilization, or lower max_model_len or max_num_seqs")
 
     @torch.inference_mode()
-    def _profile_run(self) -> int:
-        """One forward of the largest step the scheduler may form: a max_num_batched_tokens-token prefill, with
-        logits for max_num_seqs rows. Caches are one dummy block (slot -1 writes nothing; reads hit block 0).
+    def _profile_run(self) -> dict[int, int | None]:
+        """Peak memory (weights included) of the largest step under token budgets of max_num_batched_tokens, half,
+        a quarter, ... one; None where it ran out of memory. Caches are one dummy block (every block table points
+        at it; writes land in it).
 
-        Then the same at half, a quarter, ... down to one token (not measured): kernels whose launch configuration
-        depends on the step size (the fused MoE picks its mode and tiles by tokens per expert) are compiled here,
-        at start-up, instead of in the middle of serving (a Triton compile takes 1-4 s)."""
+        The smaller sizes, and fresh prompts of each size, also compile, at start-up instead of in the middle of
+        serving (a Triton compile takes 1-4 s), the kernels whose launch configuration depends on the step size
+        (the fused MoE picks its mode and tiles by tokens per expert)."""
         sched = self.config.scheduler
-        n = min(sched.max_num_batched_tokens, sched.max_model_len)
         layers = self.model.attention_layers()
         for layer in layers:
             layer.kv_cache = torch.zeros(layer.kv_cache_shape(1, self.block_size), dtype=self.kv_cache_dtype,
                                          device=self.device)
-        peak = None
+        peaks = {}
+        n = sched.max_num_batched_tokens
         while n >= 1:
-            self._dummy_forward(n, min(sched.max_num_seqs, n))
-            if peak is None:
-                torch.cuda.synchronize(self.device)
-                peak = torch.cuda.max_memory_allocated(self.device)
+            peaks[n] = self._measure_largest_step(n)
+            n //= 2
+        # The largest steps are chunks over a long prefix; what serving meets first is fresh prompts. Compile their
+        # kernel variants here too (one prompt of each size), or the first prefills pay for it (an H200 run without
+        # this: 4 ms more on a 128-token prefill from the warm disk cache, ~1 s a variant from a cold one).
+        n = min(sched.max_num_batched_tokens, sched.max_model_len)
+        while n >= 1:
+            self._dummy_forward([n], n)
             n //= 2
         for layer in layers:
             layer.kv_cache = None
-        torch.cuda.synchronize(self.device)
-        return peak
+        return peaks
 
-    def _dummy_forward(self, n: int, rows: int) -> None:
-        """A forward of one n-token prompt over the dummy caches, logits for its last `rows` rows, the sampler's
-        log-softmax over them."""
+    def _measure_largest_step(self, tokens: int) -> int | None:
+        sched = self.config.scheduler
+        self.memory.reset_peak()
+        try:
+            for query_lens in largest_steps(tokens, sched.max_num_seqs, sched.max_model_len):
+                self._dummy_forward(query_lens, sched.max_model_len)
+            return self.memory.peak_allocated()
+        except torch.cuda.OutOfMemoryError:
+            return None      # refused by _profiled_budget when it is the configured size
+
+    def _dummy_forward(self, query_lens: list[int], seq_len: int) -> None:
+        """A step of one chunk per entry of `query_lens`, each ending at position `seq_len` (decodes at the longest
+        context, chunks over a prefix: the widest attention), then the most `launch` does with its hidden states:
+        the hidden state of every row (prompt logprobs may ask for all of them), one slice of prompt-logprob logits
+        with its float32 softmax, and the logits of one row per sequence through the costliest sampling."""
         dev = self.device
+        q = torch.tensor(query_lens)
+        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q, 0, out=starts[1:])
+        n = int(starts[-1])
+        positions = torch.arange(n) - torch.repeat_interleave(starts[:-1] - (seq_len - q), q)
         batch = ForwardBatch(
-            input_ids=torch.zeros(n, dtype=torch.int64, device=dev), positions=torch.arange(n, device=dev),
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
-            block_tables=torch.zeros(1, -(-n // self.block_size), dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor([0, n], device=dev), seq_lens=torch.tensor([n], device=dev),
-            query_lens_cpu=[n], seq_lens_cpu=[n], logits_indices=torch.arange(n - rows, n, device=dev),
-            block_size=self.block_size)
+            input_ids=torch.zeros(n, dtype=torch.int64, device=dev), positions=positions.to(dev),
+            slot_mapping=torch.zeros(n, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros(len(query_lens), -(-seq_len // self.block_size), dtype=torch.int64, device=dev),
+            query_start_loc=starts.to(dev), seq_lens=torch.full((len(query_lens),), seq_len, device=dev),
+            query_lens_cpu=list(query_lens), seq_lens_cpu=[seq_len] * len(query_lens),
+            logits_indices=torch.arange(n, device=dev), block_size=self.block_size)
         batch.attn_metadata = self.attn_backend.build_metadata(batch)
-        logits = self.model.compute_logits(self.model(batch))
-        torch.log_softmax(logits, dim=-1)      # the sampler's vocab-sized temporaries
-        greedy_tokens(logits)                  # the greedy pick (a Triton kernel on the GPU: compiled here)
+        hidden = self.model(batch)
+        # launch's prompt logprobs: PROMPT_LOGPROB_ROWS rows at a time, their logits, float32 log-softmax, top-k.
+        slice_logits = self.model.compute_logits(hidden[:min(max(query_lens), PROMPT_LOGPROB_ROWS)])
+        torch.log_softmax(slice_logits.float(), dim=-1).topk(_MAX_LOGPROBS, dim=-1)
+        del slice_logits
+        # The sampled rows' logits through the sampler's costliest path.
+        logits = self.model.compute_logits(hidden[(starts[1:] - 1).to(dev)])
+        self.sampler(logits, _costliest_sampling(len(query_lens), logits.shape[-1], self.device))
 
     # --- CUDA graphs --------------------------------------------------------------------------
     def _capture_cuda_graphs(self):
@@ -243,23 +305,23 @@ class ModelRunner:
             return step
         prompt_rows = [_prompt_logprob_rows(s) for s in out.scheduled]
         logits_rows = [p + ([s.num_new_tokens - 1] if s.samples else []) for s, p in zip(out.scheduled, prompt_rows)]
-        batch = ForwardBatch.build(out, self.block_size, self.device, logits_rows)
+        batch = build_forward_batch(out, self.block_size, self.device, logits_rows)
         _patch_inflight(batch.input_ids, batch.inflight_rows, previous)
         batch.attn_metadata = self.attn_backend.build_metadata(batch)
-        logits = self.model.compute_logits(self.model(batch))
+        hidden = self.model(batch)             # one row per logits row
         offset = 0
         sample_rows, samplers = [], []
         for s, p, rows in zip(out.scheduled, prompt_rows, logits_rows):
             if p:
-                step.prompt_logprobs[s.seq.seq_id] = self._prompt_logprobs(s, logits[offset:offset + len(p)])
+                step.prompt_logprobs[s.seq.seq_id] = self._prompt_logprobs(s, hidden[offset:offset + len(p)])
             if s.samples:
                 sample_rows.append(offset + len(rows) - 1)
                 samplers.append(s.seq)
             offset += len(rows)
         if samplers:
-            # Every logits row samples in a step without prompt logprobs: no [rows, vocab] gather then.
-            every_row = len(sample_rows) == logits.shape[0]
-            self._sample(logits if every_row else logits[sample_rows], samplers, step)
+            # Every hidden row samples in a step without prompt logprobs: no gather then.
+            every_row = len(sample_rows) == hidden.shape[0]
+            self._sample(self.model.compute_logits(hidden if every_row else hidden[sample_rows]), samplers, step)
         return step
 
     def collect(self, step: "LaunchedStep") -> ModelRunnerOutput:
@@ -297,16 +359,23 @@ class ModelRunner:
             step.ready = torch.cuda.Event()
             step.ready.record()
 
-    def _prompt_logprobs(self, s: ScheduledSequence, logits: torch.Tensor) -> list[TokenLogprobs]:
-        """Log-probability of each next prompt token given its prefix (raw model distribution)."""
+    def _prompt_logprobs(self, s: ScheduledSequence, hidden: torch.Tensor) -> list[TokenLogprobs]:
+        """Log-probability of each next prompt token given its prefix (raw model distribution), from the hidden
+        states of the chunk's rows. Logits are computed PROMPT_LOGPROB_ROWS rows at a time: a whole chunk's
+        [rows, vocab] (0.75 MB a row for a Llama-3 vocabulary in bf16 + fp32) would be the largest buffer of a
+        big step, and the start-up profile would have to reserve it out of the KV cache."""
         k = s.seq.params.prompt_logprobs
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        targets = torch.tensor(s.seq.token_ids[s.start + 1:s.start + 1 + logits.shape[0]], device=logits.device)
-        target_lp = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
         entries = []
-        for i, tok in enumerate(targets.tolist()):
-            entries.append((tok, target_lp[i], top_ids[i].tolist() if k else [], top_vals[i].tolist() if k else []))
+        for first in range(0, hidden.shape[0], PROMPT_LOGPROB_ROWS):
+            rows = hidden[first:first + PROMPT_LOGPROB_ROWS]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            start = s.start + 1 + first
+            targets = torch.tensor(s.seq.token_ids[start:start + rows.shape[0]], device=rows.device)
+            target_lp = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+            top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+            for i, tok in enumerate(targets.tolist()):
+                entries.append((tok, target_lp[i], top_ids[i].tolist() if k else [],
+                                top_vals[i].tolist() if k else []))
         return entries
 
 
@@ -350,3 +419,85 @@ def _patch_inflight(input_ids: torch.Tensor, rows: list[tuple[int, int]], previo
     src = torch.tensor([previous.row_of[seq_id] for _, seq_id in rows], dtype=torch.int64).to(device,
                                                                                               non_blocking=True)
     input_ids.index_copy_(0, dst, previous.device_tokens.index_select(0, src))
+
+
+# --- memory profile helpers ------------------------------------------------------------------------
+_MAX_LOGPROBS = 20      # the most (prompt_)logprobs SamplingParams accepts: the profile's top-k
+
+
+class CudaMemory:
+    """What the memory profile asks of the device. The runner calls an object like this one, so that a test can
+    hand it a fake with a budget of its choosing."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_allocated(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def info(self) -> tuple[int, int, int]:
+        """(free, total, reserved by this process's allocator), once the allocator's unused cache is released."""
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return free, total, torch.cuda.memory_reserved(self.device)
+
+
+def largest_steps(max_tokens: int, max_seqs: int, max_model_len: int) -> list[list[int]]:
+    """Chunk lengths of the largest steps the scheduler can form under a budget of `max_tokens`: the most tokens
+    (a chunk is at most max_model_len long) over the most sequences, with chunks as long as the rest allows; and,
+    when that shape cannot hold a chunk of the longest length too, a second step of the fewest, longest chunks
+    (attention workspace grows with a chunk's length; the sampler's with the sequence count)."""
+    tokens = min(max_tokens, max_seqs * max_model_len)
+    longest = min(tokens, max_model_len)
+    steps = [_spread(tokens, min(max_seqs, tokens), longest)]
+    if steps[0][0] < longest:
+        steps.append(_spread(tokens, -(-tokens // longest), longest))
+    return steps
+
+
+def _spread(tokens: int, seqs: int, longest: int) -> list[int]:
+    """`seqs` chunk lengths summing to `tokens`, each at most `longest`, the first ones as long as they can be."""
+    lens = []
+    for i in range(seqs):
+        lens.append(min(longest, tokens - (seqs - i - 1)))
+        tokens -= lens[-1]
+    return lens
+
+
+def fitting_budget(peaks: dict[int, int | None], weights: int, room: int, kv_bytes_needed) -> int | None:
+    """The largest token budget below the profiled ones whose step peak plus `kv_bytes_needed(budget)` stays within
+    `room`, the peak estimated on the line through the two largest sizes that ran (the weights at 0 tokens when only
+    one did); a multiple of 256 from 512 on. None when no budget fits."""
+    ran = sorted((n, p) for n, p in peaks.items() if p is not None)
+    if not ran:
+        return None
+    (n0, p0), (n1, p1) = ([(0, weights)] + ran)[-2:]
+    per_token = max((p1 - p0) / (n1 - n0), 1.0)
+    lo, hi = 0, max(peaks) - 1          # both costs grow with the budget: bisect for the last one that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if p1 + per_token * (mid - n1) + kv_bytes_needed(mid) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    fit = lo // 256 * 256 if lo >= 512 else lo
+    return fit or None
+
+
+def _costliest_sampling(rows: int, vocab_size: int, device: torch.device) -> SamplingMetadata:
+    """Sampling metadata that takes every path of the sampler: penalties ([rows, vocab] counts and masks),
+    top-k / top-p (a full sort), min_p, logprobs, and one greedy row beside the drawn ones."""
+    drawn = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                           presence_penalty=0.5, frequency_penalty=0.5, logprobs=_MAX_LOGPROBS)
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=1.1, logprobs=_MAX_LOGPROBS)
+    sampling_rows = [SamplingRow(greedy if i == 0 and rows > 1 else drawn, seed=i, position=1, prompt_token_ids=[0],
+                                 output_token_ids=[0], eos_token_ids=set()) for i in range(rows)]
+    return SamplingMetadata.build(sampling_rows, vocab_size, device)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from deepserve.engine.block_manager import BlockManager, NoFreeBlocksError, hash_block
-from deepserve.engine.sequence import Sequence
+from deepserve.sequence import Sequence
 from deepserve.sampling_params import SamplingParams
 
 BS = 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 from deepserve.config import SchedulerConfig
 from deepserve.engine.block_manager import BlockManager
 from deepserve.engine.scheduler import Scheduler
-from deepserve.engine.sequence import Sequence, SequenceStatus
+from deepserve.sequence import Sequence, SequenceStatus
 from deepserve.sampling_params import SamplingParams
 
 BS = 4

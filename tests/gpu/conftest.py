@@ -23,6 +23,16 @@ def _needs_kernels():
         pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with Triton installed)")
 
 
+@pytest.fixture(autouse=True)
+def _alone_on_the_gpu(request):
+    """Tests marked `gpu_alone` size the KV cache from the GPU's free memory (gpu_memory_utilization near 1): beside
+    other pytest-xdist workers on the same GPU they would take the memory those workers need, and see theirs. They
+    run in a plain pytest run (README: `python -m pytest -q tests/gpu -m gpu_alone`), not under `-n`."""
+    import os
+    if request.node.get_closest_marker("gpu_alone") and os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.skip("needs the GPU to itself: run without -n (python -m pytest -q tests/gpu -m gpu_alone)")
+
+
 @pytest.fixture
 def device() -> str:
     return kernel_device()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from deepserve.kernels import INTERPRET
-from deepserve.worker.forward_batch import ForwardBatch
+from deepserve.layers.forward_batch import ForwardBatch
 
 DTYPES = [torch.bfloat16, torch.float16]
 

@@ -8,7 +8,7 @@ from deepserve.kernels import INTERPRET
 import deepserve.kernels.fused_moe as fused_moe_module
 from deepserve.kernels.fused_moe import (MoEConfig, MoEPairConfig, align_max_rows, fused_moe, fused_moe_ref,
                                          moe_align, moe_align_ref, moe_combine, pick_pair_config, use_pair_mode)
-from deepserve.kernels.moe_backend import TritonMoE
+from deepserve.layers.moe_triton import TritonMoE
 from deepserve.layers.moe import FusedMoE, RoutingConfig
 from kernel_testing import skip_bf16_in_interpreter
 
@@ -176,7 +176,7 @@ def test_pair_mode_threshold():
                          ids=["deepseek-v2-lite", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"])
 def test_pair_tiles_fill_an_h200(monkeypatch, top_k, inter, hidden):
     """Real shapes at batch 1 on 132 SMs: 16-byte loads per lane along K, and >= 3 programs per SM in both GEMVs."""
-    monkeypatch.setattr(fused_moe_module, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(fused_moe_module, "num_sms", lambda device: 132)
     for dtype in (torch.bfloat16, torch.float32):
         cfg = pick_pair_config(top_k, inter, hidden, dtype, torch.device("cuda"))
         assert cfg.block_k * dtype.itemsize == 32 * 16

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from deepserve.kernels import INTERPRET
-from deepserve.kernels.mla_backend import TritonMLA, TritonMLAMetadata
+from deepserve.layers.mla_triton import TritonMLA, TritonMLAMetadata
 from deepserve.kernels.mla_decode import (MLA_BLOCK_N, mla_decode, mla_decode_ref, mla_num_splits, mla_reduce,
                                           mla_reduce_ref, write_latents, write_latents_ref)
 from deepserve.kernels.paged_attention import active_splits_ref
-from deepserve.kernels.moe_backend import TritonMoE, select_moe_and_mla_backends
+from deepserve.layers.moe_triton import TritonMoE, select_moe_and_mla_backends
 from deepserve.layers.attention import TorchPagedAttention
 from deepserve.layers.mla import MLAWeights, TorchMLA
 from kernel_testing import assert_close_rel, make_batch, poison_unused_splits, skip_bf16_in_interpreter

@@ -4,7 +4,7 @@ of mixed steps through the latent decode kernel) against the reference TorchMLA 
 import pytest
 import torch
 
-from deepserve.kernels.mla_backend import TritonMLA, TritonMLAMetadata
+from deepserve.layers.mla_triton import TritonMLA, TritonMLAMetadata
 from deepserve.kernels.mla_prefill import MLA_PREFILL_BLOCK_M, plan_prefill
 from deepserve.layers.attention import TorchPagedAttention
 from deepserve.layers.mla import MLAWeights, TorchMLA

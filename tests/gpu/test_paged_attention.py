@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepserve.kernels import INTERPRET
-from deepserve.kernels.attention_backend import TritonPagedAttention
+from deepserve.layers.attention_triton import TritonPagedAttention
 from deepserve.kernels.paged_attention import (DECODE_BLOCK_N, active_splits_ref, decode_attention,
                                                decode_attention_ref, decode_num_splits, decode_reduce,
                                                decode_reduce_ref, prefill_attention, prefill_attention_ref,

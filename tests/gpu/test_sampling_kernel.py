@@ -11,7 +11,7 @@ import torch
 
 from deepserve.kernels import INTERPRET
 from deepserve.kernels.sampling import SAMPLE_CONFIG, choose_tokens, counter_uniforms, sample_tokens, sample_tokens_ref
-from deepserve.layers.counter_rng import CASE_RESIDUAL, CASE_SAMPLE, torch_sample_uniforms
+from deepserve.kernels.reference.counter_rng import CASE_RESIDUAL, CASE_SAMPLE, torch_sample_uniforms
 from deepserve.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from deepserve.sampling_params import SamplingParams
 

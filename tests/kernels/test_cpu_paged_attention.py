@@ -14,7 +14,7 @@ import torch
 from deepserve.kernels import cpu
 import deepserve.kernels.cpu.build as cpu_build
 from deepserve.layers.attention import TorchPagedAttention
-from deepserve.worker.forward_batch import ForwardBatch
+from deepserve.layers.forward_batch import ForwardBatch
 
 requires_kernel = pytest.mark.skipif(cpu.library() is None, reason="no C compiler, or DEEPSERVE_CPU_KERNELS=0")
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from deepserve.kernels.cpu import rotary
-from deepserve.layers.rotary import RotaryEmbedding, _apply
+from deepserve.kernels.reference.rotary import apply_rotate_half
+from deepserve.layers.rotary import RotaryEmbedding
 
 needs_kernels = pytest.mark.skipif(rotary._library() is None, reason="no C compiler or DEEPSERVE_CPU_KERNELS=0")
 
@@ -23,7 +24,7 @@ def test_rotary_matches_reference(t, heads, dim):
     x = torch.randn(t, heads, 2 * dim)[..., :dim]     # strided heads, as q/k slices of the qkv output
     pos = torch.randint(0, 2048, (t,))
     out = rotary.rotate_half(pos, x, rot.cos_cache, rot.sin_cache)
-    _close(out, _apply(x, rot.cos_cache[pos].unsqueeze(1), rot.sin_cache[pos].unsqueeze(1)))
+    _close(out, apply_rotate_half(x, rot.cos_cache[pos].unsqueeze(1), rot.sin_cache[pos].unsqueeze(1)))
     assert out.is_contiguous() and out.shape == x.shape
 
 
@@ -33,8 +34,8 @@ def test_layer_uses_it_and_agrees_with_the_torch_path():
     q, k, pos = torch.randn(5, 9, 64), torch.randn(5, 3, 64), torch.tensor([0, 1, 7, 100, 511])
     with torch.inference_mode():
         q_rot, k_rot = rot(pos, q, k)
-    _close(q_rot, _apply(q, rot.cos_cache[pos].unsqueeze(1), rot.sin_cache[pos].unsqueeze(1)))
-    _close(k_rot, _apply(k, rot.cos_cache[pos].unsqueeze(1), rot.sin_cache[pos].unsqueeze(1)))
+    _close(q_rot, apply_rotate_half(q, rot.cos_cache[pos].unsqueeze(1), rot.sin_cache[pos].unsqueeze(1)))
+    _close(k_rot, apply_rotate_half(k, rot.cos_cache[pos].unsqueeze(1), rot.sin_cache[pos].unsqueeze(1)))
 
 
 @needs_kernels

@@ -12,7 +12,7 @@ import torch
 from deepserve.kernels.cpu import rotary as cpu_rotary
 from deepserve.layers.attention import TorchPagedAttention
 from deepserve.layers.rotary import RotaryEmbedding, side_by_side
-from deepserve.worker.forward_batch import ForwardBatch
+from deepserve.layers.forward_batch import ForwardBatch
 
 H, HKV, D, BS, NUM_BLOCKS = 6, 2, 32, 16, 24
 

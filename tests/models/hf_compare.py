@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from deepserve import LLM, SamplingParams
-from deepserve.engine.scheduler import ScheduledSequence, SchedulerOutput
-from deepserve.engine.sequence import Sequence
-from deepserve.worker.forward_batch import ForwardBatch
+from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
+from deepserve.sequence import Sequence
+from deepserve.layers.forward_batch import ForwardBatch
+from deepserve.worker.batch_builder import build_forward_batch
 
 VOCAB = 512
 
@@ -54,7 +55,7 @@ def engine_logits(llm: LLM, token_ids: list[int], chunk: int | None = None) -> t
         bm.allocate_slots(seq, n)
         out = SchedulerOutput(scheduled=[ScheduledSequence(seq, start, n)])
         seq.num_computed_tokens += n
-        batch = ForwardBatch.build(out, runner.block_size, runner.device, [list(range(n))])
+        batch = build_forward_batch(out, runner.block_size, runner.device, [list(range(n))])
         batch.attn_metadata = runner.attn_backend.build_metadata(batch)
         with torch.inference_mode():
             pieces.append(runner.model.compute_logits(runner.model(batch)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +24,12 @@ STOP_TIMEOUT_S = 60
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
+def schemathesis_cli() -> str | None:
+    """The schemathesis command installed beside this Python (or on PATH), None without it."""
+    beside_python = os.path.join(os.path.dirname(sys.executable), "schemathesis")
+    return beside_python if os.path.exists(beside_python) else shutil.which("schemathesis")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -30,14 +37,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: str) -> None:
+    def __init__(self, args: list[str], log_path: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - the server process writes to it until stop()
         command = [sys.executable, "-m", "deepserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                    *args]
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        # A DEEPSERVE_API_KEY in the developer's shell must not turn on auth for servers a test starts without it.
+        base = {k: v for k, v in os.environ.items() if k != "DEEPSERVE_API_KEY"}
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env={**base, **(env or {})})
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
@@ -70,8 +79,9 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str], log_dir) -> Iterator[ServerProcess]:
-    server = ServerProcess(args, os.path.join(str(log_dir), "server.log"))
+def running_server(args: list[str], log_dir, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """`env`: variables added to this process's environment for the server."""
+    server = ServerProcess(args, os.path.join(str(log_dir), "server.log"), env)
     try:
         server.wait_ready()
         yield server

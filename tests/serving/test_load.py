@@ -9,15 +9,13 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
 
 import httpx
 import pytest
-from serving_harness import MODEL_NAME, running_server, scrape_metrics, wait_until_idle
+from serving_harness import MODEL_NAME, running_server, schemathesis_cli, scrape_metrics, wait_until_idle
 
 NUM_REQUESTS = 200
 CONCURRENCY = 32
@@ -120,15 +118,10 @@ def test_bench_serve_cli(server, tmp_path):
         assert (tmp_path / "bench.png").stat().st_size > 0
 
 
-def _schemathesis_cli() -> str | None:
-    beside_python = os.path.join(os.path.dirname(sys.executable), "schemathesis")
-    return beside_python if os.path.exists(beside_python) else shutil.which("schemathesis")
-
-
-@pytest.mark.skipif(_schemathesis_cli() is None, reason="schemathesis is not installed")
+@pytest.mark.skipif(schemathesis_cli() is None, reason="schemathesis is not installed")
 def test_openapi_schema_fuzzing_finds_no_5xx(server, tmp_path):
     """Schemathesis generates requests (valid and invalid) from the served schema: no 5xx, no hang."""
-    cli = _schemathesis_cli()
+    cli = schemathesis_cli()
     command = [cli, "run", server.base_url + "/openapi.json", "--checks", "not_a_server_error",
                "--max-examples", "12", "--request-timeout", "60", "--max-time", "30", "--workers", "1",
                "--seed", "1", "--no-shrink", "--suppress-health-check", "all", "--phases", "coverage,fuzzing",

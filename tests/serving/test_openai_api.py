@@ -175,6 +175,14 @@ def test_health_version_metrics_need_no_key(server):
     assert metrics.status_code == 200 and "deepserve:num_requests_running" in metrics.text
 
 
+def test_cors_is_off_by_default(server):
+    preflight = httpx.options(server.base_url + "/v1/models", headers={
+        "Origin": "https://app.example.com", "Access-Control-Request-Method": "GET"})
+    assert preflight.status_code != 200
+    simple = httpx.get(server.base_url + "/v1/models", headers={**auth(), "Origin": "https://app.example.com"})
+    assert simple.status_code == 200 and "access-control-allow-origin" not in simple.headers
+
+
 # --- errors ----------------------------------------------------------------------------------------
 
 def test_auth_accepted_and_refused(server):
@@ -195,7 +203,7 @@ def test_bad_field_is_400_naming_it(client, server):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, temperature=-1)
     assert info.value.body["param"] == "temperature"
     bad_role = post(server, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]})
-    assert bad_role.status_code == 400 and bad_role.json()["error"]["param"] == "messages.0.role"
+    assert bad_role.status_code == 400 and bad_role.json()["error"]["param"] == "messages[0].role"
     too_long = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 10_000})
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
     bad_ids = post(server, "/v1/completions", {"prompt": [1, 2, 10_000_000]})

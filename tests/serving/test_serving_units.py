@@ -169,8 +169,11 @@ def test_rate_limiter_refuses_a_non_positive_rate():
     (CompletionRequest, {"prompt": "x", "temperature": "hot"}, "temperature"),
     (CompletionRequest, {}, "prompt"),
     (CompletionRequest, {"prompt": {"a": 1}}, "prompt"),
-    (ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
-    (ChatCompletionRequest, {"messages": [{"role": "user"}], "tool_choice": "sometimes"}, "tool_choice"),
+    (ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"},
+     "tool_choice"),
+    (ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    (CompletionRequest, {"prompt": [[False]]}, "prompt[0][0]"),
 ])
 def test_validation_errors_name_the_field(cls, body, param):
     with pytest.raises(ValidationError) as info:

@@ -2,8 +2,8 @@
 
 import torch
 
-from deepserve.engine.scheduler import ScheduledSequence, SchedulerOutput
-from deepserve.engine.sequence import Sequence
+from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
+from deepserve.sequence import Sequence
 from deepserve.sampling_params import SamplingParams
 from deepserve.worker.cuda_graph import StaticDecodeInputs, default_capture_sizes, padded_size
 

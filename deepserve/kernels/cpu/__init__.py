@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 
+from deepserve import envs
 from deepserve.kernels.cpu import build as _build
 
 _SOURCE = Path(__file__).with_name("paged_attention.c")
@@ -34,7 +34,7 @@ _ARGTYPES = [_P, _I64, _I64,                    # q, its row and head strides
 
 
 def enabled() -> bool:
-    return os.environ.get("DEEPSERVE_CPU_KERNELS", "1") != "0"
+    return envs.DEEPSERVE_CPU_KERNELS
 
 
 # Cache dtype -> the build of paged_attention.c that reads it.

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from deepserve import envs
+
 logger = logging.getLogger(__name__)
 
 # No -ffast-math: sums must keep their written order (results stay bitwise reproducible) and libm stays exact.
@@ -28,8 +30,7 @@ OPENMP_FLAGS = ["-fopenmp"]
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("DEEPSERVE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "deepserve" / "kernels"
+    return envs.DEEPSERVE_CACHE_DIR
 
 
 def find_compiler() -> str | None:

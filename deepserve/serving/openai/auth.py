@@ -9,7 +9,7 @@ Open paths (health, metrics, version, the schema and docs) need no key and are n
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -21,12 +21,10 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/do
 
 
 class AccessGuard:
-    def __init__(self, app: ASGIApp, api_keys: Sequence[str] = (), rate_limiter: RateLimiter | None = None,
-                 on_reject: Callable[[int], None] | None = None) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str] = (), rate_limiter: RateLimiter | None = None) -> None:
         self.app = app
         self._keys = [key.encode() for key in api_keys]
         self.rate_limiter = rate_limiter
-        self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -34,8 +32,6 @@ class AccessGuard:
             return
         error = self._check(scope)
         if error is not None:
-            if self.on_reject is not None:
-                self.on_reject(error.status_code)
             await error_response(error)(scope, receive, send)
             return
         await self.app(scope, receive, send)

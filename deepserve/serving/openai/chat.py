@@ -34,6 +34,7 @@ from deepserve.serving.openai.protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     NamedToolChoice,
+    PromptTokensDetails,
     UsageInfo,
 )
 from deepserve.serving.openai.sampling import (
@@ -62,7 +63,8 @@ class ChatEndpoint:
         max_tokens = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         prompt = chat_prompt(body, ctx.tokenizer)
-        check_context_length(len(prompt.token_ids), max_tokens, ctx.max_model_len, param)
+        # As OpenAI does, chat names `messages` whichever side overflows the context.
+        check_context_length(len(prompt.token_ids), max_tokens, ctx.max_model_len, param, prompt_param="messages")
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         params = build_sampling_params(body, max_tokens, top_n)
         builder = _ChatResponseBuilder(ctx, body, model, new_request_id("chatcmpl"), len(prompt.token_ids))
@@ -191,8 +193,10 @@ class _ChatResponseBuilder:
 
     def _usage(self, output: RequestOutput | None) -> UsageInfo:
         completion = sum(len(c.token_ids) for c in output.outputs) if output is not None else 0
+        cached = output.num_cached_tokens if output is not None else 0
         return UsageInfo(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
-                         total_tokens=self.num_prompt_tokens + completion)
+                         total_tokens=self.num_prompt_tokens + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def _choice(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
@@ -204,5 +208,5 @@ def _echo_text(body: ChatCompletionRequest) -> str:
     last = body.messages[-1]
     if not body.echo or last.role != "assistant":
         return ""
-    return message_text(last, len(body.messages) - 1)
+    return message_text(last)
 

@@ -30,6 +30,7 @@ from deepserve.serving.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     UsageInfo,
 )
 from deepserve.serving.openai.sampling import (
@@ -178,6 +179,8 @@ class _ResponseBuilder:
     def _usage(self, finals: list[RequestOutput | None]) -> UsageInfo:
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
         completion_tokens = sum(len(c.token_ids) for out in finals if out is not None for c in out.outputs)
+        cached = sum(out.num_cached_tokens for out in finals if out is not None)
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+                         total_tokens=prompt_tokens + completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 

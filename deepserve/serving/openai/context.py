@@ -11,9 +11,8 @@ from deepserve.engine.async_engine import AsyncLLMEngine
 from deepserve.engine.engine import LLMEngine
 from deepserve.serving.openai.errors import OpenAIError
 from deepserve.serving.openai.metrics import ServerMetrics
+from deepserve.serving.openai.options import DEFAULT_MAX_BODY_BYTES
 from deepserve.serving.openai.tool_parsers import HermesToolParser, tool_parser_for
-
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -24,6 +23,11 @@ class ServerConfig:
     max_queue: int | None = None                                  # requests waiting to be scheduled
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     tool_call_parser: str = "auto"                                # auto | hermes | none
+    # CORS, for browsers calling from other origins: off while allowed_origins is empty.
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if self.rate_limit is not None and self.rate_limit <= 0:

@@ -58,8 +58,6 @@ async def start_requests(ctx: ServerContext, request_id: str, prompts: Sequence[
         mapped = engine_error(error)
         if mapped is None:
             raise
-        if mapped.status_code == 503:
-            ctx.metrics.count_rejected(503)
         raise mapped from None
     return streams
 

@@ -76,8 +76,8 @@ class ServerMetrics:
                                         registry=self.registry).labels(model_name)
         self._success = Counter("deepserve:request_success", "Finished requests, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
-        self._rejected = Counter("deepserve:request_rejected", "HTTP requests refused before reaching the "
-                                 "engine, by HTTP status.", ["model_name", "status"], registry=self.registry)
+        self._rejected = Counter("deepserve:request_rejected", "HTTP requests refused (4xx, 503), by HTTP "
+                                 "status.", ["model_name", "status"], registry=self.registry)
         self.registry.register(_EngineStatsCollector(model_name, self._current_stats))
 
     def _histogram(self, name: str, help_text: str, buckets: tuple[float, ...]):

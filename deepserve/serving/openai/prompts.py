@@ -28,14 +28,13 @@ class EnginePrompt:
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]], tokenizer,
                        vocab_size: int) -> list[EnginePrompt]:
-    """OpenAI's four prompt shapes: a string, strings, token ids, lists of token ids."""
+    """OpenAI's four prompt shapes (a string, strings, token ids, lists of token ids), non-empty and with
+    integer ids >= 0 already (the schema checks them); the ids are checked against the vocabulary here."""
     if isinstance(prompt, str):
         return [_from_text(prompt, tokenizer)]
-    if not prompt:
-        raise bad_request("prompt must not be an empty list", "prompt")
-    if all(isinstance(p, str) for p in prompt):
+    if isinstance(prompt[0], str):
         return [_from_text(p, tokenizer) for p in prompt]
-    if all(isinstance(p, int) for p in prompt):
+    if isinstance(prompt[0], int):
         return [_from_ids(prompt, vocab_size)]
     return [_from_ids(p, vocab_size) for p in prompt]
 
@@ -49,7 +48,7 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer) -> EnginePrompt:
 
 def render_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool = True,
                 tools: list[ToolDefinition] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
-    conversation = [message_for_template(m, i) for i, m in enumerate(messages)]
+    conversation = [message_for_template(m) for m in messages]
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     reserved = {"messages", "tools", "add_generation_prompt"} & set(template_kwargs or {})
     if reserved:
@@ -61,28 +60,20 @@ def render_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: b
         raise bad_request(str(error), "messages") from None
 
 
-def message_for_template(message: ChatMessage, index: int) -> dict[str, Any]:
-    """A message as chat templates expect it: `content` a string, tool calls with their arguments."""
+def message_for_template(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates expect it: `content` a string (text parts joined), tool calls included."""
     rendered = message.model_dump(exclude_none=True)
-    rendered["content"] = message_text(message, index)
-    if message.tool_calls:
-        rendered["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    rendered["content"] = message_text(message)
     return rendered
 
 
-def message_text(message: ChatMessage, index: int) -> str:
+def message_text(message: ChatMessage) -> str:
     content = message.content
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
-    for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise bad_request(f"messages.{index}.content.{j}: only text parts are supported, got {part.type!r}",
-                              f"messages.{index}.content")
-        texts.append(part.text)
-    return "".join(texts)
+    return "".join(part.text for part in content)      # the schema admits text parts only
 
 
 def _from_text(text: str, tokenizer) -> EnginePrompt:
@@ -91,10 +82,7 @@ def _from_text(text: str, tokenizer) -> EnginePrompt:
     return EnginePrompt(text, tokenizer.encode(text))
 
 
-def _from_ids(ids: Any, vocab_size: int) -> EnginePrompt:
-    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
-                          "lists of token ids", "prompt")
+def _from_ids(ids: list[int], vocab_size: int) -> EnginePrompt:
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")

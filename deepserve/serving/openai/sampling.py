@@ -52,16 +52,21 @@ def build_sampling_params(request: SamplingRequest, max_tokens: int | None, logp
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                         param: str = "max_tokens") -> None:
-    """Refuse (400) a request that cannot fit the context window, as vLLM does, instead of truncating it."""
+                         param: str = "max_tokens", prompt_param: str | None = None) -> None:
+    """Refuse (400) a request that cannot fit the context window, as vLLM does, instead of truncating it.
+
+    `param` names the max-tokens field in the message; the error's `param` is `prompt_param` when given (chat:
+    "messages", for either overflow), else "prompt" for a prompt too long and `param` for too many tokens asked.
+    """
     if num_prompt_tokens >= max_model_len:
         raise OpenAIError(400, f"this model's maximum context length is {max_model_len} tokens, but the prompt "
                                f"has {num_prompt_tokens} tokens, which leaves no room to generate",
-                          param="prompt", code="context_length_exceeded")
+                          param=prompt_param or "prompt", code="context_length_exceeded")
     if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
         raise OpenAIError(400, f"this model's maximum context length is {max_model_len} tokens, but "
                                f"{num_prompt_tokens} prompt tokens + {param}={max_tokens} is "
-                               f"{num_prompt_tokens + max_tokens}", param=param, code="context_length_exceeded")
+                               f"{num_prompt_tokens + max_tokens}", param=prompt_param or param,
+                          code="context_length_exceeded")
 
 
 def stop_strings(request: SamplingRequest) -> list[str]:

@@ -1,51 +1,68 @@
-"""`deepserve serve`: load the engine, build the app, run uvicorn until SIGTERM / SIGINT.
+"""`deepserve serve`: turn the flags (options.py) into a ServerConfig, load the engine, build the app, run
+uvicorn until SIGTERM / SIGINT.
 
 On SIGTERM uvicorn stops listening, lets in-flight requests (streams included) finish for up to
 `--drain-timeout` seconds, then the app's lifespan drains the engine loop; the process exits 0.
+
+API keys come from three sources, all accepted together: DEEPSERVE_API_KEY (comma-separated),
+`--api-key-file` (one per line) and `--api-key`. The first two keep keys out of the process's command line,
+which every user of the machine can read (`ps`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import stat
 from typing import Any
 
-from deepserve.serving.openai.context import (
-    DEFAULT_MAX_BODY_BYTES,
-    ServerConfig,
-    ServerContext,
-)
-from deepserve.serving.openai.tool_parsers import TOOL_CALL_PARSERS
+from deepserve import envs
+from deepserve.serving.openai.context import ServerConfig, ServerContext
 
 logger = logging.getLogger(__name__)
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1")
-    group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
-                       help="accept this key (repeat for several); without any, no authentication")
-    group.add_argument("--rate-limit", type=float, default=None, metavar="R",
-                       help="requests per second allowed per key (per client address without keys)")
-    group.add_argument("--max-queue", type=int, default=None, metavar="N",
-                       help="answer 503 while N requests are already waiting to be scheduled")
-    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                       help="answer 413 to larger request bodies")
-    group.add_argument("--served-model-name", action="append", default=[], dest="served_model_names",
-                       metavar="NAME", help="name(s) clients use for the model (default: the model file's name)")
-    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
-                       help="how tool calls are written in the output (auto: from the chat template)")
-    group.add_argument("--drain-timeout", type=float, default=300.0,
-                       help="seconds to let in-flight requests finish after SIGTERM")
-    group.add_argument("--uvicorn-log-level", default="warning")
-
-
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(served_model_names=args.served_model_names, api_keys=args.api_keys,
+    if not args.allowed_origins:
+        given = {"--allowed-methods": args.allowed_methods is not None,
+                 "--allowed-headers": args.allowed_headers is not None, "--allow-credentials": args.allow_credentials}
+        stray = [flag for flag, is_given in given.items() if is_given]
+        if stray:
+            raise ValueError(f"{', '.join(stray)} needs --allowed-origins (CORS is off without it)")
+    cors = {"allowed_origins": args.allowed_origins, "allow_credentials": args.allow_credentials}
+    if args.allowed_methods is not None:
+        cors["allowed_methods"] = args.allowed_methods
+    if args.allowed_headers is not None:
+        cors["allowed_headers"] = args.allowed_headers
+    return ServerConfig(served_model_names=args.served_model_names, api_keys=api_keys(args),
                         rate_limit=args.rate_limit, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, **cors)
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys of all three sources (flags, files, DEEPSERVE_API_KEY), each once, in that order."""
+    if args.api_keys:
+        logger.warning("a key given with --api-key is visible to every user of this machine (ps); "
+                       "prefer DEEPSERVE_API_KEY or --api-key-file")
+    keys = list(args.api_keys)
+    for path in args.api_key_files:
+        keys += read_api_key_file(path)
+    keys += envs.DEEPSERVE_API_KEY
+    return list(dict.fromkeys(keys))
+
+
+def read_api_key_file(path: str) -> list[str]:
+    """One key per line; blank lines and lines starting with # are skipped. A file with no key is an error:
+    the server would otherwise run without authentication, which is not what naming a key file asks for."""
+    with open(path, encoding="utf-8") as f:
+        keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ValueError(f"--api-key-file {path} holds no key")
+    if os.stat(path).st_mode & (stat.S_IRGRP | stat.S_IROTH):
+        logger.warning("%s is readable by other users; `chmod 600 %s` keeps the keys private", path, path)
+    return keys
 
 
 def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:

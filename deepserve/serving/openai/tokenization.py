@@ -24,8 +24,6 @@ class TokenizationEndpoints:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            if not body.messages:
-                raise bad_request("messages must not be empty", "messages")
             text = render_chat(body.messages, tokenizer, body.add_generation_prompt)
             add_special = bool(body.add_special_tokens)          # the template already holds BOS
         else:

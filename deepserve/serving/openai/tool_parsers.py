@@ -18,9 +18,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from deepserve.serving.openai.options import TOOL_CALL_PARSERS
 from deepserve.serving.openai.protocol import ToolCall, ToolCallFunction
-
-TOOL_CALL_PARSERS = ("auto", "hermes", "none")
 
 
 @dataclass

@@ -27,7 +27,7 @@ from deepserve.kernels.mla_absorb import absorb_query, absorb_supported, expand_
 from deepserve.kernels.mla_decode import mla_decode, rotary_write_latents, write_latents
 from deepserve.kernels.mla_prefill import MLAPrefillPlan, mla_prefill, plan_prefill
 from deepserve.layers.mla import MLAWeights, TorchMLA
-from deepserve.worker.forward_batch import upload_int64
+from deepserve.layers.forward_batch import upload_int64
 
 
 @dataclass

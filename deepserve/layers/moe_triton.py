@@ -40,7 +40,7 @@ def select_moe_and_mla_backends(model, device) -> None:
             layer.backend = moe
     mla_layers = [layer for layer in model.attention_layers() if isinstance(getattr(layer, "backend", None), TorchMLA)]
     if mla_layers:
-        from deepserve.kernels.mla_backend import TritonMLA
+        from deepserve.layers.mla_triton import TritonMLA
         mla = TritonMLA()
         for layer in mla_layers:
             layer.backend = mla

@@ -4,7 +4,7 @@ variant per pointer alignment; views at arbitrary offsets would compile new vari
 import numpy as np
 import torch
 
-from deepserve.worker.forward_batch import upload_int64
+from deepserve.layers.forward_batch import upload_int64
 
 
 def test_upload_views_are_16_byte_aligned_and_exact():

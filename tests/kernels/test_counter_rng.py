@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepserve.layers.counter_rng import (
+from deepserve.kernels.reference.counter_rng import (
     sample_uniforms,
     seeds_to_int64,
     splitmix64_uniform_reference,

@@ -1,0 +1,180 @@
+"""Every DEEPSERVE_* environment variable, declared once: its type, its default and what it means.
+
+No other module reads `os.environ` for a DEEPSERVE_* name; it reads `envs.DEEPSERVE_X` (parsed on each
+access, so a test may set the variable and see it) or `envs.get("DEEPSERVE_X")`. A few are read once, at
+import, by kernels that bake them into compiled code; their help says so.
+
+`python -m deepserve.envs` (or `deepserve env`) prints each variable with its current value. A DEEPSERVE_*
+variable in the environment that is not declared here gets one warning naming the closest known one:
+a typo would otherwise be silently ignored.
+
+This module imports nothing of deepserve: every floor may read it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "DEEPSERVE_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer") from None
+
+
+def _parse_str(name: str, raw: str) -> str:
+    return raw
+
+
+def _parse_path(name: str, raw: str) -> Path:
+    return Path(raw).expanduser()
+
+
+def _parse_list(name: str, raw: str) -> list[str]:
+    return [part.strip() for part in raw.split(",") if part.strip()]
+
+
+_PARSERS: dict[str, Callable[[str, str], Any]] = {
+    "bool": _parse_bool, "int": _parse_int, "str": _parse_str, "path": _parse_path, "list": _parse_list,
+}
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    kind: str                         # bool | int | str | path | list (comma-separated)
+    default: Any                      # the value when the variable is unset (or empty)
+    help: str                         # one line: what it changes
+    choices: tuple | None = None      # allowed values, when the set is closed
+    secret: bool = False              # printed as *** by `deepserve env`
+
+    def parse(self, raw: str | None) -> Any:
+        if raw is None or raw == "":
+            return self.default
+        value = _PARSERS[self.kind](self.name, raw)
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{self.name}={raw!r}: expected one of {', '.join(map(str, self.choices))}")
+        return value
+
+    def value(self) -> Any:
+        return self.parse(os.environ.get(self.name))
+
+    def is_set(self) -> bool:
+        return os.environ.get(self.name, "") != ""
+
+
+_DECLARED = [
+    EnvVar("DEEPSERVE_CACHE_DIR", "path", Path.home() / ".cache" / "deepserve" / "kernels",
+           "where the CPU C kernels are compiled to and cached"),
+    EnvVar("DEEPSERVE_CPU_KERNELS", "bool", True,
+           "use the CPU C kernels (decode attention, rotary, argmax, int8 quantizer); 0: the PyTorch paths"),
+    EnvVar("DEEPSERVE_CPU_ISA", "str", "auto",
+           "CPU kernel choice: act as if this CPU had only this feature set (never more than it has); "
+           "auto: detect", choices=("auto", "avx2", "avx_vnni", "avx512", "avx512_vnni", "amx")),
+    EnvVar("DEEPSERVE_FUSED_NORMS", "bool", True,
+           "GPU batch-1 decode: RMSNorm in GEMV prologues, residual adds in GEMV epilogues (read at import)"),
+    EnvVar("DEEPSERVE_PDL", "bool", True,
+           "programmatic dependent launch for the decode-path Triton kernels on Hopper and later"),
+    EnvVar("DEEPSERVE_GEMV_PREFETCH", "int", 1,
+           "what a GEMV does before its PDL wait: 0 nothing, 1 L2 prefetch of its first K step, 2 of all its "
+           "rows, 3 first K step into registers (read at import)", choices=(0, 1, 2, 3)),
+    EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
+           "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
+    EnvVar("DEEPSERVE_API_KEY", "list", [],
+           "API keys `deepserve serve` accepts (comma-separated); safer than --api-key, which `ps` shows",
+           secret=True),
+]
+VARIABLES: dict[str, EnvVar] = {v.name: v for v in _DECLARED}
+
+
+def get(name: str) -> Any:
+    """The current value of a declared variable (its default when unset)."""
+    try:
+        var = VARIABLES[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a declared deepserve environment variable (see deepserve/envs.py)") from None
+    return var.value()
+
+
+def __getattr__(name: str) -> Any:
+    # `envs.DEEPSERVE_PDL` reads the environment now, not at import.
+    if name in VARIABLES:
+        return VARIABLES[name].value()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def unknown_variables(environ: dict[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """(name, closest declared name or None) for each DEEPSERVE_* name in `environ` that is not declared."""
+    environ = os.environ if environ is None else environ
+    found = []
+    for name in sorted(environ):
+        if name.startswith(PREFIX) and name not in VARIABLES:
+            # Compared without the shared prefix, which would make every name look alike.
+            suffixes = [known[len(PREFIX):] for known in VARIABLES]
+            close = difflib.get_close_matches(name[len(PREFIX):], suffixes, n=1, cutoff=0.6)
+            found.append((name, PREFIX + close[0] if close else None))
+    return found
+
+
+_warned: set[str] = set()
+
+
+def warn_unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """Log one warning per unknown DEEPSERVE_* variable (once per process); returns the messages logged."""
+    messages = []
+    for name, close in unknown_variables(environ):
+        if name in _warned:
+            continue
+        _warned.add(name)
+        hint = f"; did you mean {close}?" if close else ""
+        message = f"unknown environment variable {name} is ignored{hint} (`deepserve env` lists the known ones)"
+        logger.warning(message)
+        messages.append(message)
+    return messages
+
+
+def describe() -> str:
+    """One block per variable: name, current value (or the error its value raises), default and meaning."""
+    lines = []
+    for var in _DECLARED:
+        try:
+            current = var.value()
+        except ValueError as e:
+            current = f"<invalid: {e}>"
+        if var.secret and var.is_set():
+            current = "***"
+        source = "set" if var.is_set() else "default"
+        lines.append(f"{var.name}={current}  ({source}; {var.kind}, default {var.default})")
+        lines.append(f"    {var.help}")
+    for name, close in unknown_variables():
+        lines.append(f"{name}  (unknown: ignored" + (f"; did you mean {close}?)" if close else ")"))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    print(describe())
+
+
+if __name__ == "__main__":
+    main()

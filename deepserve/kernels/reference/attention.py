@@ -1,0 +1,63 @@
+"""Paged attention in plain PyTorch: the twin of kernels/paged_attention.py (and of the CPU C decode kernel).
+
+KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = keys, 1 = values); a slot is
+block * block_size + offset. The attention functions take keys already gathered from the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# torch >= 2.5 lets SDPA broadcast kv heads over query groups without copying them.
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] for a cache [num_blocks, ...]: index_select on a 2-D view copies each block as one
+    row, several times faster than advanced indexing on the full shape."""
+    rows = cache.reshape(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
+    return rows.view(*blocks.shape, *cache.shape[1:])
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The cache may hold another dtype than the activations (kv_cache_dtype): values are rounded into it."""
+    kv_cache[0].view(-1, *k.shape[1:])[slot_mapping] = k.to(kv_cache.dtype)
+    kv_cache[1].view(-1, *v.shape[1:])[slot_mapping] = v.to(kv_cache.dtype)
+
+
+def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """q: [B, H, D]; k, v: [B, L, Hkv, D]; mask: [B, L] True at real keys. Grouped-query: H = Hkv * G."""
+    b, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.view(b, hkv, h // hkv, d).float()
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).float()) * scale          # [B, Hkv, G, L]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3).float())                  # [B, Hkv, G, D]
+    return out.reshape(b, h, d).to(q.dtype)
+
+
+def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_position: int,
+                             scale: float) -> torch.Tensor:
+    """q: [n, H, D] at positions first_position..; k, v: [L, Hkv, D] (L = first_position + n)."""
+    n, h, _ = q.shape
+    group = h // k.shape[1]
+    if _SDPA_HAS_GQA:
+        gqa = {"enable_gqa": group > 1}
+    else:
+        k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
+    qh, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)    # [heads, len, D]
+    if first_position == 0:
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, **gqa)
+    else:
+        # Query i sits at position first_position + i and sees keys 0..first_position + i.
+        key_pos = torch.arange(k.shape[1], device=q.device)
+        query_pos = torch.arange(first_position, first_position + n, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, **gqa)
+    return out.transpose(0, 1)
+
+
+__all__ = ["causal_prefill_attention", "gather_blocks", "masked_decode_attention", "write_kv"]

@@ -1,0 +1,40 @@
+"""What the scheduler hands the worker for one step: which sequences, and which of their positions to compute.
+
+The worker's input contract. It lives on the worker's floor so that the worker never imports the engine;
+the engine's Scheduler builds it (engine/scheduler.py) and the ModelRunner executes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepserve.sequence import Sequence
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    start: int              # first position computed in this step
+    num_new_tokens: int     # positions [start, start + num_new_tokens) are computed
+    # The chunk reaches the sequence's last token, so this step samples the next one (fixed when scheduled:
+    # the sequence grows while the step runs).
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    ignored: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
