@@ -82,7 +82,8 @@ def test_cache_is_sized_from_a_profile_of_the_largest_step(tiny_llama):
     per_block = runner.kv_bytes_per_token() * config.cache.block_size
     assert config.cache.num_blocks == (room - peak) // per_block
     sizes = [1024 >> i for i in range(11)]         # then half, a quarter, ... one token (compiles, measures)
-    assert memory.steps == [shape for n in sizes for shape in largest_steps(n, 8, 512)]
+    fresh = [[512 >> i] for i in range(10)]        # then one fresh prompt of each size (compiles what serving meets)
+    assert memory.steps == [shape for n in sizes for shape in largest_steps(n, 8, 512)] + fresh
 
 
 def _suggested(message: str) -> int:
