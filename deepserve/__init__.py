@@ -17,9 +17,9 @@ and `import deepserve` do not pay for torch, and nothing here pulls in the servi
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from deepserve.lazy import lazy_exports
 from deepserve.version import __version__
 
 _EXPORTS = {
@@ -37,17 +37,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from deepserve.sampling_params import SamplingParams
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'deepserve' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value          # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput", "__version__"]

@@ -14,6 +14,16 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=1024, head_dim=16, rms_norm_eps=1e-6)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of many tiny ops: on 2 shared cores two OpenMP threads spin against each other (a forward of the
+    tiny V4.1 reference took 2.4 s instead of 13 ms). Use with `pytestmark = pytest.mark.usefixtures(...)`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def save_tiny_model(path, kind: str, seed: int = 0) -> str:
     import transformers
 

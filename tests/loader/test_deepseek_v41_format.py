@@ -26,13 +26,7 @@ from deepserve.models.reference.tiny import init_tiny_weights, tiny_config
 from deepserve.tools.make_tiny_checkpoint import write_deepseek_v41, write_shards
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: on 2 shared cores two OpenMP threads only spin against each other. Restored after.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def u8(values) -> torch.Tensor:

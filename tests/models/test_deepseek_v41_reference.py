@@ -16,13 +16,7 @@ from deepserve.models.reference.deepseek_v41 import (
 from deepserve.models.reference.tiny import init_tiny_weights, tiny_config
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny ops: on 2 shared cores, two OpenMP threads spin against each other (~100x slower). Restored after.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(autouse=True)

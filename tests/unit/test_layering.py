@@ -23,6 +23,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "deepserve"
 FLOORS: dict[str, int] = {
     "envs": 0,
     "version": 0,
+    "lazy": 0,
     "kernels": 1,           # Triton kernels, their PyTorch twins (kernels/reference), CPU C kernels
     "loader": 1,            # checkpoint formats
     "sampling_params": 1,

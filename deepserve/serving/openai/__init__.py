@@ -6,8 +6,9 @@ pull in fastapi and the engine.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from deepserve.lazy import lazy_exports
 
 _EXPORTS = {
     "build_app": "deepserve.serving.openai.app",
@@ -20,11 +21,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from deepserve.serving.openai.context import ServerConfig, ServerContext
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = ["ServerConfig", "ServerContext", "build_app"]
