@@ -223,7 +223,12 @@ def load_hf_config(path: str) -> dict[str, Any]:
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{path} has no config.json")
     with open(config_path) as f:
-        return json.load(f)
+        config = json.load(f)
+    # Multimodal releases (DeepSeek-V4.1) keep the language model's fields under text_config: they win over the
+    # top level (deepinfer.md §16.1), which keeps the rest (architectures, token ids, quantization_config).
+    if isinstance(config.get("text_config"), dict):
+        config = {**config, **config["text_config"]}
+    return config
 
 
 def resolve_device(name: str) -> torch.device:

@@ -92,6 +92,13 @@ _DECLARED = [
     EnvVar("DEEPSERVE_CPU_ISA", "str", "auto",
            "CPU kernel choice: act as if this CPU had only this feature set (never more than it has); "
            "auto: detect", choices=("auto", "avx2", "avx_vnni", "avx512", "avx512_vnni", "amx")),
+    EnvVar("DEEPSERVE_YOCO_PREFILL_TRUNCATION_MODE", "str", "off",
+           "DeepSeek-V4.1 YOCO bounded suffix replay in prefill: off; mask (consumer-half sliding window narrowed "
+           "to the last KEEP tokens); compact (consumer layers compute only those rows)",
+           choices=("off", "mask", "compact")),
+    EnvVar("DEEPSERVE_YOCO_PREFILL_KEEP_TOKENS", "int", 0,
+           "YOCO: the suffix of each prompt the consumer half computes; >= window + tokens per decode step when "
+           "the mode is not off"),
     EnvVar("DEEPSERVE_FUSED_NORMS", "bool", True,
            "GPU batch-1 decode: RMSNorm in GEMV prologues, residual adds in GEMV epilogues (read at import)"),
     EnvVar("DEEPSERVE_PDL", "bool", True,

@@ -124,6 +124,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        why_not = getattr(self.runner.model, "prompt_logprobs_unavailable", None)
+        if params.prompt_logprobs is not None and why_not:
+            raise ValueError(f"prompt_logprobs: not available with this model's settings ({why_not})")
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})")

@@ -35,6 +35,9 @@ class ForwardBatch:
     # (row, seq_id) of rows whose input token is still in flight: input_ids holds 0 there until the runner
     # copies the token in from the previous step's device tensor (overlapped scheduling).
     inflight_rows: list[tuple[int, int]] = field(default_factory=list)
+    # Each sequence's whole length (prompt and generated tokens) when the step was built, which can exceed
+    # seq_lens for a prompt chunk (DeepSeek-V4.1's YOCO keeps a suffix of it). Empty: seq_lens.
+    data_lens_cpu: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -107,8 +107,13 @@ class FusedMoE(nn.Module):
         self.backend: MoEBackend = TorchMoE()
         self._expert_pieces: dict[str, set[tuple[int, int | None]]] = {"w13": set(), "w2": set()}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x, self.expert_load)       # also counts the tokens routed to each expert
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`token_ids`: each row's token, for a gate that routes by it (DeepSeek-V4's hash layers, HashRouter)."""
+        # The gate also counts the tokens routed to each expert.
+        if token_ids is None:
+            weights, ids = self.gate(x, self.expert_load)
+        else:
+            weights, ids = self.gate(x, token_ids, self.expert_load)
         # The backend adds the shared experts' output to the routed sum (on the GPU inside its combine kernel:
         # no separate add launch).
         shared = self.shared_experts(x) if self.shared_experts is not None else None

@@ -49,7 +49,7 @@ PREFIX = "model."
 SCALE_SUFFIX = ".scale"
 WEIGHT_SUFFIX = ".weight"
 
-F32, PLAIN, FP8, FP4, FP8_ROWS = "f32", "plain", "fp8", "fp4", "fp8_rows"
+F32, PLAIN, FP8, FP4, FP8_ROWS, INT_TABLE = "f32", "plain", "fp8", "fp4", "fp8_rows", "int_table"
 ENGRAM_ROW_BLOCK = (1, E8M0_BLOCK[1])        # one scale per row and 32 columns (§3 "per-row scales")
 
 # Roles by name (§2.14, §2.12 "HC, sinks, gate bias fp32", §16.3).
@@ -58,6 +58,9 @@ ROUTED_EXPERT = re.compile(r"(^|\.)ffn\.experts\.\d+\.w[123]\.weight$")
 ENGRAM_TABLE = re.compile(r"(^|\.)engram\.embed\.weight$")
 FP8_ROLE = re.compile(r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
                       r"|engram\.wkv|main_proj)\.weight$")
+# DeepSeek-V4's hash-routed layers: token id -> expert ids, an integer table kept as stored.
+INDEX_TABLE = re.compile(r"(^|\.)ffn\.gate\.tid2eid$")
+INT_TABLE_DTYPES = ("I64", "I32", "I16", "I8", "U8")
 # §3: the HC pre-norm weight must already be folded into fn; a separate tensor for it is an error.
 HC_NORM = re.compile(r"(^|\.)hc_[a-z_]*norm(\.|$)")
 # Not the text model's: draft copies of the tied embedding / head (§3), the vision tower (text-only reader).
@@ -80,6 +83,8 @@ def released_format(name: str) -> str:
     """The storage format §2.14 gives the tensor `name` (model name, no prefix) in the released checkpoint."""
     if F32_ROLE.search(name):
         return F32
+    if INDEX_TABLE.search(name):
+        return INT_TABLE
     if ROUTED_EXPERT.search(name):
         return FP4
     if ENGRAM_TABLE.search(name):
@@ -192,6 +197,8 @@ def classify(name: str, weight: StoredTensor, scale: StoredTensor | None) -> tup
 def classify_unquantized(name: str, weight: StoredTensor) -> tuple[Source | None, list[str]]:
     if released_format(name) == F32:
         fmt, ok, want = F32, weight.dtype == "F32", "F32 (§3: HC fn/base/scale, sinks and gate biases are F32)"
+    elif released_format(name) == INT_TABLE:
+        fmt, ok, want = INT_TABLE, weight.dtype in INT_TABLE_DTYPES, "an integer type (a token -> expert table)"
     else:
         fmt, ok, want = PLAIN, weight.dtype in PLAIN_DTYPES, "BF16 or F32 (a quantized weight needs a sibling .scale)"
     if not ok:
@@ -388,6 +395,8 @@ def dequantize(source: Source, weight: torch.Tensor, scale: torch.Tensor | None)
         return dequantize_block_fp8_e8m0(weight, scale, E8M0_BLOCK)
     if source.fmt == FP8_ROWS:
         return dequantize_block_fp8_e8m0(weight, scale, ENGRAM_ROW_BLOCK)
+    if source.fmt == INT_TABLE:
+        return weight.long()
     return weight.float()
 
 
@@ -412,7 +421,7 @@ def load_weights(model_dir: str, targets: Mapping[str, Any], merge_gate_up: bool
             value = values[0] if len(values) == 1 else torch.cat(values, dim=0)
             if value.shape[0] > item.target.shape[0]:
                 value = value[: item.target.shape[0]]              # Engram pad rows
-            yield item.name, value.to(item.target.dtype or dtype)
+            yield item.name, value.to(item.target.dtype or (dtype if value.is_floating_point() else value.dtype))
 
 
 def load_state_dict(model_dir: str, targets: Mapping[str, Any], **kwargs: Any) -> dict[str, torch.Tensor]:

@@ -5,13 +5,15 @@
 index and index-K sharing maps, the YOCO producer/consumer split (`n_prefill_layer`), the candidate-block source
 and the DSpark draft layers. Every failed check is a ValueError naming the offending field and value.
 
-Differences from DeepSeek-V4 are kept as explicit fields, so a V4 reading can set them later; the reference
-forward implements the V4.1 values and rejects the others (ValueError). Known ones (from transformers'
-DeepseekV4, not from the spec): V4 compress ratios are 4 (overlapping CSA, `compress_overlap`) and 128 instead of
-1 / 2 (LAYER_TYPES); V4 routes its first layers by token hash (`num_hash_layers`, 0 here, §2.8 "every layer");
-V4's indexer compresses its own keys (`indexer_kproj` False) instead of projecting the compressed KV; V4 has the
-HC head (`hc_shifted` False); V4 has no sharing lists, YOCO split, candidate blocks or Engram (their absence here
-= every layer its own source, no ratio-1 layer, candidate_source_layer_id None, empty engram_layer_ids).
+Differences from DeepSeek-V4 are kept as explicit fields. `from_hf_dict` reads V4.1 only and validates every
+internal field to its V4.1 value; a DeepSeek-V4 config (`model_type` "deepseek_v4") is built by
+models/deepseek_v4_config.py (`deepseek_v4_config`), validated here to V4's values (`_check_v4`; docs/deepseek_v4.md
+has each difference with its formula). V4 (transformers' DeepseekV4): per-layer `attention_types` window / CSA /
+HCA with any compress ratio (released: 4 and 128, tiny tests: smaller), CSA pooling overlapping windows of 2·ratio
+tokens (`compress_overlap`) with a learned position bias (`use_ape`) and an indexer whose keys come from its own
+compressor (`indexer_kproj` False), HCA dense (no indexer); a per-head unweighted q RMSNorm (`use_qnorm`); hash-routed
+MoE in the first `num_hash_layers` layers; the HC head (`hc_shifted` False); no sharing lists, YOCO split, candidate
+blocks, Engram or DSpark drafts (every layer its own source, `n_prefill_layer` = L).
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ from typing import Any
 
 MODEL_TYPE = "deepseek_v41"
 ARCHITECTURE = "DeepseekV41ForCausalLM"
+V4_MODEL_TYPE = "deepseek_v4"                  # DeepSeek-V4, built by models/deepseek_v4_config.py
 WINDOW, C1, C2 = "window", "c1", "c2"          # layer types by compress ratio 0, 1, 2 (§2.2)
 LAYER_TYPES = {0: WINDOW, 1: C1, 2: C2}
+# DeepSeek-V4 layer types: compressed sparse (overlapping windows + indexer top-k), heavily compressed (dense).
+CSA, HCA = "csa", "hca"
+V4_ATTENTION_TYPES = (WINDOW, CSA, HCA)
 
 # §2.1: the one quantization_config accepted (absent = unquantized checkpoint, §16.1).
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "expert_dtype": "fp4", "activation_scheme": "dynamic",
@@ -40,6 +46,9 @@ INTERNAL_DEFAULTS = {"hc_dynamic": True, "hc_post_mult_value": 2.0, "hc_pre_init
 # Internal defaults the reference forward implements only at their V4.1 value.
 FIXED_INTERNALS = ("hc_dynamic", "rope_interleaved", "use_qnorm", "use_kv_norm_weight", "yoco_swa_share_hidden",
                    "use_ape", "compress_overlap", "num_hash_layers", "indexer_kproj")
+# DeepSeek-V4's values of the same internals (num_hash_layers is free there: 0..L hash-routed first layers).
+V4_INTERNALS = {**{k: INTERNAL_DEFAULTS[k] for k in FIXED_INTERNALS if k != "num_hash_layers"},
+                "use_qnorm": True, "use_ape": True, "compress_overlap": True, "indexer_kproj": False}
 
 
 def _fail(name: str, value: Any, why: str) -> ValueError:
@@ -146,6 +155,9 @@ class DeepseekV41Config:
     compress_overlap: bool = False
     num_hash_layers: int = 0                          # DeepSeek-V4: hash-routed MoE in the first layers
     indexer_kproj: bool = True                        # index K = wk(compressed KV) (§2.6); V4: own compressor
+    # --- model family: V4.1, or DeepSeek-V4 (set only by models/deepseek_v4_config.py) ---
+    model_type: str = MODEL_TYPE
+    attention_types: tuple[str, ...] | None = None    # V4 only: "window" / "csa" / "hca" per backbone layer
     # --- derived once in __post_init__ (§2.1 "Derived", §2.2) ---
     kv_lora_rank: int = field(init=False)
     n_prefill_layer: int = field(init=False)
@@ -237,16 +249,26 @@ class DeepseekV41Config:
             raise _fail("compress_ratios", list(self.compress_ratios),
                         f"length must be num_hidden_layers + num_nextn_predict_layers = "
                         f"{L + self.num_nextn_predict_layers}")
-        # §16.4 check 1: ratios in {0, 1, 2}. # Reading: draft entries are checked too, but a draft layer is
-        # SWA-only (base RoPE) whatever its value (§2.2).
-        for i, r in enumerate(self.compress_ratios):
-            if r not in LAYER_TYPES:
-                raise _fail(f"compress_ratios[{i}]", r, "compress ratio must be 0, 1 or 2")
         ratios = self.compress_ratios[:L]
         set_("kv_lora_rank", self.head_dim - self.qk_rope_head_dim)
-        set_("layer_types", tuple(LAYER_TYPES[r] for r in ratios))
-        # §2.1 / §16.2: the first layer of ratio 1 starts the YOCO consumer half; L when there is none.
-        set_("n_prefill_layer", next((l for l, r in enumerate(ratios) if r == 1), L))
+        if self.is_v4:
+            self._check_v4()
+            set_("layer_types", self.attention_types)
+            set_("n_prefill_layer", L)                                  # V4 has no YOCO split
+        else:
+            if self.model_type != MODEL_TYPE:
+                raise _fail("model_type", self.model_type, f"must be {MODEL_TYPE!r} or {V4_MODEL_TYPE!r}")
+            if self.attention_types is not None:
+                raise _fail("attention_types", self.attention_types, "DeepSeek-V4 only (V4.1 layer types come "
+                            "from compress_ratios)")
+            # §16.4 check 1: ratios in {0, 1, 2}. # Reading: draft entries are checked too, but a draft layer is
+            # SWA-only (base RoPE) whatever its value (§2.2).
+            for i, r in enumerate(self.compress_ratios):
+                if r not in LAYER_TYPES:
+                    raise _fail(f"compress_ratios[{i}]", r, "compress ratio must be 0, 1 or 2")
+            set_("layer_types", tuple(LAYER_TYPES[r] for r in ratios))
+            # §2.1 / §16.2: the first layer of ratio 1 starts the YOCO consumer half; L when there is none.
+            set_("n_prefill_layer", next((l for l, r in enumerate(ratios) if r == 1), L))
 
         kv_ids = self._source_ids("kv_source_layer_ids", self.kv_source_layer_ids)
         index_ids = self._source_ids("index_source_layer_ids", self.index_source_layer_ids)
@@ -414,15 +436,62 @@ class DeepseekV41Config:
         if self.engram_pad_token_id is None:
             raise _fail("engram_pad_token_id", None, "required (or a top-level pad_token_id) when Engram is on")
 
+    def _check_v4(self) -> None:
+        """DeepSeek-V4 (docs/deepseek_v4.md): explicit per-layer types, any positive ratio for CSA / HCA layers,
+        V4's internals, none of V4.1's sharing / YOCO / candidate / Engram / DSpark features."""
+        L, types = self.num_hidden_layers, self.attention_types
+        if types is None or len(types) != L or any(t not in V4_ATTENTION_TYPES for t in types):
+            raise _fail("attention_types", types, f"DeepSeek-V4 needs one of {V4_ATTENTION_TYPES} per backbone "
+                        f"layer ({L})")
+        if self.num_nextn_predict_layers:
+            raise _fail("num_nextn_predict_layers", self.num_nextn_predict_layers, "DeepSeek-V4's MTP layers are "
+                        "not DSpark drafts and are not built (as in transformers): must be 0")
+        for i, (t, r) in enumerate(zip(types, self.compress_ratios)):
+            if not isinstance(r, int) or isinstance(r, bool) or (r == 0) != (t == WINDOW) or r < 0:
+                raise _fail(f"compress_ratios[{i}]", r, f"layer type {t!r}: 0 for a window layer, a positive "
+                            f"integer for CSA / HCA")
+        for name in ("kv_source_layer_ids", "index_source_layer_ids", "index_k_source_layer_ids",
+                     "candidate_source_layer_id"):
+            if getattr(self, name) is not None:
+                raise _fail(name, getattr(self, name), "DeepSeek-V4 shares nothing between layers: must be absent")
+        if self.engram_layer_ids:
+            raise _fail("engram_layer_ids", list(self.engram_layer_ids), "DeepSeek-V4 has no Engram")
+        if CSA in types and self.index_topk <= 0:
+            raise _fail("index_topk", self.index_topk, "must be positive with CSA layers (transformers then "
+                        "selects no compressed entry at all, it does not fall back to dense)")
+        if self.hc_shifted:
+            raise _fail("hc_shifted", True, "DeepSeek-V4 mixes non-shifted, with the HC head")
+        for name, want in V4_INTERNALS.items():
+            if getattr(self, name) != want:
+                raise _fail(name, getattr(self, name), f"only {want!r} (DeepSeek-V4) is implemented")
+        n = self.num_hash_layers
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= L:
+            raise _fail("num_hash_layers", n, f"must be an integer in [0, {L}]")
+
     def _check_internals(self) -> None:
+        if self.is_v4:
+            return                                                 # _check_v4 checked V4's values
         for name in FIXED_INTERNALS:
             if getattr(self, name) != INTERNAL_DEFAULTS[name]:
                 raise _fail(name, getattr(self, name), f"only {INTERNAL_DEFAULTS[name]!r} (V4.1) is implemented")
 
     # ------------------------------------------------------------------ per-layer roles (§2.2)
 
+    @property
+    def is_v4(self) -> bool:
+        return self.model_type == V4_MODEL_TYPE
+
     def compress_ratio(self, layer: int) -> int:
         return self.compress_ratios[layer]
+
+    def compress_span(self, layer: int) -> int:
+        """Consecutive tokens one compressed entry pools: 2·ratio for V4's overlapping CSA, else the ratio."""
+        r = self.compress_ratios[layer]
+        return 2 * r if self.compress_overlap and self.layer_types[layer] == CSA else r
+
+    def is_hash_moe(self, layer: int) -> bool:
+        """V4: the first num_hash_layers layers pick experts by tid2eid[token id] (docs/deepseek_v4.md)."""
+        return layer < self.num_hash_layers
 
     def is_compressed(self, layer: int) -> bool:
         return self.compress_ratios[layer] > 0
@@ -432,6 +501,8 @@ class DeepseekV41Config:
         return self.is_compressed(layer) and self.kv_map[layer] == layer
 
     def is_sparse(self, layer: int) -> bool:
+        if self.is_v4:
+            return self.layer_types[layer] == CSA                 # V4: CSA selects by indexer, HCA attends to all
         return self.is_compressed(layer) and self.index_topk > 0
 
     def is_index_source(self, layer: int) -> bool:

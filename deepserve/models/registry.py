@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from deepserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from deepserve.models.deepseek_v41 import DeepseekV41ForCausalLM, DeepseekV4ForCausalLM
 from deepserve.models.llama import LlamaForCausalLM
 from deepserve.models.moe_models import MixtralForCausalLM, Qwen3MoeForCausalLM
 
@@ -17,6 +18,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+    "DeepseekV41ForCausalLM": DeepseekV41ForCausalLM,
 }
 
 

@@ -292,27 +292,31 @@ V4_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_sche
                           "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
 
 
-def write_deepseek_v4(out_dir: str, seed: int = 0, num_shards: int = 2, quantize: bool = True
-                      ) -> dict[str, torch.Tensor]:
+def write_deepseek_v4(out_dir: str, seed: int = 0, num_shards: int = 2, quantize: bool = True, config=None,
+                      randomize=None) -> dict[str, torch.Tensor]:
     """transformers' tiny DeepseekV4ForCausalLM, random, in the released V4 layout (see V4_RELEASED_NAMES):
     FP8 + E8M0 32x32 scales and FP4 experts when `quantize`, else BF16 / F32. Returns the state dict, in
     transformers' names, holding the values the checkpoint decodes to."""
     import transformers
 
     torch.manual_seed(seed)
-    config = deepseek_v4_tiny_config()
+    config = config or deepseek_v4_tiny_config()
     model = transformers.DeepseekV4ForCausalLM(config).eval()
-    with torch.no_grad():
-        # transformers inits sinks and router biases to zero and the hash table to expert 0: make them matter.
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("e_score_correction_bias") or name.endswith("sinks"):
-                tensor.normal_(0.0, 0.3)
-            elif name.endswith("tid2eid"):
-                tensor.copy_(torch.randint(0, config.n_routed_experts, tensor.shape))
+    if randomize is not None:               # the caller's own weight recipe (a test's)
+        randomize(model)
+    else:
+        with torch.no_grad():
+            # transformers inits sinks and router biases to zero and the hash table to expert 0: make them matter.
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith("e_score_correction_bias") or name.endswith("sinks"):
+                    tensor.normal_(0.0, 0.3)
+                elif name.endswith("tid2eid"):
+                    tensor.copy_(torch.randint(0, config.n_routed_experts, tensor.shape))
     stored, real = deepseek_v4_released(model.state_dict(), quantize)
     os.makedirs(out_dir, exist_ok=True)
     hf_config = config.to_dict()
     hf_config["dtype"] = "bfloat16"
+    hf_config["architectures"] = ["DeepseekV4ForCausalLM"]
     if quantize:
         hf_config["quantization_config"] = dict(V4_QUANTIZATION_CONFIG)
     write_json(os.path.join(out_dir, "config.json"), hf_config)

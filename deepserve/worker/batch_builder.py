@@ -18,7 +18,7 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
-    q_lens, s_lens, logit_idx = [], [], []
+    q_lens, s_lens, d_lens, logit_idx = [], [], [], []
     inflight: list[tuple[int, int]] = []
     for sched, wanted in zip(out.scheduled, logits_rows):
         seq, start, n = sched.seq, sched.start, sched.num_new_tokens
@@ -40,6 +40,7 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
         logit_idx.extend(row + i for i in wanted)
         q_lens.append(n)
         s_lens.append(start + n)
+        d_lens.append(max(seq.num_tokens, start + n))
     num_seqs = len(q_lens)
     max_blocks = max((len(s.seq.block_table) for s in out.scheduled), default=0)
     tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
@@ -54,5 +55,5 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
         input_ids=views[0], positions=views[1], slot_mapping=views[2],
         block_tables=views[3].view(num_seqs, max_blocks), query_start_loc=views[4], seq_lens=views[5],
         query_lens_cpu=q_lens, seq_lens_cpu=s_lens, logits_indices=views[6], block_size=block_size,
-        inflight_rows=inflight,
+        inflight_rows=inflight, data_lens_cpu=d_lens,
     )

@@ -27,7 +27,13 @@ def load_model(config: ModelConfig, device: torch.device) -> nn.Module:
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
-        missing = _expected_params(model) - model.load_weights(iter_checkpoint(config.model))
+        # A model with its own checkpoint format (validated as a whole before reading, e.g. DeepSeek-V4.1's
+        # FP8 / FP4 release) reads the directory itself.
+        if hasattr(model, "load_checkpoint") and not config.is_gguf:
+            loaded = model.load_checkpoint(config.model)
+        else:
+            loaded = model.load_weights(iter_checkpoint(config.model))
+        missing = _expected_params(model) - loaded
         if missing:
             raise ValueError(f"checkpoint {config.model} lacks weights for: {', '.join(sorted(missing)[:8])}")
     return quantize_model(model, config.quantization).eval()

@@ -82,6 +82,8 @@ class ModelRunner:
             return reference
         from deepserve.layers.moe_triton import select_moe_and_mla_backends
         select_moe_and_mla_backends(self.model, self.device)
+        if not all(hasattr(layer, "backend") for layer in layers):
+            return reference            # paged states without a per-layer backend (DeepSeek-V4.1): the model's own
         if all(isinstance(layer.backend, TorchPagedAttention) for layer in layers):
             from deepserve.layers.attention_triton import TritonPagedAttention
             triton_backend = TritonPagedAttention()
@@ -98,8 +100,23 @@ class ModelRunner:
     def kv_cache_dtype(self) -> torch.dtype:
         return self.config.cache.dtype or self.config.model.dtype
 
-    def kv_bytes_per_token(self) -> int:
-        return sum(layer.kv_bytes_per_token(self.kv_cache_dtype) for layer in self.model.attention_layers())
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block over every layer's cache (a layer whose slots are not one per token, e.g. a compressed
+        KV state with an entry per `ratio` tokens, says its size per block)."""
+        total = 0
+        for layer in self.model.attention_layers():
+            if hasattr(layer, "kv_bytes_per_block"):
+                total += layer.kv_bytes_per_block(self.kv_cache_dtype, self.block_size)
+            else:
+                total += layer.kv_bytes_per_token(self.kv_cache_dtype) * self.block_size
+        return total
+
+    def kv_bytes_per_token(self) -> float:
+        return self.kv_bytes_per_block() / self.block_size
+
+    def _cache_dtype(self, layer) -> torch.dtype:
+        """A layer may keep a state in a dtype of its own (fp32 compressor state, int64 token ids)."""
+        return getattr(layer, "cache_dtype", None) or self.kv_cache_dtype
 
     def _kv_budget_bytes(self) -> int:
         cache = self.config.cache
@@ -109,16 +126,16 @@ class ModelRunner:
             return self._profiled_budget()
         # CPU: enough for every sequence at full length, capped at 1 GiB (zeroing more costs start-up time).
         sched = self.config.scheduler
-        want = sched.max_num_seqs * sched.max_model_len * self.kv_bytes_per_token()
+        want = int(sched.max_num_seqs * sched.max_model_len * self.kv_bytes_per_token())
         return min(want, 1 << 30)
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
-        per_block = self.kv_bytes_per_token() * self.block_size
+        per_block = self.kv_bytes_per_block()
         num_blocks = max(self._kv_budget_bytes() // per_block, 1)
         self.config.cache.num_blocks = int(num_blocks)
         caches = []
         for layer in self.model.attention_layers():
-            cache = torch.zeros(layer.kv_cache_shape(num_blocks, self.block_size), dtype=self.kv_cache_dtype,
+            cache = torch.zeros(layer.kv_cache_shape(num_blocks, self.block_size), dtype=self._cache_dtype(layer),
                                 device=self.device)
             layer.kv_cache = cache
             caches.append(cache)
@@ -156,7 +173,7 @@ class ModelRunner:
         sched, bs = self.config.scheduler, self.block_size
         step = largest_steps(tokens, sched.max_num_seqs, sched.max_model_len)[0]
         blocks = max(-(-sum(step) // bs) + len(step), -(-sched.max_model_len // bs))
-        return blocks * bs * self.kv_bytes_per_token()
+        return blocks * self.kv_bytes_per_block()
 
     def _refusal(self, peaks: dict[int, int | None], weights: int, room: int) -> str:
         sched, util = self.config.scheduler, self.config.cache.gpu_memory_utilization
@@ -186,7 +203,7 @@ class ModelRunner:
         sched = self.config.scheduler
         layers = self.model.attention_layers()
         for layer in layers:
-            layer.kv_cache = torch.zeros(layer.kv_cache_shape(1, self.block_size), dtype=self.kv_cache_dtype,
+            layer.kv_cache = torch.zeros(layer.kv_cache_shape(1, self.block_size), dtype=self._cache_dtype(layer),
                                          device=self.device)
         peaks = {}
         n = sched.max_num_batched_tokens

@@ -82,8 +82,8 @@ def assert_close_relative(ours: torch.Tensor, ref: torch.Tensor, rtol: float = 1
     assert err <= rtol * scale, f"max abs error {err:.3e} vs logit scale {scale:.3e}"
 
 
-def random_prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+def random_prompt(length: int, seed: int, vocab: int = VOCAB) -> list[int]:
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def check_alone(path: str, hf, prompt_len: int = 37, **engine_kwargs) -> LLM:
@@ -99,23 +99,25 @@ def check_alone(path: str, hf, prompt_len: int = 37, **engine_kwargs) -> LLM:
     return llm
 
 
-def mixed_prompts() -> list[list[int]]:
+def mixed_prompts(vocab: int = VOCAB) -> list[list[int]]:
     """Six prompts of mixed lengths; four share a 20-token prefix (prefix-cache hits)."""
-    shared = random_prompt(20, seed=7)
+    shared = random_prompt(20, seed=7, vocab=vocab)
     lengths = [6, 41, 13, 58, 27, 9]
-    return [(shared if i % 3 else []) + random_prompt(n, seed=100 + i) for i, n in enumerate(lengths)]
+    return [(shared if i % 3 else []) + random_prompt(n, seed=100 + i, vocab=vocab) for i, n in enumerate(lengths)]
 
 
-def check_mixed_batch(path: str, hf, kv_bytes_per_token: int, steps: int = 32) -> LLM:
+def check_mixed_batch(path: str, hf, kv_bytes_per_token: float, steps: int = 32, greedy=None,
+                      vocab: int = VOCAB) -> LLM:
     """All prompts at once with chunked prefill (24-token steps), prefix caching and a KV budget small
-    enough to force preemption: each request's tokens equal HF's greedy ones and each token's logprob
-    agrees with HF's logits (decode steps run batched, some sequences mid-prefill beside them)."""
-    prompts = mixed_prompts()
-    refs = [hf_greedy(hf, ids, steps) for ids in prompts]
+    enough to force preemption: each request's tokens equal the reference's greedy ones (`greedy(model, ids,
+    steps)` -> (tokens, logits [steps, V]); default HF's) and each token's logprob agrees with the reference's
+    logits (decode steps run batched, some sequences mid-prefill beside them)."""
+    prompts = mixed_prompts(vocab)
+    refs = [(greedy or hf_greedy)(hf, ids, steps) for ids in prompts]
     budget_blocks = 16                       # of 8 tokens; the longest request alone needs 14
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8, enable_chunked_prefill=True,
               max_num_batched_tokens=24, enable_prefix_caching=True,
-              kv_cache_memory_bytes=budget_blocks * 8 * kv_bytes_per_token)
+              kv_cache_memory_bytes=int(budget_blocks * 8 * kv_bytes_per_token))
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for out, (ref_tokens, ref_logits) in zip(outs, refs):

@@ -1,0 +1,151 @@
+"""Paged per-layer state for DeepSeek-V4-family layers (deepinfer.md §2.11), on the engine's one block table.
+
+A V4.1 layer keeps several kinds of state, each its own `PagedState` (the model runner sizes, allocates and
+copies each like any layer cache; `kv_block_dim` 0):
+
+    kind              where                               per block of `bs` token positions
+    SWA keys          every layer                          bs tokens x D            (keys = values, one KV head)
+    compressed KV     KV-source compressed layers          bs/ratio entries x D     (entry j covers tokens
+                                                                                     j·ratio .. (j+1)·ratio - 1)
+    index keys        index-K-source layers                bs/ratio entries x Di
+    compressor state  KV-source compressed layers          bs tokens x state_width  (fp32: what pooling reads
+                                                                                     when an entry completes)
+    token ids         Engram models, once                  bs tokens x 1 (int64: the n-gram history)
+
+Layers that share (§2.2) hold a reference to their source's state, not a copy (aliasing), so the memory
+accounting counts each state once. Everything lives in blocks, so a prefix-cache hit (block aligned, hence aligned
+to every ratio dividing bs), chunked prefill (a half-done ratio-2 entry waits in the compressor state), preemption
+(recompute) and copy-on-write work unchanged. The price, against DeepInfer's per-sequence SWA ring of W + BT slots:
+SWA keys are kept for every position, not the last W (D values per token per layer). A ring would need its own
+per-sequence slots and a recompute of W tokens after a prefix hit: a follow-up.
+
+`SequenceLayout` (per sequence: its rows, positions, blocks) and `RowSlots` (per row: the slot of any position or
+compressed entry of its sequence, for all rows at once) are how these are read and written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepserve.layers.forward_batch import ForwardBatch
+
+
+class PagedState(nn.Module):
+    """`width` values per slot; a slot is a token position (`ratio` 0) or a compressed entry (`ratio` > 0, one per
+    `ratio` positions; at least one per block). `dtype` None: the cache dtype the runner chooses."""
+
+    kv_block_dim = 0
+
+    def __init__(self, name: str, width: int, ratio: int = 0, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.name, self.width, self.ratio, self.cache_dtype = name, width, ratio, dtype
+        self.kv_cache: torch.Tensor | None = None
+
+    def slots_per_block(self, block_size: int) -> int:
+        return block_size if self.ratio == 0 else max(1, block_size // self.ratio)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, self.slots_per_block(block_size), self.width)
+
+    def kv_bytes_per_block(self, dtype: torch.dtype, block_size: int) -> int:
+        dtype = self.cache_dtype or dtype
+        return self.slots_per_block(block_size) * self.width * torch.empty(0, dtype=dtype).element_size()
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        raise TypeError("a PagedState's size depends on the block size: use kv_bytes_per_block")
+
+    def flat(self) -> torch.Tensor:
+        """[num_blocks * slots_per_block, width]: slot s is row s."""
+        assert self.kv_cache is not None, "the model runner binds the caches before the first forward"
+        return self.kv_cache.view(-1, self.width)
+
+    def write(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.flat()[slots] = values.to(self.kv_cache.dtype).view(-1, self.width)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.flat()[slots]
+
+
+@dataclass
+class SequenceLayout:
+    """One sequence of the step: rows [row_start, row_start + num_rows) at positions [first_pos, seq_len)."""
+    row_start: int
+    num_rows: int
+    first_pos: int
+    seq_len: int
+    blocks: torch.Tensor          # [ceil(seq_len / bs)] its block ids
+    block_size: int
+    data_len: int                 # the sequence's whole length (>= seq_len for a prompt chunk)
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.row_start, self.row_start + self.num_rows)
+
+    def entry_slots(self, ratio: int, count: int) -> torch.Tensor:
+        """Slots of compressed entries 0 .. count - 1 (entry j sits in the block of its last token)."""
+        per_block = max(1, self.block_size // ratio)
+        j = torch.arange(count, device=self.blocks.device)
+        block = self.blocks[(j * ratio + ratio - 1) // self.block_size]
+        return block * per_block + j % per_block
+
+
+@dataclass
+class RowSlots:
+    """Slot arithmetic for every row at once (no loop over sequences): row i belongs to sequence row_seq[i], whose
+    block table is block_tables[row_seq[i]]."""
+    block_tables: torch.Tensor     # [B, max_blocks]
+    row_seq: torch.Tensor          # [rows]
+    block_size: int
+
+    @staticmethod
+    def of(batch: ForwardBatch) -> "RowSlots":
+        seq_of_row = [b for b, q in enumerate(batch.query_lens_cpu) for _ in range(q)]
+        return RowSlots(batch.block_tables, torch.tensor(seq_of_row, dtype=torch.long,
+                                                         device=batch.block_tables.device), batch.block_size)
+
+    def select(self, rows: torch.Tensor) -> "RowSlots":
+        return RowSlots(self.block_tables, self.row_seq[rows], self.block_size)
+
+    def _block(self, index: torch.Tensor) -> torch.Tensor:
+        """Block ids at table positions index [rows, K] (clamped into the table: callers mask what is invalid)."""
+        index = index.clamp(0, self.block_tables.shape[1] - 1)
+        return self.block_tables[self.row_seq[:, None].expand_as(index), index]
+
+    def token_slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """[rows, K] token positions of each row's sequence -> their slots (negative positions: garbage, mask them)."""
+        bs = self.block_size
+        p = positions.clamp(min=0)
+        return self._block(p // bs) * bs + p % bs
+
+    def entry_slots(self, j: torch.Tensor, ratio: int) -> torch.Tensor:
+        """[rows, K] compressed entry indices of each row's sequence -> their slots (as SequenceLayout.entry_slots)."""
+        per_block = max(1, self.block_size // ratio)
+        return self._block((j * ratio + ratio - 1) // self.block_size) * per_block + j % per_block
+
+
+def sequence_layouts(batch: ForwardBatch) -> list[SequenceLayout]:
+    """The step's sequences in batch order (built once per forward, shared by every layer)."""
+    bs = batch.block_size
+    starts = batch.query_start_loc.tolist()
+    layouts = []
+    data_lens = batch.data_lens_cpu or batch.seq_lens_cpu
+    for b, (q, n) in enumerate(zip(batch.query_lens_cpu, batch.seq_lens_cpu)):
+        blocks = batch.block_tables[b, : -(-n // bs)]
+        layouts.append(SequenceLayout(starts[b], q, n - q, n, blocks, bs, data_lens[b]))
+    return layouts
+
+
+def keep_rows(layouts: list[SequenceLayout], kept_from: list[int]) -> tuple[list[SequenceLayout], list[int]]:
+    """Each sequence restricted to its rows at positions >= kept_from[b] (a suffix of its rows): the new layouts,
+    numbered from row 0, and the kept rows' indices in the old numbering."""
+    new, rows, start = [], [], 0
+    for seq, lo in zip(layouts, kept_from):
+        n = seq.seq_len - lo
+        rows.extend(range(seq.row_start + lo - seq.first_pos, seq.row_start + seq.num_rows))
+        new.append(dataclasses.replace(seq, row_start=start, num_rows=n, first_pos=lo))
+        start += n
+    return new, rows
