@@ -133,29 +133,39 @@ def prefill(path: str, tokens: int) -> dict:
     from deepserve import LLM, SamplingParams
     llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=tokens + 8,
               max_num_seqs=4, max_num_batched_tokens=tokens, gpu_memory_utilization=0.85, enforce_eager=True)
-    prompt = {"prompt_token_ids": torch.randint(3, 129000, (tokens,)).tolist()}
+    # Two different prompts: the timed one must not hit the prefix cache the warm-up filled.
+    warm, timed = ({"prompt_token_ids": torch.randint(3, 129000, (tokens,)).tolist()} for _ in range(2))
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.generate(prompt, params, use_tqdm=False)                         # warm-up (kernel compiles)
+    llm.generate(warm, params, use_tqdm=False)                           # warm-up (kernel compiles)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    llm.generate(prompt, params, use_tqdm=False)
+    out = llm.generate(timed, params, use_tqdm=False)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    assert out[0].num_cached_tokens == 0, "the timed prompt hit the prefix cache"
     flops = flops_per_token(TEXT, tokens) * tokens
     return {"tokens": tokens, "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1),
             "mfu": round(flops / elapsed / PEAK_BF16, 4)}
 
 
-def decode(path: str, batches: list[int], context: int, steps: int) -> list[dict]:
+def save(result: dict, path: str) -> None:
+    """Written after every measurement, so a run cut short still leaves what it measured."""
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+def decode(path: str, batches: list[int], context: int, steps: int, result: dict, output: str) -> list[dict]:
     from deepserve import LLM
     from deepserve.bench.throughput import run_latency
     llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=context + steps + 8, max_num_seqs=max(batches), max_num_batched_tokens=8192,
+              max_model_len=context + steps + 8, max_num_seqs=max(batches), max_num_batched_tokens=32768,
               gpu_memory_utilization=0.85)
     out = []
     for b in batches:
         try:
             r = run_latency(llm, b, context, steps)
+            if not r["decode_steps_timed"]:
+                raise RuntimeError(f"no step decoded all {b} sequences at once: {r}")
             roof = (active_weight_bytes(TEXT, b) + b * kv_read_bytes(TEXT, context)) / BANDWIDTH
             r["roofline_ms_per_step"] = round(roof * 1e3, 3)
             r["fraction_of_roofline"] = round(roof * 1e3 / r["decode_ms_per_step"], 4)
@@ -163,23 +173,61 @@ def decode(path: str, batches: list[int], context: int, steps: int) -> list[dict
         except Exception:
             out.append({"batch_size": b, "error": traceback.format_exc(limit=3)})
         print(json.dumps(out[-1]), flush=True)
+        result["decode"] = out
+        save(result, output)
     return out
+
+
+def plot(data: dict, path: str) -> None:
+    """Decode step time against its roofline per batch size, and prefill tokens/s with MFU, from the JSON."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    dec = [d for d in data["decode"] if "decode_ms_per_step" in d]
+    if dec:
+        b = [d["batch_size"] for d in dec]
+        left.plot(b, [d["decode_ms_per_step"] for d in dec], "o-", label="deepserve step (ms)")
+        left.plot(b, [d["roofline_ms_per_step"] for d in dec], "s--", label="roofline: active weights + KV at 4.24 TB/s")
+        left.set_xscale("log", base=2)
+        left.set_yscale("log")
+        left.set_xlabel("decode batch (sequences, ~1k context)")
+        left.set_ylabel("ms per step")
+        left.legend(fontsize=8)
+    pre = [p for p in data["prefill"] if "tokens_per_s" in p]
+    if pre:
+        t = [p["tokens"] for p in pre]
+        right.bar([str(x) for x in t], [p["tokens_per_s"] for p in pre])
+        for i, p in enumerate(pre):
+            right.annotate(f"MFU {100 * p['mfu']:.1f}%", (i, p["tokens_per_s"]), ha="center", va="bottom", fontsize=8)
+        right.set_xlabel("prompt tokens in one step")
+        right.set_ylabel("prefill tokens/s")
+    fig.suptitle("DeepSeek-V4.1 shape scaled to one H200 (8 layers, 64 experts; random bf16 weights)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Description": data["command"]})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default="benchmarks/h200_v41.json")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG beside --output from its JSON")
     ap.add_argument("--prefill", default="4096,16384,32768")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=32)
     args = ap.parse_args()
+    if args.plot_only:
+        with open(args.output) as f:
+            plot(json.load(f), args.output.removesuffix(".json") + ".png")
+        return
     path = write_model()
     result = {"command": "python " + " ".join(sys.argv), "shape": SCALED_V41, "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "bandwidth_bytes_per_s": BANDWIDTH, "peak_bf16_flops": PEAK_BF16,
               "prefill": [], "decode": []}
     if args.batches:
-        result["decode"] = decode(path, [int(b) for b in args.batches.split(",")], args.context, args.steps)
+        result["decode"] = decode(path, [int(b) for b in args.batches.split(",")], args.context, args.steps,
+                                  result, args.output)
     gc.collect()
     torch.cuda.empty_cache()
     for tokens in [int(t) for t in args.prefill.split(",") if t]:
@@ -188,10 +236,10 @@ def main() -> None:
         except Exception:
             result["prefill"].append({"tokens": tokens, "error": traceback.format_exc(limit=3)})
         print(json.dumps(result["prefill"][-1]), flush=True)
+        save(result, args.output)
         gc.collect()
         torch.cuda.empty_cache()
-    with open(args.output, "w") as f:
-        json.dump(result, f, indent=2)
+    save(result, args.output)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`deepserve generate | serve | env | bench throughput | bench latency | bench serve`.
+"""`deepserve generate | serve | router | env | bench throughput | bench latency | bench serve`.
 
 Every EngineArgs field is also a flag (`--max-model-len`, `--enable-prefix-caching/--no-enable-...`).
 """
@@ -15,6 +15,7 @@ from typing import Any
 
 from deepserve import envs
 from deepserve.config import EngineArgs
+from deepserve.router.options import add_cluster_args, add_router_args, runs_a_cluster
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
@@ -65,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     from deepserve.serving.openai.options import add_serve_args      # light: no fastapi, no engine
     add_serve_args(serve)
+    add_cluster_args(serve)
     add_engine_args(serve)
+
+    router = sub.add_parser("router", help="route the OpenAI API over several replicas (cache-aware, failover)")
+    add_router_args(router)
 
     sub.add_parser("env", help="print every DEEPSERVE_* environment variable: its value, default and meaning")
 
@@ -100,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "generate":
             return _generate(args)
+        if args.command == "router":
+            from deepserve.router.server import run_router
+            return run_router(args)
+        if args.command == "serve" and runs_a_cluster(args):
+            from deepserve.router.local_cluster import run_local_cluster
+            raw = argv if argv is not None else sys.argv[1:]
+            return run_local_cluster(args, raw[raw.index("serve") + 1:])
         if args.command == "serve":
             from deepserve.serving.openai.server import run_server
             return run_server(args, engine_kwargs(args))

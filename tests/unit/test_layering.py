@@ -37,6 +37,7 @@ FLOORS: dict[str, int] = {
     "engine": 7,
     "llm": 8,
     "serving": 8,
+    "router": 8,            # the router process: serving's auth / rate limit / errors, no engine, no torch
     "bench": 8,
     "tools": 8,
     "cli": 9,

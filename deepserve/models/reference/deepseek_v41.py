@@ -588,6 +588,9 @@ class DeepseekV41Reference(nn.Module):
             self._build(config, dtype)
 
     def _build(self, c: DeepseekV41Config, dtype: torch.dtype) -> None:
+        if c.is_v4:
+            raise ValueError("DeepseekV41Reference is V4.1's oracle; a DeepSeek-V4 config has other blocks "
+                             "(its reference is HF transformers' DeepseekV4ForCausalLM)")
         self.config = c
         H, V = c.hidden_size, c.vocab_size
         self.embed = Embedding(V, H, dtype)

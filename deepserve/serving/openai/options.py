@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 TOOL_CALL_PARSERS = ("auto", "hermes", "none")
@@ -17,13 +18,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
-                       help="accept this key (repeat for several); `ps` shows it to every user: prefer "
-                            "DEEPSERVE_API_KEY or --api-key-file. Without any key, no authentication")
-    group.add_argument("--api-key-file", action="append", default=[], dest="api_key_files", metavar="PATH",
-                       help="accept the keys in this file: one per line, blank lines and #comments ignored")
-    group.add_argument("--rate-limit", type=float, default=None, metavar="R",
-                       help="requests per second allowed per key (per client address without keys)")
+    add_access_args(group)
     group.add_argument("--max-queue", type=int, default=None, metavar="N",
                        help="answer 503 while N requests are already waiting to be scheduled")
     group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -45,6 +40,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                       help=f"request headers allowed cross-origin (default: all; {list_help})")
     cors.add_argument("--allow-credentials", action="store_true",
                       help="let cross-origin requests send cookies and HTTP authentication")
+
+
+def add_access_args(group: Any) -> None:
+    """The key and rate-limit flags (on a parser or an argument group), the same for `deepserve serve` and `deepserve router` (keys.py reads them,
+    auth.py and rate_limit.py enforce them)."""
+    group.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
+                       help="accept this key (repeat for several); `ps` shows it to every user: prefer "
+                            "DEEPSERVE_API_KEY or --api-key-file. Without any key, no authentication")
+    group.add_argument("--api-key-file", action="append", default=[], dest="api_key_files", metavar="PATH",
+                       help="accept the keys in this file: one per line, blank lines and #comments ignored")
+    group.add_argument("--rate-limit", type=float, default=None, metavar="R",
+                       help="requests per second allowed per key (per client address without keys)")
 
 
 def _str_list(value: str) -> list[str]:
