@@ -21,8 +21,33 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepserve.kernels.reference.hyper_connection import (combine_streams, first_pre, hc_mix,  # noqa: F401
-                                                          sinkhorn, write_back)
+from deepserve.kernels.reference import hyper_connection as reference
+from deepserve.kernels.reference.hyper_connection import first_pre, sinkhorn  # noqa: F401
+from deepserve.layers.kernel_dispatch import use_triton
+
+
+def hc_mix(R, fn, base, scale, norm_eps, hc_eps, iters, post_mult):
+    """(pre, post, C) of the trunk R: one Triton launch on a GPU (GEMV + Sinkhorn in registers), else the twin."""
+    if use_triton(R):
+        from deepserve.kernels.hyper_connection import hc_mix as kernel
+        return kernel(R, fn, base, scale, norm_eps, hc_eps, iters, post_mult)
+    return reference.hc_mix(R, fn, base, scale, norm_eps, hc_eps, iters, post_mult)
+
+
+def combine_streams(R: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ_i w_i R_i -> [T, H] (see the twin)."""
+    if use_triton(R):
+        from deepserve.kernels.hyper_connection import combine_streams as kernel
+        return kernel(R, weights)
+    return reference.combine_streams(R, weights)
+
+
+def write_back(R: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
+    """R'_j = post_j · y + Σ_i C[i, j] R_i (see the twin)."""
+    if use_triton(R):
+        from deepserve.kernels.hyper_connection import write_back as kernel
+        return kernel(R, y, post, C)
+    return reference.write_back(R, y, post, C)
 
 
 class HyperConnection(nn.Module):

@@ -22,13 +22,30 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from deepserve.kernels.reference.sparse_attention import (candidate_block_mask, index_logits, rope_interleaved,
-                                                          sink_attention_gathered, topk_indices)
+from deepserve.kernels.reference import sparse_attention as reference
+from deepserve.kernels.reference.sparse_attention import candidate_block_mask, rope_interleaved, topk_indices
+from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.compressor import NewEntries, compress_step
 from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.linear import Linear
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.paged_state import PagedState, RowSlots, SequenceLayout, keep_rows
+
+
+# --- kernels: Triton on a GPU, the PyTorch twins elsewhere (kernels/reference/sparse_attention.py) ----------------
+
+def sink_attention_gathered(q, sources, sink, scale):
+    if use_triton(q):
+        from deepserve.kernels.sparse_attention import sink_attention_gathered as kernel
+        return kernel(q, sources, sink, scale)
+    return reference.sink_attention_gathered(q, sources, sink, scale)
+
+
+def index_logits(qi, w, ki):
+    if use_triton(qi):
+        from deepserve.kernels.sparse_attention import index_logits as kernel
+        return kernel(qi, w, ki)
+    return reference.index_logits(qi, w, ki)
 
 
 # --- RoPE (§2.12, §16.12) ------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def test_logits_and_greedy_match_reference(tiny_v41, variant):
     assert out.outputs[0].token_ids == reference_greedy(ref, ids, 32)[0]
 
 
-@pytest.mark.parametrize("variant", ("mixed", "shared", "engram"))
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_batched_with_chunking_preemption_and_prefix_hits(tiny_v41, variant):
     """Six requests at once: chunked prefill, prefix-cache hits and preemption each happen (asserted inside), and
     every token and logprob matches the reference's greedy decoding."""
