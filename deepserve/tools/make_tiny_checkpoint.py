@@ -194,6 +194,48 @@ def deepseek_v4_tiny_config(vocab_size: int = 96):
         mlp_layer_types=["hash_moe", "moe", "moe", "moe"], bos_token_id=0, eos_token_id=1, pad_token_id=2)
 
 
+def deepseek_v4_layer_mix_config(layer_types: Sequence[str], compress_rates: Mapping[str, int], **extra):
+    """A tiny transformers DeepseekV4Config of the given layer types and compress rates (small rates make both
+    compressors fire on short prompts), hash routing in layer 0, 8 index heads (with 2, exact ties in the indexer's
+    top-k make transformers' own forwards disagree: docs/deepseek_v4.md §3)."""
+    import transformers
+
+    kw = dict(vocab_size=96, hidden_size=32, num_hidden_layers=len(layer_types), num_attention_heads=4,
+              num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=24, o_lora_rank=16,
+              o_groups=2, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+              hc_mult=4, sliding_window=4, index_n_heads=8, index_head_dim=16, index_topk=3,
+              max_position_embeddings=512, num_nextn_predict_layers=0, layer_types=list(layer_types),
+              compress_rates=dict(compress_rates), mlp_layer_types=["hash_moe"] + ["moe"] * (len(layer_types) - 1),
+              bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    kw.update(extra)
+    return transformers.DeepseekV4Config(**kw)
+
+
+def randomize_deepseek_v4(model, seed: int = 0, gain: float = 1.0):
+    """Weights under which every part of a transformers DeepseekV4 decides something (it inits position biases,
+    sinks and router biases to zero and the hash table to expert 0): sharp, position-biased pooling gates, sinks,
+    biases, norms near 1, a random hash table, projections ~gain/sqrt(in). Returns the model."""
+    g = torch.Generator().manual_seed(seed)
+    E = model.config.n_routed_experts
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if "rotary_emb" in name:
+                continue
+            if name.endswith("tid2eid"):
+                t.copy_(torch.randint(0, E, t.shape, generator=g))
+            elif name.endswith("position_bias"):
+                t.copy_(torch.randn(t.shape, generator=g))
+            elif "compressor" in name and name.endswith("gate_proj.weight"):
+                t.copy_(torch.randn(t.shape, generator=g) * 3 / t.shape[-1] ** 0.5)
+            elif name.endswith(("sinks", "e_score_correction_bias", ".base", "hc_base")):
+                t.copy_(torch.randn(t.shape, generator=g) * 0.5)
+            elif name.endswith(("norm.weight", ".scale", "hc_scale")):
+                t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
+            elif t.is_floating_point() and t.dim() >= 2:
+                t.copy_(torch.randn(t.shape, generator=g) * gain / t.shape[-1] ** 0.5)
+    return model
+
+
 # transformers name -> released name: the inverse of transformers' "deepseek_v4" checkpoint conversion
 # (conversion_mapping.py), which is how transformers reads a released V4 checkpoint. Applied in order.
 V4_RELEASED_NAMES = (

@@ -23,7 +23,8 @@ from deepserve.layers.moe import Router  # noqa: E402
 from deepserve.models.deepseek_v4_config import deepseek_v4_config  # noqa: E402
 from deepserve.models.deepseek_v41_config import CSA, HCA  # noqa: E402
 from deepserve.models.reference.deepseek_v41 import apply_rope, rope_inv_freq  # noqa: E402
-from deepserve.tools.make_tiny_checkpoint import deepseek_v4_released_name  # noqa: E402
+from deepserve.tools.make_tiny_checkpoint import (deepseek_v4_layer_mix_config, deepseek_v4_released_name,  # noqa: E402
+                                                 randomize_deepseek_v4)
 
 W, C, H_ = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32, beta_slow=1)
@@ -35,40 +36,8 @@ MIXES = {
 }
 
 
-def hf_config(layer_types, rates, **extra):
-    kw = dict(vocab_size=96, hidden_size=32, num_hidden_layers=len(layer_types), num_attention_heads=4,
-              num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=24, o_lora_rank=16,
-              o_groups=2, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-              hc_mult=4, sliding_window=4, index_n_heads=8, index_head_dim=16, index_topk=3,
-              max_position_embeddings=512, num_nextn_predict_layers=0, layer_types=layer_types,
-              compress_rates=rates, mlp_layer_types=["hash_moe"] + ["moe"] * (len(layer_types) - 1),
-              bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    kw.update(extra)
-    return transformers.DeepseekV4Config(**kw)
-
-
-def randomize(model, seed: int):
-    """Weights that make every part decide something: a sharp, position-biased pooling softmax, routing biases
-    and sinks, norms near 1, random hash table (transformers inits position_bias / sinks / biases to zero)."""
-    g = torch.Generator().manual_seed(seed)
-    E = model.config.n_routed_experts
-    with torch.no_grad():
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if "rotary_emb" in name:
-                continue
-            if name.endswith("tid2eid"):
-                t.copy_(torch.randint(0, E, t.shape, generator=g))
-            elif name.endswith("position_bias"):
-                t.copy_(torch.randn(t.shape, generator=g))
-            elif "compressor" in name and name.endswith("gate_proj.weight"):
-                t.copy_(torch.randn(t.shape, generator=g) * 3 / t.shape[-1] ** 0.5)
-            elif name.endswith(("sinks", "e_score_correction_bias", ".base", "hc_base")):
-                t.copy_(torch.randn(t.shape, generator=g) * 0.5)
-            elif name.endswith(("norm.weight", ".scale", "hc_scale")):
-                t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
-            elif t.is_floating_point() and t.dim() >= 2:
-                t.copy_(torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5)
-    return model
+hf_config = deepseek_v4_layer_mix_config
+randomize = randomize_deepseek_v4
 
 
 def run_hf(mix: str, seed: int = 0):

@@ -16,7 +16,8 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("this transformers has no DeepseekV4ForCausalLM (needs 5.24+)", allow_module_level=True)
 
 from deepserve import LLM, SamplingParams  # noqa: E402
-from deepserve.tools.make_tiny_checkpoint import write_deepseek_v4  # noqa: E402
+from deepserve.tools.make_tiny_checkpoint import (deepseek_v4_layer_mix_config, randomize_deepseek_v4,  # noqa: E402
+                                                 write_deepseek_v4)
 
 from hf_compare import assert_close_relative, check_mixed_batch, engine_logits, random_prompt  # noqa: E402
 
@@ -31,42 +32,6 @@ MIXES = {
 }
 
 
-def hf_config(layer_types, rates, **extra):
-    kw = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=len(layer_types), num_attention_heads=4,
-              num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=24, o_lora_rank=16,
-              o_groups=2, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-              hc_mult=4, sliding_window=4, index_n_heads=8, index_head_dim=16, index_topk=3,
-              max_position_embeddings=512, num_nextn_predict_layers=0, layer_types=layer_types,
-              compress_rates=rates, mlp_layer_types=["hash_moe"] + ["moe"] * (len(layer_types) - 1),
-              bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    kw.update(extra)
-    return transformers.DeepseekV4Config(**kw)
-
-
-def randomize(model, seed: int = 0) -> None:
-    """Weights under which every part decides something (transformers inits position biases, sinks and router
-    biases to zero and the hash table to expert 0): sharp pooling gates, position biases, sinks, biases, norms
-    near 1, a random hash table, projections ~1/sqrt(in)."""
-    g = torch.Generator().manual_seed(seed)
-    E = model.config.n_routed_experts
-    with torch.no_grad():
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if "rotary_emb" in name:
-                continue
-            if name.endswith("tid2eid"):
-                t.copy_(torch.randint(0, E, t.shape, generator=g))
-            elif name.endswith("position_bias"):
-                t.copy_(torch.randn(t.shape, generator=g))
-            elif "compressor" in name and name.endswith("gate_proj.weight"):
-                t.copy_(torch.randn(t.shape, generator=g) * 3 / t.shape[-1] ** 0.5)
-            elif name.endswith(("sinks", "e_score_correction_bias", ".base", "hc_base")):
-                t.copy_(torch.randn(t.shape, generator=g) * 0.5)
-            elif name.endswith(("norm.weight", ".scale", "hc_scale")):
-                t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
-            elif t.is_floating_point() and t.dim() >= 2:
-                t.copy_(torch.randn(t.shape, generator=g) * 2 / t.shape[-1] ** 0.5)
-
-
 @pytest.fixture(scope="module")
 def tiny_v4(tmp_path_factory):
     """mix -> (checkpoint dir, HF model holding the checkpoint's dequantized weights)."""
@@ -75,9 +40,11 @@ def tiny_v4(tmp_path_factory):
     def get(mix: str):
         if mix not in made:
             types, rates, extra = MIXES[mix]
-            config = hf_config(types, rates, **extra)
+            config = deepseek_v4_layer_mix_config(types, rates, **extra)
             path = str(tmp_path_factory.mktemp(f"v4_{mix}"))
-            real = write_deepseek_v4(path, quantize=True, config=config, randomize=randomize)
+            # gain 2: logits far from uniform, so greedy decoding is not decided by near-ties.
+            real = write_deepseek_v4(path, quantize=True, config=config,
+                                     randomize=lambda m: randomize_deepseek_v4(m, gain=2.0))
             hf = transformers.DeepseekV4ForCausalLM(config).eval()
             hf.load_state_dict(real)
             made[mix] = (path, hf)
