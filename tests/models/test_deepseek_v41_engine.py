@@ -137,3 +137,25 @@ def test_bad_configs_fail_at_load_naming_the_field(tmp_path, edit, field):
         json.dump(config, f)
     with pytest.raises(ValueError, match=field):
         LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32")
+
+
+def test_engram_with_a_compressed_vocabulary(tmp_path):
+    """engram_compressed_vocab_size set: the engine builds the compressed vocabulary from the checkpoint's
+    tokenizer.json (§2.9) and matches the reference given the same map (built here from the tokenizer itself)."""
+    from deepserve.models.engram_hashing import engram_compressed_ids
+    from deepserve.tools.make_tiny_checkpoint import build_tokenizer
+
+    tok = build_tokenizer(VOCAB)
+    cids = engram_compressed_ids([tok.decode([i], skip_special_tokens=False) for i in range(VOCAB)],
+                                 [tok.id_to_token(i) or "" for i in range(VOCAB)])
+    vc = max(cids) + 1
+    assert vc < VOCAB                        # lower/upper case letters share keys: a real compression
+    real = write_deepseek_v41(str(tmp_path), "engram", quantize=False, engram_compressed_vocab_size=vc)
+    ref = DeepseekV41Reference(DeepseekV41Config.from_hf_dict(
+        tiny_config("engram", engram_compressed_vocab_size=vc))).eval()
+    ref.load_state_dict(real)
+    ref.set_engram_vocab(cids)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", block_size=8)
+    assert llm.engine.runner.model.engram_vocab.tolist() == cids
+    ids = random_prompt(30, seed=5, vocab=VOCAB)
+    assert_close_relative(engine_logits(llm, ids, chunk=7), reference_logits(ref, ids))
