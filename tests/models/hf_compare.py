@@ -43,8 +43,9 @@ def load_hf(path):
                                                              experts_implementation="eager").eval()
 
 
-def engine_logits(llm: LLM, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
-    """Logits at every position, computed through the paged engine path (optionally chunked)."""
+def engine_logits(llm: LLM, token_ids: list[int], chunk: int | None = None, first_row: int = 0) -> torch.Tensor:
+    """Logits at every position from `first_row` on, computed through the paged engine path (optionally chunked;
+    each chunk asks for its rows at positions >= first_row)."""
     runner = llm.engine.runner
     bm = llm.engine.block_manager
     seq = Sequence(10**9, "probe", 0, token_ids, SamplingParams(), seed=0)
@@ -55,7 +56,8 @@ def engine_logits(llm: LLM, token_ids: list[int], chunk: int | None = None) -> t
         bm.allocate_slots(seq, n)
         out = SchedulerOutput(scheduled=[ScheduledSequence(seq, start, n)])
         seq.num_computed_tokens += n
-        batch = build_forward_batch(out, runner.block_size, runner.device, [list(range(n))])
+        wanted = [i for i in range(n) if start + i >= first_row]
+        batch = build_forward_batch(out, runner.block_size, runner.device, [wanted])
         batch.attn_metadata = runner.attn_backend.build_metadata(batch)
         with torch.inference_mode():
             pieces.append(runner.model.compute_logits(runner.model(batch)))

@@ -12,12 +12,9 @@ from deepserve.models.reference.deepseek_v41 import DeepseekV41Reference
 from deepserve.models.deepseek_v41_config import DeepseekV41Config
 from deepserve.models.reference.tiny import tiny_config
 from deepserve.models.yoco import YocoTruncation, minimum_keep
-from deepserve.sequence import Sequence
 from deepserve.tools.make_tiny_checkpoint import write_deepseek_v41
-from deepserve.worker.batch_builder import build_forward_batch
-from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 
-from hf_compare import random_prompt
+from hf_compare import engine_logits, random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -41,24 +38,8 @@ def engine(path: str, monkeypatch, mode: str, keep: int = KEEP) -> LLM:
 
 
 def suffix_logits(llm: LLM, ids: list[int], keep: int, chunk: int | None = None) -> torch.Tensor:
-    """Logits of the prompt's last `keep` positions, the prompt prefilled in chunks (each chunk asks for the logits
-    of its rows inside the suffix: YOCO's kept rows)."""
-    runner, bm = llm.engine.runner, llm.engine.block_manager
-    seq = Sequence(10**9, "probe", 0, ids, SamplingParams(), seed=0)
-    chunk = chunk or len(ids)
-    pieces = []
-    for start in range(0, len(ids), chunk):
-        n = min(chunk, len(ids) - start)
-        bm.allocate_slots(seq, n)
-        wanted = [i for i in range(n) if start + i >= len(ids) - keep]
-        batch = build_forward_batch(SchedulerOutput(scheduled=[ScheduledSequence(seq, start, n)]),
-                                    runner.block_size, runner.device, [wanted])
-        seq.num_computed_tokens += n
-        batch.attn_metadata = runner.attn_backend.build_metadata(batch)
-        with torch.inference_mode():
-            pieces.append(runner.model.compute_logits(runner.model(batch)))
-    bm.free(seq)
-    return torch.cat(pieces)
+    """Logits of the prompt's last `keep` positions (YOCO's kept rows), the prompt prefilled in chunks."""
+    return engine_logits(llm, ids, chunk, first_row=len(ids) - keep)
 
 
 @pytest.mark.parametrize("chunk", [None, 12])
