@@ -140,6 +140,11 @@ class ModelStep:
         self.rows = self.rows.select(self.kept_rows)
         self.positions, self.slot_mapping = self.positions[self.kept_rows], self.slot_mapping[self.kept_rows]
         self._slots.clear()
+        # Per-row choices made before the split follow their rows (a producer-half candidate source with a
+        # consumer-half consumer of the same ratio; the sharing maps never let top-k reuse cross the split).
+        if self.candidates is not None:
+            self.candidates = self.candidates[self.kept_rows]
+        self.selected_slots = {l: slots[self.kept_rows] for l, slots in self.selected_slots.items()}
 
     def entry_count(self, ratio: int) -> int:
         """The most compressed entries any sequence of the step has (the width of per-row entry lists)."""
