@@ -9,7 +9,11 @@ total-token throughput, mean / median / p90 / p99 of each latency, and goodput (
 every SLO given with `--goodput`). Written as JSON, plus a PNG plot when matplotlib is installed.
 
 Prompts are `--input-len` random common English words (about one token each for BPE vocabularies; the
-usage chunk gives the exact count), or the first human turn of each ShareGPT conversation (`--dataset`).
+usage chunk gives the exact count), or the first human turn of each ShareGPT conversation (`--dataset`), or
+a shared-prefix workload (`--shared-prefix-groups G`): G system prompts of `--shared-prefix-len` random words,
+each request one of them (in turn, shuffled) plus its own `--input-len` word question, as many users of a few
+applications send (on chat the prefix is the system message, on completions it starts the prompt). The
+usage chunk's `prompt_tokens_details.cached_tokens` gives the prefix-cache hit rate the server reports.
 Only the server named by `--base-url` is contacted.
 """
 
@@ -35,11 +39,18 @@ _WORDS = ["time", "year", "people", "way", "day", "man", "thing", "woman", "life
 _PERCENTILES = (("median", 50), ("p90", 90), ("p99", 99))
 
 
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    system: str = ""            # the shared prefix (shared-prefix workload); empty otherwise
+
+
 @dataclass
 class RequestResult:
     ok: bool
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0      # prompt tokens the server took from its prefix cache (0 if it does not say)
     ttft_s: float | None = None
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
@@ -65,6 +76,10 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dataset", default=None, help="ShareGPT JSON file (first human turn = prompt)")
+    parser.add_argument("--shared-prefix-groups", type=int, default=0, metavar="G",
+                        help="shared-prefix workload: G system prompts, each request one of them + its own question")
+    parser.add_argument("--shared-prefix-len", type=int, default=256, metavar="WORDS",
+                        help="words of each shared system prompt (with --shared-prefix-groups)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--goodput", nargs="*", default=[], metavar="METRIC:MS",
@@ -80,9 +95,11 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
     slos = parse_goodput(args.goodput)
-    for name in ("num_prompts", "input_len", "output_len"):
+    for name in ("num_prompts", "input_len", "output_len", "shared_prefix_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.shared_prefix_groups < 0 or (args.shared_prefix_groups and args.dataset):
+        raise ValueError("--shared-prefix-groups must be >= 0, and it replaces --dataset (give one of them)")
     if args.request_rate <= 0:
         raise ValueError("--request-rate must be > 0 (or inf)")
     load_before = os.getloadavg()[0]   # other work on the machine skews latencies; record how much there was
@@ -124,8 +141,10 @@ async def _run_all(args: argparse.Namespace, slos: dict[str, float]) -> list[dic
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=timeout, limits=limits) as client:
         model = args.model or await _first_model(client)
-        prompts = load_prompts(args.dataset, args.num_prompts, args.input_len, args.seed)
-        await _send(client, _payload(args, model, prompts[0], max_tokens=2))      # warm-up, not measured
+        prompts = workload_prompts(args)
+        # Warm-up, not measured, on a prompt of no workload (seed + 1): it must not put a measured prefix in a cache.
+        warmup = Prompt(load_prompts(None, 1, args.input_len, args.seed + 1)[0])
+        await _send(client, _payload(args, model, warmup, max_tokens=2))
         runs = []
         for concurrency in args.max_concurrency:
             start = time.perf_counter()
@@ -135,16 +154,18 @@ async def _run_all(args: argparse.Namespace, slos: dict[str, float]) -> list[dic
                 "model": model, "endpoint": args.endpoint, "num_prompts": len(prompts),
                 "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
                 "max_concurrency": concurrency or None, "input_len": args.input_len,
-                "output_len": args.output_len, "dataset": args.dataset}))
+                "output_len": args.output_len, "dataset": args.dataset,
+                "shared_prefix_groups": args.shared_prefix_groups or None,
+                "shared_prefix_len": args.shared_prefix_len if args.shared_prefix_groups else None}))
         return runs
 
 
-async def run_load(client: httpx.AsyncClient, args: argparse.Namespace, model: str, prompts: list[str],
+async def run_load(client: httpx.AsyncClient, args: argparse.Namespace, model: str, prompts: list[Prompt],
                    concurrency: int) -> list[RequestResult]:
     rng = random.Random(args.seed)
     gate = asyncio.Semaphore(concurrency) if concurrency > 0 else None
 
-    async def one(prompt: str) -> RequestResult:
+    async def one(prompt: Prompt) -> RequestResult:
         if gate is None:
             return await _send(client, _payload(args, model, prompt, args.output_len))
         async with gate:
@@ -158,15 +179,16 @@ async def run_load(client: httpx.AsyncClient, args: argparse.Namespace, model: s
     return list(await asyncio.gather(*tasks))
 
 
-def _payload(args: argparse.Namespace, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+def _payload(args: argparse.Namespace, model: str, prompt: Prompt, max_tokens: int) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                             "stream_options": {"include_usage": True}}
     if args.ignore_eos:     # a vLLM extension: servers without it may refuse the field, so only send it when set
         body["ignore_eos"] = True
     if args.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
+        system = [{"role": "system", "content": prompt.system}] if prompt.system else []
+        body["messages"] = [*system, {"role": "user", "content": prompt.text}]
     else:
-        body["prompt"] = prompt
+        body["prompt"] = f"{prompt.system}\n\n{prompt.text}" if prompt.system else prompt.text
     return body
 
 
@@ -192,8 +214,7 @@ async def _send(client: httpx.AsyncClient, payload: dict[str, Any]) -> RequestRe
                     result.error = str(chunk["error"])[:200]
                     return result
                 if chunk.get("usage"):
-                    result.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
-                    result.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                    _read_usage(result, chunk["usage"])
                 if any(_chunk_text(c) for c in chunk.get("choices", [])):
                     now = time.perf_counter()
                     if result.ttft_s is None:
@@ -211,6 +232,12 @@ async def _send(client: httpx.AsyncClient, payload: dict[str, Any]) -> RequestRe
     return result
 
 
+def _read_usage(result: RequestResult, usage: dict[str, Any]) -> None:
+    result.prompt_tokens = usage.get("prompt_tokens") or 0
+    result.output_tokens = usage.get("completion_tokens") or 0
+    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
 def _chunk_text(choice: dict[str, Any]) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
@@ -223,10 +250,31 @@ async def _first_model(client: httpx.AsyncClient) -> str:
 
 # --- prompts ------------------------------------------------------------------------------------
 
+def workload_prompts(args: argparse.Namespace) -> list[Prompt]:
+    if args.shared_prefix_groups:
+        return shared_prefix_prompts(args.shared_prefix_groups, args.shared_prefix_len, args.num_prompts,
+                                     args.input_len, args.seed)
+    return [Prompt(p) for p in load_prompts(args.dataset, args.num_prompts, args.input_len, args.seed)]
+
+
+def shared_prefix_prompts(groups: int, prefix_len: int, num_prompts: int, input_len: int, seed: int) -> list[Prompt]:
+    """num_prompts requests spread evenly over `groups` system prompts, each with its own question, shuffled: a
+    router sees every prefix come back at random times, not in runs that any policy would keep together."""
+    rng = random.Random(seed)
+    systems = [_random_words(rng, prefix_len) for _ in range(groups)]
+    prompts = [Prompt(_random_words(rng, input_len), systems[i % groups]) for i in range(num_prompts)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def _random_words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(count))
+
+
 def load_prompts(dataset: str | None, num_prompts: int, input_len: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     if dataset is None:
-        return [" ".join(rng.choice(_WORDS) for _ in range(input_len)) for _ in range(num_prompts)]
+        return [_random_words(rng, input_len) for _ in range(num_prompts)]
     with open(dataset) as f:
         records = json.load(f)
     prompts = [_first_human_turn(r) for r in records]
@@ -251,6 +299,7 @@ def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, f
               setup: dict[str, Any]) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     input_tokens = sum(r.prompt_tokens for r in done)
+    cached_tokens = sum(r.cached_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
     good = [r for r in done if _meets(r, slos)]
     return {
@@ -259,6 +308,8 @@ def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, f
         "errors": sorted({r.error for r in results if r.error})[:5],
         "duration_s": round(duration_s, 3),
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "total_cached_tokens": cached_tokens,
+        "prefix_cache_hit_rate": round(cached_tokens / input_tokens, 4) if input_tokens else None,
         "request_throughput": round(len(done) / duration_s, 4),
         "output_throughput": round(output_tokens / duration_s, 3),
         "total_token_throughput": round((input_tokens + output_tokens) / duration_s, 3),

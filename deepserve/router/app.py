@@ -66,11 +66,11 @@ class RouterState:
 
     def describe(self) -> list[dict[str, Any]]:
         tree = self.policy.tree if isinstance(self.policy, CacheAware) else None
-        return [{"url": r.url, "healthy": r.healthy, "eligible": r.is_eligible(), "circuit": r.breaker.state,
-                 "in_flight": r.in_flight, "in_flight_tokens": r.in_flight_tokens, "load": r.load,
-                 "report": vars(r.report) if r.report is not None else None,
+        return [{"url": r.url, "healthy": r.healthy, "eligible": r.is_eligible(), "removed": r.removed,
+                 "circuit": r.breaker.state, "in_flight": r.in_flight, "in_flight_tokens": r.in_flight_tokens,
+                 "load": r.load, "report": vars(r.report) if r.report is not None else None,
                  "cached_chars": tree.tenant_chars(r.url) if tree is not None else None}
-                for r in self.replicas]
+                for r in [*self.replicas, *self.replicas.draining()]]
 
 
 def build_router_app(config: RouterConfig) -> FastAPI:

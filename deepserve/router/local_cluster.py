@@ -9,7 +9,9 @@ router runs:
 - with MIN:MAX, every few seconds the supervisor reads the router's `deepserve:router_desired_replicas` gauge
   and adds one child (started and healthy before it is listed) or drains one: it is unlisted first, stopped
   only once the router has no request in flight on it, and stopped with SIGTERM, which drains the server too.
-  So no request is lost while scaling down.
+  So no request is lost while scaling down. It acts only on what the last two readings agree on (HPA's
+  stabilization, over two readings): the gauge is a snapshot, and one request caught waiting for its first
+  step reads as a full queue.
 
 CPU threads: each child gets OMP_NUM_THREADS = cores / MAX unless the variable is set, so N engines do not
 fight over the cores; on a GPU box, a CUDA_VISIBLE_DEVICES list of at least MAX devices gives one to each.
@@ -27,6 +29,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
+from collections.abc import Sequence
+
 import httpx
 
 from deepserve.router.config import RouterConfig
@@ -40,6 +45,7 @@ START_TIMEOUT_S = 600.0          # a big model loads for minutes
 STOP_TIMEOUT_S = 60.0
 SUPERVISE_INTERVAL_S = 1.0
 SCALE_INTERVAL_S = 5.0
+STABILIZE_READINGS = 2           # readings of the desired count, SCALE_INTERVAL_S apart, that a change must hold for
 _STRIPPED_FLAGS = ("--replicas", "--port", "--host", "--router-policy")
 
 
@@ -122,6 +128,7 @@ class LocalCluster:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._devices = _device_list(replicas.maximum)
+        self._readings: deque[int] = deque(maxlen=STABILIZE_READINGS)
 
     # --- membership ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -173,10 +180,12 @@ class LocalCluster:
         desired = self._desired()
         if desired is None:
             return
+        self._readings.append(desired)
         count = len(self.engines)
-        if desired > count and count < self.range.maximum:
+        target = stabilized_target(self._readings, count)
+        if target > count and count < self.range.maximum:
             self._add_one()
-        elif desired < count and count > self.range.minimum:
+        elif target < count and count > self.range.minimum:
             self._drain_one()
 
     def _desired(self) -> int | None:
@@ -208,22 +217,37 @@ class LocalCluster:
             engine = self.engines.pop()
             self._write_file()        # unlisted: the router sends it nothing new
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while time.monotonic() < deadline and self._router_in_flight(engine.url) > 0:
+        while time.monotonic() < deadline and self._router_holds(engine.url):
             time.sleep(0.5)
         engine.stop()
         logger.warning("scaled down to %d replicas", len(self.engines))
 
-    def _router_in_flight(self, url: str) -> int:
+    def _router_holds(self, url: str) -> bool:
+        """Whether the router may still send to `url` (it has not re-read the file yet: up to a health interval)
+        or still has requests in flight there (a removed replica is listed until its last one ends)."""
         try:
             replicas = httpx.get(self.router_url + "/router/replicas", timeout=5, trust_env=False).json()["replicas"]
         except (httpx.HTTPError, ValueError, KeyError):
-            return 0
-        return sum(r["in_flight"] for r in replicas if r["url"] == url)
+            return False
+        return any(r["url"] == url and (not r["removed"] or r["in_flight"] > 0) for r in replicas)
 
     def stop(self) -> None:
         self._stopping.set()
         for engine in self.engines:
             engine.stop()
+
+
+def stabilized_target(readings: Sequence[int], current: int) -> int:
+    """The count to move towards: up only as far as every recent reading asks, down only as far as every one
+    allows (HPA's stabilization window); `current` until there are STABILIZE_READINGS readings."""
+    if len(readings) < STABILIZE_READINGS:
+        return current
+    low, high = min(readings), max(readings)
+    if low > current:
+        return low
+    if high < current:
+        return high
+    return current
 
 
 def _device_list(count: int) -> list[str]:

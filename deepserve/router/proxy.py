@@ -31,7 +31,7 @@ from deepserve.router.policies import CacheAware, Decision, LeastLoad, Policy
 from deepserve.router.replica import Dispatch, Replica, ReplicaDown
 from deepserve.router.replica_set import ReplicaSet
 from deepserve.router.routing_key import RoutedRequest
-from deepserve.router.sse import TruncatedStream, sse_events
+from deepserve.router.sse import TruncatedStream, is_done, sse_events
 from deepserve.serving.openai.errors import OpenAIError, error_body, error_response
 from deepserve.serving.openai.streaming import SSE_DONE, EventStreamResponse, sse_event
 
@@ -211,13 +211,14 @@ class Proxy:
     async def _relay(self, replica: Replica, stream: OpenStream) -> AsyncIterator[bytes]:
         """The stream's events as they arrive; a failure from here on ends it with an error event."""
         try:
-            yield stream.first_event
-            while True:
-                event = await replica.run(next_event(stream.events))
-                if event is _END:
-                    break
+            event = stream.first_event
+            while event is not _END:
+                if is_done(event):
+                    # Counted before [DONE] is passed on: a client may close as soon as it reads it, which ends
+                    # this generator at the yield; uncounted, a half-open breaker's trial would never finish.
+                    self._on_success(replica)
                 yield event
-            self._on_success(replica)
+                event = await replica.run(next_event(stream.events))
         except (httpx.HTTPError, ReplicaDown, TruncatedStream) as error:
             self._on_failure(replica, "mid_stream")
             self.metrics.failed.labels("mid_stream").inc()

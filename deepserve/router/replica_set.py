@@ -49,6 +49,9 @@ class ReplicaSet:
         self.replicas_file = replicas_file
         self._new_breaker = new_breaker
         self._replicas: dict[str, Replica] = {}
+        # Removed replicas still finishing requests: shown (/router/replicas) so that whoever stops them (the local
+        # cluster's supervisor) can wait for their last request; forgotten once idle.
+        self._draining: dict[str, Replica] = {}
         self._file_stamp: tuple[int, int] | None = None
         self._changed = asyncio.Event()
         # Callbacks on membership changes: the policy forgets removed replicas, the health checker probes new ones.
@@ -69,6 +72,12 @@ class ReplicaSet:
 
     def eligible(self) -> list[Replica]:
         return [r for r in self._replicas.values() if r.is_eligible()]
+
+    def draining(self) -> list[Replica]:
+        """Removed replicas with requests still in flight there."""
+        for url in [u for u, r in self._draining.items() if r.in_flight == 0]:
+            del self._draining[url]
+        return list(self._draining.values())
 
     # --- membership ------------------------------------------------------------------------------
     def reload(self) -> bool:
@@ -100,11 +109,13 @@ class ReplicaSet:
         for url in [u for u in self._replicas if u not in wanted]:
             replica = self._replicas.pop(url)
             replica.removed = True
+            self._draining[url] = replica
             logger.warning("replica %s removed (draining %d request(s))", url, replica.in_flight)
             for callback in self.on_removed:
                 callback(replica)
         for url in wanted:
             if url not in self._replicas:
+                self._draining.pop(url, None)      # listed again: the new entry counts its requests from now
                 replica = self._replicas[url] = Replica(url, self._new_breaker())
                 logger.warning("replica %s added", url)
                 for callback in self.on_added:

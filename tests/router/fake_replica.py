@@ -28,6 +28,8 @@ class Behaviour:
     chunk_delay_s: float = 0.0         # between two events of a stream
     num_chunks: int = 3
     fail_after_chunks: int | None = None   # cut the connection after this many events (0: before any)
+    done_linger_s: float = 0.0         # after `data: [DONE]`, before the stream ends (its client may be gone)
+    cached_tokens: int | None = None   # set: a final usage chunk (10 prompt tokens, this many from the cache)
     health_status: int = 200
     running: float = 0.0               # the load report on /metrics
     waiting: float = 0.0
@@ -89,7 +91,12 @@ class FakeReplica:
                     await asyncio.sleep(b.chunk_delay_s)
                 chunk = {"replica": self.name, "sent_at": time.time(), "choices": [{"index": 0, "text": f"c{i}"}]}
                 yield f"data: {json.dumps(chunk)}\n\n"
+            if b.cached_tokens is not None:
+                usage = {"prompt_tokens": 10, "completion_tokens": b.num_chunks,
+                         "prompt_tokens_details": {"cached_tokens": b.cached_tokens}}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
+            await asyncio.sleep(b.done_linger_s)
             self.seen.streams_finished += 1
         except asyncio.CancelledError:
             self.seen.streams_cut_by_client += 1

@@ -1,5 +1,5 @@
-"""Fake replicas as real processes, and routers (in a thread of the test process, or `deepserve router` as a
-process), all on 127.0.0.1 with free ports. Every wait is bounded."""
+"""Replicas as real processes (fake ones, or `deepserve serve` of the default model), and routers (in a thread of
+the test process, or `deepserve router` as a process), all on 127.0.0.1 with free ports. Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -86,6 +86,69 @@ class FakeReplicaProcess:
     def restart(self) -> None:
         self.start()
         self.wait_ready()
+
+
+MODEL = "SmolLM2-135M-Instruct"
+SERVE_START_TIMEOUT_S = 240          # model loads in parallel on 2 shared cores
+
+
+class ServeProcess:
+    """`deepserve serve` of the default model on a free port, its output in `log_path`.
+
+    `threads` sets OMP_NUM_THREADS: several replicas on 2 cores each with 2 threads would spin against each other.
+    """
+
+    def __init__(self, log_path: str, *flags: str, threads: int | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")  # noqa: SIM115 - written by the server until stop()
+        env = {k: v for k, v in os.environ.items() if k != "DEEPSERVE_API_KEY"}
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
+        self.proc = subprocess.Popen([sys.executable, "-m", "deepserve.cli", "serve", "--port", str(self.port),
+                                      "--max-model-len", "256", "--seed", "0", *flags],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def ready(self) -> bool:
+        assert self.proc.poll() is None, f"the server exited: {open(self.log.name).read()[-2000:]}"
+        try:
+            return httpx.get(self.url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)      # a stopped process never handles the SIGTERM
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+@contextlib.contextmanager
+def serve_processes(log_dir, n: int, *flags: str, threads: int | None = None) -> Iterator[list[ServeProcess]]:
+    """n replicas started together (their model loads overlap), each warmed by one request: the first request
+    of a fresh process pays one-time costs that would otherwise land in whatever a test measures first."""
+    procs = [ServeProcess(os.path.join(str(log_dir), f"replica{i}.log"), *flags, threads=threads) for i in range(n)]
+    try:
+        for proc in procs:
+            wait_until(proc.ready, SERVE_START_TIMEOUT_S, 0.25, what=f"{proc.url} up")
+        for proc in procs:
+            body = {"model": MODEL, "prompt": "Warm up", "max_tokens": 2}
+            assert httpx.post(proc.url + "/v1/completions", json=body, timeout=120).status_code == 200
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
 
 
 @contextlib.contextmanager

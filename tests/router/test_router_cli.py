@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
@@ -69,6 +70,36 @@ def test_a_changed_replicas_file_is_picked_up_without_a_signal(two, tmp_path):
         path.write_text(f"{two[1].url}\n")
         wait_until(lambda: eligible_urls(router.base_url) == {two[1].url}, 5, what="file change seen")
         assert served_by(router.base_url) == {two[1].url}
+
+
+def test_a_removed_replica_is_listed_until_its_last_request_ends(two, tmp_path):
+    # The local cluster's supervisor stops a drained engine once the router lists it neither as a member nor as
+    # removed with requests in flight; a removed replica that vanished from the list at once would be stopped
+    # under its requests.
+    path = tmp_path / "replicas"
+    path.write_text(f"{two[0].url}\n{two[1].url}\n")
+    for replica in two:
+        replica.control(delay_s=1.5)
+    try:
+        with thread_router([], replicas_file=str(path), policy="round_robin") as router:
+            wait_until(lambda: len(eligible_urls(router.base_url)) == 2, 5, what="both up")
+            slow = threading.Thread(target=served_by, args=(router.base_url, 1))
+            slow.start()
+            busy = wait_until(lambda: next((r for r in two if router.replica(r.url).in_flight), None), 5, 0.01,
+                              what="a request in flight")
+            other = next(r for r in two if r is not busy)
+            path.write_text(f"{other.url}\n")
+            wait_until(lambda: eligible_urls(router.base_url) == {other.url}, 5, what="the busy one removed")
+            replicas = httpx.get(router.base_url + "/router/replicas", timeout=5).json()["replicas"]
+            listed = {r["url"]: r for r in replicas}
+            assert listed[busy.url]["removed"] and listed[busy.url]["in_flight"] == 1
+            assert not listed[other.url]["removed"]
+            slow.join(10)
+            listed = [r["url"] for r in httpx.get(router.base_url + "/router/replicas", timeout=5).json()["replicas"]]
+            assert listed == [other.url]
+    finally:
+        for replica in two:
+            replica.control(delay_s=0.0)
 
 
 def test_router_needs_a_replica():

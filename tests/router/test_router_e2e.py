@@ -1,74 +1,33 @@
 """Two real `deepserve serve` replicas of the default model (CPU) behind the router: the official `openai`
 client works through it unchanged (plain and streamed), cache-aware routing keeps a shared prefix on one
-replica (whose prefix cache then hits), and a replica killed under load loses no request.
+replica (whose prefix cache then hits), a replica that hangs (SIGSTOP) is found and bypassed and rejoins after
+SIGCONT, and a replica killed under load loses no request.
 
-About 15 s on 2 idle cores (two model loads in parallel), so it runs by default."""
+About 20 s on 2 idle cores (two model loads in parallel, the hang's detection; ~35 s beside 3 busy processes),
+so it runs by default."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import signal
-import subprocess
-import sys
+import time
 
 import httpx
 import openai
 import pytest
-from router_harness import free_port, thread_router, wait_until
+from router_harness import MODEL, serve_processes, thread_router, wait_until
 
 from deepserve.router.proxy import REPLICA_HEADER
 
-MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = ("You are a concise assistant for a bicycle repair shop. You answer questions about tyres, brakes, "
           "chains and gears in one short sentence, and you never make up prices. ")
 
 
-class ServeProcess:
-    def __init__(self, log_path: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")  # noqa: SIM115 - written by the server until stop()
-        env = {k: v for k, v in os.environ.items() if k != "DEEPSERVE_API_KEY"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "deepserve.cli", "serve", "--port", str(self.port),
-                                      "--max-model-len", "256", "--seed", "0"],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def ready(self) -> bool:
-        assert self.proc.poll() is None, f"the server exited: {open(self.log.name).read()[-2000:]}"
-        try:
-            return httpx.get(self.url + "/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def metric(self, name: str) -> float:
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("replicas")
-    procs = [ServeProcess(str(logs / f"replica{i}.log")) for i in range(2)]
-    try:
-        for proc in procs:
-            wait_until(proc.ready, 240, 0.25, what=f"{proc.url} up")
+    # One thread each: two replicas of 2 threads on 2 cores spin against each other, 3x slower when the VM is busy.
+    with serve_processes(tmp_path_factory.mktemp("replicas"), 2, threads=1) as procs:
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +69,40 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_replica(router, servers):
     hot = next(s for s in servers if s.url == served_by[0])
     assert hot.metric("deepserve:prefix_cache_hits_total") - hits_before[hot.url] >= 2 * 32   # the system prompt, twice
     assert router.metric("deepserve:router_routing_decisions_total", policy="cache_aware", reason="cache_hit") >= 2
+
+
+def test_a_hung_replica_is_bypassed_and_rejoins_after_sigcont(servers):
+    # A router of its own (round robin): every other request is sent to the hung replica while it is still
+    # listed, so the test sees both the cut request and the later ones steered around it.
+    def one(client: httpx.Client, i: int) -> httpx.Response:
+        body = {"model": MODEL, "prompt": f"Story {i}: once upon a time", "max_tokens": 12, "temperature": 0}
+        return client.post("/v1/completions", json=body)
+
+    with thread_router([s.url for s in servers], policy="round_robin", health_interval_s=0.2, health_timeout_s=2.0,
+                       read_timeout_s=120.0) as router, httpx.Client(base_url=router.base_url, timeout=120) as client, \
+            concurrent.futures.ThreadPoolExecutor(4) as pool:
+        wait_until(lambda: len(router.state.replicas.eligible()) == 2, 10, what="both replicas eligible")
+        first = pool.submit(one, client, 0)
+        victim = wait_until(lambda: next((s for s in servers if router.replica(s.url).in_flight), None), 30, 0.01,
+                            what="the first request in flight")
+        victim.proc.send_signal(signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            later = [pool.submit(one, client, i) for i in range(1, 4)]
+            responses = [f.result(timeout=120) for f in (first, *later)]
+            elapsed = time.monotonic() - start
+            assert [r.status_code for r in responses] == [200] * 4, [r.text[:200] for r in responses]
+            assert {r.headers[REPLICA_HEADER] for r in responses} == {next(s.url for s in servers if s is not victim)}
+            # Found by the probes (2 x 2 s timeouts), not by the 120 s read timeout of the request it held.
+            assert elapsed < 40, f"took {elapsed:.1f} s: the hang was waited out, not detected"
+            assert not router.replica(victim.url).healthy
+            assert router.metric("deepserve:router_replica_errors_total", replica=victim.url, kind="taken_out") >= 1
+            assert router.metric("deepserve:router_retries_total") >= 1
+        finally:
+            victim.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: router.replica(victim.url).is_eligible(), 20, 0.05, what="the resumed replica back")
+        served_by = {one(client, i).headers[REPLICA_HEADER] for i in range(4, 6)}
+        assert served_by == {s.url for s in servers}
 
 
 def test_a_replica_killed_under_load_loses_no_request(router, servers):

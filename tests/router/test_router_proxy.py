@@ -194,6 +194,27 @@ def test_circuit_half_opens_and_a_good_trial_closes_it(two):
         assert two[0].url in served_by and router.replica(two[0].url).breaker.state == "closed"
 
 
+def test_a_stream_its_client_closes_at_done_is_a_success(two):
+    # Clients (the benchmark's among them) hang up as soon as they read [DONE], here while the replica's stream
+    # is still open. The stream was whole: counted ok, and as a half-open breaker's trial it closes the circuit
+    # (it used to be counted as nothing, leaving the trial in flight for good and the replica out for good).
+    two[0].control(status=500)
+    with thread_router([two[0].url], breaker_failures=1, breaker_cooldown_s=0.3, max_retries=0) as router:
+        assert post(router, BODY).status_code == 500
+        assert router.replica(two[0].url).breaker.state == "open"
+        two[0].control(status=200, done_linger_s=2.0)
+        time.sleep(0.35)
+        with httpx.stream("POST", router.base_url + "/v1/completions", json=STREAM, timeout=20) as response:
+            lines = []
+            for line in response.iter_lines():
+                lines.append(line)
+                if line == "data: [DONE]":
+                    break
+        assert len(lines) > 1 and router.replica(two[0].url).breaker.state == "closed"
+        assert router.metric("deepserve:router_requests_total", replica=two[0].url, outcome="ok") == 1
+        wait_until(lambda: all_released(router), 5, what="the dispatch released")
+
+
 def test_no_eligible_replica_is_a_503_after_the_wait(two):
     two[0].control(health_status=503)
     with thread_router([two[0].url], wait_for_replica_s=0.5) as router:

@@ -228,6 +228,18 @@ def test_children_get_the_serve_flags_but_not_the_clusters():
     assert child_argv(argv) == ["--max-model-len", "256", "--api-key", "k", "--seed", "1"]
 
 
+def test_the_cluster_scales_only_on_what_two_readings_agree_on():
+    from deepserve.router.local_cluster import stabilized_target
+
+    assert stabilized_target([3], 1) == 1                  # one reading: not yet
+    assert stabilized_target([3, 3], 1) == 3
+    assert stabilized_target([2, 3], 1) == 2               # up as far as both ask
+    assert stabilized_target([1, 3], 2) == 2               # a blip (a request caught waiting) moves nothing
+    assert stabilized_target([3, 1], 2) == 2
+    assert stabilized_target([1, 1], 3) == 1
+    assert stabilized_target([2, 1], 3) == 2               # down only as far as both allow
+
+
 def test_the_router_never_imports_torch():
     import subprocess
     import sys
