@@ -125,7 +125,7 @@ class ModelStep:
     rows: RowSlots = field(init=False)
     positions: torch.Tensor = field(init=False)
     slot_mapping: torch.Tensor = field(init=False)
-    _slots: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    _slots: dict[tuple, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.full_rows = self.rows = RowSlots.of(self.batch)
@@ -149,6 +149,19 @@ class ModelStep:
     def entry_count(self, ratio: int) -> int:
         """The most compressed entries any sequence of the step has (the width of per-row entry lists)."""
         return max([seq.seq_len // ratio for seq in self.layouts] + [1])
+
+    def decode_entry_table(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, [rows, N] entry slots) of the one-row sequences (decodes), shared by every index source of a
+        ratio; None without decodes."""
+        key = ("decode_entries", ratio)
+        if key not in self._slots:
+            decodes = [seq.row_start for seq in self.layouts if seq.num_rows == 1]
+            if not decodes:
+                return None
+            rows = torch.tensor(decodes, dtype=torch.long, device=self.positions.device)
+            j = torch.arange(self.entry_count(ratio), device=rows.device)[None, :].expand(len(decodes), -1)
+            self._slots[key] = (rows, self.rows.select(rows).entry_slots(j, ratio))
+        return self._slots[key]
 
     def swa_slots(self, consumer: bool) -> torch.Tensor:
         """[rows, W]: the slots of positions p, p-1, ..., p-W+1 of each row's sequence, -1 before position 0 and,
@@ -355,11 +368,9 @@ class SparseLatentAttention(nn.Module):
         chosen = torch.full((pos.shape[0], s.index_topk), -1, dtype=torch.long, device=pos.device)
         if r.candidate_source:
             step.candidates = torch.zeros(pos.shape[0], width, dtype=torch.bool, device=pos.device)
-        decodes = [seq.row_start for seq in step.layouts if seq.num_rows == 1]
-        if decodes:
-            rows = torch.tensor(decodes, dtype=torch.long, device=pos.device)
-            j = torch.arange(width, device=pos.device)[None, :].expand(len(decodes), -1)
-            table = step.rows.select(rows).entry_slots(j, ratio)                    # [B, N]
+        decode = step.decode_entry_table(ratio)
+        if decode is not None:
+            rows, table = decode                                                    # [B], [B, N]
             ki = self.index_k_source_layer.index_keys.read(table.flatten()).view(*table.shape, -1)
             self._choose(rows, qn[rows], a[rows], pos[rows], ki, table, width, step, chosen)
         for seq in step.layouts:
