@@ -90,12 +90,78 @@ class DeviceConfig:
     cuda_graph_max_batch_size: int | None = None   # largest captured decode batch (None: max_num_seqs, <= 512)
 
 
+SPEC_METHODS = ("ngram", "mtp", "dspark")
+VERIFY_LENGTHS = ("fixed", "confidence")
+
+
+@dataclass
+class SpeculativeConfig:
+    """What `speculative_config={...}` asks for (vLLM's name, DeepInfer's verification-length scheduler).
+
+    method: where drafts come from ("ngram": prompt lookup, any model; "mtp": DeepSeek-V3's next-token layers;
+    "dspark": DeepSeek-V4.1's draft blocks). num_speculative_tokens: drafts proposed per sequence and step (k).
+    verify_length: "fixed" verifies all k; "confidence" verifies the number that maximises expected accepted tokens
+    per unit of step time (spec_decode/length_policy.py). prompt_lookup_min/max: n-gram sizes tried, longest first.
+    cost_curve: [[rows, ms], ...] of a step's forward time by query rows (measured at start-up when absent)."""
+    method: str
+    num_speculative_tokens: int
+    verify_length: str = "fixed"
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    cost_curve: list[tuple[int, float]] | None = None
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any] | None) -> "SpeculativeConfig | None":
+        if spec is None:
+            return None
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in spec:
+                raise ValueError(f"speculative_config needs {key!r}")
+        config = cls(**spec)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"speculative_config: {msg}")
+        need(self.method in SPEC_METHODS, f"method must be one of {', '.join(SPEC_METHODS)}; got {self.method!r}")
+        k = self.num_speculative_tokens
+        need(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 32,
+             f"num_speculative_tokens must be an integer in [1, 32]; got {k!r}")
+        need(self.verify_length in VERIFY_LENGTHS,
+             f"verify_length must be one of {', '.join(VERIFY_LENGTHS)}; got {self.verify_length!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        need(isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi,
+             f"prompt_lookup_min/max must be integers with 1 <= min <= max; got {lo!r}, {hi!r}")
+        if self.cost_curve is not None:
+            try:
+                curve = [(int(g), float(ms)) for g, ms in self.cost_curve]
+            except (TypeError, ValueError):
+                raise ValueError("speculative_config: cost_curve must be [[rows, ms], ...]") from None
+            need(bool(curve) and all(g >= 1 and ms > 0 for g, ms in curve),
+                 "cost_curve needs at least one point, rows >= 1 and ms > 0")
+            self.cost_curve = sorted(curve)
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: DeviceConfig
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -119,6 +185,9 @@ class EngineArgs:
     enforce_eager: bool = False
     cuda_graph_max_batch_size: int | None = None
     async_scheduling: bool | None = None      # None: on for CUDA devices, off on the CPU
+    # {"method": "ngram"|"mtp"|"dspark", "num_speculative_tokens": k, "verify_length": "fixed"|"confidence"}
+    # (a dict or its JSON text; SpeculativeConfig says every key).
+    speculative_config: dict[str, Any] | str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -157,6 +226,7 @@ class EngineArgs:
              f"cuda_graph_max_batch_size must be >= 1; got {self.cuda_graph_max_batch_size}")
         need(0.0 < self.gpu_memory_utilization <= 1.0,
              f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+        self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
 
     def _prefill_cap_while_decoding(self, device: torch.device) -> int | None:
         """The CPU's default cap; none on a GPU, with an explicit max_num_batched_tokens (the user's budget holds for
@@ -212,6 +282,7 @@ class EngineArgs:
                                                         else self.async_scheduling)),
             device=DeviceConfig(device=device, enforce_eager=self.enforce_eager,
                                 cuda_graph_max_batch_size=self.cuda_graph_max_batch_size),
+            speculative=self.speculative,
         )
 
 

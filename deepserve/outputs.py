@@ -37,6 +37,17 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Speculative decoding (all n outputs together): drafts verified, drafts accepted, decode steps taken.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_steps: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens emitted per decode step (1 without speculation); None before the first decode step."""
+        if not self.spec_num_steps:
+            return None
+        return (self.spec_num_steps + self.spec_num_accepted_tokens) / self.spec_num_steps
 
 
 @dataclass

@@ -57,6 +57,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached_tokens = 0                  # prefix-cache hit of the first admission
         self.num_preemptions = 0
+        # Speculative decoding: tokens proposed for the positions after the last one, for the next step only (set by
+        # the speculator before scheduling; never part of token_ids unless the target model accepts them).
+        self.draft_token_ids: list[int] = []
         self.stop_reason: int | str | None = None
         self.error: str | None = None
 

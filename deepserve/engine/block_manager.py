@@ -180,6 +180,12 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past the ones holding the sequence's computed tokens (after rejected drafts), tail first."""
+        keep = self.blocks_for_tokens(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
     def forget(self, seq: Sequence) -> None:
         """Drop per-sequence memo once the sequence is gone for good."""
         self._seq_hashes.pop(seq.seq_id, None)

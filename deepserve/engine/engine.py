@@ -22,7 +22,9 @@ from deepserve.outputs import RequestOutput
 from deepserve.sampling_params import SamplingParams
 from deepserve.sequence import Sequence, SequenceStatus
 from deepserve.worker.model_runner import LaunchedStep, ModelRunner
-from deepserve.worker.scheduler_output import SchedulerOutput
+from deepserve.spec_decode.length_policy import StepCostModel
+from deepserve.spec_decode.speculator import Speculator
+from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,12 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    # Speculative decoding (0 without it): see spec_decode/speculator.py's SpecDecodeStats.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_steps: int = 0
+    spec_decode_num_verified_tokens: int = 0
 
 
 class LLMEngine:
@@ -65,8 +73,23 @@ class LLMEngine:
         self._next_seq_id = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.async_scheduling = config.scheduler.async_scheduling
+        self.speculator = self._build_speculator(config)
+        # Drafts are proposed from a sequence's known tokens, so with speculation a step's tokens must be on the host
+        # before the next step is scheduled: the loop runs without overlap.
+        self.async_scheduling = config.scheduler.async_scheduling and self.speculator is None
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, not yet collected
+
+    def _build_speculator(self, config: EngineConfig) -> Speculator | None:
+        spec = config.speculative
+        if spec is None:
+            return None
+        cost_model = None
+        if spec.verify_length == "confidence":
+            curve = spec.cost_curve or self.runner.measure_step_costs(
+                _cost_curve_sizes(config, spec.num_speculative_tokens), min(1024, config.scheduler.max_model_len))
+            logger.info("speculative decoding: step cost curve (rows, ms) %s", curve)
+            cost_model = StepCostModel(curve)
+        return Speculator(spec, config.scheduler.max_model_len, cost_model)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -148,6 +171,7 @@ class LLMEngine:
                 continue
             for seq in state.seqs:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self._forget(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -163,6 +187,8 @@ class LLMEngine:
         processes the step before it, so step n+1 is scheduled and prepared while step n computes. Tokens are the
         same as in the plain loop: a sequence's next input is read on the device from the step that sampled it,
         and a step computed for a sequence that turned out to have finished is dropped."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched_out = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
         for seq in sched_out.ignored:
@@ -174,6 +200,7 @@ class LLMEngine:
             previous = None
             sched_out.scheduled = [s for s in sched_out.scheduled if not s.seq.is_finished]
         launched = None
+        started = time.perf_counter()
         if not sched_out.is_empty:
             handle = self.runner.launch(sched_out, previous[1] if previous is not None else None)
             for s in sched_out.scheduled:
@@ -185,7 +212,16 @@ class LLMEngine:
             self._finish(previous, touched)
         if launched is not None and not self.async_scheduling:
             self._finish(launched, touched)
+            if self.speculator is not None:
+                self._record_spec_step(sched_out, (time.perf_counter() - started) * 1e3)
         return self._outputs(touched)
+
+    def _record_spec_step(self, sched_out: SchedulerOutput, step_ms: float) -> None:
+        """Decode rows of the step (1 + drafts each) and its time, for the speculator's counters and cost model.
+        A step that also computed prompt chunks is not a verification step's cost: it only counts."""
+        rows = sum(s.num_new_tokens for s in sched_out.scheduled if _is_decode(s))
+        pure = rows == sched_out.num_batched_tokens
+        self.speculator.record_step(rows, step_ms if pure else None)
 
     def _finish(self, launched: tuple[SchedulerOutput, LaunchedStep], touched: dict[str, RequestState]) -> None:
         """Collect a launched step's tokens and apply them: stops, detokenization, prefix-cache naming."""
@@ -199,11 +235,28 @@ class LLMEngine:
                 continue      # aborted, or finished by an earlier step while this one ran: its result is dropped
             touched[state.request_id] = state
             self.prompt_tokens += max(0, min(s.start + s.num_new_tokens, seq.num_prompt_tokens) - s.start)
-            self.generation_tokens += int(seq.seq_id in runner_out.sampled_token_ids)
+            before = len(seq.token_ids)
             finished_status = self.outputs.process(state, s, runner_out, now)
+            self.generation_tokens += len(seq.token_ids) - before
+            if self.speculator is not None and _is_decode(s):
+                self._apply_verification(state, s, runner_out.num_accepted_drafts.get(seq.seq_id, 0))
             self.scheduler.commit(seq)
             if finished_status is not None:
                 self.scheduler.finish(seq, finished_status)
+
+    def _apply_verification(self, state: RequestState, s, num_accepted: int) -> None:
+        """After a decode step of a speculating engine: rejected drafts give back their KV, counters grow."""
+        num_drafts = len(s.draft_token_ids)
+        self.scheduler.rewind(s.seq, num_drafts - num_accepted)
+        self.speculator.record(s.seq, num_drafts, num_accepted)
+        m = state.metrics
+        m.spec_num_steps += 1
+        m.spec_num_draft_tokens += num_drafts
+        m.spec_num_accepted_tokens += num_accepted
+
+    def _forget(self, seq: Sequence) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(seq)
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         results = []
@@ -213,13 +266,23 @@ class LLMEngine:
                 results.append(self.outputs.make_output(state))
             if finished:
                 del self.requests[request_id]
+                for seq in state.seqs:
+                    self._forget(seq)
         return results
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
                            bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
-                           self.prompt_tokens, self.generation_tokens)
+                           self.prompt_tokens, self.generation_tokens, **self._spec_stats())
+
+    def _spec_stats(self) -> dict[str, int]:
+        if self.speculator is None:
+            return {}
+        st = self.speculator.stats
+        return {"spec_decode_num_drafts": st.num_drafts, "spec_decode_num_draft_tokens": st.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": st.num_accepted_tokens, "spec_decode_num_steps": st.num_steps,
+                "spec_decode_num_verified_tokens": st.num_verified_tokens}
 
     # --- helpers ------------------------------------------------------------------------------
     def _new_seq_id(self) -> int:
@@ -237,6 +300,22 @@ def _config_eos_ids(hf_config: dict[str, Any]) -> set[int]:
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+def _is_decode(s: ScheduledSequence) -> bool:
+    """A decode step of a sequence past its prompt: one known token (plus drafts) that samples."""
+    return s.samples and s.num_new_tokens - len(s.draft_token_ids) == 1 and s.start >= s.seq.num_prompt_tokens
+
+
+def _cost_curve_sizes(config: EngineConfig, k: int) -> list[int]:
+    """Row counts the start-up cost curve measures: powers of two up to every sequence verifying k drafts (capped by
+    the step budget and at 512 rows, which bounds start-up time on the CPU), and that cap itself."""
+    cap = min(config.scheduler.max_num_seqs * (k + 1), config.scheduler.max_num_batched_tokens, 512)
+    sizes, g = [], 1
+    while g < cap:
+        sizes.append(g)
+        g *= 2
+    return sizes + [cap]
 
 
 def _needs_known_outputs(seq: Sequence) -> bool:

@@ -70,16 +70,31 @@ class OutputProcessor:
         chunk_lp = out.prompt_logprobs.get(seq.seq_id)
         if chunk_lp and state.prompt_logprobs is not None and len(state.prompt_logprobs) < seq.num_prompt_tokens:
             state.prompt_logprobs.extend(self._logprobs_entry(e) for e in chunk_lp)
-        token = out.sampled_token_ids.get(seq.seq_id)
-        if token is None:
+        tokens, entries = _new_tokens(seq.seq_id, out)
+        if not tokens:
             return None
         seq_state = state.per_seq[seq.seq_id]
-        seq.resolve_inflight_token(token)
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
         state.metrics.last_token_time = now
-        if seq.seq_id in out.logprobs and seq_state.logprobs is not None:
-            entry = out.logprobs[seq.seq_id]
+        status = None
+        for i, (token, entry) in enumerate(zip(tokens, entries)):
+            # The first token was counted in flight when the step launched; accepted drafts come on top of it.
+            if i == 0:
+                seq.resolve_inflight_token(token)
+            else:
+                seq.append_token(token)
+            status = self._append_token(seq, seq_state, token, entry)
+            if status is not None:
+                break       # tokens after a stop are dropped (accepted drafts past an EOS or a stop string)
+        if status is not None:
+            state.metrics.finished_time = now
+        return status
+
+    def _append_token(self, seq: Sequence, seq_state: "SequenceOutputState", token: int,
+                      entry: TokenLogprobs | None) -> SequenceStatus | None:
+        """Logprobs, stop checks and text of one token just added to `seq`; a finish status if it ends it."""
+        if entry is not None and seq_state.logprobs is not None:
             seq_state.logprobs.append(self._logprobs_entry(entry))
             seq_state.cumulative_logprob += entry[1]
         status = self._token_stop(seq)
@@ -89,8 +104,6 @@ class OutputProcessor:
                 status = self._stop_string(seq, seq_state)
             else:
                 seq_state.text += seq_state.detokenizer.flush()   # a trailing partial character, if any
-        if status is not None:
-            state.metrics.finished_time = now
         return status
 
     def _token_stop(self, seq: Sequence) -> SequenceStatus | None:
@@ -158,3 +171,15 @@ class OutputProcessor:
             outputs=outputs, finished=state.finished, prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=min(s.num_cached_tokens for s in state.seqs), metrics=state.metrics,
             error=errors[0] if errors else None)
+
+
+def _new_tokens(seq_id: int, out: ModelRunnerOutput) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """The tokens a step emitted for a sequence (one, or accepted drafts + one) and their logprobs entries."""
+    tokens = out.spec_token_ids.get(seq_id)
+    if tokens is not None:
+        entries = out.spec_logprobs.get(seq_id)
+        return tokens, entries if entries is not None else [None] * len(tokens)
+    token = out.sampled_token_ids.get(seq_id)
+    if token is None:
+        return [], []
+    return [token], [out.logprobs.get(seq_id)]

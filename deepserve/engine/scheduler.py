@@ -94,10 +94,14 @@ class Scheduler:
             left = seq.num_tokens - seq.num_computed_tokens
             is_prefill = left > 1
             n = min(left, budget, prefill) if is_prefill else min(left, budget)
+            # Drafts to verify ride along a decode row, as far as the budget goes (slots for them are allocated like
+            # any token's; `rewind` gives back the rejected ones' after the step).
+            drafts = seq.draft_token_ids[:max(budget - 1, 0)] if n == 1 and seq.draft_token_ids else []
+            n += len(drafts)
             # Most decode steps fit in the sequence's last block: no allocation, no preemption check.
             fits = n > 0 and self.block_manager.fits_in_place(seq, n)
             if fits or (n > 0 and self._make_room(seq, n, out)):
-                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n))
+                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n, drafts))
                 if not fits:
                     self.block_manager.allocate_slots(seq, n)
                 seq.num_computed_tokens += n
@@ -168,6 +172,14 @@ class Scheduler:
         out.ignored.append(seq)
 
     # --- after the forward pass ---------------------------------------------------------------
+    def rewind(self, seq: Sequence, num_rejected: int) -> None:
+        """`num_rejected` drafts at the end of the step's positions were rejected: their KV is not the sequence's.
+        Computed tokens go back to the accepted ones and blocks beyond them are freed (rejected drafts never keep
+        blocks; the slots left inside the last block are overwritten by the next step)."""
+        if num_rejected and seq.status is SequenceStatus.RUNNING:
+            seq.num_computed_tokens -= num_rejected
+            self.block_manager.trim(seq)
+
     def commit(self, seq: Sequence) -> None:
         """A step computed `seq`'s KV and its sampled token is known: name its full blocks for the prefix cache."""
         if seq.status is SequenceStatus.RUNNING:

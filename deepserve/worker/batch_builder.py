@@ -23,7 +23,14 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
     for sched, wanted in zip(out.scheduled, logits_rows):
         seq, start, n = sched.seq, sched.start, sched.num_new_tokens
         table = seq.block_table
-        if n == 1:
+        if sched.draft_token_ids:
+            # A decode row and the drafts it verifies: the known last token, then the drafts at the next positions.
+            assert start < len(seq.token_ids), "a row with drafts reads a known token"
+            ids.append(seq.token_ids[start])
+            ids.extend(sched.draft_token_ids)
+            pos.extend(range(start, start + n))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        elif n == 1:
             if start < len(seq.token_ids):
                 ids.append(seq.token_ids[start])
             else:

@@ -23,6 +23,7 @@ from deepserve.layers.attention import Attention, TorchPagedAttention
 from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, SequenceSamplingRow
 from deepserve.sampling_params import SamplingParams
+from deepserve.spec_decode.verifier import VerifyGroup, VerifyResult, verify
 from deepserve.worker.model_loader import load_model
 from deepserve.worker.batch_builder import build_forward_batch
 from deepserve.worker.host_memory import retain_freed_memory
@@ -44,6 +45,10 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[int, int] = field(default_factory=dict)          # seq_id -> token
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)          # seq_id -> sampled token's
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # seq_id -> this chunk's
+    # Speculative decoding: sequences that verified drafts emit several tokens (accepted drafts + one).
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)                # seq_id -> emitted tokens
+    spec_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)       # seq_id -> one per token
+    num_accepted_drafts: dict[int, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -231,7 +236,7 @@ class ModelRunner:
         except torch.cuda.OutOfMemoryError:
             return None      # refused by _profiled_budget when it is the configured size
 
-    def _dummy_forward(self, query_lens: list[int], seq_len: int) -> None:
+    def _dummy_forward(self, query_lens: list[int], seq_len: int, sample: bool = True) -> None:
         """A step of one chunk per entry of `query_lens`, each ending at position `seq_len` (decodes at the longest
         context, chunks over a prefix: the widest attention), then the most `launch` does with its hidden states:
         the hidden state of every row (prompt logprobs may ask for all of them), one slice of prompt-logprob logits
@@ -251,6 +256,9 @@ class ModelRunner:
             logits_indices=torch.arange(n, device=dev), block_size=self.block_size)
         batch.attn_metadata = self.attn_backend.build_metadata(batch)
         hidden = self.model(batch)
+        if not sample:                  # a verification step's cost: every row's logits
+            self.model.compute_logits(hidden)
+            return
         # launch's prompt logprobs: PROMPT_LOGPROB_ROWS rows at a time, their logits, float32 log-softmax, top-k.
         slice_logits = self.model.compute_logits(hidden[:min(max(query_lens), PROMPT_LOGPROB_ROWS)])
         torch.log_softmax(slice_logits.float(), dim=-1).topk(_MAX_LOGPROBS, dim=-1)
@@ -258,6 +266,31 @@ class ModelRunner:
         # The sampled rows' logits through the sampler's costliest path.
         logits = self.model.compute_logits(hidden[(starts[1:] - 1).to(dev)])
         self.sampler(logits, _costliest_sampling(len(query_lens), logits.shape[-1], self.device))
+
+    @torch.inference_mode()
+    def measure_step_costs(self, sizes: list[int], context: int, repeats: int = 5) -> list[tuple[int, float]]:
+        """[(rows, ms)]: the eager forward plus logits of `rows` decode rows at `context` tokens, timed as DeepInfer
+        times its curve (one warm-up, `repeats` timed runs, min and max dropped, mean). The speculative length policy
+        prices verification with it. Run after the KV cache exists: the rows write into block 0's first slot, which
+        holds nothing yet."""
+        curve = []
+        for rows in sizes:
+            times = []
+            # Large eager steps on a CPU take up to a second: fewer repeats there (the online slope refines them).
+            runs = repeats if self.device.type == "cuda" or rows <= 64 else 3
+            for i in range(runs + 1):
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                self._dummy_forward([1] * rows, context, sample=False)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                if i:
+                    times.append((time.perf_counter() - t0) * 1e3)
+            times.sort()
+            kept = times[1:-1] if len(times) > 2 else times
+            curve.append((rows, sum(kept) / len(kept)))
+        return curve
 
     # --- CUDA graphs --------------------------------------------------------------------------
     def _capture_cuda_graphs(self):
@@ -321,29 +354,53 @@ class ModelRunner:
                              [out.scheduled[i].seq for i in rows], step)
             return step
         prompt_rows = [_prompt_logprob_rows(s) for s in out.scheduled]
-        logits_rows = [p + ([s.num_new_tokens - 1] if s.samples else []) for s, p in zip(out.scheduled, prompt_rows)]
+        logits_rows = [p + _sampled_rows(s) for s, p in zip(out.scheduled, prompt_rows)]
         batch = build_forward_batch(out, self.block_size, self.device, logits_rows)
         _patch_inflight(batch.input_ids, batch.inflight_rows, previous)
         batch.attn_metadata = self.attn_backend.build_metadata(batch)
         hidden = self.model(batch)             # one row per logits row
         offset = 0
-        sample_rows, samplers = [], []
+        sample_rows, samplers, verify_rows, verifiers = [], [], [], []
         for s, p, rows in zip(out.scheduled, prompt_rows, logits_rows):
             if p:
                 step.prompt_logprobs[s.seq.seq_id] = self._prompt_logprobs(s, hidden[offset:offset + len(p)])
-            if s.samples:
+            if s.draft_token_ids:
+                verify_rows.extend(range(offset + len(p), offset + len(rows)))
+                verifiers.append(s)
+            elif s.samples:
                 sample_rows.append(offset + len(rows) - 1)
                 samplers.append(s.seq)
             offset += len(rows)
-        if samplers:
+        wanted = sample_rows + verify_rows
+        if wanted:
             # Every hidden row samples in a step without prompt logprobs: no gather then.
-            every_row = len(sample_rows) == hidden.shape[0]
-            self._sample(self.model.compute_logits(hidden if every_row else hidden[sample_rows]), samplers, step)
+            every_row = wanted == list(range(hidden.shape[0]))
+            logits = self.model.compute_logits(hidden if every_row else hidden[wanted])
+            if samplers:
+                self._sample(logits[:len(sample_rows)], samplers, step)
+            if verifiers:
+                self._verify(logits[len(sample_rows):], verifiers, step)
         return step
+
+    def _verify(self, logits: torch.Tensor, scheduled: list[ScheduledSequence], step: "LaunchedStep") -> None:
+        """Rows of sequences with drafts: accept a prefix of the drafts and emit one token more (spec_decode)."""
+        groups = [VerifyGroup(s.seq.params, s.seq.seed, s.start + 1, s.draft_token_ids) for s in scheduled]
+        requested = [s.seq.params.logprobs for s in scheduled if s.seq.params.logprobs is not None]
+        step.verified = (scheduled, verify(logits, groups, max(requested) if requested else None))
 
     def collect(self, step: "LaunchedStep") -> ModelRunnerOutput:
         """Wait for a launched step's sampled tokens and turn them into plain Python values."""
         result = ModelRunnerOutput(prompt_logprobs=step.prompt_logprobs)
+        if step.verified is not None:
+            scheduled, verified = step.verified
+            for i, s in enumerate(scheduled):
+                seq_id = s.seq.seq_id
+                result.spec_token_ids[seq_id] = verified.emitted[i]
+                result.num_accepted_drafts[seq_id] = verified.num_accepted[i]
+                k = s.seq.params.logprobs
+                if k is not None and verified.logprobs is not None:
+                    result.spec_logprobs[seq_id] = [(tok, lp, ids[:k], vals[:k])
+                                                    for tok, lp, ids, vals in verified.logprobs[i]]
         if not step.seqs:
             return result
         if step.ready is not None:
@@ -396,6 +453,14 @@ class ModelRunner:
         return entries
 
 
+def _sampled_rows(s: ScheduledSequence) -> list[int]:
+    """Offsets of the rows whose logits pick tokens: the last one, or every row of a decode with drafts (row j
+    verifies draft j, the last row follows the final draft)."""
+    if s.draft_token_ids:
+        return list(range(s.num_new_tokens - len(s.draft_token_ids) - 1, s.num_new_tokens))
+    return [s.num_new_tokens - 1] if s.samples else []
+
+
 def _prompt_logprob_rows(s: ScheduledSequence) -> list[int]:
     """Offsets of this chunk's rows whose logits score the next prompt token."""
     seq = s.seq
@@ -415,6 +480,7 @@ class LaunchedStep:
     host: SamplerOutput | None = None
     ready: "torch.cuda.Event | None" = None
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    verified: "tuple[list[ScheduledSequence], VerifyResult] | None" = None   # sequences that verified drafts
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -16,12 +16,15 @@ class ScheduledSequence:
     seq: Sequence
     start: int              # first position computed in this step
     num_new_tokens: int     # positions [start, start + num_new_tokens) are computed
+    # Speculative decoding: the last len(draft_token_ids) of those positions hold these drafts, not known tokens;
+    # the step verifies them and emits the accepted ones plus one more token.
+    draft_token_ids: list[int] = field(default_factory=list)
     # The chunk reaches the sequence's last token, so this step samples the next one (fixed when scheduled:
     # the sequence grows while the step runs).
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
+        self.samples = self.start + self.num_new_tokens - len(self.draft_token_ids) == self.seq.num_tokens
 
 
 @dataclass

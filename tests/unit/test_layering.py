@@ -35,6 +35,7 @@ FLOORS: dict[str, int] = {
     "outputs": 5,
     "tokenizer": 5,
     "worker": 6,
+    "spec_decode": 6,       # drafters, verifier, verification-length policy: the engine and the worker call them
     "engine": 7,
     "llm": 8,
     "serving": 8,

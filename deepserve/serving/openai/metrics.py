@@ -33,16 +33,19 @@ _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 
                             120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
-# EngineStats field -> (exported counter name without `_total`, help). Fields the engine does not have yet
-# (spec decode) export 0 until it does.
+# EngineStats field -> (exported counter name without `_total`, help). The spec-decode counters stay 0 without
+# speculative decoding; verified tokens / steps is the query rows a decode step verified on average.
 _ENGINE_COUNTERS = {
     "prefix_cache_queries": ("deepserve:prefix_cache_queries", "Prefix cache queries, in tokens."),
     "prefix_cache_hits": ("deepserve:prefix_cache_hits", "Prefix cache hits, in tokens."),
     "num_preemptions": ("deepserve:num_preemptions", "Cumulative number of preemptions."),
     "prompt_tokens": ("deepserve:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)."),
-    "spec_decode_num_drafts": ("deepserve:spec_decode_num_drafts", "Speculative decoding drafts."),
-    "spec_decode_num_draft_tokens": ("deepserve:spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    "spec_decode_num_drafts": ("deepserve:spec_decode_num_drafts", "Sequence-steps that verified drafts."),
+    "spec_decode_num_draft_tokens": ("deepserve:spec_decode_num_draft_tokens", "Draft tokens verified."),
     "spec_decode_num_accepted_tokens": ("deepserve:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    "spec_decode_num_steps": ("deepserve:spec_decode_num_steps", "Decode steps taken with speculation on."),
+    "spec_decode_num_verified_tokens": ("deepserve:spec_decode_num_verified_tokens",
+                                        "Query rows of decoding sequences (1 + drafts verified, each)."),
 }
 
 

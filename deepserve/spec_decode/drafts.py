@@ -1,0 +1,39 @@
+"""What a drafter proposes for one sequence, and the protocol every drafter follows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from deepserve.sequence import Sequence
+
+
+@dataclass
+class Drafts:
+    """Draft tokens for the positions after a sequence's last token, in order.
+
+    confidences[i]: the drafter's estimate that draft i is accepted given drafts 0..i-1 were (the verification-length
+    policy multiplies them into cumulative acceptance). A drafter whose draft is a single token, not a distribution
+    (prompt lookup), proposes with probability 1: the verifier then accepts draft i with the target's probability of it.
+    """
+    token_ids: list[int] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+    match_length: int = 0           # n-gram drafters: the length of the suffix that matched (keys the estimate)
+    seq_id: int = -1                # whose drafts (drafters that keep per-sequence state read it back)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def truncated(self, n: int) -> "Drafts":
+        return Drafts(self.token_ids[:n], self.confidences[:n], self.match_length, self.seq_id)
+
+
+class Drafter(Protocol):
+    def propose(self, seq: Sequence, max_drafts: int) -> Drafts:
+        """Up to `max_drafts` drafts following `seq`'s known tokens (none is a valid answer)."""
+
+    def observe(self, drafts: Drafts, num_verified: int, num_accepted: int) -> None:
+        """The target verified the first `num_verified` of `drafts` and accepted `num_accepted` of them."""
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` is gone: drop what was kept for it."""

@@ -1,0 +1,100 @@
+"""The engine's side of speculative decoding: drafts before a step is scheduled, bookkeeping after it ran.
+
+Before `Scheduler.schedule`: every decoding sequence gets `seq.draft_token_ids` (possibly none) from the drafter,
+capped so that emitting all of them plus one token stays within max_tokens and max_model_len, and cut to the
+verification length the policy chose (all of them with verify_length="fixed").
+After the step: the drafter's estimate learns from what was accepted; the sequence's and the engine's counters
+grow. Rejected drafts never reach the sequence's token list, and the scheduler gives their KV slots back.
+
+Sequences that draft: decoding ones (the prompt is done) whose next token needs nothing the verifier does not
+apply: no repetition / presence / frequency penalty and no pending min_tokens ban (those depend on the tokens
+before each row, drafts included). The others decode one token a step as without speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepserve.config import SpeculativeConfig
+from deepserve.sequence import Sequence
+from deepserve.spec_decode.drafts import Drafts
+from deepserve.spec_decode.length_policy import StepCostModel, choose_verify_lengths
+from deepserve.spec_decode.ngram import NgramDrafter
+
+
+@dataclass
+class SpecDecodeStats:
+    """Engine-wide counters (Prometheus `deepserve:spec_decode_*`)."""
+    num_drafts: int = 0             # sequence-steps that verified at least one draft
+    num_draft_tokens: int = 0       # drafts verified
+    num_accepted_tokens: int = 0    # drafts accepted
+    num_steps: int = 0              # engine steps with speculation on and some sequence decoding
+    num_verified_tokens: int = 0    # query rows of decoding sequences (1 + drafts each): / num_steps = rows a step
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, cost_model: StepCostModel | None = None) -> None:
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config: method {config.method!r} is not available yet (only 'ngram')")
+        if config.verify_length == "confidence" and cost_model is None:
+            raise ValueError("verify_length='confidence' needs a step cost model")
+        self.config = config
+        self.max_model_len = max_model_len
+        self.cost_model = cost_model
+        self.drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.stats = SpecDecodeStats()
+        self._proposed: dict[int, Drafts] = {}      # seq_id -> what was proposed for the step being scheduled
+
+    # --- before scheduling --------------------------------------------------------------------
+    def propose(self, running: list[Sequence]) -> None:
+        """Set `draft_token_ids` on every running sequence (empty for those that do not draft this step)."""
+        self._proposed.clear()
+        decoding, proposals = [], []
+        for seq in running:
+            seq.draft_token_ids = []
+            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_inflight:
+                continue                        # prefilling (or a token still in flight): no drafts
+            decoding.append(seq)
+            limit = self._draft_limit(seq)
+            proposals.append(self.drafter.propose(seq, limit) if limit > 0 else Drafts())
+        if self.config.verify_length == "confidence" and decoding:
+            lengths = choose_verify_lengths([d.confidences for d in proposals], self.cost_model.cost)
+            proposals = [d.truncated(n) for d, n in zip(proposals, lengths)]
+        for seq, drafts in zip(decoding, proposals):
+            if drafts.token_ids:
+                seq.draft_token_ids = list(drafts.token_ids)
+                self._proposed[seq.seq_id] = drafts
+        self.drafter.step()
+
+    def _draft_limit(self, seq: Sequence) -> int:
+        p = seq.params
+        if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                or seq.num_output_tokens < p.min_tokens):
+            return 0
+        limit = min(self.config.num_speculative_tokens, self.max_model_len - seq.num_tokens)
+        if p.max_tokens is not None:
+            limit = min(limit, p.max_tokens - seq.num_output_tokens - 1)
+        return limit
+
+    # --- after the step -----------------------------------------------------------------------
+    def record_step(self, num_rows: int, step_ms: float | None) -> None:
+        """A step ran in which decoding sequences had `num_rows` query rows in all (1 + drafts each)."""
+        if num_rows == 0:
+            return
+        self.stats.num_steps += 1
+        self.stats.num_verified_tokens += num_rows
+        if step_ms is not None and self.cost_model is not None:
+            self.cost_model.observe(num_rows, step_ms)
+
+    def record(self, seq: Sequence, num_verified: int, num_accepted: int) -> None:
+        drafts = self._proposed.get(seq.seq_id)
+        if drafts is None or num_verified == 0:
+            return
+        self.drafter.observe(drafts, num_verified, num_accepted)
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += num_verified
+        self.stats.num_accepted_tokens += num_accepted
+
+    def forget(self, seq: Sequence) -> None:
+        self.drafter.forget(seq)
+        self._proposed.pop(seq.seq_id, None)

@@ -1,0 +1,110 @@
+"""The acceptance rule: greedy rows emit exactly the argmax path; sampled rows emit the target's distribution."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deepserve.sampling_params import SamplingParams
+from deepserve.spec_decode.verifier import VerifyGroup, verify
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def chi_square_limit(df: int, z: float = 3.09) -> float:
+    """The 99.9% quantile of chi-square(df) (Wilson-Hilferty; exact to ~1% for df >= 3)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Statistic and degrees of freedom over the cells expected to hold >= 5 samples (the rest pooled)."""
+    n = counts.sum().item()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].sum().double()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = (((obs - exp) ** 2)[keep] / exp[keep]).sum().item()
+    return stat, int(keep.sum().item()) - 1
+
+
+def test_greedy_accepts_the_argmax_prefix_and_emits_the_argmax_at_the_first_miss():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 20)
+    argmax = logits.argmax(-1).tolist()
+    wrong = (argmax[2] + 1) % 20
+    result = verify(logits, [VerifyGroup(GREEDY, 0, 10, [argmax[0], argmax[1], wrong])])
+    assert result.num_accepted == [2]
+    assert result.emitted == [[argmax[0], argmax[1], argmax[2]]]
+    full = verify(logits, [VerifyGroup(GREEDY, 0, 10, argmax[:3])])
+    assert full.num_accepted == [3] and full.emitted == [argmax]        # all accepted: the fresh row's argmax too
+
+
+def test_a_group_gives_the_same_tokens_alone_and_anywhere_in_a_batch():
+    torch.manual_seed(1)
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=7)
+    groups = [VerifyGroup(params, 100 + i, 50, [3, 4]) for i in range(6)]
+    logits = torch.randn(18, 16)
+    batch = verify(logits, groups)
+    for i in range(6):
+        alone = verify(logits[3 * i:3 * i + 3], [groups[i]])
+        assert alone.emitted[0] == batch.emitted[i]
+    again = verify(logits, groups)
+    assert again.emitted == batch.emitted
+
+
+def sampled_emissions(row_logits: torch.Tensor, params: SamplingParams, drafts: list[int], samples: int):
+    groups = [VerifyGroup(params, seed, 1000, drafts) for seed in range(samples)]
+    logits = row_logits.repeat(samples, 1)
+    return verify(logits, groups).emitted
+
+
+def target_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The shaped distribution written out for these tests: temperature, then top-k (no top-p / min-p here)."""
+    p = torch.softmax(row.double() / params.temperature, dim=-1)
+    if 0 < params.top_k < p.numel():
+        cut = p.topk(params.top_k).values[-1]
+        p = torch.where(p >= cut, p, torch.zeros_like(p))
+    return p / p.sum()
+
+
+def test_sampled_tokens_follow_the_target_distribution_whatever_the_drafts():
+    """20,000 seeded verifications of two point-mass drafts: the first emitted token follows row 0's distribution,
+    the second (given the first draft was accepted) row 1's. A 2% shift of probability mass is detected: the same
+    statistic against a distribution with 2% moved is far above the limit (checked below)."""
+    torch.manual_seed(2)
+    vocab, samples = 12, 20000
+    rows = torch.randn(3, vocab) * 1.5
+    params = SamplingParams(temperature=0.8, top_k=9)
+    p0, p1 = target_probs(rows[0], params), target_probs(rows[1], params)
+    d0 = int(p0.argsort()[-2])          # a likely but not the likeliest token: both outcomes happen often
+    d1 = int(p1.argmax())
+    emitted = sampled_emissions(rows, params, [d0, d1], samples)
+    first = torch.bincount(torch.tensor([e[0] for e in emitted]), minlength=vocab)
+    stat, df = chi_square(first, p0)
+    assert stat < chi_square_limit(df), (stat, df)
+    shifted = p0.clone()
+    shifted[d0] += 0.02
+    shifted[int(p0.argmax())] -= 0.02
+    assert chi_square(first, shifted)[0] > chi_square_limit(df)
+    after_accept = [e[1] for e in emitted if e[0] == d0 and len(e) > 1]
+    assert len(after_accept) > 2000
+    second = torch.bincount(torch.tensor(after_accept), minlength=vocab)
+    stat, df = chi_square(second, p1)
+    assert stat < chi_square_limit(df), (stat, df)
+    # Tokens outside top-k are never emitted, even through the residual.
+    assert first[p0 == 0].sum() == 0
+
+
+def test_logprobs_are_the_raw_model_logprobs_of_each_emitted_token():
+    torch.manual_seed(3)
+    logits = torch.randn(3, 10)
+    argmax = logits.argmax(-1).tolist()
+    result = verify(logits, [VerifyGroup(GREEDY, 0, 5, argmax[:2])], max_num_logprobs=2)
+    raw = torch.log_softmax(logits, -1)
+    entries = result.logprobs[0]
+    assert [e[0] for e in entries] == argmax
+    for j, (tok, lp, ids, vals) in enumerate(entries):
+        assert lp == raw[j, tok].item()
+        assert ids == raw[j].topk(2).indices.tolist()
