@@ -21,9 +21,9 @@ from deepserve.engine.scheduler import Scheduler
 from deepserve.outputs import RequestOutput
 from deepserve.sampling_params import SamplingParams
 from deepserve.sequence import Sequence, SequenceStatus
-from deepserve.worker.model_runner import LaunchedStep, ModelRunner
 from deepserve.spec_decode.length_policy import StepCostModel
 from deepserve.spec_decode.speculator import Speculator
+from deepserve.worker.model_runner import LaunchedStep, ModelRunner
 from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)

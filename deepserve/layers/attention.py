@@ -67,17 +67,28 @@ class TorchPagedAttention:
     def build_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
         bs = batch.block_size
         device = batch.input_ids.device
-        decode_b = [b for b, q in enumerate(batch.query_lens_cpu) if q == 1]
-        prefill_b = [b for b, q in enumerate(batch.query_lens_cpu) if q > 1]
+        drafts = batch.draft_lens_cpu or [0] * len(batch.query_lens_cpu)
+        # A decode with drafts is a run of decode rows of consecutive lengths: the decode path takes it row by row
+        # (batched with every other decode, and with the numerics of a plain decode step for its first row).
+        decode_b = [b for b, q in enumerate(batch.query_lens_cpu) if q == 1 or drafts[b]]
+        prefill_b = [b for b, q in enumerate(batch.query_lens_cpu) if q > 1 and not drafts[b]]
         starts = batch.query_start_loc.tolist()
         meta = TorchAttentionMetadata(None, None, None, [])
         if decode_b:
-            idx = torch.tensor(decode_b, device=device)
+            if any(drafts):
+                rows = [(starts[b] + j, b, batch.seq_lens_cpu[b] - batch.query_lens_cpu[b] + 1 + j)
+                        for b in decode_b for j in range(batch.query_lens_cpu[b])]
+                idx = torch.tensor([b for _, b, _ in rows], device=device)
+                row_starts = [r for r, _, _ in rows]
+                seq_lens = torch.tensor([n for _, _, n in rows], device=device)
+            else:
+                idx = torch.tensor(decode_b, device=device)
+                row_starts = [starts[b] for b in decode_b]
+                seq_lens = batch.seq_lens[idx]
             num_blocks = -(-max(batch.seq_lens_cpu[b] for b in decode_b) // bs)
-            meta.decode_rows = torch.tensor([starts[b] for b in decode_b], device=device)
+            meta.decode_rows = torch.tensor(row_starts, device=device)
             meta.decode_blocks = batch.block_tables[idx, :num_blocks].contiguous()
             positions = torch.arange(num_blocks * bs, device=device)
-            seq_lens = batch.seq_lens[idx]
             meta.decode_mask = positions[None, :] < seq_lens[:, None]
             if device.type == "cpu" and cpu_kernels.library() is not None:
                 meta.decode_plan = cpu_kernels.DecodePlan(meta.decode_rows, meta.decode_blocks, seq_lens)

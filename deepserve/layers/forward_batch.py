@@ -38,6 +38,9 @@ class ForwardBatch:
     # Each sequence's whole length (prompt and generated tokens) when the step was built, which can exceed
     # seq_lens for a prompt chunk (DeepSeek-V4.1's YOCO keeps a suffix of it). Empty: seq_lens.
     data_lens_cpu: list[int] = field(default_factory=list)
+    # Speculative decoding: how many of each sequence's rows are drafts being verified (empty: none anywhere). Such
+    # a sequence's rows are decode rows of consecutive lengths, and a backend may run them as such.
+    draft_lens_cpu: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -63,4 +63,6 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
         block_tables=views[3].view(num_seqs, max_blocks), query_start_loc=views[4], seq_lens=views[5],
         query_lens_cpu=q_lens, seq_lens_cpu=s_lens, logits_indices=views[6], block_size=block_size,
         inflight_rows=inflight, data_lens_cpu=d_lens,
+        draft_lens_cpu=[len(s.draft_token_ids) for s in out.scheduled] if any(s.draft_token_ids for s in out.scheduled)
+        else [],
     )

@@ -136,7 +136,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         per_block = self.kv_bytes_per_block()
-        num_blocks = max(self._kv_budget_bytes() // per_block, 1)
+        num_blocks = max(int(self._kv_budget_bytes()) // per_block, 1)
         self.config.cache.num_blocks = int(num_blocks)
         caches = []
         for layer in self.model.attention_layers():
