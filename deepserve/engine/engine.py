@@ -88,7 +88,8 @@ class LLMEngine:
             curve = spec.cost_curve or self.runner.measure_step_costs(
                 _cost_curve_sizes(config, spec.num_speculative_tokens), min(1024, config.scheduler.max_model_len))
             logger.info("speculative decoding: step cost curve (rows, ms) %s", curve)
-            cost_model = StepCostModel(curve)
+            # With CUDA graphs a step costs the graph of its row count rounded up to a captured size.
+            cost_model = StepCostModel(curve, padded=self.runner.cuda_graphs is not None)
         return Speculator(spec, config.scheduler.max_model_len, cost_model)
 
     @classmethod

@@ -11,7 +11,9 @@ replays the graph of the smallest size that holds its batch:
     of any length fits the same launch grid (splits past a sequence's end are empty and weigh nothing);
   - logits land in a static output buffer; sampling runs outside the graph.
 
-Batches with prefill rows, prompt logprobs, or more rows than the largest size run eagerly.
+A decode verifying drafts (speculative decoding) is one decode row per position: row j attends to the keys up
+to its own position, the rows before it included. Batches with prefill rows, prompt logprobs, or more rows than
+the largest size run eagerly.
 """
 
 from __future__ import annotations
@@ -70,11 +72,11 @@ class StaticDecodeInputs:
         self.turn ^= 1
         host = self.hosts[self.turn]
         mb, h = self.max_batch, host.numpy()
-        b = len(out.scheduled)
         inflight = []
         ids, pos, slots, lens = h[0:mb], h[mb:2 * mb], h[2 * mb:3 * mb], h[3 * mb:4 * mb]
         tables = h[4 * mb:4 * mb + size * self.max_blocks].reshape(size, self.max_blocks)
-        for i, s in enumerate(out.scheduled):
+        i = 0
+        for s in out.scheduled:
             seq, p = s.seq, s.start
             table = seq.block_table
             if p < len(seq.token_ids):
@@ -82,10 +84,17 @@ class StaticDecodeInputs:
             else:
                 ids[i] = 0
                 inflight.append((i, seq.seq_id))
-            pos[i] = p
-            slots[i] = table[p // block_size] * block_size + p % block_size
-            lens[i] = p + 1
-            tables[i, :len(table)] = table
+            # A row per draft after the known token: a decode row one position further (it sees the rows before
+            # it, whose keys every layer writes before its attention reads).
+            for j, token in enumerate([None] + s.draft_token_ids):
+                if token is not None:
+                    ids[i] = token
+                pos[i] = p + j
+                slots[i] = table[(p + j) // block_size] * block_size + (p + j) % block_size
+                lens[i] = p + j + 1
+                tables[i, :len(table)] = table
+                i += 1
+        b = i
         # Padding rows: one key of block 0 to read (a valid address), nothing to write.
         ids[b:size], pos[b:size], slots[b:size], lens[b:size] = 0, 0, -1, 1
         tables[b:size] = 0
@@ -159,19 +168,20 @@ class CUDAGraphRunner:
         if not self.graphs or not out.scheduled:
             return None
         for s in out.scheduled:
-            if s.num_new_tokens != 1 or s.seq.params.prompt_logprobs is not None:
+            if s.num_new_tokens - len(s.draft_token_ids) != 1 or s.seq.params.prompt_logprobs is not None:
                 return None
-        return padded_size(len(out.scheduled), self.sizes)
+        return padded_size(sum(s.num_new_tokens for s in out.scheduled), self.sizes)
 
     def run(self, out: SchedulerOutput, size: int, patch_inflight=None) -> tuple[torch.Tensor, list]:
-        """Logits [len(out.scheduled), vocab] of a decode-only step, replayed from the graph of `size`.
+        """Logits [rows, vocab] of a decode-only step (a row per sequence and per draft it verifies, in order),
+        replayed from the graph of `size`.
         `patch_inflight(input_ids, rows)` fills rows whose token is still on the device before the replay."""
         inflight = self.inputs.fill(out, size, self.block_size)
         if inflight and patch_inflight is not None:
             patch_inflight(self.inputs.input_ids, inflight)
         self.graphs[size].replay()
         self.num_replays += 1
-        return self.logits[:len(out.scheduled)], inflight
+        return self.logits[:sum(s.num_new_tokens for s in out.scheduled)], inflight
 
 
 __all__ = ["CUDAGraphRunner", "StaticDecodeInputs", "default_capture_sizes", "padded_size"]

@@ -273,6 +273,8 @@ class ModelRunner:
         times its curve (one warm-up, `repeats` timed runs, min and max dropped, mean). The speculative length policy
         prices verification with it. Run after the KV cache exists: the rows write into block 0's first slot, which
         holds nothing yet."""
+        if self.cuda_graphs is not None:
+            return self._measure_graph_costs(repeats)
         curve = []
         for rows in sizes:
             times = []
@@ -290,6 +292,26 @@ class ModelRunner:
             times.sort()
             kept = times[1:-1] if len(times) > 2 else times
             curve.append((rows, sum(kept) / len(kept)))
+        return curve
+
+    def _measure_graph_costs(self, repeats: int) -> list[tuple[int, float]]:
+        """[(captured size, ms)] of graph replays (a decode with drafts replays the graph of its row count), timed
+        with CUDA events. The static inputs hold padding rows then: every row reads one key of block 0."""
+        graphs = self.cuda_graphs
+        curve = []
+        for size in graphs.sizes:
+            times = []
+            for i in range(repeats + 1):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graphs.graphs[size].replay()
+                end.record()
+                end.synchronize()
+                if i:
+                    times.append(start.elapsed_time(end))
+            times.sort()
+            kept = times[1:-1] if len(times) > 2 else times
+            curve.append((size, sum(kept) / len(kept)))
         return curve
 
     # --- CUDA graphs --------------------------------------------------------------------------
@@ -348,10 +370,7 @@ class ModelRunner:
         if graph_size is not None:
             # Decode-only: one logits row per sequence; rows of non-final 1-token prompt chunks are not sampled.
             logits, _ = self.cuda_graphs.run(out, graph_size, lambda ids, rows: _patch_inflight(ids, rows, previous))
-            rows = [i for i, s in enumerate(out.scheduled) if s.samples]
-            if rows:
-                self._sample(logits[rows] if len(rows) < len(out.scheduled) else logits,
-                             [out.scheduled[i].seq for i in rows], step)
+            self._pick_tokens(logits, out.scheduled, step)
             return step
         prompt_rows = [_prompt_logprob_rows(s) for s in out.scheduled]
         logits_rows = [p + _sampled_rows(s) for s, p in zip(out.scheduled, prompt_rows)]
@@ -381,6 +400,23 @@ class ModelRunner:
             if verifiers:
                 self._verify(logits[len(sample_rows):], verifiers, step)
         return step
+
+    def _pick_tokens(self, logits: torch.Tensor, scheduled: list[ScheduledSequence], step: "LaunchedStep") -> None:
+        """Sampling and verification of a graph-replayed decode step: `logits` has one row per scheduled position."""
+        sample_rows, samplers, verify_rows, verifiers = [], [], [], []
+        offset = 0
+        for s in scheduled:
+            if s.draft_token_ids:
+                verify_rows.extend(range(offset, offset + s.num_new_tokens))
+                verifiers.append(s)
+            elif s.samples:
+                sample_rows.append(offset)
+                samplers.append(s.seq)
+            offset += s.num_new_tokens
+        if samplers:
+            self._sample(logits if len(sample_rows) == logits.shape[0] else logits[sample_rows], samplers, step)
+        if verifiers:
+            self._verify(logits[verify_rows], verifiers, step)
 
     def _verify(self, logits: torch.Tensor, scheduled: list[ScheduledSequence], step: "LaunchedStep") -> None:
         """Rows of sequences with drafts: accept a prefix of the drafts and emit one token more (spec_decode)."""

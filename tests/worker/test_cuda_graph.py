@@ -45,3 +45,20 @@ def test_static_inputs_hold_the_batch_then_padding():
     # A smaller batch next step overwrites the old rows with padding.
     inputs.fill(SchedulerOutput(scheduled=out.scheduled[:1]), size=2, block_size=bs)
     assert inputs.batch(2, bs).slot_mapping.tolist() == [3 * bs + 1, -1]
+
+
+def test_a_decode_with_drafts_fills_one_decode_row_per_position():
+    """Speculative decoding in a graph: the known token then each draft, at consecutive positions, each row seeing
+    the keys up to its own position (the rows before it included)."""
+    bs = 4
+    inputs = StaticDecodeInputs(max_batch=8, max_blocks=4, device=torch.device("cpu"))
+    plain, drafting = _decoding_sequence(1, 6, [7, 3]), _decoding_sequence(2, 7, [5, 1, 2])
+    out = SchedulerOutput(scheduled=[ScheduledSequence(plain, 5, 1),
+                                     ScheduledSequence(drafting, 6, 3, draft_token_ids=[40, 41])])
+    inputs.fill(out, size=4, block_size=bs)
+    batch = inputs.batch(4, bs)
+    assert batch.input_ids.tolist() == [15, 16, 40, 41]
+    assert batch.positions.tolist() == [5, 6, 7, 8]
+    assert batch.slot_mapping.tolist() == [3 * bs + 1, 1 * bs + 2, 1 * bs + 3, 2 * bs + 0]
+    assert batch.seq_lens.tolist() == [6, 7, 8, 9]
+    assert batch.block_tables[1:4, :3].tolist() == [[5, 1, 2]] * 3
