@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--copy-tokens", type=int, default=None)
     ap.add_argument("--mixed-tokens", type=int, default=None)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct GGUF)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from deepserve import LLM
@@ -105,7 +106,7 @@ def main() -> None:
     results = {"command": "python " + " ".join(sys.argv), "machine": machine_info(), "modes": MODES,
                "copy_batch1": {}, "mixed": {}}
     for mode, spec in MODES.items():
-        llm = LLM(device=args.device, dtype=args.dtype, max_model_len=2048, max_num_seqs=max(conc),
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=2048, max_num_seqs=max(conc),
                   speculative_config=spec)
         llm.chat(copy_messages(0), use_tqdm=False)       # warm-up (kernels, caches)
         llm.reset_prefix_cache()

@@ -10,9 +10,13 @@ a(s, j) = prod_{i <= j} conf(s, i), the policy picks the number t of extra rows 
 and gives sequence s the drafts it owns among the top t*. Since a(s, j) never rises with j, the top t of a sequence
 are always its first ones. Points beyond the curve's largest size are never chosen.
 
-The curve (`StepCostModel`) starts from a start-up measurement (or a file) and follows the live steps: the online
-slope is the median, over sizes with enough samples, of the median per-row excess (measured - baseline) / g,
-clamped at 0, so context growth and sampling costs the start-up profile did not see shift the curve up.
+The curve (`StepCostModel`) starts from a start-up measurement (or a file) and follows the live steps. DeepInfer
+times the forward alone with CUDA events and fits a per-row slope to the excess over the profile. We time whole
+steps on the host (scheduling, sampling and verification included), whose excess is mostly a per-step overhead,
+not a per-row cost: read as a slope it would price every draft row as if it paid the step's host time, and the
+policy would verify too few. So the excess of each size (the median of its samples over sizes with enough of them)
+is fitted as overhead + slope * g (Theil-Sen: the median of pairwise slopes, then the median intercept; both
+clamped at 0), and cost(g) = baseline(g) + overhead + slope * g.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections import deque
 
 
 class StepCostModel:
-    """Step time in ms for g query rows: baseline(g) + slope * g.
+    """Step time in ms for g query rows: baseline(g) + overhead + slope * g.
 
     `padded=True` (CUDA graphs): a step of g rows costs the smallest captured size >= g. Otherwise the baseline is
     interpolated linearly between measured sizes (an eager step costs what its rows cost)."""
@@ -38,6 +42,7 @@ class StepCostModel:
         self.min_samples = min_samples
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.slope = 0.0
+        self.overhead = 0.0
 
     @property
     def max_rows(self) -> int:
@@ -55,20 +60,25 @@ class StepCostModel:
 
     def cost(self, g: int) -> float | None:
         base = self.baseline(g)
-        return None if base is None else base + self.slope * g
+        return None if base is None else base + self.overhead + self.slope * g
 
     def observe(self, g: int, measured_ms: float) -> None:
-        """A live step of g rows took `measured_ms`: refresh the online slope."""
+        """A live step of g rows took `measured_ms`: refresh the online overhead and slope."""
         base = self.baseline(g)
         if base is None:
             return
-        self._samples.append((g, (measured_ms - base) / g))
-        by_size: dict[int, list[float]] = {}
+        self._samples.append((g, measured_ms - base))
+        by_size: dict[int, list[tuple[int, float]]] = {}
         for size, excess in self._samples:
-            by_size.setdefault(self._bucket(size), []).append(excess)
-        medians = [statistics.median(v) for v in by_size.values() if len(v) >= self.min_samples]
-        if medians:
-            self.slope = max(statistics.median(medians), 0.0)
+            by_size.setdefault(self._bucket(size), []).append((size, excess))
+        points = [(statistics.median(g for g, _ in v), statistics.median(e for _, e in v))
+                  for v in by_size.values() if len(v) >= self.min_samples]
+        if not points:
+            return
+        pair_slopes = [(e1 - e0) / (g1 - g0) for i, (g0, e0) in enumerate(points) for g1, e1 in points[i + 1:]
+                       if g1 != g0]
+        self.slope = max(statistics.median(pair_slopes), 0.0) if pair_slopes else 0.0
+        self.overhead = max(statistics.median(e - self.slope * g for g, e in points), 0.0)
 
     def _bucket(self, g: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, g)]

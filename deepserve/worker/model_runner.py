@@ -327,7 +327,11 @@ class ModelRunner:
             return None
         from deepserve.worker.cuda_graph import CUDAGraphRunner, default_capture_sizes
         sched = self.config.scheduler
-        sizes = default_capture_sizes(sched.max_num_seqs, self.config.device.cuda_graph_max_batch_size)
+        # With speculation a decode step has a row per draft too: capture graphs for every sequence verifying all k.
+        spec = self.config.speculative
+        rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+        sizes = default_capture_sizes(min(rows, sched.max_num_batched_tokens),
+                                      self.config.device.cuda_graph_max_batch_size)
         graphs = CUDAGraphRunner(self.model, self.attn_backend, self.block_size, sched.max_model_len,
                                  self.config.model.vocab_size, sizes, self.device)
         try:

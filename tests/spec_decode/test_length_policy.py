@@ -61,12 +61,20 @@ def test_cost_model_interpolates_pads_and_learns_an_online_slope():
     assert eager.cost(9) is None
     padded = StepCostModel(curve, padded=True)
     assert padded.cost(2) == pytest.approx(16.0)        # a 2-row step runs in the 4-row graph
-    # Live steps 1 ms a row slower than the profile: after enough samples the slope says so; faster ones clamp at 0.
+    # Live steps 3 ms (host work) + 1 ms a row slower than the profile: after enough samples at two sizes the fit
+    # says so; below the profile both clamp at 0.
     for _ in range(10):
-        eager.observe(4, 16.0 + 4 * 1.0)
+        eager.observe(4, 16.0 + 3.0 + 4 * 1.0)
+        eager.observe(8, 24.0 + 3.0 + 8 * 1.0)
     assert eager.slope == pytest.approx(1.0)
-    assert eager.cost(4) == pytest.approx(20.0)
+    assert eager.overhead == pytest.approx(3.0)
+    assert eager.cost(2) == pytest.approx(12.0 + 3.0 + 2.0)
+    # One size only: the excess is all overhead (a per-step cost does not make draft rows dearer).
+    one = StepCostModel(curve)
+    for _ in range(10):
+        one.observe(4, 20.0)
+    assert (one.slope, one.overhead) == (0.0, pytest.approx(4.0))
     fast = StepCostModel(curve, min_samples=2)
     fast.observe(4, 1.0)
     fast.observe(4, 1.0)
-    assert fast.slope == 0.0
+    assert fast.slope == 0.0 and fast.overhead == 0.0
