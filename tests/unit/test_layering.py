@@ -35,6 +35,7 @@ FLOORS: dict[str, int] = {
     "outputs": 5,
     "tokenizer": 5,
     "worker": 6,
+    "kvstore": 6,           # the KV store's tiers (memory, disk, Redis) and codec; the engine drives it
     "engine": 7,
     "llm": 8,
     "serving": 8,
