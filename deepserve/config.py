@@ -113,7 +113,7 @@ class KVStoreConfig:
     max_pending_bytes: int = 1 << 30   # write-behind queue; past it new saves are dropped, never waited for
 
     @classmethod
-    def parse(cls, value: "dict[str, Any] | str | KVStoreConfig") -> "KVStoreConfig":
+    def parse(cls, value: dict[str, Any] | str | KVStoreConfig) -> KVStoreConfig:
         """A kv_store dict (or its JSON text) -> KVStoreConfig. Raises ValueError naming the bad field."""
         if isinstance(value, KVStoreConfig):
             return value
@@ -123,7 +123,7 @@ class KVStoreConfig:
             except json.JSONDecodeError as e:
                 raise ValueError(f"kv_store: not JSON ({e})") from None
         if not isinstance(value, dict):
-            raise ValueError(f"kv_store must be a dict like {{'backend': 'disk', 'path': DIR}}; got "
+            raise ValueError(f"kv_store must be a dict like {{'backend': 'disk', 'path': DIR}}; got "  # noqa: TRY004
                              f"{type(value).__name__}")
         unknown = sorted(set(value) - _KV_STORE_FIELDS)
         if unknown:

@@ -39,7 +39,8 @@ class KVStoreConnector:
         self.fingerprint = fingerprint
         self.layouts = [layer_layout(layer) for layer in runner.model.attention_layers()]
         self.blocks_loaded = 0
-        self.blocks_saved = 0
+        self.saved_on_finish = 0       # blocks queued when their sequence finished
+        self.saved_on_evict = 0        # blocks queued when the device cache evicted them (preempted sequences)
         self.load_failures = 0          # blocks the store said it held but could not give (then recomputed)
         self.admission_load_s = 0.0     # engine-thread time spent loading at admission
         self._looked_up: dict[int, int] = {}   # seq_id -> blocks it had when the store last had nothing more
@@ -100,23 +101,25 @@ class KVStoreConnector:
         """Queue a finishing sequence's computed full blocks (those the store does not hold yet)."""
         self._looked_up.pop(seq.seq_id, None)
         todo = [(h, b) for h, b in self.block_manager.named_blocks(seq) if not self.store.has(self.name(h))]
-        self._save(todo)
+        self.saved_on_finish += self._save(todo)
 
     def save_evicted(self, block_id: int, block_hash: bytes) -> None:
         """BlockManager.evict_hook: the block's KV is about to be overwritten; keep it if the store lacks it."""
         if not self.store.has(self.name(block_hash)):
-            self._save([(block_hash, block_id)])
+            self.saved_on_evict += self._save([(block_hash, block_id)])
 
-    def _save(self, blocks: list[tuple[bytes, int]]) -> None:
+    def _save(self, blocks: list[tuple[bytes, int]]) -> int:
+        """Queue host copies of `blocks`; how many the store took."""
         if not blocks:
-            return
+            return 0
         copies = self.runner.read_kv_blocks([b for _, b in blocks])
-        for (block_hash, _), tensors in zip(blocks, copies):
-            self.blocks_saved += int(self.store.save(self.name(block_hash), tensors))
+        return sum(self.store.save(self.name(block_hash), tensors)
+                   for (block_hash, _), tensors in zip(blocks, copies))
 
     # --- the rest ----------------------------------------------------------------------------
     def metrics(self) -> dict:
-        return {**self.store.metrics(), "blocks_loaded": self.blocks_loaded, "blocks_saved": self.blocks_saved,
+        return {**self.store.metrics(), "blocks_loaded": self.blocks_loaded,
+                "saved_on_finish": self.saved_on_finish, "saved_on_evict": self.saved_on_evict,
                 "load_failures": self.load_failures, "admission_load_s": self.admission_load_s}
 
     def flush(self, timeout: float | None = None) -> bool:

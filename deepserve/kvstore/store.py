@@ -98,21 +98,26 @@ class KVStore:
         self._finalizer = weakref.finalize(self, _stop_writer, self._pending, self._cond, self._writer, tiers)
 
     @classmethod
-    def from_config(cls, config: KVStoreConfig) -> "KVStore":
+    def from_config(cls, config: KVStoreConfig) -> KVStore:
         return cls(build_tiers(config), config.max_pending_bytes)
 
     # --- the engine thread -------------------------------------------------------------------
     def has(self, name: str) -> bool:
         """Known to be stored or queued by this process (a save of it would be redundant)."""
         with self._cond:
-            return name in self._pending.blocks or name in self._known
+            if name in self._pending.blocks:
+                return True
+        if not any(t.shared for t in self.tiers):
+            return self.tiers[0].contains([name])[0]     # host memory alone: exact, and it evicts
+        with self._cond:
+            return name in self._known
 
     def save(self, name: str, tensors: list[torch.Tensor]) -> bool:
         """Queue one block (host tensors the caller no longer writes). False when dropped: the queue is full."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if self.has(name):
+            return True
         with self._cond:
-            if name in self._pending.blocks or name in self._known:
-                return True
             if self._pending.nbytes + nbytes > self.max_pending_bytes:
                 self.saves_dropped += 1
                 return False
