@@ -64,6 +64,7 @@ def redis_server():
     if REDIS_BIN is None:
         pytest.skip("redis-server is not installed (Debian: apt-get install redis-server; .ci/run installs it "
                     "where apt is available)")
+    pytest.importorskip("redis", reason="the redis Python package is not installed (pip install 'deepserve[kvstore]')")
     server = RedisServer(free_port())
     server.start()
     yield server
