@@ -43,7 +43,9 @@ class KVStoreConnector:
         self.saved_on_evict = 0        # blocks queued when the device cache evicted them (preempted sequences)
         self.load_failures = 0          # blocks the store said it held but could not give (then recomputed)
         self.admission_load_s = 0.0     # engine-thread time spent loading at admission
-        self._looked_up: dict[int, int] = {}   # seq_id -> blocks it had when the store last had nothing more
+        # seq_id -> (device hits, preemptions) when the store last lacked its next block: a waiting sequence
+        # re-examined every step does not ask the store again until that changes
+        self._looked_up: dict[int, tuple[int, int]] = {}
 
     def name(self, block_hash: bytes) -> str:
         return entry_name(self.fingerprint, block_hash)
@@ -56,17 +58,20 @@ class KVStoreConnector:
         bm = self.block_manager
         hits = bm.find_cached_prefix(seq)
         max_blocks = (seq.num_tokens - 1) // bm.block_size     # the last token is always computed
-        if len(hits) >= max_blocks or self._looked_up.get(seq.seq_id) == len(hits):
+        memo = (len(hits), seq.num_preemptions)
+        if len(hits) >= max_blocks or self._looked_up.get(seq.seq_id) == memo:
             return
         # Room: free blocks, less the hits that leave the free queue at admission and one block for the tail.
         room = bm.num_free_blocks - sum(1 for b in hits if bm.blocks[b].ref_count == 0) - 1
         hashes = bm.block_hashes(seq, max_blocks)[len(hits):][:max(room, 0)]
         t0 = time.perf_counter()
         names = [self.name(h) for h in hashes]
-        loaded = self._load_run(hits, hashes, names[:self.store.lookup(names)])
+        held = self.store.lookup(names)
+        if held:
+            self._load_run(hits, hashes, names[:held])
+        elif names:
+            self._looked_up[seq.seq_id] = memo     # the store lacks the next block: no new lookup until hits change
         self.admission_load_s += time.perf_counter() - t0
-        if not loaded:
-            self._looked_up[seq.seq_id] = len(hits)
 
     def _load_run(self, hits: list[int], hashes: list[bytes], names: list[str]) -> int:
         """Write the leading blocks of `names` the store gives intact into the device cache; how many it did."""

@@ -22,6 +22,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for several)")
     parser.add_argument("--replicas-file", metavar="PATH",
                         help="more replica URLs, one per line; re-read when it changes and on SIGHUP")
+    parser.add_argument("--prefill-replica", action="append", default=[], dest="prefill_replicas", metavar="URL",
+                        help="a `serve --role prefill` replica: it computes each prompt into the shared KV store "
+                             "before a --replica (then a decode replica) serves the request; repeat for several")
+    parser.add_argument("--prefill-timeout", type=float, default=_DEFAULT.prefill_timeout_s, metavar="S",
+                        help="past this a prefill is given up (the decode replica computes the prompt)")
     parser.add_argument("--policy", choices=POLICIES, default=_DEFAULT.policy)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -68,6 +73,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                                balance_rel=args.balance_rel_threshold, max_chars_per_replica=args.cache_max_chars)
     return RouterConfig(
         replicas=args.replicas, replicas_file=args.replicas_file, policy=args.policy, cache_aware=cache,
+        prefill_replicas=args.prefill_replicas, prefill_timeout_s=args.prefill_timeout,
         api_keys=api_keys(args), rate_limit=args.rate_limit, max_body_bytes=args.max_body_bytes,
         health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
         unhealthy_after=args.unhealthy_after, load_reports=args.load_reports, max_retries=args.max_retries,

@@ -61,3 +61,18 @@ def test_queue_past_its_bound_drops_saves_and_queued_blocks_are_readable():
     assert roomy.load("fp-02") is not None and roomy.has("fp-02")       # queued or written, either way readable
     roomy.close()
     assert roomy.metrics()["pending_blocks"] == 0
+
+
+def test_metrics_export_to_prometheus_families(tmp_path):
+    from deepserve.serving.openai.metrics import kv_store_metrics
+
+    store = KVStore([MemoryTier(1 << 20), DiskTier(str(tmp_path), 1 << 20)])
+    store.save("fp-01", block(1))
+    store.flush(timeout=10)
+    store.load("fp-01")
+    families = {f.name: f for f in kv_store_metrics("m", store.metrics())}
+    hits = {s.labels["tier"]: s.value for s in families["deepserve:kv_store_hits"].samples}
+    written = {s.labels["tier"]: s.value for s in families["deepserve:kv_store_written_bytes"].samples}
+    assert hits == {"memory": 1.0, "disk": 0.0} and written["disk"] > 0
+    assert families["deepserve:kv_store_load_blocks"].samples[0].value == 1.0
+    store.close()
