@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -80,11 +81,12 @@ def test_prefill_replica_killed_mid_load_loses_no_request(pd_replicas, smollm):
     with thread_router([decode.url], prefill_replicas=[prefill.url], read_timeout_s=120.0) as router:
         wait_until(lambda: router.state.replicas.eligible(), 10, what="decode replica eligible")
         with ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [pool.submit(complete, router.base_url, p) for p in prompts]
-            wait_until(lambda: prefill.metric("deepserve:num_requests_running") > 0, 60, 0.02,
-                       what="the prefill replica computing")
+            first = pool.submit(complete, router.base_url, prompts[0])
+            wait_until(lambda: router.state.prefill.succeeded >= 1, 120, 0.02, what="a first prefill")
+            rest = [pool.submit(complete, router.base_url, p) for p in prompts[1:]]
+            time.sleep(0.3)                 # the rest are at the prefill replica (or on their way) when it dies
             prefill.proc.kill()
             prefill.proc.wait(10)
-            answers = [f.result(timeout=180) for f in futures]
+            answers = [f.result(timeout=180) for f in [first, *rest]]
         assert router.state.prefill.failed >= 1
     assert [a["choices"][0]["text"] for a in answers] == expected
