@@ -107,11 +107,26 @@ def parse_replica_range(value: str) -> ReplicaRange:
     return ReplicaRange(minimum, maximum)
 
 
+def parse_pd_split(value: str) -> tuple[int, int]:
+    """`P:D`: prefill and decode replica counts, each >= 1."""
+    low, colon, high = value.partition(":")
+    try:
+        prefill, decode = int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected P:D (e.g. 1:2), got {value!r}") from None
+    if not colon or prefill < 1 or decode < 1:
+        raise argparse.ArgumentTypeError(f"expected P:D with P, D >= 1, got {value!r}")
+    return prefill, decode
+
+
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     """The flags `deepserve serve` takes to run several engines behind a router (local_cluster.py)."""
     group = parser.add_argument_group("replicas (several engine processes behind a router on --host:--port)")
     group.add_argument("--replicas", type=parse_replica_range, default=None, metavar="N|MIN:MAX",
                        help="run N engine processes (MIN:MAX: scale between them on the router's desired count)")
+    group.add_argument("--pd", type=parse_pd_split, default=None, metavar="P:D",
+                       help="prefill/decode disaggregation: P `--role prefill` and D `--role decode` engines sharing "
+                            "--kv-store (disk or redis) behind the router (router/pd_cluster.py)")
     group.add_argument("--router-policy", choices=POLICIES, default=_DEFAULT.policy)
     group.add_argument("--autoscale-target-ttft-ms", type=float, default=None, metavar="MS",
                        help="with MIN:MAX: the time to first token the replica count aims for")
@@ -119,4 +134,4 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
 
 def runs_a_cluster(args: argparse.Namespace) -> bool:
     replicas = getattr(args, "replicas", None)
-    return isinstance(replicas, ReplicaRange) and replicas.maximum > 1
+    return getattr(args, "pd", None) is not None or (isinstance(replicas, ReplicaRange) and replicas.maximum > 1)

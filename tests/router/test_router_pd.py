@@ -5,9 +5,13 @@ a prefill replica killed mid-load loses no request."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +21,7 @@ from router_harness import (
     MODEL,
     SERVE_START_TIMEOUT_S,
     ServeProcess,
+    free_port,
     thread_router,
     wait_until,
 )
@@ -90,3 +95,48 @@ def test_prefill_replica_killed_mid_load_loses_no_request(pd_replicas, smollm):
             answers = [f.result(timeout=180) for f in [first, *rest]]
         assert router.state.prefill.failed >= 1
     assert [a["choices"][0]["text"] for a in answers] == expected
+
+
+def test_pd_split_flags():
+    from deepserve.router.options import parse_pd_split
+    from deepserve.router.pd_cluster import pd_children
+
+    assert parse_pd_split("1:2") == (1, 2)
+    for bad in ("2", "0:1", "a:b"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_pd_split(bad)
+    children = pd_children(["--pd", "1:2", "--replicas", "3", "--role=decode", "--kv-store", "{}", "--port", "9"], 1, 2)
+    assert [argv for _, argv in children] == [["--kv-store", "{}", "--role", role]
+                                             for role in ("prefill", "decode", "decode")]
+
+
+def test_serve_pd_group_on_one_host(tmp_path, smollm):
+    """`deepserve serve --replicas 2 --pd 1:1`: one command, a prefill and a decode engine behind a router."""
+    port = free_port()
+    kv_store = json.dumps({"backend": "disk", "path": str(tmp_path / "kv")})
+    log = open(tmp_path / "pd.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "deepserve.cli", "serve", "--replicas", "2", "--pd", "1:1",
+                             "--kv-store", kv_store, "--port", str(port), "--max-model-len", "256"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, (tmp_path / "pd.log").read_text()[-3000:]
+            try:
+                return httpx.get(base_url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_until(up, SERVE_START_TIMEOUT_S, 0.5, what="the PD group up")
+        prompt = token_prompts(1, seed=2)[0]
+        answer = complete(base_url, prompt)
+        assert answer["choices"][0]["text"] == colocated_texts(smollm, [prompt])[0]
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * len(prompt)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    assert proc.returncode == 0, (tmp_path / "pd.log").read_text()[-3000:]
+    assert not subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, check=False).stdout.split()
