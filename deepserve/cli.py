@@ -109,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             from deepserve.router.server import run_router
             return run_router(args)
         if args.command == "serve" and runs_a_cluster(args):
-            from deepserve.router.local_cluster import run_local_cluster
             raw = argv if argv is not None else sys.argv[1:]
+            if args.pd is not None:
+                from deepserve.router.pd_cluster import run_pd_cluster
+                return run_pd_cluster(args, raw[raw.index("serve") + 1:])
+            from deepserve.router.local_cluster import run_local_cluster
             return run_local_cluster(args, raw[raw.index("serve") + 1:])
         if args.command == "serve":
             from deepserve.serving.openai.server import run_server

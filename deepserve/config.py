@@ -155,6 +155,80 @@ class SpeculativeConfig:
             self.cost_curve = sorted(curve)
 
 
+KV_STORE_BACKENDS = ("memory", "disk", "redis")
+_KV_STORE_FIELDS = {"backend", "memory_bytes", "path", "disk_bytes", "url", "redis_bytes", "timeout_s",
+                    "retry_interval_s", "max_pending_bytes"}
+
+
+@dataclass
+class KVStoreConfig:
+    """The cross-instance KV store (deepserve/kvstore/): a host-memory LRU tier in front of the `backend` tier.
+
+    backend "memory": the host-memory tier alone; "disk": memory, then files under `path` (a local directory or a
+    shared mount several engines use at once); "redis": memory, then the Redis server at `url`. `memory_bytes` 0
+    leaves the memory tier out in front of disk / Redis (each tier is still bounded by its own *_bytes)."""
+    backend: str
+    memory_bytes: int = 1 << 30
+    path: str | None = None
+    disk_bytes: int = 16 << 30
+    url: str | None = None
+    redis_bytes: int = 1 << 30
+    timeout_s: float = 0.5             # one Redis command; past it the server counts as gone
+    retry_interval_s: float = 2.0      # a gone Redis is tried again after this long (meanwhile: recompute)
+    max_pending_bytes: int = 1 << 30   # write-behind queue; past it new saves are dropped, never waited for
+
+    @classmethod
+    def parse(cls, value: dict[str, Any] | str | KVStoreConfig) -> KVStoreConfig:
+        """A kv_store dict (or its JSON text) -> KVStoreConfig. Raises ValueError naming the bad field."""
+        if isinstance(value, KVStoreConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_store: not JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_store must be a dict like {{'backend': 'disk', 'path': DIR}}; got "  # noqa: TRY004
+                             f"{type(value).__name__}")
+        unknown = sorted(set(value) - _KV_STORE_FIELDS)
+        if unknown:
+            raise ValueError(f"kv_store: unknown field(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(_KV_STORE_FIELDS))}")
+        backend = value.get("backend")
+        if backend not in KV_STORE_BACKENDS:
+            raise ValueError(f"kv_store.backend must be one of {', '.join(KV_STORE_BACKENDS)}; got {backend!r}")
+        if backend == "disk" and not (isinstance(value.get("path"), str) and value["path"]):
+            raise ValueError("kv_store.path: the disk backend needs a directory path")
+        if backend == "redis" and not (isinstance(value.get("url"), str)
+                                       and value["url"].startswith(("redis://", "rediss://", "unix://"))):
+            raise ValueError(f"kv_store.url: the redis backend needs a redis://HOST:PORT url; got "
+                             f"{value.get('url')!r}")
+        config = cls(**value)
+        for name in ("memory_bytes", "disk_bytes", "redis_bytes", "max_pending_bytes"):
+            v = getattr(config, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"kv_store.{name} must be an integer >= 0; got {v!r}")
+        if backend == "memory" and config.memory_bytes == 0:
+            raise ValueError("kv_store.memory_bytes must be > 0 for the memory backend")
+        for name in ("timeout_s", "retry_interval_s"):
+            v = getattr(config, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"kv_store.{name} must be a number > 0; got {v!r}")
+        return config
+
+    def check_path(self) -> None:
+        """The disk tier's directory exists (created if needed) and is writable; ValueError naming kv_store.path."""
+        if self.backend != "disk":
+            return
+        path = os.path.expanduser(self.path)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"kv_store.path: cannot create directory {path!r} ({e.strerror})") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"kv_store.path: directory {path!r} is not writable")
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
@@ -162,6 +236,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: DeviceConfig
     speculative: SpeculativeConfig | None = None
+    kv_store: KVStoreConfig | None = None
 
 
 @dataclass
@@ -188,6 +263,8 @@ class EngineArgs:
     # {"method": "ngram"|"mtp"|"dspark", "num_speculative_tokens": k, "verify_length": "fixed"|"confidence"}
     # (a dict or its JSON text; SpeculativeConfig says every key).
     speculative_config: dict[str, Any] | str | None = None
+    # The cross-instance KV store: {"backend": "memory" | "disk" | "redis", ...} (KVStoreConfig), or its JSON.
+    kv_store: dict[str, Any] | str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -227,6 +304,10 @@ class EngineArgs:
         need(0.0 < self.gpu_memory_utilization <= 1.0,
              f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.kv_store is not None:
+            KVStoreConfig.parse(self.kv_store)
+            need(self.enable_prefix_caching, "kv_store needs enable_prefix_caching (store entries are named by the "
+                                             "prefix cache's block hashes)")
 
     def _prefill_cap_while_decoding(self, device: torch.device) -> int | None:
         """The CPU's default cap; none on a GPU, with an explicit max_num_batched_tokens (the user's budget holds for
@@ -267,7 +348,11 @@ class EngineArgs:
             # The GPU kernels read the cache in the activations' dtype.
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} differs from the model dtype {dtype}: "
                              "supported on the CPU only (use kv_cache_dtype='auto' on the GPU)")
+        kv_store = KVStoreConfig.parse(self.kv_store) if self.kv_store is not None else None
+        if kv_store is not None:
+            kv_store.check_path()
         return EngineConfig(
+            kv_store=kv_store,
             model=ModelConfig(model=path, hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
                               seed=self.seed, quantization=self.quantization),

@@ -13,12 +13,17 @@ Invariants (checked by tests/engine/test_block_manager.py):
 - ref_count of a block == number of block-table entries that name it;
 - a block is in the free queue iff its ref_count == 0, so no block is ever handed out twice;
 - `cached[h] == b` implies `blocks[b].block_hash == h`.
+
+KV store hooks (engine/kv_store_connector.py): `evict_hook(block_id, hash)` runs just before a named block's
+content is given up (its KV is still intact then); `import_block` names a free block for KV loaded from the store,
+pinned (ref count 1, out of the free queue) until `unpin`, so the invariants above hold throughout.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from deepserve.sequence import Sequence
@@ -61,6 +66,7 @@ class BlockManager:
         self._num_named: dict[int, int] = {}    # seq_id -> leading full blocks already named in `cached`
         self.prefix_queries = 0     # tokens looked up in the prefix cache
         self.prefix_hits = 0        # of those, tokens found
+        self.evict_hook: Callable[[int, bytes], None] | None = None
 
     # --- accounting ---------------------------------------------------------------------------
     @property
@@ -202,6 +208,30 @@ class BlockManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    # --- KV store -----------------------------------------------------------------------------
+    def named_blocks(self, seq: Sequence) -> list[tuple[bytes, int]]:
+        """(hash, block id) of the sequence's leading full blocks whose KV is computed and whose tokens are known:
+        the ones a KV store may keep."""
+        num = self._num_named.get(seq.seq_id, 0)
+        return list(zip(self.block_hashes(seq, num), seq.block_table[:num]))
+
+    def import_block(self, block_hash: bytes) -> int:
+        """A free block named `block_hash`, for KV the caller writes into it now; pinned until `unpin`."""
+        assert block_hash not in self.cached, "the block is in the device cache already"
+        block_id = self._pop_free()
+        self.blocks[block_id].block_hash = block_hash
+        self.cached[block_hash] = block_id
+        return block_id
+
+    def pin(self, block_ids: list[int]) -> None:
+        """Hold blocks (one reference each) so that no allocation evicts them meanwhile."""
+        for block_id in block_ids:
+            self._take(block_id)
+
+    def unpin(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self._release(block_id)
+
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             block.block_hash = None
@@ -227,6 +257,8 @@ class BlockManager:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:           # evict: its content is about to be overwritten
+            if self.evict_hook is not None:
+                self.evict_hook(block_id, block.block_hash)
             del self.cached[block.block_hash]
             block.block_hash = None
         block.ref_count = 1

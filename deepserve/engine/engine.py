@@ -16,6 +16,7 @@ from typing import Any, Iterable
 from deepserve import envs
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.kv_store_connector import attach_kv_store
 from deepserve.engine.output_processor import OutputProcessor, RequestState
 from deepserve.engine.scheduler import Scheduler
 from deepserve.outputs import RequestOutput
@@ -52,6 +53,7 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_steps: int = 0
     spec_decode_num_verified_tokens: int = 0
+    kv_store: dict | None = None        # KVStoreConnector.metrics() when a kv_store is configured
 
 
 class LLMEngine:
@@ -67,6 +69,7 @@ class LLMEngine:
         self.block_manager = BlockManager(config.cache.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.kv_store = attach_kv_store(config, self.runner, self.block_manager, self.scheduler)
         self.outputs = OutputProcessor(self.tokenizer, eos, config.scheduler.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self._seed_rng = random.Random(config.model.seed)
@@ -275,7 +278,9 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage, bm.num_blocks,
                            bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
-                           self.prompt_tokens, self.generation_tokens, **self._spec_stats())
+                           self.prompt_tokens, self.generation_tokens,
+                           kv_store=self.kv_store.metrics() if self.kv_store is not None else None,
+                           **self._spec_stats())
 
     def _spec_stats(self) -> dict[str, int]:
         if self.speculator is None:

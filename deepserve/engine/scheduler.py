@@ -36,6 +36,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
+        # The KV store's side (engine/kv_store_connector.py): load_prefix(seq) before a prefix lookup,
+        # save_finished(seq) before a finished sequence's blocks are freed. None: no store.
+        self.kv_store = None
 
     # --- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -62,6 +65,8 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         seq.status = status
+        if self.kv_store is not None:
+            self.kv_store.save_finished(seq)
         self.block_manager.free(seq)
         self.block_manager.forget(seq)
 
@@ -142,7 +147,7 @@ class Scheduler:
                 self._ignore(seq, out)
                 continue
             # Prompt logprobs need logits at every prompt position, so such requests compute all of it.
-            hits = [] if seq.params.prompt_logprobs is not None else bm.find_cached_prefix(seq)
+            hits = [] if seq.params.prompt_logprobs is not None else self._cached_prefix(seq)
             computed = len(hits) * bm.block_size
             n = seq.num_tokens - computed
             if n > budget:
@@ -162,6 +167,12 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, computed, n))
             seq.num_computed_tokens = computed + n
             budget -= n
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Device prefix-cache hits, once the KV store (if any) has loaded the blocks it holds beyond them."""
+        if self.kv_store is not None:
+            self.kv_store.load_prefix(seq)
+        return self.block_manager.find_cached_prefix(seq)
 
     def _ignore(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.waiting.popleft()

@@ -27,6 +27,7 @@ from deepserve.router.circuit_breaker import CircuitBreaker
 from deepserve.router.config import RouterConfig
 from deepserve.router.health import HealthChecker
 from deepserve.router.metrics import CONTENT_TYPE, RouterMetrics
+from deepserve.router.pd import PrefillStage
 from deepserve.router.policies import CacheAware, Policy, make_policy
 from deepserve.router.proxy import Proxy, forward_headers
 from deepserve.router.replica_set import ReplicaSet
@@ -54,6 +55,7 @@ class RouterState:
     metrics: RouterMetrics
     proxy: Proxy | None = None            # set by the lifespan, which owns the HTTP client
     health: HealthChecker | None = None
+    prefill: PrefillStage | None = None   # set by the lifespan when there are prefill replicas
 
     @classmethod
     def create(cls, config: RouterConfig) -> RouterState:
@@ -105,6 +107,8 @@ def _lifespan(state: RouterState):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
             state.proxy = Proxy(config, state.replicas, state.policy, client, state.metrics)
+            if config.prefill_replicas:
+                state.prefill = PrefillStage(config.prefill_replicas, client, config.prefill_timeout_s)
             state.health = HealthChecker(state.replicas, client, config.health_interval_s, config.health_timeout_s,
                                          config.unhealthy_after, config.load_reports, after_round=state.policy.maintain)
             state.replicas.on_added.append(state.health.probe_soon)
@@ -136,13 +140,21 @@ def _forward(state: RouterState, use_policy: bool):
         body = await request.body()
         routed = routed_request(request.url.path, body, request.method)
         assert state.proxy is not None
-        work = state.proxy.forward(routed, forward_headers(request.headers), use_policy)
+        work = _prefill_then_forward(state, request.url.path, body, routed, forward_headers(request.headers),
+                                     use_policy)
         try:
             # A client that leaves while its request waits (for a replica, a retry, the answer) frees it.
             return await first_completed(work, wait_for_disconnect(request.receive))
         except ClientDisconnected:
             return Response(status_code=_CLIENT_LEFT)
     return forward
+
+
+async def _prefill_then_forward(state: RouterState, path: str, body: bytes, routed, headers, use_policy: bool):
+    """Disaggregated (prefill replicas configured): a prefill replica computes the prompt into the KV store first."""
+    if state.prefill is not None and use_policy:
+        await state.prefill.prefill(path, body, headers)
+    return await state.proxy.forward(routed, headers, use_policy)
 
 
 def _health(state: RouterState):

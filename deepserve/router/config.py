@@ -38,6 +38,10 @@ class CacheAwareSettings:
 class RouterConfig:
     replicas: list[str] = field(default_factory=list)     # static URLs (--replica)
     replicas_file: str | None = None                      # re-read on change or SIGHUP
+    # Prefill/decode disaggregation (router/pd.py): these compute prompts into the shared KV store first; the
+    # replicas above then decode. Empty: every replica does both.
+    prefill_replicas: list[str] = field(default_factory=list)
+    prefill_timeout_s: float = 300.0
     policy: str = "cache_aware"
     cache_aware: CacheAwareSettings = field(default_factory=CacheAwareSettings)
     api_keys: list[str] = field(default_factory=list)     # empty: no authentication

@@ -22,6 +22,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for several)")
     parser.add_argument("--replicas-file", metavar="PATH",
                         help="more replica URLs, one per line; re-read when it changes and on SIGHUP")
+    parser.add_argument("--prefill-replica", action="append", default=[], dest="prefill_replicas", metavar="URL",
+                        help="a `serve --role prefill` replica: it computes each prompt into the shared KV store "
+                             "before a --replica (then a decode replica) serves the request; repeat for several")
+    parser.add_argument("--prefill-timeout", type=float, default=_DEFAULT.prefill_timeout_s, metavar="S",
+                        help="past this a prefill is given up (the decode replica computes the prompt)")
     parser.add_argument("--policy", choices=POLICIES, default=_DEFAULT.policy)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -68,6 +73,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                                balance_rel=args.balance_rel_threshold, max_chars_per_replica=args.cache_max_chars)
     return RouterConfig(
         replicas=args.replicas, replicas_file=args.replicas_file, policy=args.policy, cache_aware=cache,
+        prefill_replicas=args.prefill_replicas, prefill_timeout_s=args.prefill_timeout,
         api_keys=api_keys(args), rate_limit=args.rate_limit, max_body_bytes=args.max_body_bytes,
         health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
         unhealthy_after=args.unhealthy_after, load_reports=args.load_reports, max_retries=args.max_retries,
@@ -101,11 +107,26 @@ def parse_replica_range(value: str) -> ReplicaRange:
     return ReplicaRange(minimum, maximum)
 
 
+def parse_pd_split(value: str) -> tuple[int, int]:
+    """`P:D`: prefill and decode replica counts, each >= 1."""
+    low, colon, high = value.partition(":")
+    try:
+        prefill, decode = int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected P:D (e.g. 1:2), got {value!r}") from None
+    if not colon or prefill < 1 or decode < 1:
+        raise argparse.ArgumentTypeError(f"expected P:D with P, D >= 1, got {value!r}")
+    return prefill, decode
+
+
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     """The flags `deepserve serve` takes to run several engines behind a router (local_cluster.py)."""
     group = parser.add_argument_group("replicas (several engine processes behind a router on --host:--port)")
     group.add_argument("--replicas", type=parse_replica_range, default=None, metavar="N|MIN:MAX",
                        help="run N engine processes (MIN:MAX: scale between them on the router's desired count)")
+    group.add_argument("--pd", type=parse_pd_split, default=None, metavar="P:D",
+                       help="prefill/decode disaggregation: P `--role prefill` and D `--role decode` engines sharing "
+                            "--kv-store (disk or redis) behind the router (router/pd_cluster.py)")
     group.add_argument("--router-policy", choices=POLICIES, default=_DEFAULT.policy)
     group.add_argument("--autoscale-target-ttft-ms", type=float, default=None, metavar="MS",
                        help="with MIN:MAX: the time to first token the replica count aims for")
@@ -113,4 +134,4 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
 
 def runs_a_cluster(args: argparse.Namespace) -> bool:
     replicas = getattr(args, "replicas", None)
-    return isinstance(replicas, ReplicaRange) and replicas.maximum > 1
+    return getattr(args, "pd", None) is not None or (isinstance(replicas, ReplicaRange) and replicas.maximum > 1)

@@ -96,6 +96,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(12, BS)
         self.live: list[Sequence] = []
         self.next_id = 0
+        self.stored: set[bytes] = set()     # a KV store fed by the eviction hook (engine/kv_store_connector.py)
+        self.bm.evict_hook = self._on_evict
+
+    def _on_evict(self, block_id, block_hash):
+        block = self.bm.blocks[block_id]
+        # Run before the content is given up: still named, cached, and nobody's.
+        assert block.block_hash == block_hash and self.bm.cached[block_hash] == block_id and block.ref_count == 0
+        self.stored.add(block_hash)
 
     def _new_id(self):
         self.next_id += 1
@@ -140,6 +148,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.live.remove(seq)
         self.bm.free(seq)
         self.bm.forget(seq)
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=20))
+    def load_from_store(self, tokens):
+        """What the connector does at admission: pin the hits, import the stored blocks after them, unpin."""
+        probe = make_seq(self._new_id(), tokens)
+        hits = self.bm.find_cached_prefix(probe)
+        pinned = list(hits)
+        self.bm.pin(pinned)
+        for h in self.bm.block_hashes(probe, (len(tokens) - 1) // BS)[len(hits):]:
+            if h in self.bm.cached:
+                self.bm.pin([self.bm.cached[h]])
+                pinned.append(self.bm.cached[h])
+            elif h in self.stored and self.bm.num_free_blocks > 0:
+                pinned.append(self.bm.import_block(h))
+            else:
+                break
+        self.bm.unpin(pinned)
+        self.bm.forget(probe)
+        again = make_seq(self._new_id(), tokens)
+        assert self.bm.find_cached_prefix(again) == pinned       # loaded blocks are cache hits like any other
+        self.bm.forget(again)
 
     @rule()
     def drain_copies(self):

@@ -36,6 +36,7 @@ FLOORS: dict[str, int] = {
     "tokenizer": 5,
     "worker": 6,
     "spec_decode": 6,       # drafters, verifier, verification-length policy: the engine and the worker call them
+    "kvstore": 6,           # the KV store's tiers (memory, disk, Redis) and codec; the engine drives it
     "engine": 7,
     "llm": 8,
     "serving": 8,

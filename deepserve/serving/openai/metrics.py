@@ -153,8 +153,43 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(name, help_text, labels=["model_name"])
             family.add_metric([self.model_name], float(getattr(stats, field_name, 0)))
             yield family
+        if getattr(stats, "kv_store", None):
+            yield from kv_store_metrics(self.model_name, stats.kv_store)
 
     def _gauge(self, name: str, help_text: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, help_text, labels=["model_name"])
         family.add_metric([self.model_name], float(value))
         return family
+
+
+# KVStoreConnector.metrics() per-tier fields -> (metric, help, counter?)
+_KV_STORE_TIER_FIELDS = {
+    "hits": ("deepserve:kv_store_hits", "KV store blocks loaded, by tier.", True),
+    "misses": ("deepserve:kv_store_misses", "KV store lookups a tier did not hold, by tier.", True),
+    "bytes_read": ("deepserve:kv_store_read_bytes", "KV store bytes loaded, by tier.", True),
+    "bytes_written": ("deepserve:kv_store_written_bytes", "KV store bytes saved, by tier.", True),
+    "checksum_failures": ("deepserve:kv_store_checksum_failures", "Corrupt or truncated entries (recomputed).", True),
+    "evictions": ("deepserve:kv_store_evictions", "Entries evicted by a tier's size bound.", True),
+    "errors": ("deepserve:kv_store_errors", "Failed tier operations (e.g. Redis gone), by tier.", True),
+    "used_bytes": ("deepserve:kv_store_used_bytes", "Bytes a tier holds.", False),
+}
+
+
+def kv_store_metrics(model_name: str, m: dict) -> Iterable[Metric]:
+    """Prometheus families for the KV store's metrics (`EngineStats.kv_store`)."""
+    for key, (name, help_text, is_counter) in _KV_STORE_TIER_FIELDS.items():
+        family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(name, help_text,
+                                                                            labels=["model_name", "tier"])
+        for tier, values in m["tiers"].items():
+            family.add_metric([model_name, tier], float(values.get(key, 0)))
+        yield family
+    for which, done in (("save", "saved"), ("load", "loaded")):
+        latency = m[f"{which}_latency"]
+        family = CounterMetricFamily(f"deepserve:kv_store_{which}_seconds", f"Time spent on KV store block {which}s "
+                                     f"(and how many: _count).", labels=["model_name"])
+        family.add_metric([model_name], latency["total_s"])
+        yield family
+        count = CounterMetricFamily(f"deepserve:kv_store_{which}_blocks", f"KV store blocks {done}, timed.",
+                                    labels=["model_name"])
+        count.add_metric([model_name], float(latency["count"]))
+        yield count

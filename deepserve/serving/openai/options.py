@@ -27,6 +27,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        metavar="NAME", help="name(s) clients use for the model (default: the model file's name)")
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
                        help="how tool calls are written in the output (auto: from the chat template)")
+    group.add_argument("--role", choices=("colocated", "prefill", "decode"), default="colocated",
+                       help="prefill/decode disaggregation (needs a shared --kv-store): prefill computes prompts "
+                            "into the store for the router's decode replicas (pd_role.py)")
     group.add_argument("--drain-timeout", type=float, default=300.0,
                        help="seconds to let in-flight requests finish after SIGTERM")
     group.add_argument("--uvicorn-log-level", default="warning")

@@ -16,6 +16,7 @@ from typing import Any
 
 from deepserve.serving.openai.context import ServerConfig, ServerContext
 from deepserve.serving.openai.keys import api_keys, read_api_key_file
+from deepserve.serving.openai.pd_role import FlushBeforeAnswer, check_role
 from deepserve.serving.openai.signals import run_until_signal
 
 __all__ = ["api_keys", "read_api_key_file", "run_server", "server_config"]
@@ -47,8 +48,12 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     from deepserve.serving.openai.app import build_app
 
     config = server_config(args)        # validate the flags before the (slow) model load
+    role = getattr(args, "role", "colocated")
+    check_role(role, engine_kwargs.get("kv_store"))
     ctx = ServerContext.create(EngineArgs.from_kwargs(**engine_kwargs), config)
     app = build_app(ctx, drain_timeout_s=args.drain_timeout)
+    if role == "prefill":
+        app = FlushBeforeAnswer(app, ctx.engine.engine.kv_store)
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                     timeout_graceful_shutdown=int(args.drain_timeout), access_log=False)
     logger.warning("serving %s on http://%s:%d", ctx.model_name, args.host, args.port)
