@@ -108,6 +108,13 @@ _DECLARED = [
            "rows, 3 first K step into registers (read at import)", choices=(0, 1, 2, 3)),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
+    EnvVar("DEEPSERVE_SO_COMPILE_TIMEOUT", "int", 20,
+           "structured outputs: seconds a request may wait for its grammar to compile before it fails "
+           "(FINISHED_SO_FAILED)"),
+    EnvVar("DEEPSERVE_SO_COMPILE_THREADS", "int", 2,
+           "structured outputs: threads compiling grammars off the engine's thread"),
+    EnvVar("DEEPSERVE_SO_CACHE_SIZE", "int", 256,
+           "structured outputs: compiled grammars kept (LRU over distinct schemas)"),
     EnvVar("DEEPSERVE_API_KEY", "list", [],
            "API keys `deepserve serve` accepts (comma-separated); safer than --api-key, which `ps` shows",
            secret=True),
