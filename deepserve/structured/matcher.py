@@ -39,7 +39,8 @@ class StructuredMatcher:
             raise ValueError(f"so_args: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         self.vocab_size = vocab_size
         self.rollback_capacity = rollback_capacity
-        self._matcher = xgr.GrammarMatcher(compiled_grammar, max_rollback_tokens=rollback_capacity)
+        # xgrammar keeps unlimited rollback history itself; the capacity is enforced by `_history`.
+        self._matcher = xgr.GrammarMatcher(compiled_grammar)
         self._trigger = TriggerScanner(trigger_token_ids, bound_token_id) if trigger_token_ids else None
         self._history: deque[tuple[tuple[int, bool] | None, bool]] = deque(maxlen=rollback_capacity)
         self.num_accepted = 0

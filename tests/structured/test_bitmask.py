@@ -1,0 +1,37 @@
+"""The int32 token bitmask: bit t % 32 of word t // 32, set = allowed; rows without a grammar untouched."""
+
+from __future__ import annotations
+
+import torch
+
+from deepserve.structured import bitmask as bm
+
+
+def naive_allowed(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.tensor([[(int(words[r, t // 32]) >> (t % 32)) & 1 == 1 for t in range(vocab)]
+                         for r in range(words.shape[0])])
+
+
+def test_unpacking_matches_the_bit_layout():
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=gen)
+    assert torch.equal(bm.allowed_tokens(words, 100), naive_allowed(words, 100))
+
+
+def test_allow_only_sets_one_bit_also_the_sign_bit():
+    mask = bm.allocate(2, 70)
+    for token in (0, 31, 63, 69):
+        bm.allow_only(mask, 1, token)
+        allowed = bm.allowed_tokens(mask, 70)
+        assert allowed[0].all() and allowed[1].nonzero().flatten().tolist() == [token]
+
+
+def test_apply_masks_only_the_given_rows_and_leaves_the_input_alone():
+    logits = torch.randn(3, 70)
+    before = logits.clone()
+    mask = bm.allocate(1, 70)
+    bm.allow_only(mask, 0, 42)
+    out = bm.apply_bitmask(logits, mask, torch.tensor([1]))
+    assert torch.equal(logits, before)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    assert out[1, 42] == logits[1, 42] and torch.isinf(out[1]).sum() == 69
