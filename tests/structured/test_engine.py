@@ -132,7 +132,7 @@ def test_a_grammar_that_cannot_continue_finishes_with_its_own_reason(smollm, eos
     out = smollm.generate("Answer:", SamplingParams(temperature=0, max_tokens=8, min_tokens=4,
                                                     structured_outputs={"choice": ["yes"]}), use_tqdm=False)[0]
     c = out.outputs[0]
-    assert c.finish_reason == "structured_output_failed" != "stop"
+    assert c.finish_reason == SequenceStatus.FINISHED_SO_FAILED.finish_reason == "structured_output_failed"
     assert c.token_ids[:-1] and c.stop_reason == c.token_ids[-1] != eos
     assert out.finished and out.error is None
 
