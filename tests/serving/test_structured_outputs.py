@@ -118,8 +118,8 @@ def accumulate_tool_calls(chunks) -> tuple[dict[int, dict], list[str | None]]:
 
 
 def test_required_tool_calls_stream_as_argument_deltas(client):
-    request = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
-                   max_tokens=96, parallel_tool_calls=False)
+    request = {"model": MODEL_NAME, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "temperature": 0,
+               "max_tokens": 96, "parallel_tool_calls": False}
     full = client.chat.completions.create(**request)
     assert full.choices[0].finish_reason == "tool_calls"
     (call,) = full.choices[0].message.tool_calls

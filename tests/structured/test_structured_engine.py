@@ -191,3 +191,20 @@ def test_a_compile_past_the_timeout_fails_that_request(smollm, monkeypatch):
         outs += engine.step()
     (out,) = [o for o in outs if o.request_id == "late"]
     assert out.outputs[0].finish_reason == "structured_output_failed" and "did not compile" in out.error
+
+
+def test_overlapped_scheduling_waits_for_the_token_a_mask_needs(smollm, default_model_path):
+    """With async scheduling a step is launched before the previous token is known; a constrained sequence's
+    mask needs that token, so the engine collects it first: outputs equal the plain loop's, free ones too."""
+    from deepserve import LLM
+    overlapped = LLM(default_model_path, max_model_len=512, seed=0, async_scheduling=True)
+    assert overlapped.engine.async_scheduling
+    prompts = ["JSON:", "The capital of France is", "word:"]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": PERSON}),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=12, structured_outputs={"regex": "[a-z]{3,8}"})]
+    plain = smollm.generate(prompts, params, use_tqdm=False)
+    ahead = overlapped.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ahead] == [o.outputs[0].token_ids for o in plain]
+    check_person(json.loads(ahead[0].outputs[0].text))
+    assert re.fullmatch("[a-z]{3,8}", ahead[2].outputs[0].text)
