@@ -160,8 +160,7 @@ class Sampler:
         """Bans and penalties, as float32 logits. Never writes into the caller's tensor (it may be returned as is)."""
         logits = logits.float()
         if meta.grammar_rows is not None:
-            logits = bitmask_ops.apply_bitmask(logits, meta.token_bitmask[meta.grammar_rows],
-                                               meta.grammar_rows.to(logits.device))
+            logits = bitmask_ops.apply_bitmask(logits, meta.token_bitmask, meta.grammar_rows)
         if meta.min_tokens_ban is not None:
             logits = logits.index_put(meta.min_tokens_ban, torch.tensor(float("-inf"), device=logits.device))
         if meta.any_penalty:

@@ -70,6 +70,10 @@ class GrammarCompiler:
         """The CompiledGrammar, waiting for it (tests and benchmarks)."""
         return self.submit(spec).result()
 
+    def prepare(self) -> None:
+        """Build xgrammar's view of the vocabulary now (a one-off ~0.2 s the first compile would otherwise pay)."""
+        self._compiler()
+
     @property
     def cache_size(self) -> int:
         return len(self._futures)

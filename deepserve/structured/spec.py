@@ -12,6 +12,9 @@ Only the shape is checked here (pure Python, no xgrammar): whether a schema or a
 `compiler.check`, which the engine calls at add_request. Errors are ValueErrors naming the field.
 """
 
+# ValueError, not TypeError, for a wrong type too: as in sampling_params.py, every bad request field is a
+# ValueError naming it (the server turns those into 400s).
+# ruff: noqa: TRY004
 from __future__ import annotations
 
 import json

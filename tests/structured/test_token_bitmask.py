@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from deepserve.structured import bitmask as bm
@@ -26,12 +27,25 @@ def test_allow_only_sets_one_bit_also_the_sign_bit():
         assert allowed[0].all() and allowed[1].nonzero().flatten().tolist() == [token]
 
 
-def test_apply_masks_only_the_given_rows_and_leaves_the_input_alone():
-    logits = torch.randn(3, 70)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])     # xgrammar's kernel; the torch path
+def test_apply_masks_only_the_given_rows_and_leaves_the_input_alone(dtype):
+    logits = torch.randn(3, 70).to(dtype)
     before = logits.clone()
-    mask = bm.allocate(1, 70)
-    bm.allow_only(mask, 0, 42)
+    mask = bm.allocate(3, 70)
+    bm.allow_only(mask, 0, 5)                  # row 0 carries a mask but is not in `rows`: untouched
+    bm.allow_only(mask, 1, 42)
     out = bm.apply_bitmask(logits, mask, torch.tensor([1]))
     assert torch.equal(logits, before)
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
     assert out[1, 42] == logits[1, 42] and torch.isinf(out[1]).sum() == 69
+
+
+def test_both_paths_agree_on_random_masks():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 1000, generator=gen)
+    mask = torch.randint(-2**31, 2**31 - 1, (4, bm.num_words(1000)), dtype=torch.int32, generator=gen)
+    rows = torch.tensor([0, 3])
+    kernel = bm.apply_bitmask(logits, mask, rows)
+    torch_path = bm.apply_bitmask(logits.t().contiguous().t(), mask, rows)     # not contiguous: torch ops
+    assert torch.equal(kernel, torch_path)
+    assert torch.equal(torch.isinf(kernel[rows]), ~bm.allowed_tokens(mask[rows], 1000))
