@@ -208,3 +208,15 @@ def test_overlapped_scheduling_waits_for_the_token_a_mask_needs(smollm, default_
     assert [o.outputs[0].token_ids for o in ahead] == [o.outputs[0].token_ids for o in plain]
     check_person(json.loads(ahead[0].outputs[0].text))
     assert re.fullmatch("[a-z]{3,8}", ahead[2].outputs[0].text)
+
+
+def test_aborting_a_request_whose_grammar_compiles_removes_it(smollm):
+    engine = smollm.engine
+    spec = from_structured_outputs({"regex": "abort-me"})
+    engine.add_request("gone", "x", SamplingParams(max_tokens=4, structured_outputs=spec))
+    seq = engine.requests["gone"].seqs[0]
+    engine.grammars.remove(seq)
+    engine.grammars.add([seq], spec, Future())             # still compiling
+    engine.abort_request("gone")
+    assert seq.status is SequenceStatus.FINISHED_ABORTED and len(engine.grammars) == 0
+    assert not engine.has_unfinished_requests() and engine.scheduler.num_waiting == 0
