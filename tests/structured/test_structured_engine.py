@@ -193,11 +193,19 @@ def test_a_compile_past_the_timeout_fails_that_request(smollm, monkeypatch):
     assert out.outputs[0].finish_reason == "structured_output_failed" and "did not compile" in out.error
 
 
-def test_overlapped_scheduling_waits_for_the_token_a_mask_needs(smollm, default_model_path):
+@pytest.fixture(scope="module")
+def overlapped(smollm, default_model_path):
+    """A second engine of the default model, overlapped (async scheduling) and with a KV cache of 12 blocks of
+    16 tokens, so that a batch of structured requests gets preempted. One load serves both tests below."""
+    from deepserve import LLM
+    per_token = smollm.engine.runner.kv_bytes_per_token()
+    return LLM(default_model_path, max_model_len=512, seed=0, async_scheduling=True, block_size=16,
+               kv_cache_memory_bytes=int(12 * 16 * per_token))
+
+
+def test_overlapped_scheduling_waits_for_the_token_a_mask_needs(smollm, overlapped):
     """With async scheduling a step is launched before the previous token is known; a constrained sequence's
     mask needs that token, so the engine collects it first: outputs equal the plain loop's, free ones too."""
-    from deepserve import LLM
-    overlapped = LLM(default_model_path, max_model_len=512, seed=0, async_scheduling=True)
     assert overlapped.engine.async_scheduling
     prompts = ["JSON:", "The capital of France is", "word:"]
     params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": PERSON}),
@@ -220,3 +228,18 @@ def test_aborting_a_request_whose_grammar_compiles_removes_it(smollm):
     engine.abort_request("gone")
     assert seq.status is SequenceStatus.FINISHED_ABORTED and len(engine.grammars) == 0
     assert not engine.has_unfinished_requests() and engine.scheduler.num_waiting == 0
+
+
+def test_a_preempted_structured_request_is_recomputed_and_still_matches(smollm, overlapped):
+    """The matcher follows tokens, not KV: a request preempted (KV dropped, recomputed from its tokens) resumes
+    from the same grammar state, so its output equals the run without preemption."""
+    small = overlapped
+    before = small.engine.scheduler.num_preemptions
+    prompts = [f"Record {i} as JSON:" for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": PERSON})
+    squeezed = small.generate(prompts, params, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > before, "the cache was meant to force preemption"
+    roomy = smollm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in roomy]
+    for o in squeezed:
+        check_person(json.loads(o.outputs[0].text))
