@@ -88,7 +88,8 @@ _DECLARED = [
     EnvVar("DEEPSERVE_CACHE_DIR", "path", Path.home() / ".cache" / "deepserve" / "kernels",
            "where the CPU C kernels are compiled to and cached"),
     EnvVar("DEEPSERVE_CPU_KERNELS", "bool", True,
-           "use the CPU C kernels (decode attention, rotary, argmax, int8 quantizer); 0: the PyTorch paths"),
+           "use the CPU C kernels (decode attention, rotary, argmax, token bitmask, int8 quantizer); 0: the PyTorch "
+           "paths"),
     EnvVar("DEEPSERVE_CPU_ISA", "str", "auto",
            "CPU kernel choice: act as if this CPU had only this feature set (never more than it has); "
            "auto: detect", choices=("auto", "avx2", "avx_vnni", "avx512", "avx512_vnni", "amx")),

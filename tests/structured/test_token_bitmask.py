@@ -40,6 +40,21 @@ def test_apply_masks_only_the_given_rows_and_leaves_the_input_alone(dtype):
     assert out[1, 42] == logits[1, 42] and torch.isinf(out[1]).sum() == 69
 
 
+def test_the_c_kernel_and_the_torch_ops_agree(monkeypatch):
+    from deepserve.kernels.cpu.token_bitmask import apply_token_bitmask_
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 1000, generator=gen)
+    mask = torch.randint(-2**31, 2**31 - 1, (5, bm.num_words(1000)), dtype=torch.int32, generator=gen)
+    mask[1] = 0                                 # a row that allows nothing, and one word of each kind:
+    mask[3, 0], mask[3, 1] = -1, 0
+    rows = torch.tensor([1, 3, 4])
+    in_c = logits.clone()
+    if not apply_token_bitmask_(in_c, mask, rows):
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("DEEPSERVE_CPU_KERNELS", "0")
+    assert torch.equal(in_c, bm.apply_bitmask(logits, mask, rows))
+
+
 def test_both_paths_agree_on_random_masks():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 1000, generator=gen)
