@@ -3,8 +3,8 @@
  * The bitmask is int32 words, 32 tokens a word (token t is bit t % 32 of word t / 32), bit set = allowed.
  * Unpacking it with torch ops builds [rows, vocab] int32 and bool intermediates (~12 ms at 32 x 49152 on a
  * shared core); xgrammar's CPU kernel visits disallowed tokens one by one (as slow when nearly all are, as in
- * JSON). Here a word of all ones (the common case outside tight grammars) is skipped, a word of zeros is a
- * run of stores gcc vectorizes, and only mixed words test bits. Rows are independent: one thread each.
+ * JSON). Here a word of all ones is skipped and the others are a branch-free select over their 32 tokens.
+ * Rows are independent: one thread each.
  */
 
 #include <math.h>
@@ -22,14 +22,10 @@ void apply_token_bitmask(float *logits, int64_t stride, const int32_t *bitmask, 
                 continue;
             const int64_t base = w * 32;
             const int64_t n = vocab - base < 32 ? vocab - base : 32;
-            if (bits == 0) {
-                for (int64_t j = 0; j < n; ++j)
-                    x[base + j] = -INFINITY;
-            } else {
-                for (int64_t j = 0; j < n; ++j)
-                    if (!((bits >> j) & 1u))
-                        x[base + j] = -INFINITY;
-            }
+            /* A select, not a branch on each bit: gcc vectorizes it, and mixed words are common (a regex over
+             * letters allows ~2/3 of SmolLM2's vocabulary, scattered). */
+            for (int64_t j = 0; j < n; ++j)
+                x[base + j] = ((bits >> j) & 1u) ? x[base + j] : -INFINITY;
         }
     }
 }
