@@ -88,7 +88,8 @@ _DECLARED = [
     EnvVar("DEEPSERVE_CACHE_DIR", "path", Path.home() / ".cache" / "deepserve" / "kernels",
            "where the CPU C kernels are compiled to and cached"),
     EnvVar("DEEPSERVE_CPU_KERNELS", "bool", True,
-           "use the CPU C kernels (decode attention, rotary, argmax, int8 quantizer); 0: the PyTorch paths"),
+           "use the CPU C kernels (decode attention, rotary, argmax, token bitmask, int8 quantizer); 0: the PyTorch "
+           "paths"),
     EnvVar("DEEPSERVE_CPU_ISA", "str", "auto",
            "CPU kernel choice: act as if this CPU had only this feature set (never more than it has); "
            "auto: detect", choices=("auto", "avx2", "avx_vnni", "avx512", "avx512_vnni", "amx")),
@@ -108,6 +109,13 @@ _DECLARED = [
            "rows, 3 first K step into registers (read at import)", choices=(0, 1, 2, 3)),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
+    EnvVar("DEEPSERVE_SO_COMPILE_TIMEOUT", "int", 20,
+           "structured outputs: seconds a request may wait for its grammar to compile before it fails "
+           "(FINISHED_SO_FAILED)"),
+    EnvVar("DEEPSERVE_SO_COMPILE_THREADS", "int", 2,
+           "structured outputs: threads compiling grammars off the engine's thread"),
+    EnvVar("DEEPSERVE_SO_CACHE_SIZE", "int", 256,
+           "structured outputs: compiled grammars kept (LRU over distinct schemas)"),
     EnvVar("DEEPSERVE_API_KEY", "list", [],
            "API keys `deepserve serve` accepts (comma-separated); safer than --api-key, which `ps` shows",
            secret=True),

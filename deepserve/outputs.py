@@ -22,7 +22,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[LogprobsEntry] | None
-    finish_reason: str | None = None     # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | "structured_output_failed" | None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:

@@ -7,6 +7,9 @@ import enum
 import math
 import numbers
 from dataclasses import dataclass
+from typing import Any
+
+from deepserve.structured.spec import GrammarSpec, as_grammar_spec
 
 # Temperatures below this are treated as greedy: dividing logits by them overflows or is pointless (vLLM's value).
 _SAMPLING_EPS = 1e-5
@@ -40,6 +43,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs (deepserve/structured/spec.py): a dict such as {"json": schema} or {"regex": "..."};
+    # after validation it holds the normalised GrammarSpec (also when given as DeepInfer's so_args).
+    structured_outputs: dict[str, Any] | GrammarSpec | None = None
+    so_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -60,6 +67,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {_describe(getattr(self, name))}")
         self.stop = _as_stop_list(self.stop)
         self.stop_token_ids = _as_token_id_list(self.stop_token_ids)
+        self.structured_outputs = as_grammar_spec(self.structured_outputs, self.so_args)
 
     def _check_ranges(self) -> None:
         _require(self.n >= 1, "n must be >= 1", self.n)

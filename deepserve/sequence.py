@@ -26,6 +26,9 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH_CAPPED = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_IGNORED = "ignored"    # can never be served (e.g. needs more KV than the whole cache)
+    # Structured outputs could not continue: the grammar rejected the sampled token, its matcher failed, or it
+    # did not compile in time. Never reported as "stop": the text does not match the grammar.
+    FINISHED_SO_FAILED = "structured_output_failed"
 
     @property
     def is_finished(self) -> bool:
@@ -62,6 +65,9 @@ class Sequence:
         self.draft_token_ids: list[int] = []
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # Structured outputs: the sequence's StructuredMatcher (deepserve/structured/matcher.py), set by the engine
+        # once its grammar compiled; advanced per emitted token, it fills the sampler's bitmask row.
+        self.grammar = None
 
     # --- sizes -------------------------------------------------------------------------------
     @property

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 from deepserve import envs
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.grammar_queue import GrammarQueue
 from deepserve.engine.kv_store_connector import attach_kv_store
 from deepserve.engine.output_processor import OutputProcessor, RequestState
 from deepserve.engine.scheduler import Scheduler
@@ -24,6 +25,7 @@ from deepserve.sampling_params import SamplingParams
 from deepserve.sequence import Sequence, SequenceStatus
 from deepserve.spec_decode.length_policy import StepCostModel
 from deepserve.spec_decode.speculator import Speculator
+from deepserve.structured.compiler import GrammarCompiler
 from deepserve.worker.model_runner import LaunchedStep, ModelRunner
 from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 
@@ -81,6 +83,10 @@ class LLMEngine:
         # before the next step is scheduled: the loop runs without overlap.
         self.async_scheduling = config.scheduler.async_scheduling and self.speculator is None
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, not yet collected
+        # Structured outputs: grammars compile in a thread pool (nothing of xgrammar loads until one does);
+        # their sequences wait in `grammars` until compiled, outside the scheduler.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+        self.grammars = GrammarQueue(self.vocab_size)
 
     def _build_speculator(self, config: EngineConfig) -> Speculator | None:
         spec = config.speculative
@@ -157,14 +163,24 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            self.grammar_compiler.check(params.structured_outputs)     # a bad schema: ValueError, nothing queued
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = [Sequence(self._new_seq_id(), request_id, i, ids, params, self._seed_for(params, i), arrival)
                 for i in range(params.n)]
         state = self.outputs.new_request(request_id, text, ids, params, seqs, arrival)
         state.final_output_only = final_output_only
         self.requests[request_id] = state
-        for seq in seqs:
-            self.scheduler.add(seq)
+        self._enqueue(seqs, params)
+
+    def _enqueue(self, seqs: list[Sequence], params: SamplingParams) -> None:
+        """To the scheduler, or first to the grammar queue until the request's grammar compiled."""
+        spec = params.structured_outputs
+        if spec is None:
+            for seq in seqs:
+                self.scheduler.add(seq)
+            return
+        self.grammars.add(seqs, spec, self.grammar_compiler.submit(spec))
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests now and give their KV blocks back. Unknown ids are ignored."""
@@ -174,7 +190,10 @@ class LLMEngine:
             if state is None:
                 continue
             for seq in state.seqs:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                if self.grammars.remove(seq):
+                    seq.status = SequenceStatus.FINISHED_ABORTED       # never scheduled: holds no blocks
+                else:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                 self._forget(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -191,10 +210,10 @@ class LLMEngine:
         processes the step before it, so step n+1 is scheduled and prepared while step n computes. Tokens are the
         same as in the plain loop: a sequence's next input is read on the device from the step that sampled it,
         and a step computed for a sequence that turned out to have finished is dropped."""
+        touched: dict[str, RequestState] = self._admit_compiled()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         sched_out = self.scheduler.schedule()
-        touched: dict[str, RequestState] = {}
         for seq in sched_out.ignored:
             touched[seq.request_id] = self.requests[seq.request_id]
         previous = self._inflight
@@ -226,6 +245,25 @@ class LLMEngine:
         rows = sum(s.num_new_tokens for s in sched_out.scheduled if _is_decode(s))
         pure = rows == sched_out.num_batched_tokens
         self.speculator.record_step(rows, step_ms if pure else None)
+
+    def _admit_compiled(self) -> dict[str, RequestState]:
+        """Structured sequences whose grammar compiled join the scheduler; failed ones finish (FINISHED_SO_FAILED).
+        Returns the requests of the failed ones, to report."""
+        if not len(self.grammars):
+            return {}
+        if not self.scheduler.has_unfinished() and self._inflight is None:
+            self.grammars.wait(timeout=0.05)        # nothing to step: let the compile threads have the CPU
+        ready, failed = self.grammars.take_ready()
+        for seq in ready:
+            self.scheduler.add(seq)
+        touched = {}
+        for seq in failed:
+            seq.status = SequenceStatus.FINISHED_SO_FAILED
+            state = self.requests.get(seq.request_id)
+            if state is not None:
+                state.metrics.finished_time = time.monotonic()
+                touched[seq.request_id] = state
+        return touched
 
     def _finish(self, launched: tuple[SchedulerOutput, LaunchedStep], touched: dict[str, RequestState]) -> None:
         """Collect a launched step's tokens and apply them: stops, detokenization, prefix-cache naming."""
@@ -325,7 +363,8 @@ def _cost_curve_sizes(config: EngineConfig, k: int) -> list[int]:
 
 
 def _needs_known_outputs(seq: Sequence) -> bool:
-    """Sampling this sequence reads its output tokens on the host (penalties), so none may be in flight."""
+    """Sampling this sequence reads its output tokens on the host (penalties count them; a grammar's bitmask
+    depends on every token the matcher has seen), so none may be in flight."""
     p = seq.params
-    return seq.num_inflight > 0 and (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                                     or p.frequency_penalty != 0.0)
+    return seq.num_inflight > 0 and (seq.grammar is not None or p.repetition_penalty != 1.0
+                                     or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)

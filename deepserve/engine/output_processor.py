@@ -97,7 +97,7 @@ class OutputProcessor:
         if entry is not None and seq_state.logprobs is not None:
             seq_state.logprobs.append(self._logprobs_entry(entry))
             seq_state.cumulative_logprob += entry[1]
-        status = self._token_stop(seq)
+        status = self._grammar_stop(seq, token) or self._token_stop(seq)
         if seq_state.detokenizer is not None:
             seq_state.text += seq_state.detokenizer.step([token])
             if status is None:
@@ -105,6 +105,17 @@ class OutputProcessor:
             else:
                 seq_state.text += seq_state.detokenizer.flush()   # a trailing partial character, if any
         return status
+
+    def _grammar_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        """Advance the sequence's grammar (structured outputs) over its new token: a token it rejects ends the
+        sequence as FINISHED_SO_FAILED (never "stop"), a grammar that reached its end ends it as stopped."""
+        matcher = seq.grammar
+        if matcher is None:
+            return None
+        if not matcher.accept(token):
+            seq.stop_reason = token     # the token the grammar refused (kept in the output, as a stop token is)
+            return SequenceStatus.FINISHED_SO_FAILED
+        return SequenceStatus.FINISHED_STOPPED if matcher.is_terminated else None
 
     def _token_stop(self, seq: Sequence) -> SequenceStatus | None:
         p, token = seq.params, seq.token_ids[-1]

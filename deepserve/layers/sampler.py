@@ -1,7 +1,8 @@
 """Sampler: logits of the rows that sample this step -> next tokens (+ logprobs).
 
 Order of work (vLLM's, with min_p after top-k/top-p as in vLLM v0):
-  raw logprobs (log_softmax of the model's logits) -> min_tokens bans -> repetition penalty (prompt and output
+  raw logprobs (log_softmax of the model's logits) -> grammar bitmask (structured outputs: disallowed tokens to
+  -inf, before everything else) -> min_tokens bans -> repetition penalty (prompt and output
   tokens) -> frequency / presence penalties (output token counts) -> greedy rows: argmax; other rows:
   / temperature, softmax, top-k, top-p, min_p, then an inverse CDF in float64 driven by a counter-based uniform.
 
@@ -21,6 +22,7 @@ from deepserve.kernels.reference.counter_rng import CASE_SAMPLE, sample_uniforms
 from deepserve.kernels.reference.sampling import sample_from_probs, shaped_probs
 from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.sampling_params import SamplingParams
+from deepserve.structured import bitmask as bitmask_ops
 
 
 @dataclass
@@ -32,6 +34,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: set[int]     # the tokenizer's EOS ids (not banned when params.ignore_eos)
+    grammar: object | None = None   # structured outputs: a StructuredMatcher, which fills this row's bitmask
 
     @property
     def num_output_tokens(self) -> int:
@@ -45,6 +48,7 @@ class SequenceSamplingRow(SamplingRow):
     def __init__(self, seq, eos_token_ids: set[int]) -> None:
         self.params, self.seed, self.position, self.eos_token_ids = seq.params, seq.seed, seq.num_tokens, eos_token_ids
         self._seq = seq
+        self.grammar = getattr(seq, "grammar", None)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -83,6 +87,11 @@ class SamplingMetadata:
     prompt_token_mask: torch.Tensor | None  # [B, V] bool, only when a repetition penalty is active
     output_token_counts: torch.Tensor | None  # [B, V] int64, only when any penalty is active
     min_tokens_ban: tuple[torch.Tensor, torch.Tensor] | None  # (row indices, token ids) to set to -inf
+    # Structured outputs: None when no row has a grammar. `token_bitmask` [B, ceil(V/32)] int32 (bit set =
+    # allowed, structured/bitmask.py); only the rows in `grammar_rows` [G] int64 are masked, the others are
+    # left untouched bit for bit.
+    token_bitmask: torch.Tensor | None = None
+    grammar_rows: torch.Tensor | None = None
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> "SamplingMetadata":
@@ -108,6 +117,7 @@ class SamplingMetadata:
             prompt_token_mask=_prompt_token_mask(rows, vocab_size, device) if any_penalty else None,
             output_token_counts=_output_token_counts(rows, penalised, vocab_size, device) if any_penalty else None,
             min_tokens_ban=_min_tokens_ban(rows, vocab_size, device),
+            **_grammar_bitmask(rows, vocab_size),
         )
 
 
@@ -149,6 +159,8 @@ class Sampler:
     def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Bans and penalties, as float32 logits. Never writes into the caller's tensor (it may be returned as is)."""
         logits = logits.float()
+        if meta.grammar_rows is not None:
+            logits = bitmask_ops.apply_bitmask(logits, meta.token_bitmask, meta.grammar_rows)
         if meta.min_tokens_ban is not None:
             logits = logits.index_put(meta.min_tokens_ban, torch.tensor(float("-inf"), device=logits.device))
         if meta.any_penalty:
@@ -248,6 +260,18 @@ def _output_token_counts(rows: list[SamplingRow], penalised: list[bool], vocab_s
     index = _token_bins(lists, vocab_size, device)
     counts.index_put_(index, torch.ones_like(index[1]), accumulate=True)
     return counts[:, :vocab_size]
+
+
+def _grammar_bitmask(rows: list[SamplingRow], vocab_size: int) -> dict[str, torch.Tensor | None]:
+    """The token bitmask of a batch, filled on the host by each constrained row's matcher (the matcher has seen
+    every emitted token: the engine waits for in-flight tokens of such rows). Moved to the device when applied."""
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
+        return {"token_bitmask": None, "grammar_rows": None}
+    bitmask = bitmask_ops.allocate(len(rows), vocab_size)
+    for i in constrained:
+        rows[i].grammar.fill_bitmask(bitmask, i)
+    return {"token_bitmask": bitmask, "grammar_rows": torch.tensor(constrained, dtype=torch.int64)}
 
 
 def _min_tokens_ban(rows: list[SamplingRow], vocab_size: int,

@@ -7,8 +7,9 @@ After the step: the drafter's estimate learns from what was accepted; the sequen
 grow. Rejected drafts never reach the sequence's token list, and the scheduler gives their KV slots back.
 
 Sequences that draft: decoding ones (the prompt is done) whose next token needs nothing the verifier does not
-apply: no repetition / presence / frequency penalty and no pending min_tokens ban (those depend on the tokens
-before each row, drafts included). The others decode one token a step as without speculation.
+apply: no repetition / presence / frequency penalty, no pending min_tokens ban (those depend on the tokens
+before each row, drafts included) and no grammar (structured outputs: the verifier does not apply a token bitmask
+per draft row yet). The others decode one token a step as without speculation.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class Speculator:
     def _draft_limit(self, seq: Sequence) -> int:
         p = seq.params
         if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                or seq.num_output_tokens < p.min_tokens):
+                or seq.num_output_tokens < p.min_tokens or getattr(seq, "grammar", None) is not None):
             return 0
         limit = min(self.config.num_speculative_tokens, self.max_model_len - seq.num_tokens)
         if p.max_tokens is not None:

@@ -213,16 +213,10 @@ def test_bad_field_is_400_naming_it(client, server):
 
 
 def test_unsupported_features_are_refused_not_ignored(server):
-    for body in ({"prompt": PROMPT, "response_format": {"type": "json_object"}},
-                 {"prompt": PROMPT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-                 {"prompt": PROMPT, "logit_bias": {"50": 5}}):
-        response = post(server, "/v1/completions", body)
-        assert response.status_code == 400, body
-        assert "not supported yet" in response.json()["error"]["message"]
-    forced = post(server, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
-        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
-    assert forced.status_code == 400 and forced.json()["error"]["param"] == "tool_choice"
+    # response_format and forced tool calls are served now (tests/serving/test_structured_outputs.py).
+    response = post(server, "/v1/completions", {"prompt": PROMPT, "logit_bias": {"50": 5}})
+    assert response.status_code == 400
+    assert "not supported yet" in response.json()["error"]["message"]
 
 
 def test_tools_are_rendered_and_accepted(client):

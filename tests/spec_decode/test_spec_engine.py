@@ -140,3 +140,15 @@ def test_bad_speculative_config_is_a_clear_error(default_model_path):
                        ("{not json", "JSON")]:
         with pytest.raises(ValueError, match=field):
             LLM(default_model_path, speculative_config=bad)
+
+
+def test_structured_request_decodes_without_drafts_beside_drafting_ones(spec_llm):
+    """A grammar-constrained request is not drafted for (the verifier applies no per-row bitmask yet): its output
+    matches the grammar, while a free request in the same batch still speculates."""
+    constrained = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={"choice": ["yes", "no"]})
+    free = SamplingParams(temperature=0.0, max_tokens=32)
+    outs = spec_llm.generate(["Is the sky blue? Answer yes or no.", COPY_PROMPTS[3]], [constrained, free],
+                             use_tqdm=False)
+    assert outs[0].outputs[0].text in ("yes", "no")
+    assert outs[0].metrics.spec_num_draft_tokens == 0
+    assert outs[1].metrics.spec_num_draft_tokens > 0

@@ -27,6 +27,7 @@ FLOORS: dict[str, int] = {
     "kernels": 1,           # Triton kernels, their PyTorch twins (kernels/reference), CPU C kernels
     "loader": 1,            # checkpoint formats
     "sampling_params": 1,
+    "structured": 1,        # grammar specs (read by sampling_params), bitmask (sampler), matchers (engine)
     "eplb": 1,              # the EPLB policy: a pure torch function of expert statistics
     "layers": 2,
     "config": 3,

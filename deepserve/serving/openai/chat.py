@@ -1,5 +1,8 @@
 """POST /v1/chat/completions: render the messages with the model's chat template, generate n choices,
 and turn Hermes-style `<tool_call>` blocks into OpenAI `tool_calls` when the request offers tools.
+With tool_choice="required" or a named function the output is constrained to the call(s) as JSON
+(serving/openai/structured.py) and always answered as `tool_calls`; streamed, each call's name comes first
+and then its arguments as string deltas, as OpenAI sends them.
 
 Streaming sends, per choice: a first delta with the role, content deltas, and a last delta with the tool
 calls (if any) and the finish reason. Content stops streaming at the start of a tool call, and a tail that
@@ -24,7 +27,7 @@ from deepserve.serving.openai.dispatch import (
     start_requests,
     stream_error_event,
 )
-from deepserve.serving.openai.errors import not_supported
+from deepserve.serving.openai.errors import bad_request
 from deepserve.serving.openai.logprobs import chat_logprobs
 from deepserve.serving.openai.prompts import chat_prompt, message_text
 from deepserve.serving.openai.protocol import (
@@ -33,7 +36,6 @@ from deepserve.serving.openai.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,
-    NamedToolChoice,
     PromptTokensDetails,
     UsageInfo,
 )
@@ -49,7 +51,16 @@ from deepserve.serving.openai.streaming import (
     EventStreamResponse,
     sse_event,
 )
-from deepserve.serving.openai.tool_parsers import ExtractedToolCalls, HermesToolParser
+from deepserve.serving.openai.structured import (
+    ForcedToolCalls,
+    forced_tool_calls,
+    request_structured_outputs,
+)
+from deepserve.serving.openai.tool_parsers import (
+    ExtractedToolCalls,
+    HermesToolParser,
+    new_tool_call_id,
+)
 
 
 class ChatEndpoint:
@@ -66,8 +77,9 @@ class ChatEndpoint:
         # As OpenAI does, chat names `messages` whichever side overflows the context.
         check_context_length(len(prompt.token_ids), max_tokens, ctx.max_model_len, param, prompt_param="messages")
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        params = build_sampling_params(body, max_tokens, top_n)
-        builder = _ChatResponseBuilder(ctx, body, model, new_request_id("chatcmpl"), len(prompt.token_ids))
+        forced = _forced_tool_calls(body)
+        params = build_sampling_params(body, max_tokens, top_n, structured_outputs=forced.spec if forced else None)
+        builder = _ChatResponseBuilder(ctx, body, model, new_request_id("chatcmpl"), len(prompt.token_ids), forced)
         streams = await start_requests(ctx, builder.id, [prompt], params)
         if body.stream:
             return EventStreamResponse(builder.events(streams[0]))
@@ -79,20 +91,28 @@ class ChatEndpoint:
 
 def _reject_unsupported(body: ChatCompletionRequest) -> None:
     reject_unsupported(body)
-    if isinstance(body.tool_choice, NamedToolChoice) or body.tool_choice == "required":
-        raise not_supported("forcing a tool call with tool_choice (needs structured outputs)", "tool_choice")
+
+
+def _forced_tool_calls(body: ChatCompletionRequest) -> ForcedToolCalls | None:
+    forced = forced_tool_calls(body)
+    if forced is not None and request_structured_outputs(body) is not None:
+        raise bad_request("a forced tool call (tool_choice) already constrains the output: drop response_format "
+                          "or the structured-output fields", "tool_choice")
+    return forced
 
 
 class _ChatResponseBuilder:
     def __init__(self, ctx: ServerContext, body: ChatCompletionRequest, model: str, request_id: str,
-                 num_prompt_tokens: int) -> None:
+                 num_prompt_tokens: int, forced: ForcedToolCalls | None = None) -> None:
         self.ctx = ctx
         self.body = body
         self.model = model
         self.id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.created = int(time.time())
-        uses_tools = bool(body.tools) and body.tool_choice != "none"
+        self.forced = forced
+        self._sent_calls: dict[int, list[int]] = {}     # forced calls: choice -> argument chars sent, per call
+        uses_tools = bool(body.tools) and body.tool_choice != "none" and forced is None
         self.tool_parser: HermesToolParser | None = ctx.tool_parser if uses_tools else None
         self.echo = _echo_text(body)
 
@@ -100,6 +120,9 @@ class _ChatResponseBuilder:
     def full(self, output: RequestOutput) -> ChatCompletionResponse:
         choices = []
         for c in output.outputs:
+            if self.forced is not None:
+                choices.append(self._forced_choice(c))
+                continue
             parsed = self._parse(c.text)
             content = parsed.content if parsed.calls else self.echo + c.text
             message = ChatResponseMessage(content=content, tool_calls=parsed.calls)
@@ -132,6 +155,8 @@ class _ChatResponseBuilder:
         yield SSE_DONE
 
     def _chunk(self, c: CompletionOutput, tracker: DeltaTracker) -> dict | None:
+        if self.forced is not None:
+            return self._forced_chunk(c, tracker)
         finished = c.finish_reason is not None
         start = tracker.sent_tokens
         visible = self._streamable_text(c.text, finished)
@@ -156,6 +181,35 @@ class _ChatResponseBuilder:
                          self._finish_reason(c, parsed) if finished else None)
         if finished:
             choice["stop_reason"] = c.stop_reason
+        return self._envelope([choice])
+
+    # --- forced tool calls (tool_choice "required" or named) -------------------------------------
+    def _forced_choice(self, c: CompletionOutput) -> ChatChoice:
+        message = ChatResponseMessage(content=None, tool_calls=self.forced.calls(c.text))
+        return ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, 0, None),
+                          finish_reason=_forced_finish_reason(c), stop_reason=c.stop_reason)
+
+    def _forced_chunk(self, c: CompletionOutput, tracker: DeltaTracker) -> dict | None:
+        """Tool-call deltas: a call's first delta has its index, id, type and name; later ones add arguments."""
+        finished = c.finish_reason is not None
+        start = tracker.sent_tokens
+        tracker.new_tokens(len(c.token_ids))
+        sent = self._sent_calls.setdefault(c.index, [])
+        deltas = []
+        for k, (name, arguments) in enumerate(self.forced.partial_calls(c.text)):
+            if k == len(sent):
+                sent.append(0)
+                deltas.append({"index": k, "id": new_tool_call_id(), "type": "function",
+                               "function": {"name": name, "arguments": ""}})
+            if len(arguments) > sent[k]:
+                deltas.append({"index": k, "function": {"arguments": arguments[sent[k]:]}})
+                sent[k] = len(arguments)
+        if not deltas and not finished:
+            return None
+        logprobs = self._logprobs(c, start, tracker.sent_tokens)
+        choice = _choice(c.index, {"tool_calls": deltas} if deltas else {},
+                         logprobs.model_dump() if logprobs is not None else None,
+                         _forced_finish_reason(c) if finished else None)
         return self._envelope([choice])
 
     def _streamable_text(self, text: str, finished: bool) -> str:
@@ -197,6 +251,11 @@ class _ChatResponseBuilder:
         return UsageInfo(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
                          total_tokens=self.num_prompt_tokens + completion,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def _forced_finish_reason(c: CompletionOutput) -> str | None:
+    # A forced call that ended normally is answered as tool calls; "length" or a grammar failure says so.
+    return "tool_calls" if c.finish_reason == "stop" else c.finish_reason
 
 
 def _choice(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from deepserve.sampling_params import SamplingParams
 from deepserve.serving.openai.errors import OpenAIError, bad_request, not_supported
 from deepserve.serving.openai.protocol import SamplingRequest
+from deepserve.serving.openai.structured import request_structured_outputs
+from deepserve.structured.spec import GrammarSpec
 
 _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "seed", "max_tokens", "min_tokens", "stop_token_ids", "stop", "ignore_eos",
@@ -17,15 +19,17 @@ _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty
 
 def reject_unsupported(request: SamplingRequest) -> None:
     """Fail loudly (400) on features the engine does not have, rather than silently ignoring them."""
-    if request.response_format is not None and request.response_format.type != "text":
-        raise not_supported(f"response_format {request.response_format.type!r} (structured outputs)",
-                            "response_format")
     if request.logit_bias:
         raise not_supported("logit_bias", "logit_bias")
 
 
 def build_sampling_params(request: SamplingRequest, max_tokens: int | None, logprobs: int | None = None,
-                          prompt_logprobs: int | None = None) -> SamplingParams:
+                          prompt_logprobs: int | None = None,
+                          structured_outputs: GrammarSpec | None = None) -> SamplingParams:
+    """`structured_outputs`: a constraint the endpoint derived itself (forced tool calls); without it, the
+    request's response_format / structured_outputs / guided_* fields decide."""
+    if structured_outputs is None:
+        structured_outputs = request_structured_outputs(request)
     top_k = request.top_k if request.top_k is not None else 0
     try:
         return SamplingParams(
@@ -46,6 +50,7 @@ def build_sampling_params(request: SamplingRequest, max_tokens: int | None, logp
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
+            structured_outputs=structured_outputs,
         )
     except ValueError as error:
         raise bad_request(str(error), _param_named_in(str(error))) from None
