@@ -157,7 +157,7 @@ class SpeculativeConfig:
 
 KV_STORE_BACKENDS = ("memory", "disk", "redis")
 _KV_STORE_FIELDS = {"backend", "memory_bytes", "path", "disk_bytes", "url", "redis_bytes", "timeout_s",
-                    "retry_interval_s", "max_pending_bytes"}
+                    "retry_interval_s", "max_pending_bytes", "max_fetch_bytes"}
 
 
 @dataclass
@@ -176,6 +176,7 @@ class KVStoreConfig:
     timeout_s: float = 0.5             # one Redis command; past it the server counts as gone
     retry_interval_s: float = 2.0      # a gone Redis is tried again after this long (meanwhile: recompute)
     max_pending_bytes: int = 1 << 30   # write-behind queue; past it new saves are dropped, never waited for
+    max_fetch_bytes: int = 1 << 30     # host bytes of blocks being fetched for admission; past it fetches wait
 
     @classmethod
     def parse(cls, value: dict[str, Any] | str | KVStoreConfig) -> KVStoreConfig:
@@ -204,7 +205,7 @@ class KVStoreConfig:
             raise ValueError(f"kv_store.url: the redis backend needs a redis://HOST:PORT url; got "
                              f"{value.get('url')!r}")
         config = cls(**value)
-        for name in ("memory_bytes", "disk_bytes", "redis_bytes", "max_pending_bytes"):
+        for name in ("memory_bytes", "disk_bytes", "redis_bytes", "max_pending_bytes", "max_fetch_bytes"):
             v = getattr(config, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"kv_store.{name} must be an integer >= 0; got {v!r}")

@@ -231,6 +231,9 @@ class LLMEngine:
                     s.seq.num_inflight += 1
             launched = (sched_out, handle)
         self._inflight = launched if self.async_scheduling else None
+        if launched is None and previous is None and self.kv_store is not None:
+            # Nothing to compute: only KV-store fetches (if any) are running; let their threads have the CPU.
+            self.kv_store.wait_for_fetch(timeout=0.01)
         if previous is not None:
             self._finish(previous, touched)
         if launched is not None and not self.async_scheduling:

@@ -6,15 +6,29 @@ and aborted sequences' blocks). The engine thread only gathers a host copy of th
 device-to-host copy per layer on a GPU); encoding, checksums and I/O run on the store's writer thread. Blocks the
 store already holds (as far as this process knows) are not copied again.
 
-Load (at admission, synchronous): before the scheduler's prefix lookup, the blocks after the device cache's hits
-that the store holds are read, verified, and written into free blocks that the block manager names with their
-hashes (`import_block`); the scheduler's `find_cached_prefix` then finds them like any cached block, so they
-count as computed, in `num_cached_tokens` too. A load that fails (missing, corrupt, a store gone away) ends the
-run there: the rest of the prompt is computed. At least one prompt token is always left to compute (the logits
-come from it), as for device hits.
+Load (in the background, then at admission): on a device prefix-cache miss the scheduler asks `load_prefix`; it
+starts a fetch (kvstore/fetcher.py) of the blocks after the device hits, and answers False: the sequence stays in
+`waiting`, passed over while the fetch runs (the sequences behind it may be admitted, every running one keeps
+decoding). The store's lookup, the reads, decoding and checksums run on the fetcher's threads into host memory; no
+device block is held meanwhile. Once the fetch is done, the next `load_prefix` copies its blocks into free blocks
+that the block manager names with their hashes (`import_block` + `runner.write_kv_block`: a copy per layer), the
+host bytes are released, and it answers True; the scheduler's `find_cached_prefix` then finds the blocks like any
+cached block, so they count as computed, in `num_cached_tokens` too.
+- A prompt the store lacks is admitted one step later than without a store (its lookup ran off the engine
+  thread); a sequence whose lookup found nothing is not asked about again until its device hits change.
+- Bounded: fetches hold at most `kv_store.max_fetch_bytes` of host memory together; one that does not fit while
+  others hold bytes is deferred (the sequence waits until bytes are released), one larger than the cap alone
+  reads what the cap holds and the rest of the prompt is computed.
+- A fetch that fails (missing, corrupt, wrong layout, a store gone away, an error) ends the run there: the rest of
+  the prompt is computed. A sequence that finishes (abort) while its fetch runs drops it (`forget`); the worker
+  stops at the next block and its bytes are released. At least one prompt token is always left to compute (the
+  logits come from it), as for device hits.
+- Metrics: `admission_load_s` is the engine thread's time on loads (starting fetches, copying fetched blocks in),
+  `fetch_s` the fetcher threads' time (lookup, read, decode, checksum).
 
 Block-manager invariants hold throughout: loaded blocks are pinned while written and then released to the free
-queue named (ref count 0, cached), exactly the state of a cached block nobody holds.
+queue named (ref count 0, cached), exactly the state of a cached block nobody holds; a fetched block whose place
+in the prefix the device has lost meanwhile (evicted) is not imported.
 """
 
 from __future__ import annotations
@@ -24,6 +38,7 @@ import time
 
 from deepserve.config import EngineConfig
 from deepserve.engine.block_manager import BlockManager
+from deepserve.kvstore.fetcher import Fetch, Fetcher
 from deepserve.kvstore.keys import entry_name, layer_layout, model_fingerprint
 from deepserve.kvstore.store import KVStore
 from deepserve.sequence import Sequence
@@ -32,17 +47,24 @@ logger = logging.getLogger(__name__)
 
 
 class KVStoreConnector:
-    def __init__(self, store: KVStore, runner, block_manager: BlockManager, fingerprint: bytes) -> None:
+    def __init__(self, store: KVStore, runner, block_manager: BlockManager, fingerprint: bytes,
+                 max_fetch_bytes: int = 1 << 30) -> None:
         self.store = store
         self.runner = runner
         self.block_manager = block_manager
         self.fingerprint = fingerprint
         self.layouts = [layer_layout(layer) for layer in runner.model.attention_layers()]
+        self.fetcher = Fetcher(store, self.layouts, max_fetch_bytes)
         self.blocks_loaded = 0
         self.saved_on_finish = 0       # blocks queued when their sequence finished
         self.saved_on_evict = 0        # blocks queued when the device cache evicted them (preempted sequences)
-        self.load_failures = 0          # blocks the store said it held but could not give (then recomputed)
-        self.admission_load_s = 0.0     # engine-thread time spent loading at admission
+        self.load_failures = 0          # fetches that stopped at a block the store said it held but could not give
+        self.admission_load_s = 0.0     # engine-thread time on loads: starting fetches, copying fetched blocks in
+        self.fetches = 0                # fetches started
+        self.fetches_deferred = 0       # fetches that found the byte cap held by others (started again later)
+        self.fetches_dropped = 0        # fetches whose sequence finished (aborted) before they were used
+        self._fetches: dict[int, tuple[Fetch, int]] = {}    # seq_id -> (its fetch, the position it starts at)
+        self._deferred: dict[int, int] = {}                 # seq_id -> blocks its deferred fetch wanted
         # seq_id -> (device hits, preemptions) when the store last lacked its next block: a waiting sequence
         # re-examined every step does not ask the store again until that changes
         self._looked_up: dict[int, tuple[int, int]] = {}
@@ -51,60 +73,106 @@ class KVStoreConnector:
         return entry_name(self.fingerprint, block_hash)
 
     # --- load --------------------------------------------------------------------------------
-    def load_prefix(self, seq: Sequence) -> None:
-        """Load the store's blocks that extend `seq`'s device-cache prefix into the device cache."""
+    def load_prefix(self, seq: Sequence) -> bool:
+        """Before `seq`'s prefix lookup: True when it may be admitted now (the device cache holds whatever the
+        store gave for it), False while a fetch for it runs in the background (it stays waiting)."""
         if seq.params.prompt_logprobs is not None:
-            return                      # prompt logprobs need the whole prompt computed
+            return True                 # prompt logprobs need the whole prompt computed
+        t0 = time.perf_counter()
+        try:
+            entry = self._fetches.get(seq.seq_id)
+            if entry is not None:
+                return self._finish_fetch(seq, *entry)
+            return not self._start_fetch(seq)
+        finally:
+            self.admission_load_s += time.perf_counter() - t0
+
+    def _start_fetch(self, seq: Sequence) -> bool:
+        """Start a background fetch of the blocks after `seq`'s device hits, if the store may hold some;
+        True when `seq` must wait for it (or for fetch bytes to be released)."""
         bm = self.block_manager
         hits = bm.find_cached_prefix(seq)
         max_blocks = (seq.num_tokens - 1) // bm.block_size     # the last token is always computed
-        memo = (len(hits), seq.num_preemptions)
-        if len(hits) >= max_blocks or self._looked_up.get(seq.seq_id) == memo:
-            return
+        if len(hits) >= max_blocks or self._looked_up.get(seq.seq_id) == (len(hits), seq.num_preemptions):
+            return False
+        wanted = self._deferred.get(seq.seq_id)
+        if wanted is not None and not self.fetcher.budget.fits(wanted, self.fetcher.block_bytes):
+            return True                 # the cap is still held by other fetches
         # Room: free blocks, less the hits that leave the free queue at admission and one block for the tail.
         room = bm.num_free_blocks - sum(1 for b in hits if bm.blocks[b].ref_count == 0) - 1
         hashes = bm.block_hashes(seq, max_blocks)[len(hits):][:max(room, 0)]
-        t0 = time.perf_counter()
-        names = [self.name(h) for h in hashes]
-        held = self.store.lookup(names)
-        if held:
-            self._load_run(hits, hashes, names[:held])
-        elif names:
-            self._looked_up[seq.seq_id] = memo     # the store lacks the next block: no new lookup until hits change
-        self.admission_load_s += time.perf_counter() - t0
+        if not hashes:
+            return False
+        self._deferred.pop(seq.seq_id, None)
+        names = [None if h in bm.cached else self.name(h) for h in hashes]      # None: the device has it
+        self._fetches[seq.seq_id] = (self.fetcher.submit(names), len(hits))
+        self.fetches += 1
+        return True
 
-    def _load_run(self, hits: list[int], hashes: list[bytes], names: list[str]) -> int:
-        """Write the leading blocks of `names` the store gives intact into the device cache; how many it did."""
+    def _finish_fetch(self, seq: Sequence, fetch: Fetch, start: int) -> bool:
+        """`seq`'s fetch: False while it runs or when it was deferred; once done, its blocks go into the device
+        cache and True."""
+        if not fetch.done.is_set():
+            return False
+        del self._fetches[seq.seq_id]
+        if fetch.deferred:
+            self.fetches_deferred += 1
+            self._deferred[seq.seq_id] = fetch.held
+            return False
+        if fetch.failed:
+            self.load_failures += 1
+        used_all = self._install(seq, fetch, start)
+        num_store_names = sum(n is not None for n in fetch.names)
+        store_lacked_next = fetch.failed or (not fetch.truncated and fetch.held < num_store_names)
+        if used_all and store_lacked_next:
+            self._looked_up[seq.seq_id] = (len(self.block_manager.find_cached_prefix(seq)), seq.num_preemptions)
+        return True
+
+    def _install(self, seq: Sequence, fetch: Fetch, start: int) -> bool:
+        """Write the fetched blocks that extend `seq`'s device prefix now into free blocks named with their
+        hashes; release the fetch's host bytes. True when every fetched position was used."""
         bm = self.block_manager
+        hits = bm.find_cached_prefix(seq)
+        end = start + len(fetch.tensors)
+        used_all = len(hits) >= start           # else the device lost blocks before the run: nothing fits on
         pinned = list(hits)
-        bm.pin(pinned)                  # loading takes free blocks: the hits must not be evicted for them
+        bm.pin(pinned)                  # importing takes free blocks: the hits must not be evicted for them
         try:
-            for block_hash, name in zip(hashes, names):
-                if block_hash in bm.cached:          # the device has it (its prefix was evicted, not it)
-                    block_id = bm.cached[block_hash]
-                    bm.pin([block_id])
-                    pinned.append(block_id)
+            hashes = bm.block_hashes(seq, end)
+            for pos in range(len(hits), end if used_all else len(hits)):
+                if hashes[pos] in bm.cached:             # the device has it (its prefix was evicted, not it)
+                    bm.pin([bm.cached[hashes[pos]]])
+                    pinned.append(bm.cached[hashes[pos]])
                     continue
-                tensors = self.store.load(name)
-                if tensors is None or not self._fits_layout(tensors):
-                    self.load_failures += 1
+                tensors = fetch.tensors[pos - start]
+                if tensors is None or bm.num_free_blocks <= 1:     # evicted meanwhile; or no room (one for the tail)
+                    used_all = False
                     break
-                block_id = bm.import_block(block_hash)
+                block_id = bm.import_block(hashes[pos])
                 pinned.append(block_id)
                 self.runner.write_kv_block(block_id, tensors)
                 self.blocks_loaded += 1
         finally:
             bm.unpin(pinned)
-        return len(pinned) - len(hits)
+            fetch.release()
+        return used_all
 
-    def _fits_layout(self, tensors) -> bool:
-        return len(tensors) == len(self.layouts) and all(
-            tuple(t.shape) == shape and t.dtype == dtype for t, (shape, dtype) in zip(tensors, self.layouts))
+    def wait_for_fetch(self, timeout: float) -> None:
+        """Block the caller (an engine with nothing else to do) until a fetch finishes, at most `timeout` s."""
+        self.fetcher.wait_any(timeout)
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` finished (or was aborted): its fetch, if any, is dropped; its memo goes."""
+        entry = self._fetches.pop(seq.seq_id, None)
+        if entry is not None:
+            entry[0].cancel()
+            self.fetches_dropped += 1
+        self._deferred.pop(seq.seq_id, None)
+        self._looked_up.pop(seq.seq_id, None)
 
     # --- save --------------------------------------------------------------------------------
     def save_finished(self, seq: Sequence) -> None:
         """Queue a finishing sequence's computed full blocks (those the store does not hold yet)."""
-        self._looked_up.pop(seq.seq_id, None)
         todo = [(h, b) for h, b in self.block_manager.named_blocks(seq) if not self.store.has(self.name(h))]
         self.saved_on_finish += self._save(todo)
 
@@ -125,12 +193,18 @@ class KVStoreConnector:
     def metrics(self) -> dict:
         return {**self.store.metrics(), "blocks_loaded": self.blocks_loaded,
                 "saved_on_finish": self.saved_on_finish, "saved_on_evict": self.saved_on_evict,
-                "load_failures": self.load_failures, "admission_load_s": self.admission_load_s}
+                "load_failures": self.load_failures, "admission_load_s": self.admission_load_s,
+                "fetch_s": self.fetcher.fetch_s, "fetches": self.fetches,
+                "fetches_in_flight": self.fetcher.num_unfinished, "fetches_deferred": self.fetches_deferred,
+                "fetches_dropped": self.fetches_dropped, "fetch_bytes_reserved": self.fetcher.budget.reserved,
+                "fetch_bytes_high_water": self.fetcher.budget.high_water,
+                "max_fetch_bytes": self.fetcher.budget.max_bytes}
 
     def flush(self, timeout: float | None = None) -> bool:
         return self.store.flush(timeout)
 
     def close(self) -> None:
+        self.fetcher.close()
         self.store.close()
 
 
@@ -145,7 +219,8 @@ def attach_kv_store(config: EngineConfig, runner, block_manager: BlockManager, s
     layers = runner.model.attention_layers()
     fingerprint = model_fingerprint(runner.model, layers, config.model.hf_config, config.model.dtype,
                                     config.cache.block_size, config.model.quantization)
-    connector = KVStoreConnector(KVStore.from_config(config.kv_store), runner, block_manager, fingerprint)
+    connector = KVStoreConnector(KVStore.from_config(config.kv_store), runner, block_manager, fingerprint,
+                                 config.kv_store.max_fetch_bytes)
     block_manager.evict_hook = connector.save_evicted
     scheduler.kv_store = connector
     logger.info("kv store: %s (model fingerprint %s)", config.kv_store.backend, fingerprint.hex())

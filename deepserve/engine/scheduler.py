@@ -5,7 +5,9 @@ to compute so that it catches up with `num_tokens`. A decode is 1 new token, a p
 chunk of a long prompt is a part of it: one mechanism, so decodes and prefill chunks mix freely.
 
 Invariants:
-- running sequences are served first, in admission order; the budget left goes to waiting ones (FCFS);
+- running sequences are served first, in admission order; the budget left goes to waiting ones (FCFS), except
+  that a waiting sequence whose KV-store fetch is still running is passed over, keeping its place, and the ones
+  behind it may be admitted meanwhile (it holds no blocks while it waits);
 - while any sequence decodes, prompt chunks get at most `max_prefill_tokens_while_decoding` tokens of a step
   (when set: a CPU default), so that no decode waits behind a long prefill;
 - when blocks run out, the most recently admitted running sequence is preempted (its KV dropped, it goes
@@ -36,8 +38,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
-        # The KV store's side (engine/kv_store_connector.py): load_prefix(seq) before a prefix lookup,
-        # save_finished(seq) before a finished sequence's blocks are freed. None: no store.
+        # The KV store's side (engine/kv_store_connector.py): load_prefix(seq) before a prefix lookup (False: a
+        # background fetch for it runs, it waits), forget(seq) and save_finished(seq) before a finished sequence's
+        # blocks are freed. None: no store.
         self.kv_store = None
 
     # --- queue management ---------------------------------------------------------------------
@@ -66,6 +69,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = status
         if self.kv_store is not None:
+            self.kv_store.forget(seq)           # an aborted waiting sequence's fetch is dropped
             self.kv_store.save_finished(seq)
         self.block_manager.free(seq)
         self.block_manager.forget(seq)
@@ -140,14 +144,20 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in order until one does not fit. A sequence whose KV-store fetch is still
+        running is passed over (it keeps its place); the ones behind it may be admitted meanwhile."""
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
             if bm.blocks_for_tokens(seq.num_tokens + 1) > bm.num_blocks:
                 self._ignore(seq, out)
                 continue
             # Prompt logprobs need logits at every prompt position, so such requests compute all of it.
             hits = [] if seq.params.prompt_logprobs is not None else self._cached_prefix(seq)
+            if hits is None:
+                i += 1
+                continue
             computed = len(hits) * bm.block_size
             n = seq.num_tokens - computed
             if n > budget:
@@ -157,7 +167,7 @@ class Scheduler:
             reserve = self._watermark_blocks if self.running else 0
             if not bm.can_allocate(bm.admission_cost(seq, n, hits), reserve):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             bm.allocate_slots(seq, n, hits)
             bm.record_prefix_lookup(seq.num_tokens, computed)
             if seq.num_preemptions == 0:
@@ -168,14 +178,15 @@ class Scheduler:
             seq.num_computed_tokens = computed + n
             budget -= n
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Device prefix-cache hits, once the KV store (if any) has loaded the blocks it holds beyond them."""
-        if self.kv_store is not None:
-            self.kv_store.load_prefix(seq)
+    def _cached_prefix(self, seq: Sequence) -> list[int] | None:
+        """Device prefix-cache hits, once the KV store (if any) has loaded the blocks it holds beyond them;
+        None while the store's fetch for `seq` runs in the background (it is not admitted yet)."""
+        if self.kv_store is not None and not self.kv_store.load_prefix(seq):
+            return None
         return self.block_manager.find_cached_prefix(seq)
 
     def _ignore(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED_IGNORED
         seq.error = (f"sequence of {seq.num_tokens} tokens needs more KV blocks than the whole cache "
                      f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)")
