@@ -4,6 +4,9 @@
     lookup(names)         how many leading names some tier (or the queue) holds: the run a prefix can load
     load(name)            the block's tensors from the first tier holding an intact copy, or None
 
+In an engine, `lookup` and `load` run on the fetcher's threads (kvstore/fetcher.py), several at once, never on the
+engine thread; `has` and `save` run on the engine thread.
+
 Invariants:
 - the engine thread never waits for a write: saves past `max_pending_bytes` of queued blocks are dropped
   (counted in `saves_dropped`); a queued block is readable (`load`) before it is written;
@@ -85,7 +88,8 @@ class KVStore:
         self.max_pending_bytes = max_pending_bytes
         self.tier_metrics = {t.name: TierMetrics() for t in tiers}
         self.save_latency = Latency()         # encode + write of one block, on the writer thread
-        self.load_latency = Latency()         # read + verify of one block, on the engine thread
+        self.load_latency = Latency()         # read + verify of one block, on a fetcher thread (kvstore/fetcher.py)
+        self._metrics_lock = threading.Lock()  # loads run on several fetcher threads at once
         self.saves_dropped = 0
         self._pending = _Pending()
         self._cond = threading.Condition()
@@ -101,7 +105,7 @@ class KVStore:
     def from_config(cls, config: KVStoreConfig) -> KVStore:
         return cls(build_tiers(config), config.max_pending_bytes)
 
-    # --- the engine thread -------------------------------------------------------------------
+    # --- the engine thread (has, save) and the fetcher threads (lookup, load) -----------------
     def has(self, name: str) -> bool:
         """Known to be stored or queued by this process (a save of it would be redundant)."""
         with self._cond:
@@ -154,21 +158,24 @@ class KVStore:
             m = self.tier_metrics[tier.name]
             data = tier.get(name)
             if data is None:
-                m.misses += 1
+                with self._metrics_lock:
+                    m.misses += 1
                 continue
             try:
                 tensors = decode(name, data)
             except CorruptEntry as e:
-                m.checksum_failures += 1
+                with self._metrics_lock:
+                    m.checksum_failures += 1
                 logger.warning("kv store: %s tier: %s; removed, the block is recomputed", tier.name, e)
                 tier.remove(name)
                 continue
-            m.hits += 1
-            m.bytes_read += len(data)
             for upper in self.tiers[:level]:
                 upper.put(name, data)
             self._remember(name)
-            self.load_latency.add(time.perf_counter() - t0)
+            with self._metrics_lock:
+                m.hits += 1
+                m.bytes_read += len(data)
+                self.load_latency.add(time.perf_counter() - t0)
             return tensors
         self._forget(name)
         return None

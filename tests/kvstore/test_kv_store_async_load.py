@@ -185,6 +185,10 @@ def test_decode_keeps_producing_tokens_while_a_long_prompt_is_fetched(tiny_llama
     assert m["blocks_loaded"] == STORE_BLOCKS and m["load_failures"] == 0
     assert m["fetch_s"] >= STORE_BLOCKS * delay_s
     assert m["admission_load_s"] < 0.25 * m["fetch_s"], m       # the engine thread only copied blocks in
+    from deepserve.serving.openai.metrics import kv_store_metrics
+    families = {f.name: f.samples[0].value for f in kv_store_metrics("m", m) if not f.samples[0].labels.get("tier")}
+    assert families["deepserve:kv_store_fetch_seconds"] == m["fetch_s"]
+    assert families["deepserve:kv_store_admission_load_seconds"] == m["admission_load_s"]
     check_idle(engine)
 
 

@@ -193,3 +193,17 @@ def kv_store_metrics(model_name: str, m: dict) -> Iterable[Metric]:
                                     labels=["model_name"])
         count.add_metric([model_name], float(latency["count"]))
         yield count
+    for key, (name, help_text) in _KV_STORE_LOAD_TIMES.items():
+        if key in m:                    # the engine's connector adds them; a bare store has none
+            family = CounterMetricFamily(name, help_text, labels=["model_name"])
+            family.add_metric([model_name], float(m[key]))
+            yield family
+
+
+# KVStoreConnector.metrics() load times: the engine thread's vs the fetch threads'
+_KV_STORE_LOAD_TIMES = {
+    "admission_load_s": ("deepserve:kv_store_admission_load_seconds",
+                         "Engine-thread time on KV store loads (starting fetches, copying fetched blocks in)."),
+    "fetch_s": ("deepserve:kv_store_fetch_seconds",
+                "Background time fetching KV store blocks (lookup, read, decode, checksum)."),
+}
