@@ -110,8 +110,8 @@ class KVStoreConnector:
         return True
 
     def _finish_fetch(self, seq: Sequence, fetch: Fetch, start: int) -> bool:
-        """`seq`'s fetch: False while it runs or when it was deferred; once done, its blocks go into the device
-        cache and True."""
+        """`seq`'s fetch: False while it runs or when it was deferred (it is started again once the byte cap has
+        room); once done, its blocks go into the device cache and True."""
         if not fetch.done.is_set():
             return False
         del self._fetches[seq.seq_id]
@@ -130,32 +130,35 @@ class KVStoreConnector:
 
     def _install(self, seq: Sequence, fetch: Fetch, start: int) -> bool:
         """Write the fetched blocks that extend `seq`'s device prefix now into free blocks named with their
-        hashes; release the fetch's host bytes. True when every fetched position was used."""
+        hashes (fetched position i is prefix block `start + i`); release the fetch's host bytes either way.
+        True when every fetched position was used."""
         bm = self.block_manager
         hits = bm.find_cached_prefix(seq)
+        if len(hits) < start:           # the device lost blocks before the fetched run: it extends nothing
+            fetch.release()
+            return False
         end = start + len(fetch.tensors)
-        used_all = len(hits) >= start           # else the device lost blocks before the run: nothing fits on
+        hashes = bm.block_hashes(seq, end)
         pinned = list(hits)
         bm.pin(pinned)                  # importing takes free blocks: the hits must not be evicted for them
         try:
-            hashes = bm.block_hashes(seq, end)
-            for pos in range(len(hits), end if used_all else len(hits)):
-                if hashes[pos] in bm.cached:             # the device has it (its prefix was evicted, not it)
-                    bm.pin([bm.cached[hashes[pos]]])
-                    pinned.append(bm.cached[hashes[pos]])
+            for pos in range(len(hits), end):
+                block_id = bm.cached.get(hashes[pos])
+                if block_id is not None:                 # the device has it (its prefix was evicted, not it)
+                    bm.pin([block_id])
+                    pinned.append(block_id)
                     continue
                 tensors = fetch.tensors[pos - start]
                 if tensors is None or bm.num_free_blocks <= 1:     # evicted meanwhile; or no room (one for the tail)
-                    used_all = False
-                    break
+                    return False
                 block_id = bm.import_block(hashes[pos])
                 pinned.append(block_id)
                 self.runner.write_kv_block(block_id, tensors)
                 self.blocks_loaded += 1
+            return True
         finally:
             bm.unpin(pinned)
             fetch.release()
-        return used_all
 
     def wait_for_fetch(self, timeout: float) -> None:
         """Block the caller (an engine with nothing else to do) until a fetch finishes, at most `timeout` s."""

@@ -256,3 +256,23 @@ def test_a_fetch_that_does_not_fit_beside_another_waits_for_its_bytes(tiny_llama
     assert m["fetches_deferred"] >= 1 and m["blocks_loaded"] == 2 * STORE_BLOCKS
     assert max(reserved) <= cap and m["fetch_bytes_high_water"] <= cap
     check_idle(engine)
+
+
+def test_a_request_behind_a_fetching_one_is_admitted_meanwhile(tiny_llama, reference, store_dir):
+    engine = engine_on(tiny_llama, store_dir, delay_s=0.02)
+    short = make_prompt(13, length=40)
+    engine.add_request("long", {"prompt_token_ids": LONG}, GREEDY)
+    engine.add_request("short", {"prompt_token_ids": short}, GREEDY)
+    long_seq = engine.requests["long"].seqs[0]
+    order, deadline = [], time.monotonic() + 60
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        order += [(out.request_id, out) for out in engine.step() if out.finished]
+        if "short" not in dict(order):
+            assert long_seq.status is SequenceStatus.WAITING        # still fetching while the short one runs
+    done = dict(order)
+    assert [request_id for request_id, _ in order] == ["short", "long"]
+    assert done["short"].outputs[0].token_ids == reference(short)
+    assert done["long"].outputs[0].token_ids == reference(LONG)
+    assert done["long"].num_cached_tokens >= 0.9 * len(LONG)
+    check_idle(engine)
