@@ -157,7 +157,8 @@ class SpeculativeConfig:
 
 KV_STORE_BACKENDS = ("memory", "disk", "redis")
 _KV_STORE_FIELDS = {"backend", "memory_bytes", "path", "disk_bytes", "url", "redis_bytes", "timeout_s",
-                    "retry_interval_s", "max_pending_bytes", "max_fetch_bytes"}
+                    "retry_interval_s", "max_pending_bytes", "max_fetch_bytes",
+                    "fetch_timeout_s"}
 
 
 @dataclass
@@ -177,6 +178,7 @@ class KVStoreConfig:
     retry_interval_s: float = 2.0      # a gone Redis is tried again after this long (meanwhile: recompute)
     max_pending_bytes: int = 1 << 30   # write-behind queue; past it new saves are dropped, never waited for
     max_fetch_bytes: int = 1 << 30     # host bytes of blocks being fetched for admission; past it fetches wait
+    fetch_timeout_s: float = 30.0      # a fetch not done by then is given up: its prompt is computed
 
     @classmethod
     def parse(cls, value: dict[str, Any] | str | KVStoreConfig) -> KVStoreConfig:
@@ -211,7 +213,7 @@ class KVStoreConfig:
                 raise ValueError(f"kv_store.{name} must be an integer >= 0; got {v!r}")
         if backend == "memory" and config.memory_bytes == 0:
             raise ValueError("kv_store.memory_bytes must be > 0 for the memory backend")
-        for name in ("timeout_s", "retry_interval_s"):
+        for name in ("timeout_s", "retry_interval_s", "fetch_timeout_s"):
             v = getattr(config, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"kv_store.{name} must be a number > 0; got {v!r}")

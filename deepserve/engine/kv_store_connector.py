@@ -20,7 +20,8 @@ cached block, so they count as computed, in `num_cached_tokens` too.
   others hold bytes is deferred (the sequence waits until bytes are released), one larger than the cap alone
   reads what the cap holds and the rest of the prompt is computed.
 - A fetch that fails (missing, corrupt, wrong layout, a store gone away, an error) ends the run there: the rest of
-  the prompt is computed. A sequence that finishes (abort) while its fetch runs drops it (`forget`); the worker
+  the prompt is computed; one not done after `kv_store.fetch_timeout_s` (a hung mount) is given up on, and the
+  prompt computed. A sequence that finishes (abort) while its fetch runs drops it (`forget`); the worker
   stops at the next block and its bytes are released. At least one prompt token is always left to compute (the
   logits come from it), as for device hits.
 - Metrics: `admission_load_s` is the engine thread's time on loads (starting fetches, copying fetched blocks in),
@@ -48,13 +49,14 @@ logger = logging.getLogger(__name__)
 
 class KVStoreConnector:
     def __init__(self, store: KVStore, runner, block_manager: BlockManager, fingerprint: bytes,
-                 max_fetch_bytes: int = 1 << 30) -> None:
+                 max_fetch_bytes: int = 1 << 30, fetch_timeout_s: float = 30.0) -> None:
         self.store = store
         self.runner = runner
         self.block_manager = block_manager
         self.fingerprint = fingerprint
         self.layouts = [layer_layout(layer) for layer in runner.model.attention_layers()]
         self.fetcher = Fetcher(store, self.layouts, max_fetch_bytes)
+        self.fetch_timeout_s = fetch_timeout_s
         self.blocks_loaded = 0
         self.saved_on_finish = 0       # blocks queued when their sequence finished
         self.saved_on_evict = 0        # blocks queued when the device cache evicted them (preempted sequences)
@@ -63,6 +65,7 @@ class KVStoreConnector:
         self.fetches = 0                # fetches started
         self.fetches_deferred = 0       # fetches that found the byte cap held by others (started again later)
         self.fetches_dropped = 0        # fetches whose sequence finished (aborted) before they were used
+        self.fetches_timed_out = 0      # fetches given up after fetch_timeout_s (a hung tier): the prompt is computed
         self._fetches: dict[int, tuple[Fetch, int]] = {}    # seq_id -> (its fetch, the position it starts at)
         self._deferred: dict[int, int] = {}                 # seq_id -> blocks its deferred fetch wanted
         # seq_id -> (device hits, preemptions) when the store last lacked its next block: a waiting sequence
@@ -113,7 +116,13 @@ class KVStoreConnector:
         """`seq`'s fetch: False while it runs or when it was deferred (it is started again once the byte cap has
         room); once done, its blocks go into the device cache and True."""
         if not fetch.done.is_set():
-            return False
+            if time.monotonic() - fetch.submitted < self.fetch_timeout_s:
+                return False
+            del self._fetches[seq.seq_id]       # a hung tier: give up on it, compute (and do not ask again)
+            fetch.cancel()
+            self.fetches_timed_out += 1
+            self._looked_up[seq.seq_id] = (len(self.block_manager.find_cached_prefix(seq)), seq.num_preemptions)
+            return True
         del self._fetches[seq.seq_id]
         if fetch.deferred:
             self.fetches_deferred += 1
@@ -199,7 +208,7 @@ class KVStoreConnector:
                 "load_failures": self.load_failures, "admission_load_s": self.admission_load_s,
                 "fetch_s": self.fetcher.fetch_s, "fetches": self.fetches,
                 "fetches_in_flight": self.fetcher.num_unfinished, "fetches_deferred": self.fetches_deferred,
-                "fetches_dropped": self.fetches_dropped, "fetch_bytes_reserved": self.fetcher.budget.reserved,
+                "fetches_dropped": self.fetches_dropped, "fetches_timed_out": self.fetches_timed_out, "fetch_bytes_reserved": self.fetcher.budget.reserved,
                 "fetch_bytes_high_water": self.fetcher.budget.high_water,
                 "max_fetch_bytes": self.fetcher.budget.max_bytes}
 
@@ -223,7 +232,7 @@ def attach_kv_store(config: EngineConfig, runner, block_manager: BlockManager, s
     fingerprint = model_fingerprint(runner.model, layers, config.model.hf_config, config.model.dtype,
                                     config.cache.block_size, config.model.quantization)
     connector = KVStoreConnector(KVStore.from_config(config.kv_store), runner, block_manager, fingerprint,
-                                 config.kv_store.max_fetch_bytes)
+                                 config.kv_store.max_fetch_bytes, config.kv_store.fetch_timeout_s)
     block_manager.evict_hook = connector.save_evicted
     scheduler.kv_store = connector
     logger.info("kv store: %s (model fingerprint %s)", config.kv_store.backend, fingerprint.hex())

@@ -52,6 +52,7 @@ class Fetch:
         self.deferred = False       # read nothing: the byte cap was held by other fetches
         self.truncated = False      # read fewer than `held` blocks: the byte cap alone was smaller
         self.seconds = 0.0          # the worker's time on it
+        self.submitted = time.monotonic()
         self.done = threading.Event()
         self._cancelled = threading.Event()
         self._budget = budget

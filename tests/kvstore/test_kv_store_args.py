@@ -18,6 +18,8 @@ from deepserve.config import EngineArgs, KVStoreConfig
     ({"backend": "memory", "memory_bytes": 0}, "kv_store.memory_bytes"),
     ({"backend": "disk", "path": "/tmp/x", "disk_bytes": "big"}, "kv_store.disk_bytes"),
     ({"backend": "redis", "url": "redis://h:1", "timeout_s": 0}, "kv_store.timeout_s"),
+    ({"backend": "memory", "max_fetch_bytes": -5}, "kv_store.max_fetch_bytes"),
+    ({"backend": "memory", "fetch_timeout_s": 0}, "kv_store.fetch_timeout_s"),
     ({"backend": "memory", "bakend": 1}, "unknown field"),
     ("{not json", "kv_store: not JSON"),
     (["memory"], "kv_store must be a dict"),

@@ -276,3 +276,15 @@ def test_a_request_behind_a_fetching_one_is_admitted_meanwhile(tiny_llama, refer
     assert done["long"].outputs[0].token_ids == reference(LONG)
     assert done["long"].num_cached_tokens >= 0.9 * len(LONG)
     check_idle(engine)
+
+
+def test_a_fetch_past_its_timeout_is_given_up_and_the_prompt_computed(tiny_llama, reference, store_dir):
+    engine = engine_on(tiny_llama, store_dir, delay_s=0.1, fetch_timeout_s=0.3)      # 37 reads: >= 3.7 s
+    started = time.monotonic()
+    done = run(engine, [("long", LONG, GREEDY)], each_step=lambda: check_blocks(engine))
+    assert time.monotonic() - started < 3.0                    # admitted once the timeout passed, not after the fetch
+    assert done["long"].outputs[0].token_ids == reference(LONG)
+    assert done["long"].num_cached_tokens == 0
+    m = engine.get_stats().kv_store
+    assert m["fetches_timed_out"] == 1 and m["blocks_loaded"] == 0
+    check_idle(engine)                              # the worker stopped at its next block, gave its bytes back
