@@ -22,9 +22,10 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import weakref
 
 import torch
 
@@ -117,7 +118,9 @@ class _ByteBudget:
 
 
 class Fetcher:
-    """A small thread pool reading runs of blocks from `store` into host memory, bounded by `max_bytes`."""
+    """A few daemon threads reading runs of blocks from `store` into host memory, bounded by `max_bytes`.
+    The threads start with the first fetch and hold the fetcher weakly: they end with it (or at `close`), and a
+    thread stuck in a hung tier never keeps the process from exiting."""
 
     def __init__(self, store: KVStore, layouts: list[Layout], max_bytes: int, threads: int = 2) -> None:
         self.store = store
@@ -125,7 +128,9 @@ class Fetcher:
         self.block_bytes = layout_bytes(layouts)
         self.budget = _ByteBudget(max_bytes)
         self.fetch_s = 0.0          # worker time spent on fetches (lookup, read, decode, checksum)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-fetch")
+        self._num_threads = threads
+        self._threads: list[threading.Thread] = []
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()     # Fetch, or None: a thread's signal to end
         self._finished = threading.Condition()
         self._unfinished = 0
 
@@ -133,7 +138,13 @@ class Fetcher:
         fetch = Fetch(names, self.budget)
         with self._finished:
             self._unfinished += 1
-        self._pool.submit(self._run, fetch)
+        if not self._threads:
+            self._threads = [threading.Thread(target=_work_loop, args=(self._jobs, weakref.ref(self)),
+                                              name=f"kvstore-fetch-{i}", daemon=True)
+                             for i in range(self._num_threads)]
+            for thread in self._threads:
+                thread.start()
+        self._jobs.put(fetch)
         return fetch
 
     def wait_any(self, timeout: float) -> None:
@@ -148,7 +159,9 @@ class Fetcher:
             return self._unfinished
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """End the threads once the fetches queued before are done."""
+        for _ in self._threads:
+            self._jobs.put(None)
 
     # --- the worker threads -----------------------------------------------------------------------------------
     def _run(self, fetch: Fetch) -> None:
@@ -202,3 +215,23 @@ class Fetcher:
     def _fits_layout(self, tensors: list[torch.Tensor]) -> bool:
         return len(tensors) == len(self.layouts) and all(
             tuple(t.shape) == shape and t.dtype == dtype for t, (shape, dtype) in zip(tensors, self.layouts))
+
+
+def _work_loop(jobs: queue.SimpleQueue, fetcher_ref: weakref.ref) -> None:
+    """One fetch thread: run queued fetches until told to end or the fetcher is gone."""
+    while True:
+        try:
+            fetch = jobs.get(timeout=1.0)
+        except queue.Empty:
+            if fetcher_ref() is None:
+                return
+            continue
+        fetcher = fetcher_ref()
+        if fetch is None:
+            return
+        if fetcher is None:                 # nobody will read it; still, it ends
+            fetch.failed = True
+            fetch.done.set()
+            return
+        fetcher._run(fetch)
+        del fetcher, fetch
