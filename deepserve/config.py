@@ -44,6 +44,7 @@ class ModelConfig:
     skip_tokenizer_init: bool
     seed: int
     quantization: str | None = None   # None | "int8" (weight-only) | "w8a8" (see layers/quantization.py)
+    keep_mtp: bool = False          # build and load DeepSeek-V3's MTP layer (speculative_config method "mtp")
 
     @property
     def architecture(self) -> str:
@@ -355,7 +356,8 @@ class EngineArgs:
             kv_store=kv_store,
             model=ModelConfig(model=path, hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
-                              seed=self.seed, quantization=self.quantization),
+                              seed=self.seed, quantization=self.quantization,
+                              keep_mtp=self.speculative is not None and self.speculative.method == "mtp"),
             cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization, dtype=kv_dtype),

@@ -23,6 +23,7 @@ from deepserve.layers.attention import Attention, TorchPagedAttention
 from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, SequenceSamplingRow
 from deepserve.sampling_params import SamplingParams
+from deepserve.spec_decode.mtp import MTPDraft, drafts_from_logits, mtp_batch, mtp_rows
 from deepserve.spec_decode.verifier import VerifyGroup, VerifyResult, verify
 from deepserve.worker.model_loader import load_model
 from deepserve.worker.batch_builder import build_forward_batch
@@ -49,6 +50,7 @@ class ModelRunnerOutput:
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)                # seq_id -> emitted tokens
     spec_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)       # seq_id -> one per token
     num_accepted_drafts: dict[int, int] = field(default_factory=dict)
+    mtp_drafts: "dict[int, MTPDraft]" = field(default_factory=dict)    # seq_id -> the MTP layer's next draft
 
 
 class ModelRunner:
@@ -322,6 +324,9 @@ class ModelRunner:
             return None
         from deepserve.layers.moe import TorchMoE
         reference_moe = any(isinstance(layer.backend, TorchMoE) for layer in self.model.moe_layers())
+        if _drafts_with_mtp(self.model):
+            logger.info("CUDA graphs off: the MTP drafter runs after every step's sampling (eager)")
+            return None
         if not hasattr(self.attn_backend, "build_graph_metadata") or reference_moe:
             logger.info("CUDA graphs off: this model's layers run eagerly")
             return None
@@ -403,7 +408,11 @@ class ModelRunner:
             self._pick_tokens(logits, out.scheduled, step)
             return step
         prompt_rows = [_prompt_logprob_rows(s) for s in out.scheduled]
-        logits_rows = [p + _sampled_rows(s) for s, p in zip(out.scheduled, prompt_rows)]
+        drafting_mtp = _drafts_with_mtp(self.model)
+        if drafting_mtp:        # the MTP layer reads every row's final hidden state
+            logits_rows = [list(range(s.num_new_tokens)) for s in out.scheduled]
+        else:
+            logits_rows = [p + _sampled_rows(s) for s, p in zip(out.scheduled, prompt_rows)]
         batch = build_forward_batch(out, self.block_size, self.device, logits_rows)
         _patch_inflight(batch.input_ids, batch.inflight_rows, previous)
         batch.attn_metadata = self.attn_backend.build_metadata(batch)
@@ -429,7 +438,26 @@ class ModelRunner:
                 self._sample(logits[:len(sample_rows)], samplers, step)
             if verifiers:
                 self._verify(logits[len(sample_rows):], verifiers, step)
+        if drafting_mtp:
+            self._draft_with_mtp(out.scheduled, batch, hidden, step)
         return step
+
+    def _draft_with_mtp(self, scheduled: list[ScheduledSequence], batch: ForwardBatch, hidden: torch.Tensor,
+                        step: "LaunchedStep") -> None:
+        """The MTP layer over the rows whose next token is known now; drafts for the next step (spec_decode/mtp.py)."""
+        sampled = dict(zip((seq.seq_id for seq in step.seqs), step.device_tokens.tolist())) if step.seqs else {}
+        emitted = {}
+        if step.verified is not None:
+            emitted = {s.seq.seq_id: e for s, e in zip(step.verified[0], step.verified[1].emitted)}
+        next_tokens = [mtp_rows(s, sampled.get(s.seq.seq_id), emitted.get(s.seq.seq_id)) for s in scheduled]
+        starts = batch.query_start_loc.tolist()[:-1]
+        if not any(next_tokens):
+            return
+        mtp, seq_index, rows = mtp_batch(batch, scheduled, starts, next_tokens, self.device)
+        mtp.attn_metadata = self.attn_backend.build_metadata(mtp)
+        target = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+        logits = self.model.mtp_logits(mtp.input_ids, target, mtp)
+        step.mtp_drafts = drafts_from_logits(logits, scheduled, seq_index, next_tokens)
 
     def _pick_tokens(self, logits: torch.Tensor, scheduled: list[ScheduledSequence], step: "LaunchedStep") -> None:
         """Sampling and verification of a graph-replayed decode step: `logits` has one row per scheduled position."""
@@ -456,7 +484,7 @@ class ModelRunner:
 
     def collect(self, step: "LaunchedStep") -> ModelRunnerOutput:
         """Wait for a launched step's sampled tokens and turn them into plain Python values."""
-        result = ModelRunnerOutput(prompt_logprobs=step.prompt_logprobs)
+        result = ModelRunnerOutput(prompt_logprobs=step.prompt_logprobs, mtp_drafts=step.mtp_drafts)
         if step.verified is not None:
             scheduled, verified = step.verified
             for i, s in enumerate(scheduled):
@@ -519,6 +547,12 @@ class ModelRunner:
         return entries
 
 
+def _drafts_with_mtp(model) -> bool:
+    """The model was built with DeepSeek-V3's MTP layer for speculative decoding (V4.1's `mtp` draft blocks are
+    loaded but not run yet)."""
+    return hasattr(model, "mtp_logits") and model.mtp is not None
+
+
 def _sampled_rows(s: ScheduledSequence) -> list[int]:
     """Offsets of the rows whose logits pick tokens: the last one, or every row of a decode with drafts (row j
     verifies draft j, the last row follows the final draft)."""
@@ -547,6 +581,7 @@ class LaunchedStep:
     ready: "torch.cuda.Event | None" = None
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     verified: "tuple[list[ScheduledSequence], VerifyResult] | None" = None   # sequences that verified drafts
+    mtp_drafts: "dict[int, MTPDraft]" = field(default_factory=dict)          # seq_id -> next step's draft
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
