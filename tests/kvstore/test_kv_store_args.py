@@ -19,7 +19,7 @@ from deepserve.config import EngineArgs, KVStoreConfig
     ({"backend": "disk", "path": "/tmp/x", "disk_bytes": "big"}, "kv_store.disk_bytes"),
     ({"backend": "redis", "url": "redis://h:1", "timeout_s": 0}, "kv_store.timeout_s"),
     ({"backend": "memory", "bakend": 1}, "unknown field"),
-    ("{not json", "kv_store: not JSON"),
+    ("{not json", "kv_store: not valid JSON"),
     (["memory"], "kv_store must be a dict"),
 ])
 def test_bad_kv_store_is_a_value_error_naming_the_field(value, field):
