@@ -44,6 +44,7 @@ class ModelConfig:
     skip_tokenizer_init: bool
     seed: int
     quantization: str | None = None   # None | "int8" (weight-only) | "w8a8" (see layers/quantization.py)
+    keep_mtp: bool = False          # build and load DeepSeek-V3's MTP layer (speculative_config method "mtp")
 
     @property
     def architecture(self) -> str:
@@ -90,6 +91,18 @@ class DeviceConfig:
     cuda_graph_max_batch_size: int | None = None   # largest captured decode batch (None: max_num_seqs, <= 512)
 
 
+def json_dict(value: Any, name: str, example: str) -> dict[str, Any]:
+    """A dict-valued engine argument given as a dict or as its JSON text (the CLI's form); ValueError naming it."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict like {example}; got {type(value).__name__}")  # noqa: TRY004
+    return value
+
+
 SPEC_METHODS = ("ngram", "mtp", "dspark")
 VERIFY_LENGTHS = ("fixed", "confidence")
 
@@ -114,13 +127,7 @@ class SpeculativeConfig:
     def from_dict(cls, spec: dict[str, Any] | None) -> "SpeculativeConfig | None":
         if spec is None:
             return None
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(spec, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        spec = json_dict(spec, "speculative_config", "{'method': 'ngram', 'num_speculative_tokens': 4}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(spec) - known)
         if unknown:
@@ -185,14 +192,7 @@ class KVStoreConfig:
         """A kv_store dict (or its JSON text) -> KVStoreConfig. Raises ValueError naming the bad field."""
         if isinstance(value, KVStoreConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_store: not JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_store must be a dict like {{'backend': 'disk', 'path': DIR}}; got "  # noqa: TRY004
-                             f"{type(value).__name__}")
+        value = json_dict(value, "kv_store", "{'backend': 'disk', 'path': DIR}")
         unknown = sorted(set(value) - _KV_STORE_FIELDS)
         if unknown:
             raise ValueError(f"kv_store: unknown field(s) {', '.join(unknown)}; known: "
@@ -358,7 +358,8 @@ class EngineArgs:
             kv_store=kv_store,
             model=ModelConfig(model=path, hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
-                              seed=self.seed, quantization=self.quantization),
+                              seed=self.seed, quantization=self.quantization,
+                              keep_mtp=self.speculative is not None and self.speculative.method == "mtp"),
             cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization, dtype=kv_dtype),

@@ -63,6 +63,8 @@ class Sequence:
         # Speculative decoding: tokens proposed for the positions after the last one, for the next step only (set by
         # the speculator before scheduling; never part of token_ids unless the target model accepts them).
         self.draft_token_ids: list[int] = []
+        # With a grammar: the token bitmask of each verification row (structured/bitmask.py), [drafts + 1, words].
+        self.draft_bitmask = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         # Structured outputs: the sequence's StructuredMatcher (deepserve/structured/matcher.py), set by the engine

@@ -272,6 +272,8 @@ class LLMEngine:
         """Collect a launched step's tokens and apply them: stops, detokenization, prefix-cache naming."""
         sched_out, handle = launched
         runner_out = self.runner.collect(handle)
+        if self.speculator is not None:
+            self.speculator.take_model_drafts(runner_out.mtp_drafts)
         now = time.monotonic()
         for s in sched_out.scheduled:
             seq = s.seq

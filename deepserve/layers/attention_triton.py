@@ -26,15 +26,26 @@ class TritonAttentionMetadata:
     tile_m0: Optional[torch.Tensor]       # [num_tiles] int32 first query row of the tile within its sequence
     num_decodes: int
     num_prefill_tiles: int
+    # Rows run as decodes of their own length (see `rows_as_decodes`): per-row tables and lengths (None: per sequence)
+    row_block_tables: Optional[torch.Tensor] = None
+    row_seq_lens: Optional[torch.Tensor] = None
 
 
 class TritonPagedAttention:
     """GPU backend: Triton kernels with the reference backend's metadata needs (ForwardBatch fields only)."""
 
-    def __init__(self, num_splits: Optional[int] = None) -> None:
-        self.num_splits = num_splits   # force the decode split count (tests); None: heuristic
+    def __init__(self, num_splits: Optional[int] = None, rows_as_decodes: bool = False) -> None:
+        """`rows_as_decodes` (batch-invariant mode): every query row runs through the decode kernel as a sequence of
+        its own length, never the prefill kernel, and without split-K, so a row's keys are reduced in one order
+        whatever the batch, the chunking or the cache hits (deepinfer.md section 9). Rows of a decode verifying
+        drafts always run so (speculative decoding: they are decodes one position apart)."""
+        self.rows_as_decodes = rows_as_decodes
+        self.num_splits = 1 if rows_as_decodes else num_splits   # None: heuristic (tests may force a count)
 
     def build_metadata(self, batch) -> TritonAttentionMetadata:
+        drafts = batch.draft_lens_cpu
+        if self.rows_as_decodes or (drafts and any(drafts)):
+            return self._row_decode_metadata(batch)
         device = batch.input_ids.device
         q_lens = batch.query_lens_cpu
         decode_b = [b for b, n in enumerate(q_lens) if n == 1]
@@ -55,6 +66,31 @@ class TritonPagedAttention:
             tile_seq, tile_m0 = prefill_tiles(q_lens, prefill_b, device, PREFILL_BLOCK_M)
             num_tiles = int(tile_seq.shape[0])
         return TritonAttentionMetadata(rows, seqs, max_len, tile_seq, tile_m0, len(decode_b), num_tiles)
+
+    def _row_decode_metadata(self, batch) -> TritonAttentionMetadata:
+        """Sequences whose rows run as decodes (all, or those with drafts) get one decode row per query row, the
+        keys up to its own position; the others keep the plain split."""
+        device = batch.input_ids.device
+        q_lens, s_lens = batch.query_lens_cpu, batch.seq_lens_cpu
+        drafts = batch.draft_lens_cpu or [0] * len(q_lens)
+        rows, seqs, lens, prefill_b, acc = [], [], [], [], 0
+        for b, n in enumerate(q_lens):
+            if n == 1 or drafts[b] or self.rows_as_decodes:
+                rows.extend(range(acc, acc + n))
+                seqs.extend([b] * n)
+                lens.extend(range(s_lens[b] - n + 1, s_lens[b] + 1))
+            else:
+                prefill_b.append(b)
+            acc += n
+        seq_index = torch.tensor(seqs, dtype=torch.int64).to(device, non_blocking=True)
+        meta = TritonAttentionMetadata(
+            torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+            torch.arange(len(rows), dtype=torch.int64, device=device), max(lens), None, None, len(rows), 0,
+            batch.block_tables.index_select(0, seq_index), torch.tensor(lens, dtype=torch.int64).to(device))
+        if prefill_b:
+            meta.tile_seq, meta.tile_m0 = prefill_tiles(q_lens, prefill_b, device, PREFILL_BLOCK_M)
+            meta.num_prefill_tiles = int(meta.tile_seq.shape[0])
+        return meta
 
     def build_graph_metadata(self, batch, max_seq_len: int) -> TritonAttentionMetadata:
         """Metadata of a decode-only batch captured in a CUDA graph: every row decodes, and the split-K grid is
@@ -88,7 +124,9 @@ class TritonPagedAttention:
     def _attend(self, q, kv_cache, batch, meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
-            decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, out=out,
+            per_row = meta.row_block_tables is not None
+            decode_attention(q, kv_cache, meta.row_block_tables if per_row else batch.block_tables,
+                             meta.row_seq_lens if per_row else batch.seq_lens, scale, out=out,
                              q_rows=meta.decode_rows, seq_ids=meta.decode_seqs, max_seq_len=meta.decode_max_len,
                              num_splits=self.num_splits, inputs_ready=True)
         if meta.num_prefill_tiles:

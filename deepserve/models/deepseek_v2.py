@@ -8,8 +8,8 @@ first `first_k_dense_replace` layers and an MoE (routed experts + shared experts
              renormalised (norm_topk_prob), times routed_scaling_factor. The gate stays fp32, as in HF.
   The router reads `scoring_func` / `topk_method` from the config, so V4.1's sqrt(softplus) scoring works too.
 
-Not yet: the V3 multi-token-prediction module (checkpoint layers numbered >= num_hidden_layers, i.e.
-`num_nextn_predict_layers` of them) is skipped at load; it becomes the MTP drafter of speculative decoding.
+The V3 multi-token-prediction module (checkpoint layers numbered >= num_hidden_layers) is skipped at load unless
+speculative decoding asks for it (`keep_mtp`, models/deepseek_mtp.py): then it is the MTP drafter.
 FP8 checkpoints (`*.weight_scale_inv`) are dequantized on load (deepserve/loader/fp8.py).
 """
 
@@ -25,7 +25,9 @@ from deepserve.layers.mla import MLARotaryEmbedding, MultiHeadLatentAttention, m
 from deepserve.layers.rotary import rope_parameters
 from deepserve.layers.moe import FusedMoE, GatedMLP, RoutingConfig, copy_checked
 from deepserve.loader.fp8 import dequantize_weights, weight_block_size
+from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.models.base import CausalLM, DecoderLayer
+from deepserve.models.deepseek_mtp import MultiTokenPredictor
 
 
 def routing_config(cfg: dict[str, Any], version: int) -> RoutingConfig:
@@ -98,3 +100,64 @@ class DeepseekV2ForCausalLM(CausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     version = 3
+
+    def __init__(self, cfg: dict[str, Any], max_position: int, keep_mtp: bool = False) -> None:
+        super().__init__(cfg, max_position)
+        self.mtp: MultiTokenPredictor | None = None
+        if keep_mtp:
+            if int(cfg.get("num_nextn_predict_layers") or 0) < 1:
+                raise ValueError("speculative_config method 'mtp' needs a checkpoint with MTP layers "
+                                 "(num_nextn_predict_layers >= 1 in config.json)")
+            n = cfg["num_hidden_layers"]
+            rotary = self.layers[0].self_attn.rotary
+            scale = self.layers[0].self_attn.attn.scale
+            self.mtp = MultiTokenPredictor(cfg, deepseek_layer(cfg, n, rotary, scale, self.version))
+
+    def attention_layers(self) -> list:
+        """The decoder layers' caches, then the MTP layer's (it is paged like them)."""
+        layers = super().attention_layers()
+        return layers + [self.mtp.block.self_attn.attn] if self.mtp is not None else layers
+
+    def moe_layers(self) -> list:
+        layers = super().moe_layers()
+        return layers + [self.mtp.block.mlp] if self.mtp is not None and hasattr(self.mtp.block.mlp,
+                                                                                  "expert_load") else layers
+
+    def mtp_logits(self, token_ids: torch.Tensor, target_hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The MTP layer over rows (next token, the target's final hidden state at the row's position)."""
+        return self.mtp(self.embed_tokens(token_ids), target_hidden, batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self.mtp is None:
+            return super().load_weights(weights)
+        n = len(self.layers)
+        mtp_weights: list[tuple[str, torch.Tensor]] = []
+
+        def main_weights():
+            for name, tensor in weights:
+                short = name.removeprefix("model.")
+                if short.startswith(f"layers.{n}."):
+                    mtp_weights.append((short.removeprefix(f"layers.{n}."), tensor))
+                else:
+                    yield name, tensor
+        loaded = super().load_weights(main_weights())
+        return loaded | self._load_mtp(mtp_weights)
+
+    def _load_mtp(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+        """`model.layers.{N}.*`: enorm / hnorm / eh_proj / shared_head.* and the decoder layer's own names."""
+        params = dict(self.mtp.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in dequantize_weights(iter(weights), weight_block_size(self.config)):
+            if name == "embed_tokens.weight" or "rotary_emb.inv_freq" in name:
+                continue            # the MTP layer shares the model's embedding (V3 stores a copy)
+            if name.startswith("mlp."):
+                filled = self.mtp.block.mlp.load_weight(name.removeprefix("mlp."), tensor)
+                if filled is not None:
+                    loaded.add(f"mtp.block.mlp.{filled}")
+                continue
+            target = name if name.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head") else f"block.{name}"
+            if target not in params:
+                raise KeyError(f"checkpoint tensor model.layers.{len(self.layers)}.{name!r} has no place in the MTP layer")
+            copy_checked(params[target], tensor, target)
+            loaded.add(f"mtp.{target}")
+        return loaded

@@ -7,9 +7,13 @@ After the step: the drafter's estimate learns from what was accepted; the sequen
 grow. Rejected drafts never reach the sequence's token list, and the scheduler gives their KV slots back.
 
 Sequences that draft: decoding ones (the prompt is done) whose next token needs nothing the verifier does not
-apply: no repetition / presence / frequency penalty, no pending min_tokens ban (those depend on the tokens
-before each row, drafts included) and no grammar (structured outputs: the verifier does not apply a token bitmask
-per draft row yet). The others decode one token a step as without speculation.
+apply: no repetition / presence / frequency penalty and no pending min_tokens ban (those depend on the tokens
+before each row, drafts included). The others decode one token a step as without speculation.
+
+Structured outputs: a sequence with a grammar drafts too. Its matcher fills one bitmask row per verification row
+(tokens allowed after the drafts before it, accepted tentatively and rolled back), drafts past the first one the
+grammar refuses are dropped, and the verifier masks each row before choosing; the matcher then advances over the
+tokens actually emitted.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from deepserve.config import SpeculativeConfig
 from deepserve.sequence import Sequence
 from deepserve.spec_decode.drafts import Drafts
 from deepserve.spec_decode.length_policy import StepCostModel, choose_verify_lengths
+from deepserve.spec_decode.mtp import MTPDrafter
 from deepserve.spec_decode.ngram import NgramDrafter
 
 
@@ -35,14 +40,18 @@ class SpecDecodeStats:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, cost_model: StepCostModel | None = None) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config: method {config.method!r} is not available yet (only 'ngram')")
+        if config.method == "dspark":
+            raise ValueError("speculative_config: method 'dspark' is not available yet ('ngram' and 'mtp' are)")
+        if config.method == "mtp" and config.num_speculative_tokens != 1:
+            raise ValueError("speculative_config: method 'mtp' drafts one token a step (DeepSeek-V3's one MTP layer): "
+                             f"num_speculative_tokens must be 1, got {config.num_speculative_tokens}")
         if config.verify_length == "confidence" and cost_model is None:
             raise ValueError("verify_length='confidence' needs a step cost model")
         self.config = config
         self.max_model_len = max_model_len
         self.cost_model = cost_model
-        self.drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.drafter = (MTPDrafter() if config.method == "mtp" else
+                        NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max))
         self.stats = SpecDecodeStats()
         self._proposed: dict[int, Drafts] = {}      # seq_id -> what was proposed for the step being scheduled
 
@@ -62,15 +71,25 @@ class Speculator:
             lengths = choose_verify_lengths([d.confidences for d in proposals], self.cost_model.cost)
             proposals = [d.truncated(n) for d, n in zip(proposals, lengths)]
         for seq, drafts in zip(decoding, proposals):
+            seq.draft_bitmask = None
+            if drafts.token_ids and seq.grammar is not None:
+                drafts = self._constrain(seq, drafts)
             if drafts.token_ids:
                 seq.draft_token_ids = list(drafts.token_ids)
                 self._proposed[seq.seq_id] = drafts
         self.drafter.step()
 
+    @staticmethod
+    def _constrain(seq: Sequence, drafts: Drafts) -> Drafts:
+        """Keep the drafts the sequence's grammar allows; `seq.draft_bitmask` gets a mask row per verification row."""
+        mask, allowed = seq.grammar.fill_bitmask_for_drafts(drafts.token_ids)
+        seq.draft_bitmask = mask[:allowed + 1] if allowed else None
+        return drafts.truncated(allowed)
+
     def _draft_limit(self, seq: Sequence) -> int:
         p = seq.params
         if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                or seq.num_output_tokens < p.min_tokens or getattr(seq, "grammar", None) is not None):
+                or seq.num_output_tokens < p.min_tokens):
             return 0
         limit = min(self.config.num_speculative_tokens, self.max_model_len - seq.num_tokens)
         if p.max_tokens is not None:
@@ -95,6 +114,11 @@ class Speculator:
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += num_verified
         self.stats.num_accepted_tokens += num_accepted
+
+    def take_model_drafts(self, drafts: dict) -> None:
+        """Drafts a model-based drafter produced in the step just collected (the MTP layer's)."""
+        if drafts and isinstance(self.drafter, MTPDrafter):
+            self.drafter.latest.update(drafts)
 
     def forget(self, seq: Sequence) -> None:
         self.drafter.forget(seq)

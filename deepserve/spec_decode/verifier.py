@@ -31,6 +31,7 @@ from deepserve.kernels.reference.counter_rng import CASE_RESIDUAL, CASE_SAMPLE, 
 from deepserve.kernels.reference.sampling import sample_from_probs, shaped_probs
 from deepserve.layers.sampler import greedy_tokens
 from deepserve.sampling_params import SamplingParams
+from deepserve.structured import bitmask as bitmask_ops
 
 ROW_POSITION_STRIDE = 10000019      # DeepInfer's: keeps the rows of one step apart from the next steps' positions
 _RESIDUAL_SHRINK = math.exp(-5e-5)
@@ -43,6 +44,7 @@ class VerifyGroup:
     seed: int
     next_position: int              # position of the token row 0 predicts (the sequence's length)
     draft_token_ids: list[int]
+    bitmask: torch.Tensor | None = None     # structured outputs: int32 words, a row per row of the group
 
 
 @dataclass
@@ -55,7 +57,8 @@ class VerifyResult:
 def verify(logits: torch.Tensor, groups: list[VerifyGroup], max_num_logprobs: int | None = None) -> VerifyResult:
     """`logits` [sum(t + 1), V]: every group's rows, in order. Raw logprobs (the model's distribution, as the
     sampler reports them) of each emitted token are returned when `max_num_logprobs` is not None."""
-    logits = logits.float()
+    raw = logits.float()
+    logits = _apply_grammars(raw, groups)
     rows = _RowLayout(groups)
     greedy_out = greedy_tokens(logits)
     accept = greedy_out.cpu().numpy() == rows.drafts     # greedy rule; sampled rows are overwritten below
@@ -78,8 +81,25 @@ def verify(logits: torch.Tensor, groups: list[VerifyGroup], max_num_logprobs: in
         num_accepted.append(a)
     logprobs = None
     if max_num_logprobs is not None:
-        logprobs = _emitted_logprobs(logits, rows.first_row, emitted, max_num_logprobs)
+        logprobs = _emitted_logprobs(raw, rows.first_row, emitted, max_num_logprobs)
     return VerifyResult(emitted, num_accepted, logprobs)
+
+
+def _apply_grammars(logits: torch.Tensor, groups: list[VerifyGroup]) -> torch.Tensor:
+    """Disallowed tokens of constrained groups' rows at -inf (a draft the grammar refuses is then rejected: the
+    target gives it probability 0); unconstrained rows untouched."""
+    if all(g.bitmask is None for g in groups):
+        return logits
+    words, rows, first = [], [], 0
+    for g in groups:
+        n = len(g.draft_token_ids) + 1
+        if g.bitmask is not None:
+            words.append(g.bitmask[:n])
+            rows.extend(range(first, first + n))
+        else:
+            words.append(bitmask_ops.allocate(n, logits.shape[-1]))
+        first += n
+    return bitmask_ops.apply_bitmask(logits, torch.cat(words), torch.tensor(rows, dtype=torch.int64))
 
 
 class _RowLayout:

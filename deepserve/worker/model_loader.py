@@ -21,7 +21,11 @@ def load_model(config: ModelConfig, device: torch.device) -> nn.Module:
     torch.set_default_dtype(config.dtype if config.dtype.is_floating_point else old_dtype)
     try:
         with torch.device(device):
-            model = cls(config.hf_config, max_position=config.max_model_len)
+            extra = {"keep_mtp": True} if config.keep_mtp else {}
+            if extra and not hasattr(cls, "mtp_logits"):
+                raise ValueError(f"speculative_config method 'mtp' needs a model with MTP layers (DeepSeek-V3); "
+                                 f"{config.architecture} has none")
+            model = cls(config.hf_config, max_position=config.max_model_len, **extra)
     finally:
         torch.set_default_dtype(old_dtype)
     if config.load_format == "dummy":

@@ -21,12 +21,14 @@ import torch
 from deepserve.config import EngineConfig
 from deepserve.layers.attention import Attention, TorchPagedAttention
 from deepserve.layers.forward_batch import ForwardBatch
-from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, SequenceSamplingRow
-from deepserve.sampling_params import SamplingParams
+from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SequenceSamplingRow
+from deepserve.spec_decode.mtp import MTPDraft, drafts_from_logits, mtp_batch, mtp_rows
 from deepserve.spec_decode.verifier import VerifyGroup, VerifyResult, verify
 from deepserve.worker.model_loader import load_model
 from deepserve.worker.batch_builder import build_forward_batch
 from deepserve.worker.host_memory import retain_freed_memory
+from deepserve.worker.memory_profile import (MAX_LOGPROBS, CudaMemory, costliest_sampling, fitting_budget,
+                                             largest_steps)
 from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ class ModelRunnerOutput:
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)                # seq_id -> emitted tokens
     spec_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)       # seq_id -> one per token
     num_accepted_drafts: dict[int, int] = field(default_factory=dict)
+    mtp_drafts: "dict[int, MTPDraft]" = field(default_factory=dict)    # seq_id -> the MTP layer's next draft
 
 
 class ModelRunner:
@@ -261,11 +264,11 @@ class ModelRunner:
             return
         # launch's prompt logprobs: PROMPT_LOGPROB_ROWS rows at a time, their logits, float32 log-softmax, top-k.
         slice_logits = self.model.compute_logits(hidden[:min(max(query_lens), PROMPT_LOGPROB_ROWS)])
-        torch.log_softmax(slice_logits.float(), dim=-1).topk(_MAX_LOGPROBS, dim=-1)
+        torch.log_softmax(slice_logits.float(), dim=-1).topk(MAX_LOGPROBS, dim=-1)
         del slice_logits
         # The sampled rows' logits through the sampler's costliest path.
         logits = self.model.compute_logits(hidden[(starts[1:] - 1).to(dev)])
-        self.sampler(logits, _costliest_sampling(len(query_lens), logits.shape[-1], self.device))
+        self.sampler(logits, costliest_sampling(len(query_lens), logits.shape[-1], self.device))
 
     @torch.inference_mode()
     def measure_step_costs(self, sizes: list[int], context: int, repeats: int = 5) -> list[tuple[int, float]]:
@@ -322,6 +325,9 @@ class ModelRunner:
             return None
         from deepserve.layers.moe import TorchMoE
         reference_moe = any(isinstance(layer.backend, TorchMoE) for layer in self.model.moe_layers())
+        if _drafts_with_mtp(self.model):
+            logger.info("CUDA graphs off: the MTP drafter runs after every step's sampling (eager)")
+            return None
         if not hasattr(self.attn_backend, "build_graph_metadata") or reference_moe:
             logger.info("CUDA graphs off: this model's layers run eagerly")
             return None
@@ -403,7 +409,11 @@ class ModelRunner:
             self._pick_tokens(logits, out.scheduled, step)
             return step
         prompt_rows = [_prompt_logprob_rows(s) for s in out.scheduled]
-        logits_rows = [p + _sampled_rows(s) for s, p in zip(out.scheduled, prompt_rows)]
+        drafting_mtp = _drafts_with_mtp(self.model)
+        if drafting_mtp:        # the MTP layer reads every row's final hidden state
+            logits_rows = [list(range(s.num_new_tokens)) for s in out.scheduled]
+        else:
+            logits_rows = [p + _sampled_rows(s) for s, p in zip(out.scheduled, prompt_rows)]
         batch = build_forward_batch(out, self.block_size, self.device, logits_rows)
         _patch_inflight(batch.input_ids, batch.inflight_rows, previous)
         batch.attn_metadata = self.attn_backend.build_metadata(batch)
@@ -429,7 +439,26 @@ class ModelRunner:
                 self._sample(logits[:len(sample_rows)], samplers, step)
             if verifiers:
                 self._verify(logits[len(sample_rows):], verifiers, step)
+        if drafting_mtp:
+            self._draft_with_mtp(out.scheduled, batch, hidden, step)
         return step
+
+    def _draft_with_mtp(self, scheduled: list[ScheduledSequence], batch: ForwardBatch, hidden: torch.Tensor,
+                        step: "LaunchedStep") -> None:
+        """The MTP layer over the rows whose next token is known now; drafts for the next step (spec_decode/mtp.py)."""
+        sampled = dict(zip((seq.seq_id for seq in step.seqs), step.device_tokens.tolist())) if step.seqs else {}
+        emitted = {}
+        if step.verified is not None:
+            emitted = {s.seq.seq_id: e for s, e in zip(step.verified[0], step.verified[1].emitted)}
+        next_tokens = [mtp_rows(s, sampled.get(s.seq.seq_id), emitted.get(s.seq.seq_id)) for s in scheduled]
+        starts = batch.query_start_loc.tolist()[:-1]
+        if not any(next_tokens):
+            return
+        mtp, seq_index, rows = mtp_batch(batch, scheduled, starts, next_tokens, self.device)
+        mtp.attn_metadata = self.attn_backend.build_metadata(mtp)
+        target = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+        logits = self.model.mtp_logits(mtp.input_ids, target, mtp)
+        step.mtp_drafts = drafts_from_logits(logits, scheduled, seq_index, next_tokens)
 
     def _pick_tokens(self, logits: torch.Tensor, scheduled: list[ScheduledSequence], step: "LaunchedStep") -> None:
         """Sampling and verification of a graph-replayed decode step: `logits` has one row per scheduled position."""
@@ -450,13 +479,14 @@ class ModelRunner:
 
     def _verify(self, logits: torch.Tensor, scheduled: list[ScheduledSequence], step: "LaunchedStep") -> None:
         """Rows of sequences with drafts: accept a prefix of the drafts and emit one token more (spec_decode)."""
-        groups = [VerifyGroup(s.seq.params, s.seq.seed, s.start + 1, s.draft_token_ids) for s in scheduled]
+        groups = [VerifyGroup(s.seq.params, s.seq.seed, s.start + 1, s.draft_token_ids, s.seq.draft_bitmask)
+                  for s in scheduled]
         requested = [s.seq.params.logprobs for s in scheduled if s.seq.params.logprobs is not None]
         step.verified = (scheduled, verify(logits, groups, max(requested) if requested else None))
 
     def collect(self, step: "LaunchedStep") -> ModelRunnerOutput:
         """Wait for a launched step's sampled tokens and turn them into plain Python values."""
-        result = ModelRunnerOutput(prompt_logprobs=step.prompt_logprobs)
+        result = ModelRunnerOutput(prompt_logprobs=step.prompt_logprobs, mtp_drafts=step.mtp_drafts)
         if step.verified is not None:
             scheduled, verified = step.verified
             for i, s in enumerate(scheduled):
@@ -519,6 +549,12 @@ class ModelRunner:
         return entries
 
 
+def _drafts_with_mtp(model) -> bool:
+    """The model was built with DeepSeek-V3's MTP layer for speculative decoding (V4.1's `mtp` draft blocks are
+    loaded but not run yet)."""
+    return hasattr(model, "mtp_logits") and model.mtp is not None
+
+
 def _sampled_rows(s: ScheduledSequence) -> list[int]:
     """Offsets of the rows whose logits pick tokens: the last one, or every row of a decode with drafts (row j
     verifies draft j, the last row follows the final draft)."""
@@ -547,6 +583,7 @@ class LaunchedStep:
     ready: "torch.cuda.Event | None" = None
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     verified: "tuple[list[ScheduledSequence], VerifyResult] | None" = None   # sequences that verified drafts
+    mtp_drafts: "dict[int, MTPDraft]" = field(default_factory=dict)          # seq_id -> next step's draft
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -568,85 +605,3 @@ def _patch_inflight(input_ids: torch.Tensor, rows: list[tuple[int, int]], previo
     src = torch.tensor([previous.row_of[seq_id] for _, seq_id in rows], dtype=torch.int64).to(device,
                                                                                               non_blocking=True)
     input_ids.index_copy_(0, dst, previous.device_tokens.index_select(0, src))
-
-
-# --- memory profile helpers ------------------------------------------------------------------------
-_MAX_LOGPROBS = 20      # the most (prompt_)logprobs SamplingParams accepts: the profile's top-k
-
-
-class CudaMemory:
-    """What the memory profile asks of the device. The runner calls an object like this one, so that a test can
-    hand it a fake with a budget of its choosing."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
-
-    def reset_peak(self) -> None:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak_allocated(self) -> int:
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device)
-
-    def info(self) -> tuple[int, int, int]:
-        """(free, total, reserved by this process's allocator), once the allocator's unused cache is released."""
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        return free, total, torch.cuda.memory_reserved(self.device)
-
-
-def largest_steps(max_tokens: int, max_seqs: int, max_model_len: int) -> list[list[int]]:
-    """Chunk lengths of the largest steps the scheduler can form under a budget of `max_tokens`: the most tokens
-    (a chunk is at most max_model_len long) over the most sequences, with chunks as long as the rest allows; and,
-    when that shape cannot hold a chunk of the longest length too, a second step of the fewest, longest chunks
-    (attention workspace grows with a chunk's length; the sampler's with the sequence count)."""
-    tokens = min(max_tokens, max_seqs * max_model_len)
-    longest = min(tokens, max_model_len)
-    steps = [_spread(tokens, min(max_seqs, tokens), longest)]
-    if steps[0][0] < longest:
-        steps.append(_spread(tokens, -(-tokens // longest), longest))
-    return steps
-
-
-def _spread(tokens: int, seqs: int, longest: int) -> list[int]:
-    """`seqs` chunk lengths summing to `tokens`, each at most `longest`, the first ones as long as they can be."""
-    lens = []
-    for i in range(seqs):
-        lens.append(min(longest, tokens - (seqs - i - 1)))
-        tokens -= lens[-1]
-    return lens
-
-
-def fitting_budget(peaks: dict[int, int | None], weights: int, room: int, kv_bytes_needed) -> int | None:
-    """The largest token budget below the profiled ones whose step peak plus `kv_bytes_needed(budget)` stays within
-    `room`, the peak estimated on the line through the two largest sizes that ran (the weights at 0 tokens when only
-    one did); a multiple of 256 from 512 on. None when no budget fits."""
-    ran = sorted((n, p) for n, p in peaks.items() if p is not None)
-    if not ran:
-        return None
-    (n0, p0), (n1, p1) = ([(0, weights)] + ran)[-2:]
-    per_token = max((p1 - p0) / (n1 - n0), 1.0)
-    lo, hi = 0, max(peaks) - 1          # both costs grow with the budget: bisect for the last one that fits
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if p1 + per_token * (mid - n1) + kv_bytes_needed(mid) <= room:
-            lo = mid
-        else:
-            hi = mid - 1
-    fit = lo // 256 * 256 if lo >= 512 else lo
-    return fit or None
-
-
-def _costliest_sampling(rows: int, vocab_size: int, device: torch.device) -> SamplingMetadata:
-    """Sampling metadata that takes every path of the sampler: penalties ([rows, vocab] counts and masks),
-    top-k / top-p (a full sort), min_p, logprobs, and one greedy row beside the drawn ones."""
-    drawn = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                           presence_penalty=0.5, frequency_penalty=0.5, logprobs=_MAX_LOGPROBS)
-    greedy = SamplingParams(temperature=0.0, repetition_penalty=1.1, logprobs=_MAX_LOGPROBS)
-    sampling_rows = [SamplingRow(greedy if i == 0 and rows > 1 else drawn, seed=i, position=1, prompt_token_ids=[0],
-                                 output_token_ids=[0], eos_token_ids=set()) for i in range(rows)]
-    return SamplingMetadata.build(sampling_rows, vocab_size, device)

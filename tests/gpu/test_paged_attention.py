@@ -15,6 +15,7 @@ from deepserve.kernels.paged_attention import (DECODE_BLOCK_N, active_splits_ref
                                                write_kv_ref)
 from deepserve.kernels.rotary import apply_rotary
 from deepserve.layers.attention import TorchPagedAttention
+from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.rotary import RotaryEmbedding
 from kernel_testing import (DTYPES, assert_attention_close, assert_close_rel, assert_within_ulps, make_batch,
                             poison_unused_splits, random_cache, skip_bf16_in_interpreter)
@@ -343,3 +344,39 @@ def test_backend_decode_only_long(device):
         outs.append((backend.forward(q, k, v, c, batch, 0.2), c))
     assert torch.equal(outs[0][1], outs[1][1])
     assert_attention_close(outs[1][0], outs[0][0], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_as_decodes_match_and_do_not_depend_on_the_batch(device, dtype):
+    """Batch-invariant mode: every row of a mixed step runs as a decode of its own length. Outputs agree with the
+    reference backend, and each sequence's rows are bitwise the same computed alone (its own batch) or in the step."""
+    skip_bf16_in_interpreter(dtype)
+    bs, head_dim, group = 16, 64, 2
+    seqs = MIXED_SEQS
+    batch = make_batch(seqs, bs, 160, device)
+    h, hkv = NUM_KV_HEADS * group, NUM_KV_HEADS
+    t = batch.num_tokens
+    q = torch.randn(t, h, head_dim, device=device).to(dtype)
+    k = torch.randn(t, hkv, head_dim, device=device).to(dtype)
+    v = torch.randn(t, hkv, head_dim, device=device).to(dtype)
+    cache = random_cache(160, bs, hkv, head_dim, dtype, device)
+    scale = 1 / math.sqrt(head_dim)
+    backend = TritonPagedAttention(rows_as_decodes=True)
+    c = cache.clone()
+    batch.attn_metadata = backend.build_metadata(batch)
+    out = backend.forward(q, k, v, c, batch, scale)
+    ref_backend = TorchPagedAttention()
+    c_ref = cache.clone()
+    batch.attn_metadata = ref_backend.build_metadata(batch)
+    assert_attention_close(out, ref_backend.forward(q, k, v, c_ref, batch, scale), dtype)
+    # Sequence 3 (70 rows over 130 cached keys) alone: the same tables, lengths and cache (written by the step).
+    starts = batch.query_start_loc.tolist()
+    lo, hi = starts[3], starts[4]
+    alone = ForwardBatch(
+        input_ids=batch.input_ids[lo:hi], positions=batch.positions[lo:hi], slot_mapping=batch.slot_mapping[lo:hi],
+        block_tables=batch.block_tables[3:4], query_start_loc=torch.tensor([0, hi - lo], device=device),
+        seq_lens=batch.seq_lens[3:4], query_lens_cpu=[hi - lo], seq_lens_cpu=batch.seq_lens_cpu[3:4],
+        logits_indices=batch.logits_indices, block_size=bs)
+    alone.attn_metadata = backend.build_metadata(alone)
+    single = backend.forward(q[lo:hi], k[lo:hi], v[lo:hi], c.clone(), alone, scale)
+    assert torch.equal(single, out[lo:hi])

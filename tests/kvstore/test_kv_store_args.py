@@ -21,7 +21,7 @@ from deepserve.config import EngineArgs, KVStoreConfig
     ({"backend": "memory", "max_fetch_bytes": -5}, "kv_store.max_fetch_bytes"),
     ({"backend": "memory", "fetch_timeout_s": 0}, "kv_store.fetch_timeout_s"),
     ({"backend": "memory", "bakend": 1}, "unknown field"),
-    ("{not json", "kv_store: not JSON"),
+    ("{not json", "kv_store: not valid JSON"),
     (["memory"], "kv_store must be a dict"),
 ])
 def test_bad_kv_store_is_a_value_error_naming_the_field(value, field):

@@ -4,6 +4,8 @@ prefix-cache hits with drafts in flight, seeded sampling reproducible, and the t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from deepserve import LLM, SamplingParams
@@ -142,13 +144,24 @@ def test_bad_speculative_config_is_a_clear_error(default_model_path):
             LLM(default_model_path, speculative_config=bad)
 
 
-def test_structured_request_decodes_without_drafts_beside_drafting_ones(spec_llm):
-    """A grammar-constrained request is not drafted for (the verifier applies no per-row bitmask yet): its output
-    matches the grammar, while a free request in the same batch still speculates."""
-    constrained = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={"choice": ["yes", "no"]})
-    free = SamplingParams(temperature=0.0, max_tokens=32)
-    outs = spec_llm.generate(["Is the sky blue? Answer yes or no.", COPY_PROMPTS[3]], [constrained, free],
-                             use_tqdm=False)
-    assert outs[0].outputs[0].text in ("yes", "no")
-    assert outs[0].metrics.spec_num_draft_tokens == 0
-    assert outs[1].metrics.spec_num_draft_tokens > 0
+def test_structured_requests_speculate_within_their_grammar(smollm, spec_llm):
+    """A grammar-constrained request drafts too: its matcher masks every verification row (drafts it refuses are
+    dropped or rejected) and advances over the emitted tokens only. Greedy output equals decoding without drafts,
+    parses, and drafts were accepted."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                               "age": {"type": "integer"}}, "required": ["name", "city", "age"]}
+    prompt = ('Repeat this JSON exactly: {"name": "Alice Smith", "city": "Paris", "age": 30}. '
+              'Then: {"name": "Alice Smith", "city": "Paris", "age": 30}')
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"json": schema}),
+              SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={"choice": ["yes", "no"]})]
+    prompts = [prompt, "Is the sky blue? Answer yes or no."]
+    want = smollm.generate(prompts, params, use_tqdm=False)
+    got = spec_llm.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+    parsed = json.loads(got[0].outputs[0].text)
+    assert set(parsed) == {"name", "city", "age"}
+    assert got[1].outputs[0].text in ("yes", "no")
+    m = got[0].metrics
+    assert m.spec_num_draft_tokens > 0 and m.spec_num_accepted_tokens > 0

@@ -108,3 +108,22 @@ def test_logprobs_are_the_raw_model_logprobs_of_each_emitted_token():
     for j, (tok, lp, ids, vals) in enumerate(entries):
         assert lp == raw[j, tok].item()
         assert ids == raw[j].topk(2).indices.tolist()
+
+
+def test_a_grammar_mask_rejects_refused_drafts_and_picks_only_allowed_tokens():
+    """Row masks (structured outputs): the argmax draft is refused by row 0's mask, so it is rejected and the
+    emitted token is the best allowed one; logprobs stay the model's raw ones."""
+    from deepserve.structured import bitmask as bm
+    torch.manual_seed(4)
+    logits = torch.randn(2, 40)
+    top = logits[0].argsort(descending=True).tolist()
+    mask = bm.allocate(2, 40)
+    words = [0, 0]
+    for tok in top[1:4]:                                  # row 0 allows the 2nd..4th best tokens only
+        words[tok // 32] |= 1 << (tok % 32)
+    mask[0] = torch.tensor(words, dtype=torch.int64).to(torch.int32)     # wraps bit 31 like an int32 word
+    assert bm.allowed_tokens(mask, 40)[0].nonzero().flatten().tolist() == sorted(top[1:4])
+    result = verify(logits, [VerifyGroup(GREEDY, 0, 5, [top[0]], mask)], max_num_logprobs=0)
+    assert result.num_accepted == [0]
+    assert result.emitted == [[top[1]]]
+    assert result.logprobs[0][0][1] == torch.log_softmax(logits[0], -1)[top[1]].item()

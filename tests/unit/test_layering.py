@@ -36,6 +36,7 @@ FLOORS: dict[str, int] = {
     "outputs": 5,
     "tokenizer": 5,
     "worker": 6,
+    "parallel": 6,          # torch.distributed pieces the engine uses (DP step votes)
     "spec_decode": 6,       # drafters, verifier, verification-length policy: the engine and the worker call them
     "kvstore": 6,           # the KV store's tiers (memory, disk, Redis) and codec; the engine drives it
     "engine": 7,

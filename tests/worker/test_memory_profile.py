@@ -17,8 +17,9 @@ from deepserve.engine.block_manager import BlockManager
 from deepserve.engine.scheduler import Scheduler
 from deepserve.sampling_params import SamplingParams
 from deepserve.sequence import Sequence, SequenceStatus
-from deepserve.worker import model_runner
-from deepserve.worker.model_runner import ModelRunner, largest_steps
+from deepserve.worker import memory_profile
+from deepserve.worker.memory_profile import largest_steps
+from deepserve.worker.model_runner import ModelRunner
 
 MiB = 1 << 20
 
@@ -114,9 +115,9 @@ def test_weights_that_leave_no_room_are_refused_without_a_suggestion(tiny_llama)
 
 
 def test_profile_logprobs_cover_what_sampling_params_allow():
-    SamplingParams(logprobs=model_runner._MAX_LOGPROBS, prompt_logprobs=model_runner._MAX_LOGPROBS)
+    SamplingParams(logprobs=memory_profile.MAX_LOGPROBS, prompt_logprobs=memory_profile.MAX_LOGPROBS)
     with pytest.raises(ValueError):
-        SamplingParams(prompt_logprobs=model_runner._MAX_LOGPROBS + 1)
+        SamplingParams(prompt_logprobs=memory_profile.MAX_LOGPROBS + 1)
 
 
 def test_largest_steps_shapes():

@@ -1,0 +1,1 @@
+"""Multi-rank pieces (torch.distributed): the data-parallel step-type votes so far (step_vote.py)."""
