@@ -14,6 +14,8 @@ device block is held meanwhile. Once the fetch is done, the next `load_prefix` c
 that the block manager names with their hashes (`import_block` + `runner.write_kv_block`: a copy per layer), the
 host bytes are released, and it answers True; the scheduler's `find_cached_prefix` then finds the blocks like any
 cached block, so they count as computed, in `num_cached_tokens` too.
+- One fetch per prefix: a sequence whose next block another sequence's fetch reads waits for that fetch's blocks
+  (n > 1 samples, requests sharing a system prompt).
 - A prompt the store lacks is admitted one step later than without a store (its lookup ran off the engine
   thread); a sequence whose lookup found nothing is not asked about again until its device hits change.
 - Bounded: fetches hold at most `kv_store.max_fetch_bytes` of host memory together; one that does not fit while
@@ -67,6 +69,7 @@ class KVStoreConnector:
         self.fetches_dropped = 0        # fetches whose sequence finished (aborted) before they were used
         self.fetches_timed_out = 0      # fetches given up after fetch_timeout_s (a hung tier): the prompt is computed
         self._fetches: dict[int, tuple[Fetch, int]] = {}    # seq_id -> (its fetch, the position it starts at)
+        self._fetching: dict[bytes, int] = {}               # first block hash of a fetch in `_fetches` -> seq_id
         self._deferred: dict[int, int] = {}                 # seq_id -> blocks its deferred fetch wanted
         # seq_id -> (device hits, preemptions) when the store last lacked its next block: a waiting sequence
         # re-examined every step does not ask the store again until that changes
@@ -106,9 +109,12 @@ class KVStoreConnector:
         hashes = bm.block_hashes(seq, max_blocks)[len(hits):][:max(room, 0)]
         if not hashes:
             return False
+        if hashes[0] in self._fetching:
+            return True                 # another sequence fetches this very prefix: wait for its blocks
         self._deferred.pop(seq.seq_id, None)
         names = [None if h in bm.cached else self.name(h) for h in hashes]      # None: the device has it
         self._fetches[seq.seq_id] = (self.fetcher.submit(names), len(hits))
+        self._fetching[hashes[0]] = seq.seq_id
         self.fetches += 1
         return True
 
@@ -118,12 +124,12 @@ class KVStoreConnector:
         if not fetch.done.is_set():
             if time.monotonic() - fetch.submitted < self.fetch_timeout_s:
                 return False
-            del self._fetches[seq.seq_id]       # a hung tier: give up on it, compute (and do not ask again)
+            self._drop_fetch(seq)               # a hung tier: give up on it, compute (and do not ask again)
             fetch.cancel()
             self.fetches_timed_out += 1
             self._looked_up[seq.seq_id] = (len(self.block_manager.find_cached_prefix(seq)), seq.num_preemptions)
             return True
-        del self._fetches[seq.seq_id]
+        self._drop_fetch(seq)
         if fetch.deferred:
             self.fetches_deferred += 1
             self._deferred[seq.seq_id] = fetch.held
@@ -169,13 +175,22 @@ class KVStoreConnector:
             bm.unpin(pinned)
             fetch.release()
 
+    def _drop_fetch(self, seq: Sequence) -> tuple[Fetch, int] | None:
+        """Take `seq`'s fetch out of the books (None: it had none)."""
+        entry = self._fetches.pop(seq.seq_id, None)
+        if entry is not None:
+            first_hash = self.block_manager.block_hashes(seq, entry[1] + 1)[entry[1]]
+            if self._fetching.get(first_hash) == seq.seq_id:
+                del self._fetching[first_hash]
+        return entry
+
     def wait_for_fetch(self, timeout: float) -> None:
         """Block the caller (an engine with nothing else to do) until a fetch finishes, at most `timeout` s."""
         self.fetcher.wait_any(timeout)
 
     def forget(self, seq: Sequence) -> None:
         """`seq` finished (or was aborted): its fetch, if any, is dropped; its memo goes."""
-        entry = self._fetches.pop(seq.seq_id, None)
+        entry = self._drop_fetch(seq)
         if entry is not None:
             entry[0].cancel()
             self.fetches_dropped += 1

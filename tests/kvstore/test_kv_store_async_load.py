@@ -288,3 +288,16 @@ def test_a_fetch_past_its_timeout_is_given_up_and_the_prompt_computed(tiny_llama
     m = engine.get_stats().kv_store
     assert m["fetches_timed_out"] == 1 and m["blocks_loaded"] == 0
     check_idle(engine)                              # the worker stopped at its next block, gave its bytes back
+
+
+def test_sequences_sharing_a_prefix_fetch_it_once(tiny_llama, reference, store_dir):
+    engine = engine_on(tiny_llama, store_dir, delay_s=0.005)
+    two = SamplingParams(n=2, max_tokens=8, temperature=0.0, ignore_eos=True)
+    done = run(engine, [("pair", LONG, two), ("single", LONG, GREEDY)], each_step=lambda: check_blocks(engine))
+    assert [o.token_ids for o in done["pair"].outputs] == [reference(LONG)] * 2
+    assert done["single"].outputs[0].token_ids == reference(LONG)
+    assert done["pair"].num_cached_tokens >= 0.9 * len(LONG) and done["single"].num_cached_tokens >= 0.9 * len(LONG)
+    m = engine.get_stats().kv_store
+    assert m["fetches"] == 1 and m["blocks_loaded"] == STORE_BLOCKS
+    assert engine.kv_store.store.tiers[0].reads == STORE_BLOCKS
+    check_idle(engine)
