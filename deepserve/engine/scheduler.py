@@ -151,7 +151,7 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[i]
             if bm.blocks_for_tokens(seq.num_tokens + 1) > bm.num_blocks:
-                self._ignore(seq, out)
+                self._ignore(i, out)
                 continue
             # Prompt logprobs need logits at every prompt position, so such requests compute all of it.
             hits = [] if seq.params.prompt_logprobs is not None else self._cached_prefix(seq)
@@ -185,8 +185,10 @@ class Scheduler:
             return None
         return self.block_manager.find_cached_prefix(seq)
 
-    def _ignore(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.waiting.remove(seq)
+    def _ignore(self, index: int, out: SchedulerOutput) -> None:
+        """Finish `waiting[index]`, which could never fit, as IGNORED."""
+        seq = self.waiting[index]
+        del self.waiting[index]
         seq.status = SequenceStatus.FINISHED_IGNORED
         seq.error = (f"sequence of {seq.num_tokens} tokens needs more KV blocks than the whole cache "
                      f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)")
