@@ -3,6 +3,10 @@ the weight faster than cuBLAS does (deepserve/kernels/gemv.py has the measuremen
 
 Models build `Linear` (an nn.Linear: loading, quantization and `isinstance` checks see no difference) and call
 `linear()` where they multiply by a weight they do not own as a module (a tied LM head).
+
+Batch-invariant mode (`EngineArgs(batch_invariant=True)`; `layers/batch_invariant.py` switches a model's layers at
+load): `Linear.batch_invariant` makes a layer compute every output row in one summation order that depends on K
+alone, not on how many rows share the call nor where the row sits among them (`invariant_linear`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from torch import nn
 from deepserve.layers.kernel_dispatch import use_triton
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+# Rows per F.linear call in the batch-invariant fallback: every call has this one shape, padded.
+INVARIANT_ROW_TILE = 32
 
 
 def one_row_on_gpu(x: torch.Tensor) -> bool:
@@ -32,7 +39,38 @@ def _norm_fits(norm: nn.Module | None, x: torch.Tensor) -> bool:
     return norm is None or norm.weight.dtype == x.dtype
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) where each output row is a function of its own input row alone, bit for bit.
+
+    On the CPU in float32 with K a multiple of 16: the C kernel of kernels/cpu/invariant_linear.c (one fixed
+    summation order per element). Elsewhere: F.linear over tiles of exactly INVARIANT_ROW_TILE rows (the last one
+    zero-padded), each in a fresh buffer of the same shape and alignment, so that the library runs one kernel for
+    every row; that relies on the library being deterministic for a fixed shape (tests check it on the host)."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.is_cpu:
+        from deepserve.kernels.cpu.invariant_linear import invariant_linear as c_invariant_linear
+        out = c_invariant_linear(flat, weight, bias)
+        if out is not None:
+            return out.view(*lead, weight.shape[0])
+    return _tiled_linear(flat, weight, bias).view(*lead, weight.shape[0])
+
+
+def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear over zero-padded tiles of INVARIANT_ROW_TILE rows (one call shape for every row)."""
+    rows, tile = x.shape[0], INVARIANT_ROW_TILE
+    padded = x.new_zeros(-(-rows // tile) * tile, x.shape[1])
+    padded[:rows] = x
+    tiles = [F.linear(padded[i:i + tile].clone(), weight, bias) for i in range(0, padded.shape[0], tile)]
+    return torch.cat(tiles)[:rows] if tiles else x.new_empty(0, weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           batch_invariant: bool = False) -> torch.Tensor:
+    """x @ weight.T + bias; `batch_invariant`: through `invariant_linear` (a row's result is independent of its
+    batch)."""
+    if batch_invariant:
+        return invariant_linear(x, weight, bias)
     if _one_row_on_gpu(x, weight) and (bias is None or bias.dtype == weight.dtype):
         from deepserve.kernels.gemv import gemv
         return gemv(x, weight, bias)
@@ -86,5 +124,7 @@ def fused_qkv_rotary_write(x: torch.Tensor, qkv_proj: nn.Module, kv_cache: torch
 
 
 class Linear(nn.Linear):
+    batch_invariant = False     # set per layer by layers/batch_invariant.py
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.batch_invariant)

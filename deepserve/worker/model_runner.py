@@ -78,7 +78,8 @@ class ModelRunner:
     def _select_attention_backend(self):
         """The backend whose `build_metadata` runs once per step. On a CUDA device with Triton: Triton kernels for
         standard attention, MLA and MoE layers; the PyTorch references everywhere else."""
-        reference = TorchPagedAttention()
+        # Batch-invariant mode: every row attends as a decode row (layers/batch_invariant.py; CPU only).
+        reference = TorchPagedAttention(rows_as_decodes=self.config.model.batch_invariant)
         layers = self.model.attention_layers()
         if self.device.type != "cuda":
             return reference

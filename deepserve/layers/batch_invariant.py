@@ -1,0 +1,51 @@
+"""Batch-invariant mode: switch a built model's layers to computations whose per-row results do not depend on the
+batch (`EngineArgs(batch_invariant=True)` or DEEPSERVE_BATCH_INVARIANT=1; deepinfer.md section 9).
+
+What varies with the batch on the CPU by default (measured, tests/layers/test_batch_invariant.py): the BLAS GEMM
+(MKL runs a GEMV for one row and picks other kernels, and K splits, by the row count and the thread count), and
+attention (prefill rows go through SDPA, decode rows through the C decode kernel: two summation orders). Row-wise
+reductions (RMSNorm's mean, log-softmax, softmax, cumsum) were measured invariant on their own, as are the
+elementwise ops (rotary, SwiGLU, residual adds) and the sampler (a pure function of a row, its seed and position).
+
+The switch, made once at load (`make_batch_invariant`) and read by the layers, not a global:
+  - every `Linear` and the tied LM head: `layers/linear.invariant_linear` (one summation order fixed by K);
+  - attention: the model runner builds `TorchPagedAttention(rows_as_decodes=True)`, which runs every query row,
+    prefill or decode, through the decode path over its own keys (ModelRunner reads `rows_as_decodes` below).
+Supported: dense models with standard attention on the CPU, unquantized; anything else is refused with a reason.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from deepserve.layers.attention import Attention, TorchPagedAttention
+from deepserve.layers.linear import Linear
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why this model cannot run batch-invariant yet (None: it can)."""
+    layers = model.attention_layers() if hasattr(model, "attention_layers") else []
+    if not layers or not all(type(a) is Attention and type(a.backend) is TorchPagedAttention for a in layers):
+        return "only standard paged attention layers are batch-invariant so far (not MLA, sliding or sparse state)"
+    if hasattr(model, "moe_layers") and model.moe_layers():
+        return "mixture-of-experts layers are not batch-invariant yet (per-expert GEMMs see a varying row count)"
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and type(module) is not Linear or "Int8" in type(module).__name__:
+            return f"{name} ({type(module).__name__}) has no batch-invariant path (quantized or foreign linear layer)"
+    return None
+
+
+def make_batch_invariant(model: nn.Module) -> nn.Module:
+    """Switch every Linear (and the tied LM head) of `model` to the batch-invariant GEMM; returns the model.
+    Raises ValueError when the model has a layer without a batch-invariant path (`unsupported_reason`)."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"batch_invariant: {type(model).__name__}: {reason}")
+    for module in model.modules():
+        if type(module) is Linear:
+            module.batch_invariant = True
+    model.batch_invariant = True        # CausalLM.compute_logits: the tied LM head
+    return model
+
+
+__all__ = ["make_batch_invariant", "unsupported_reason"]
