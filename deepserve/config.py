@@ -364,8 +364,6 @@ class EngineArgs:
         if kv_store is not None:
             kv_store.check_path()
         batch_invariant = self.resolve_batch_invariant()
-        if batch_invariant and device.type != "cpu":
-            raise ValueError("batch_invariant is implemented on the CPU only so far (device='cpu')")
         return EngineConfig(
             kv_store=kv_store,
             model=ModelConfig(model=path, hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,

@@ -28,13 +28,28 @@ class TritonAttentionMetadata:
     num_prefill_tiles: int
 
 
-class TritonPagedAttention:
-    """GPU backend: Triton kernels with the reference backend's metadata needs (ForwardBatch fields only)."""
+    # Batch-invariant mode: the decode kernel's per-row key counts and block tables (row i reads row_seq_lens[i]
+    # keys through row_tables[i]); None otherwise (rows index the batch's seq_lens and block_tables).
+    row_seq_lens: Optional[torch.Tensor] = None
+    row_tables: Optional[torch.Tensor] = None
 
-    def __init__(self, num_splits: Optional[int] = None) -> None:
-        self.num_splits = num_splits   # force the decode split count (tests); None: heuristic
+
+class TritonPagedAttention:
+    """GPU backend: Triton kernels with the reference backend's metadata needs (ForwardBatch fields only).
+
+    `rows_as_decodes` (batch-invariant mode, layers/batch_invariant.py): every query row, prefill rows included,
+    runs through the decode kernel over its own first position + 1 keys, unsplit (one program folds a row's keys in
+    DECODE_BLOCK_N tiles from the first): a row's output then depends on its own keys alone, not on the batch, the
+    chunking or the split heuristic. NOT YET RUN on a GPU (tests/gpu/test_batch_invariant_gpu.py)."""
+
+    def __init__(self, num_splits: Optional[int] = None, rows_as_decodes: bool = False) -> None:
+        self.rows_as_decodes = rows_as_decodes
+        # Force the decode split count (tests; 1 in batch-invariant mode); None: heuristic.
+        self.num_splits = 1 if rows_as_decodes else num_splits
 
     def build_metadata(self, batch) -> TritonAttentionMetadata:
+        if self.rows_as_decodes and not batch.is_decode_only:
+            return self._rows_as_decodes_metadata(batch)
         device = batch.input_ids.device
         q_lens = batch.query_lens_cpu
         decode_b = [b for b, n in enumerate(q_lens) if n == 1]
@@ -55,6 +70,20 @@ class TritonPagedAttention:
             tile_seq, tile_m0 = prefill_tiles(q_lens, prefill_b, device, PREFILL_BLOCK_M)
             num_tiles = int(tile_seq.shape[0])
         return TritonAttentionMetadata(rows, seqs, max_len, tile_seq, tile_m0, len(decode_b), num_tiles)
+
+    def _rows_as_decodes_metadata(self, batch) -> TritonAttentionMetadata:
+        """Every row a decode row: row r of sequence b at position p reads b's first p + 1 keys."""
+        device = batch.input_ids.device
+        seq_of_row, row_lens = [], []
+        for b, (q_len, seq_len) in enumerate(zip(batch.query_lens_cpu, batch.seq_lens_cpu)):
+            seq_of_row += [b] * q_len
+            row_lens += range(seq_len - q_len + 1, seq_len + 1)
+        n = len(row_lens)
+        rows = torch.arange(n, dtype=torch.int64, device=device)
+        seqs = torch.tensor(seq_of_row, dtype=torch.int64).to(device, non_blocking=True)
+        row_seq_lens = torch.tensor(row_lens, dtype=torch.int64).to(device, non_blocking=True)
+        return TritonAttentionMetadata(rows, rows, max(row_lens), None, None, n, 0, row_seq_lens=row_seq_lens,
+                                       row_tables=batch.block_tables.index_select(0, seqs).contiguous())
 
     def build_graph_metadata(self, batch, max_seq_len: int) -> TritonAttentionMetadata:
         """Metadata of a decode-only batch captured in a CUDA graph: every row decodes, and the split-K grid is
@@ -88,7 +117,9 @@ class TritonPagedAttention:
     def _attend(self, q, kv_cache, batch, meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
-            decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, out=out,
+            per_row = meta.row_seq_lens is not None
+            decode_attention(q, kv_cache, meta.row_tables if per_row else batch.block_tables,
+                             meta.row_seq_lens if per_row else batch.seq_lens, scale, out=out,
                              q_rows=meta.decode_rows, seq_ids=meta.decode_seqs, max_seq_len=meta.decode_max_len,
                              num_splits=self.num_splits, inputs_ready=True)
         if meta.num_prefill_tiles:

@@ -11,7 +11,11 @@ The switch, made once at load (`make_batch_invariant`) and read by the layers, n
   - every `Linear` and the tied LM head: `layers/linear.invariant_linear` (one summation order fixed by K);
   - attention: the model runner builds `TorchPagedAttention(rows_as_decodes=True)`, which runs every query row,
     prefill or decode, through the decode path over its own keys (ModelRunner reads `rows_as_decodes` below).
-Supported: dense models with standard attention on the CPU, unquantized; anything else is refused with a reason.
+  - on the GPU (written, NOT YET RUN on one: tests/gpu/test_batch_invariant_gpu.py): the same switch sends every
+    Linear through F.linear over fixed 32-row tiles (cuBLAS runs one kernel for one shape), turns off the batch-1
+    GEMV fusions (`DecoderLayer.fuses_norms`, the fused GEMVs of layers/linear.py), and the runner builds
+    `TritonPagedAttention(rows_as_decodes=True)` (every row through the unsplit decode kernel).
+Supported: dense models with standard attention, unquantized; anything else is refused with a reason.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if type(module) is Linear:
             module.batch_invariant = True
+        if getattr(module, "fuses_norms", False):
+            module.fuses_norms = False      # DecoderLayer's batch-1 GPU path (norms and adds inside GEMVs)
     model.batch_invariant = True        # CausalLM.compute_logits: the tied LM head
     return model
 

@@ -34,6 +34,11 @@ def _one_row_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return one_row_on_gpu(x) and x.dtype == weight.dtype
 
 
+def _plain(layer: nn.Module) -> bool:
+    """A plain `Linear` (not quantized) outside batch-invariant mode: a fused GEMV may stand in for it."""
+    return type(layer) is Linear and not layer.batch_invariant
+
+
 def _norm_fits(norm: nn.Module | None, x: torch.Tensor) -> bool:
     """A GEMV can run `norm` (an RMSNorm) in its prologue: its weight has x's dtype."""
     return norm is None or norm.weight.dtype == x.dtype
@@ -80,7 +85,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_residual(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor) -> torch.Tensor:
     """layer(x) + residual; for one row on the GPU through a plain `Linear`, the add runs in the GEMV's epilogue
     (the same two roundings: the product's, the sum's)."""
-    if type(layer) is Linear and _one_row_on_gpu(x, layer.weight) and \
+    if _plain(layer) and _one_row_on_gpu(x, layer.weight) and \
             (layer.bias is None or layer.bias.dtype == x.dtype) and residual.dtype == x.dtype:
         from deepserve.kernels.gemv import gemv
         return gemv(x, layer.weight, layer.bias, residual=residual)
@@ -92,7 +97,7 @@ def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None
     """swiglu_activation(gate_up(x), limit) in one GEMV launch (the SwiGLU in its epilogue) for one row on the GPU
     through a plain `Linear` without bias; of norm(x) with `norm` (an RMSNorm, run in the GEMV's prologue). None
     otherwise (a quantized layer, more rows, the CPU): the caller then runs the steps one by one."""
-    if type(gate_up) is Linear and gate_up.bias is None and _one_row_on_gpu(x, gate_up.weight) and \
+    if _plain(gate_up) and gate_up.bias is None and _one_row_on_gpu(x, gate_up.weight) and \
             _norm_fits(norm, x):
         from deepserve.kernels.gemv import swiglu_gemv
         return swiglu_gemv(x, gate_up.weight, limit, norm=norm)
@@ -102,7 +107,7 @@ def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None
 def fused_two_linear(x: torch.Tensor, a: nn.Module, b: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(a(x), b(x)) in one GEMV launch for one row on the GPU through two plain `Linear`s without bias (MLA's q and
     kv_a projections); None otherwise: the caller applies them one by one."""
-    if type(a) is Linear and type(b) is Linear and a.bias is None and b.bias is None and \
+    if _plain(a) and _plain(b) and a.bias is None and b.bias is None and \
             _one_row_on_gpu(x, a.weight) and b.weight.dtype == a.weight.dtype:
         from deepserve.kernels.gemv import gemv_two
         return gemv_two(x, a.weight, b.weight)
@@ -115,7 +120,7 @@ def fused_qkv_rotary_write(x: torch.Tensor, qkv_proj: nn.Module, kv_cache: torch
     rows), the NeoX rotary embedding of q and k at batch.positions, and the write of k and v at batch.slot_mapping,
     in one launch (kernels/qkv_rotary.py) -> q rotated [1, H, D]; None where that path does not apply (the caller
     runs the norm and the projection, then the attention backend's rotary + cache write)."""
-    if type(qkv_proj) is Linear and _one_row_on_gpu(x, qkv_proj.weight) and \
+    if _plain(qkv_proj) and _one_row_on_gpu(x, qkv_proj.weight) and \
             (qkv_proj.bias is None or qkv_proj.bias.dtype == x.dtype) and _norm_fits(norm, x):
         from deepserve.kernels.qkv_rotary import qkv_rotary_write
         return qkv_rotary_write(x, qkv_proj.weight, qkv_proj.bias, kv_cache, batch.slot_mapping, batch.positions,

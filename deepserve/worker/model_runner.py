@@ -92,7 +92,7 @@ class ModelRunner:
             return reference            # paged states without a per-layer backend (DeepSeek-V4.1): the model's own
         if all(isinstance(layer.backend, TorchPagedAttention) for layer in layers):
             from deepserve.layers.attention_triton import TritonPagedAttention
-            triton_backend = TritonPagedAttention()
+            triton_backend = TritonPagedAttention(rows_as_decodes=self.config.model.batch_invariant)
             for layer in layers:
                 layer.backend = triton_backend
             return triton_backend
