@@ -132,6 +132,21 @@ def test_prefix_cache_hits(model_path):
     assert in_batch(llm, [target], [sp], 12, seed=4) == expected
 
 
+def test_speculative_decoding_with_fixed_verify_length(tiny_llama_d32):
+    """Prompt-lookup drafts (a function of the request's own tokens) verified in full: tokens and logprobs are the
+    same alone and in a batch."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "verify_length": "fixed"}
+    prompts, params = targets()
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"][:12] * 3} for p in prompts]   # repeats: drafts to find
+    expected = alone(LLM(tiny_llama_d32, **ENGINE, speculative_config=spec, enable_prefix_caching=False),
+                     prompts, params)
+    llm = LLM(tiny_llama_d32, **ENGINE, speculative_config=spec)
+    assert in_batch(llm, prompts, params, 11, seed=8) == expected
+    again = llm.generate(prompts[0], params[0], use_tqdm=False)[0]
+    assert again.metrics.spec_num_draft_tokens > 0, "no drafts were verified: the test would prove nothing"
+    assert [observed(again)] == expected[:1]
+
+
 def blas_rows_vary() -> bool:
     """Whether this host's F.linear gives a row different bits alone and among other rows (tiny-model shapes)."""
     gen = torch.Generator().manual_seed(0)
