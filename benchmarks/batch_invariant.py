@@ -1,5 +1,7 @@
 """What batch-invariant mode costs on the CPU: decode tok/s at batch 1 and 32 and prefill tok/s, default model
 (SmolLM2-135M GGUF, fp32), mode off and on in the same process, rounds alternating off / on; medians reported.
+Also what it buys: the largest |logprob| change of one greedy request (top-5 logprobs of 16 tokens) between alone
+and in batches of 2, 8 and 32 random companions, per mode.
 
 Run:  python benchmarks/batch_invariant.py --output benchmarks/batch_invariant.json
 """
@@ -16,7 +18,7 @@ sys.path.insert(0, ROOT)
 
 import torch
 
-from deepserve import LLM
+from deepserve import LLM, SamplingParams
 from deepserve.bench.throughput import machine_info, run_latency, write_json
 from deepserve.loader.gguf_loader import default_model_path
 
@@ -30,6 +32,26 @@ def measure(llm: LLM, batch: int, input_len: int, output_len: int, seed: int) ->
     result = run_latency(llm, batch, input_len, output_len, seed=seed)
     result["prefill_tokens_per_s"] = round(batch * input_len / result["prefill_s"], 1)
     return result
+
+
+def logprob_drift(llm: LLM, seed: int = 0) -> float:
+    """max |logprob alone - logprob in a batch| over a greedy request's top-5 logprobs, batches of 2, 8, 32."""
+    gen = torch.Generator().manual_seed(seed)
+    target = {"prompt_token_ids": torch.randint(100, 40000, (37,), generator=gen).tolist()}
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
+
+    def values(out) -> list[float]:
+        return [lp.logprob for entry in out.outputs[0].logprobs for lp in entry.values()]
+
+    alone = values(llm.generate(target, params, use_tqdm=False)[0])
+    worst = 0.0
+    for n in (2, 8, 32):
+        lengths = torch.randint(3, 60, (n - 1,), generator=gen).tolist()
+        others = [{"prompt_token_ids": torch.randint(100, 40000, (k,), generator=gen).tolist()} for k in lengths]
+        other_params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * (n - 1)
+        outs = llm.generate(others + [target], other_params + [params], use_tqdm=False)
+        worst = max(worst, max(abs(a - b) for a, b in zip(alone, values(outs[-1]))))
+    return worst
 
 
 def main() -> None:
@@ -49,7 +71,8 @@ def main() -> None:
             for mode, llm in engines.items():
                 samples[name][mode].append(measure(llm, batch, input_len, output_len, seed=r)[key])
                 print(name, mode, samples[name][mode][-1], flush=True)
-    results = {}
+    drift = {mode: logprob_drift(llm) for mode, llm in engines.items()}
+    results = {"max_logprob_change_alone_vs_batched": drift}
     for name, batch, input_len, output_len, key in CASES:
         off, on = (statistics.median(samples[name][m]) for m in ("off", "on"))
         results[name] = {"batch": batch, "input_len": input_len, "output_len": output_len, "metric": key,

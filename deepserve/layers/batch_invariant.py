@@ -34,7 +34,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if hasattr(model, "moe_layers") and model.moe_layers():
         return "mixture-of-experts layers are not batch-invariant yet (per-expert GEMMs see a varying row count)"
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and type(module) is not Linear or "Int8" in type(module).__name__:
+        if (isinstance(module, nn.Linear) and type(module) is not Linear) or "Int8" in type(module).__name__:
             return f"{name} ({type(module).__name__}) has no batch-invariant path (quantized or foreign linear layer)"
     return None
 

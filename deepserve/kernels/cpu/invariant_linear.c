@@ -18,6 +18,10 @@
 
 #include <stdint.h>
 
+#if !(defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
+#error "needs __builtin_shufflevector (GCC >= 12 or Clang); the fixed-tile F.linear path is used instead"
+#endif
+
 #define W 16
 #define MR 4
 #define NR 4
