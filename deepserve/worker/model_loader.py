@@ -38,7 +38,7 @@ def load_model(config: ModelConfig, device: torch.device) -> nn.Module:
         if missing:
             raise ValueError(f"checkpoint {config.model} lacks weights for: {', '.join(sorted(missing)[:8])}")
     model = quantize_model(model, config.quantization).eval()
-    return make_batch_invariant(model) if config.batch_invariant else model
+    return make_batch_invariant(model, device) if config.batch_invariant else model
 
 
 def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -19,21 +19,35 @@ ENGINE = dict(skip_tokenizer_init=True, dtype="float32", block_size=8, seed=0, b
 VOCAB = 512
 
 
+def save_tiny(path, config, model_cls, seed: int) -> str:
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)      # sharper logits: greedy decoding not decided by near-ties
+    model.save_pretrained(str(path))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama_d32(tmp_path_factory) -> str:
     """tiny_llama with head_dim 32: the C decode-attention kernel's shapes (head_dim a multiple of 32)."""
     import transformers
 
     from tests.conftest import TINY
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, "head_dim": 32})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    path = tmp_path_factory.mktemp("tiny_llama_d32")
-    model.save_pretrained(str(path))
-    return str(path)
+    config = transformers.LlamaConfig(**{**TINY, "head_dim": 32})
+    return save_tiny(tmp_path_factory.mktemp("tiny_llama_d32"), config, transformers.LlamaForCausalLM, 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral_d32(tmp_path_factory) -> str:
+    """A tiny Mixtral (8 experts, top 2) with head_dim 32: MoE layers in the mode."""
+    import transformers
+
+    from tests.conftest import TINY
+    config = transformers.MixtralConfig(**{**TINY, "head_dim": 32}, num_local_experts=8, num_experts_per_tok=2)
+    return save_tiny(tmp_path_factory.mktemp("tiny_mixtral_d32"), config, transformers.MixtralForCausalLM, 2)
 
 
 @pytest.fixture(params=["tiny_llama_d32", "tiny_llama"])
@@ -130,6 +144,14 @@ def test_prefix_cache_hits(model_path):
     assert out.num_cached_tokens >= 32
     assert [observed(out)] == expected
     assert in_batch(llm, [target], [sp], 12, seed=4) == expected
+
+
+def test_mixture_of_experts(tiny_mixtral_d32):
+    """Expert GEMMs see as many rows as tokens chose the expert: alone vs among 40 companions and in chunks."""
+    expected = alone(LLM(tiny_mixtral_d32, **ENGINE, enable_prefix_caching=False), *targets())
+    assert in_batch(LLM(tiny_mixtral_d32, **ENGINE), *targets(), 40, seed=40) == expected
+    chunked = LLM(tiny_mixtral_d32, **ENGINE, enable_chunked_prefill=True, max_num_batched_tokens=29)
+    assert in_batch(chunked, *targets(), 9, seed=29) == expected
 
 
 def test_speculative_decoding_with_fixed_verify_length(tiny_llama_d32):
