@@ -1,10 +1,11 @@
 """Batch-invariant mode: switch a built model's layers to computations whose per-row results do not depend on the
 batch (`EngineArgs(batch_invariant=True)` or DEEPSERVE_BATCH_INVARIANT=1; deepinfer.md section 9).
 
-What varies with the batch on the CPU by default (measured, tests/layers/test_batch_invariant.py): the BLAS GEMM
+What varies with the batch on the CPU by default (measured; tests/engine/test_batch_invariant_mode.py): the BLAS GEMM
 (MKL runs a GEMV for one row and picks other kernels, and K splits, by the row count and the thread count), and
 attention (prefill rows go through SDPA, decode rows through the C decode kernel: two summation orders). Row-wise
-reductions (RMSNorm's mean, log-softmax, softmax, cumsum) were measured invariant on their own, as are the
+reductions (RMSNorm's mean, log-softmax, softmax) were measured invariant on their own (tests/kernels/
+test_cpu_invariant_linear.py checks them), as are the
 elementwise ops (rotary, SwiGLU, residual adds) and the sampler (a pure function of a row, its seed and position).
 
 The switch, made once at load (`make_batch_invariant`) and read by the layers, not a global:

@@ -92,3 +92,22 @@ def test_tiled_fallback_row_is_independent_of_its_batch(k, n):
     x, w = torch.randn(5, 2, 3, k), torch.randn(n, k)
     assert invariant_linear(x, w).shape == (5, 2, 3, n)
 
+
+
+@pytest.mark.parametrize("width", [64, 576, 49152])
+def test_row_wise_reductions_are_independent_of_the_row_count(width):
+    """What the mode leaves to torch: RMSNorm (with its residual add) and log-softmax, a row alone vs among others,
+    on two threads (where a reduction could be split differently for few rows)."""
+    from deepserve.layers.norm import add_rms_norm
+    weight = torch.rand(width) + 0.5
+    ops = {"rms_norm": lambda x: add_rms_norm(x, x * 0.5, weight, 1e-6)[0],
+           "log_softmax": lambda x: torch.log_softmax(x, dim=-1)}
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for name, op in ops.items():
+            alone, batched = rows_alone_and_batched(lambda x, w, b: op(x), width, 1)
+            for m, row in batched:
+                assert torch.equal(row, alone), f"{name}: row differs among {m} rows"
+    finally:
+        torch.set_num_threads(old)

@@ -5,7 +5,7 @@
  * ran it. That sequence: 16 lane accumulators, lane j summing x[k] * w[k] for k = j, j + 16, j + 32, ... in
  * increasing k (one vector FMA per 16 k), then one fixed tree over the 16 lanes, then the bias. BLAS libraries
  * do not promise this: MKL picks a GEMV for one row and other kernels (and K splits) by M and thread count, so a
- * row's result moves by an ulp when its batch changes (tests/layers/test_batch_invariant.py measures it).
+ * row's result moves by an ulp when its batch changes (tests/engine/test_batch_invariant_mode.py shows it).
  *
  * The work is blocked 4 rows x 4 weight rows (16 vector accumulators held in registers, 8 loads per 16 FMAs);
  * edge blocks use the same inline micro-kernel with smaller constant sizes, so their arithmetic per element is
