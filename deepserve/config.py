@@ -45,6 +45,8 @@ class ModelConfig:
     seed: int
     quantization: str | None = None   # None | "int8" (weight-only) | "w8a8" (see layers/quantization.py)
     keep_mtp: bool = False          # build and load DeepSeek-V3's MTP layer (speculative_config method "mtp")
+    # Every row's logits independent of the batch, chunking and cache hits (layers/batch_invariant.py).
+    batch_invariant: bool = False
 
     @property
     def architecture(self) -> str:
@@ -268,6 +270,9 @@ class EngineArgs:
     speculative_config: dict[str, Any] | str | None = None
     # The cross-instance KV store: {"backend": "memory" | "disk" | "redis", ...} (KVStoreConfig), or its JSON.
     kv_store: dict[str, Any] | str | None = None
+    # Batch-invariant mode: a request's logprobs are bitwise the same alone or in any batch (CPU; deepinfer.md
+    # section 9). None: DEEPSERVE_BATCH_INVARIANT.
+    batch_invariant: bool | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -319,6 +324,13 @@ class EngineArgs:
             return None
         return CPU_MAX_PREFILL_TOKENS_WHILE_DECODING
 
+    def resolve_batch_invariant(self) -> bool:
+        """The argument, or DEEPSERVE_BATCH_INVARIANT when it is None."""
+        if self.batch_invariant is not None:
+            return bool(self.batch_invariant)
+        from deepserve import envs
+        return bool(envs.DEEPSERVE_BATCH_INVARIANT)
+
     def resolve_model_path(self) -> str:
         if self.model is None:
             from deepserve.loader.gguf_loader import default_model_path
@@ -354,12 +366,14 @@ class EngineArgs:
         kv_store = KVStoreConfig.parse(self.kv_store) if self.kv_store is not None else None
         if kv_store is not None:
             kv_store.check_path()
+        batch_invariant = self.resolve_batch_invariant()
         return EngineConfig(
             kv_store=kv_store,
             model=ModelConfig(model=path, hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
                               seed=self.seed, quantization=self.quantization,
-                              keep_mtp=self.speculative is not None and self.speculative.method == "mtp"),
+                              keep_mtp=self.speculative is not None and self.speculative.method == "mtp",
+                              batch_invariant=batch_invariant),
             cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization, dtype=kv_dtype),

@@ -100,6 +100,9 @@ _DECLARED = [
     EnvVar("DEEPSERVE_YOCO_PREFILL_KEEP_TOKENS", "int", 0,
            "YOCO: the suffix of each prompt the consumer half computes; >= window + tokens per decode step when "
            "the mode is not off"),
+    EnvVar("DEEPSERVE_BATCH_INVARIANT", "bool", False,
+           "batch-invariant mode (CPU): a request's logits are bitwise the same whatever it is batched with; the "
+           "default of EngineArgs.batch_invariant"),
     EnvVar("DEEPSERVE_FUSED_NORMS", "bool", True,
            "GPU batch-1 decode: RMSNorm in GEMV prologues, residual adds in GEMV epilogues (read at import)"),
     EnvVar("DEEPSERVE_PDL", "bool", True,

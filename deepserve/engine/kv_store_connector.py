@@ -245,7 +245,8 @@ def attach_kv_store(config: EngineConfig, runner, block_manager: BlockManager, s
         raise ValueError(f"kv_store is not supported for this model: {why_not}")
     layers = runner.model.attention_layers()
     fingerprint = model_fingerprint(runner.model, layers, config.model.hf_config, config.model.dtype,
-                                    config.cache.block_size, config.model.quantization)
+                                    config.cache.block_size, config.model.quantization,
+                                    batch_invariant=config.model.batch_invariant)
     connector = KVStoreConnector(KVStore.from_config(config.kv_store), runner, block_manager, fingerprint,
                                  config.kv_store.max_fetch_bytes, config.kv_store.fetch_timeout_s)
     block_manager.evict_hook = connector.save_evicted

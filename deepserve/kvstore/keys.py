@@ -42,14 +42,17 @@ def weights_digest(model: torch.nn.Module) -> bytes:
 
 
 def model_fingerprint(model: torch.nn.Module, layers: list, hf_config: dict[str, Any], dtype: torch.dtype,
-                      block_size: int, quantization: str | None) -> bytes:
-    """16 bytes naming everything besides the tokens that decides a block's stored KV."""
+                      block_size: int, quantization: str | None, batch_invariant: bool = False) -> bytes:
+    """16 bytes naming everything besides the tokens that decides a block's stored KV. Batch-invariant mode computes
+    other bits (its GEMM and attention orders), so its entries get their own names (the default mode's are kept)."""
     h = hashlib.blake2b(digest_size=16)
     layout = [(list(shape), str(dt), layer.kv_block_dim) for layer, (shape, dt) in
               zip(layers, map(layer_layout, layers))]
-    h.update(json.dumps({"version": FORMAT_VERSION, "config": hf_config, "dtype": str(dtype),
-                         "block_size": block_size, "quantization": quantization, "layout": layout},
-                        sort_keys=True, default=str).encode())
+    named = {"version": FORMAT_VERSION, "config": hf_config, "dtype": str(dtype), "block_size": block_size,
+             "quantization": quantization, "layout": layout}
+    if batch_invariant:
+        named["batch_invariant"] = True
+    h.update(json.dumps(named, sort_keys=True, default=str).encode())
     h.update(weights_digest(model))
     return h.digest()
 

@@ -52,6 +52,9 @@ class TorchAttentionMetadata:
     decode_mask: torch.Tensor | None      # [Bd, max_blocks * block_size] True where a slot is a real key
     prefills: list[_PrefillSegment]
     decode_plan: cpu_kernels.DecodePlan | None = None   # the decode rows for the CPU kernel (None: no kernel)
+    # Batch-invariant mode: each decode row's own key count; the PyTorch fallback then attends row by row over
+    # exactly those keys (no padding to the batch's longest sequence, which would change the sums' shapes).
+    row_seq_lens: list[int] | None = None
 
 
 class TorchPagedAttention:
@@ -62,7 +65,15 @@ class TorchPagedAttention:
 
     On the CPU, fp32 decode rows go to a C kernel instead (deepserve/kernels/cpu) that reads each cached
     key/value once, in place, without the gather; the matmul path stays as its fallback and reference.
+
+    `rows_as_decodes` (batch-invariant mode): every query row, prefill and prompt-chunk rows included, is run as a
+    decode row over its own first position + 1 keys (the cache holds the step's keys before any row attends).
+    The decode kernel folds a row's keys block by block in one order fixed by the row's own keys, so a row's
+    output is the same alone, in any batch, at any chunk boundary and over a prefix-cache hit.
     """
+
+    def __init__(self, rows_as_decodes: bool = False) -> None:
+        self.rows_as_decodes = rows_as_decodes
 
     def build_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
         bs = batch.block_size
@@ -70,12 +81,13 @@ class TorchPagedAttention:
         drafts = batch.draft_lens_cpu or [0] * len(batch.query_lens_cpu)
         # A decode with drafts is a run of decode rows of consecutive lengths: the decode path takes it row by row
         # (batched with every other decode, and with the numerics of a plain decode step for its first row).
-        decode_b = [b for b, q in enumerate(batch.query_lens_cpu) if q == 1 or drafts[b]]
-        prefill_b = [b for b, q in enumerate(batch.query_lens_cpu) if q > 1 and not drafts[b]]
+        as_decode = [self.rows_as_decodes or q == 1 or d > 0 for q, d in zip(batch.query_lens_cpu, drafts)]
+        decode_b = [b for b, d in enumerate(as_decode) if d]
+        prefill_b = [b for b, d in enumerate(as_decode) if not d]
         starts = batch.query_start_loc.tolist()
         meta = TorchAttentionMetadata(None, None, None, [])
         if decode_b:
-            if any(drafts):
+            if any(drafts) or self.rows_as_decodes:
                 rows = [(starts[b] + j, b, batch.seq_lens_cpu[b] - batch.query_lens_cpu[b] + 1 + j)
                         for b in decode_b for j in range(batch.query_lens_cpu[b])]
                 idx = torch.tensor([b for _, b, _ in rows], device=device)
@@ -92,6 +104,8 @@ class TorchPagedAttention:
             meta.decode_mask = positions[None, :] < seq_lens[:, None]
             if device.type == "cpu" and cpu_kernels.library() is not None:
                 meta.decode_plan = cpu_kernels.DecodePlan(meta.decode_rows, meta.decode_blocks, seq_lens)
+            if self.rows_as_decodes:
+                meta.row_seq_lens = seq_lens.tolist()
         for b in prefill_b:
             n, seq_len = batch.query_lens_cpu[b], batch.seq_lens_cpu[b]
             blocks = batch.block_tables[b, : -(-seq_len // bs)]
@@ -107,7 +121,11 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             plan = meta.decode_plan
-            if plan is None or not plan.run(q, kv_cache, out, scale):
+            if plan is not None and plan.run(q, kv_cache, out, scale):
+                pass
+            elif meta.row_seq_lens is not None:
+                _decode_rows_one_by_one(q, k_cache, v_cache, meta, out, scale)
+            else:
                 keys = gather_blocks(k_cache, meta.decode_blocks).flatten(1, 2)    # [Bd, max_blocks * bs, Hkv, D]
                 values = gather_blocks(v_cache, meta.decode_blocks).flatten(1, 2)
                 out[meta.decode_rows] = masked_decode_attention(q[meta.decode_rows], keys, values,
@@ -118,6 +136,18 @@ class TorchPagedAttention:
             values = gather_blocks(v_cache, seg.blocks).flatten(0, 1)[: seg.seq_len].to(q.dtype)
             out[rows] = causal_prefill_attention(q[rows], keys, values, seg.first_position, scale)
         return out
+
+
+def _decode_rows_one_by_one(q, k_cache, v_cache, meta: TorchAttentionMetadata, out, scale: float) -> None:
+    """Each decode row over exactly its own keys (the batch-invariant fallback without the C kernel): every tensor
+    a row's result is computed from has a shape fixed by that row alone."""
+    block_size = k_cache.shape[1]
+    for i, (row, seq_len) in enumerate(zip(meta.decode_rows.tolist(), meta.row_seq_lens)):
+        blocks = meta.decode_blocks[i, : -(-seq_len // block_size)]
+        keys = gather_blocks(k_cache, blocks).flatten(0, 1)[None, :seq_len]
+        values = gather_blocks(v_cache, blocks).flatten(0, 1)[None, :seq_len]
+        every_key = torch.ones(1, seq_len, dtype=torch.bool, device=q.device)
+        out[row:row + 1] = masked_decode_attention(q[row:row + 1], keys, values, every_key, scale)
 
 
 class Attention(nn.Module):

@@ -3,6 +3,10 @@ the weight faster than cuBLAS does (deepserve/kernels/gemv.py has the measuremen
 
 Models build `Linear` (an nn.Linear: loading, quantization and `isinstance` checks see no difference) and call
 `linear()` where they multiply by a weight they do not own as a module (a tied LM head).
+
+Batch-invariant mode (`EngineArgs(batch_invariant=True)`; `layers/batch_invariant.py` switches a model's layers at
+load): `Linear.batch_invariant` makes a layer compute every output row in one summation order that depends on K
+alone, not on how many rows share the call nor where the row sits among them (`invariant_linear`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from torch import nn
 from deepserve.layers.kernel_dispatch import use_triton
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+# Rows per F.linear call in the batch-invariant fallback: every call has this one shape, padded.
+INVARIANT_ROW_TILE = 32
 
 
 def one_row_on_gpu(x: torch.Tensor) -> bool:
@@ -27,12 +34,54 @@ def _one_row_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return one_row_on_gpu(x) and x.dtype == weight.dtype
 
 
+def _plain(layer: nn.Module) -> bool:
+    """A plain `Linear` (not quantized) outside batch-invariant mode: a fused GEMV may stand in for it."""
+    return type(layer) is Linear and not layer.batch_invariant
+
+
 def _norm_fits(norm: nn.Module | None, x: torch.Tensor) -> bool:
     """A GEMV can run `norm` (an RMSNorm) in its prologue: its weight has x's dtype."""
     return norm is None or norm.weight.dtype == x.dtype
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) where each output row is a function of its own input row alone, bit for bit.
+
+    On a CUDA device with Triton: kernels/invariant_matmul.py (fixed tiles, one K order). On the CPU in float32 with
+    K a multiple of 16: the C kernel of kernels/cpu/invariant_linear.c (one fixed summation order per element).
+    Elsewhere: F.linear over tiles of exactly INVARIANT_ROW_TILE rows (the last one
+    zero-padded), each in a fresh buffer of the same shape and alignment, so that the library runs one kernel for
+    every row; that relies on the library being deterministic for a fixed shape (tests check it on the host)."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    if use_triton(flat):
+        # One fixed tiling and K order for every row count (kernels/invariant_matmul.py): one launch, not a loop of
+        # padded cuBLAS calls whose algorithm choice for that shape we would have to trust.
+        from deepserve.kernels.invariant_matmul import invariant_linear as triton_invariant_linear
+        return triton_invariant_linear(flat, weight, bias).view(*lead, weight.shape[0])
+    if flat.is_cpu:
+        from deepserve.kernels.cpu.invariant_linear import invariant_linear as c_invariant_linear
+        out = c_invariant_linear(flat, weight, bias)
+        if out is not None:
+            return out.view(*lead, weight.shape[0])
+    return _tiled_linear(flat, weight, bias).view(*lead, weight.shape[0])
+
+
+def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear over zero-padded tiles of INVARIANT_ROW_TILE rows (one call shape for every row)."""
+    rows, tile = x.shape[0], INVARIANT_ROW_TILE
+    padded = x.new_zeros(-(-rows // tile) * tile, x.shape[1])
+    padded[:rows] = x
+    tiles = [F.linear(padded[i:i + tile].clone(), weight, bias) for i in range(0, padded.shape[0], tile)]
+    return torch.cat(tiles)[:rows] if tiles else x.new_empty(0, weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           batch_invariant: bool = False) -> torch.Tensor:
+    """x @ weight.T + bias; `batch_invariant`: through `invariant_linear` (a row's result is independent of its
+    batch)."""
+    if batch_invariant:
+        return invariant_linear(x, weight, bias)
     if _one_row_on_gpu(x, weight) and (bias is None or bias.dtype == weight.dtype):
         from deepserve.kernels.gemv import gemv
         return gemv(x, weight, bias)
@@ -42,7 +91,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_residual(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor) -> torch.Tensor:
     """layer(x) + residual; for one row on the GPU through a plain `Linear`, the add runs in the GEMV's epilogue
     (the same two roundings: the product's, the sum's)."""
-    if type(layer) is Linear and _one_row_on_gpu(x, layer.weight) and \
+    if _plain(layer) and _one_row_on_gpu(x, layer.weight) and \
             (layer.bias is None or layer.bias.dtype == x.dtype) and residual.dtype == x.dtype:
         from deepserve.kernels.gemv import gemv
         return gemv(x, layer.weight, layer.bias, residual=residual)
@@ -54,7 +103,7 @@ def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None
     """swiglu_activation(gate_up(x), limit) in one GEMV launch (the SwiGLU in its epilogue) for one row on the GPU
     through a plain `Linear` without bias; of norm(x) with `norm` (an RMSNorm, run in the GEMV's prologue). None
     otherwise (a quantized layer, more rows, the CPU): the caller then runs the steps one by one."""
-    if type(gate_up) is Linear and gate_up.bias is None and _one_row_on_gpu(x, gate_up.weight) and \
+    if _plain(gate_up) and gate_up.bias is None and _one_row_on_gpu(x, gate_up.weight) and \
             _norm_fits(norm, x):
         from deepserve.kernels.gemv import swiglu_gemv
         return swiglu_gemv(x, gate_up.weight, limit, norm=norm)
@@ -64,7 +113,7 @@ def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None
 def fused_two_linear(x: torch.Tensor, a: nn.Module, b: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(a(x), b(x)) in one GEMV launch for one row on the GPU through two plain `Linear`s without bias (MLA's q and
     kv_a projections); None otherwise: the caller applies them one by one."""
-    if type(a) is Linear and type(b) is Linear and a.bias is None and b.bias is None and \
+    if _plain(a) and _plain(b) and a.bias is None and b.bias is None and \
             _one_row_on_gpu(x, a.weight) and b.weight.dtype == a.weight.dtype:
         from deepserve.kernels.gemv import gemv_two
         return gemv_two(x, a.weight, b.weight)
@@ -77,7 +126,7 @@ def fused_qkv_rotary_write(x: torch.Tensor, qkv_proj: nn.Module, kv_cache: torch
     rows), the NeoX rotary embedding of q and k at batch.positions, and the write of k and v at batch.slot_mapping,
     in one launch (kernels/qkv_rotary.py) -> q rotated [1, H, D]; None where that path does not apply (the caller
     runs the norm and the projection, then the attention backend's rotary + cache write)."""
-    if type(qkv_proj) is Linear and _one_row_on_gpu(x, qkv_proj.weight) and \
+    if _plain(qkv_proj) and _one_row_on_gpu(x, qkv_proj.weight) and \
             (qkv_proj.bias is None or qkv_proj.bias.dtype == x.dtype) and _norm_fits(norm, x):
         from deepserve.kernels.qkv_rotary import qkv_rotary_write
         return qkv_rotary_write(x, qkv_proj.weight, qkv_proj.bias, kv_cache, batch.slot_mapping, batch.positions,
@@ -86,5 +135,7 @@ def fused_qkv_rotary_write(x: torch.Tensor, qkv_proj: nn.Module, kv_cache: torch
 
 
 class Linear(nn.Linear):
+    batch_invariant = False     # set per layer by layers/batch_invariant.py
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.batch_invariant)

@@ -20,6 +20,7 @@ from torch import nn
 
 from deepserve.kernels.reference.moe import RoutingConfig, count_expert_load, moe_experts, route  # noqa: F401
 from deepserve.layers.kernel_dispatch import use_triton
+from deepserve.layers.linear import invariant_linear
 from deepserve.layers.mlp import GatedMLP, copy_checked  # noqa: F401 (used by models)
 
 # --- experts -------------------------------------------------------------------------------------
@@ -38,15 +39,24 @@ class MoEBackend(Protocol):
 
 
 class TorchMoE:
-    """Reference backend: (token, expert) pairs sorted by expert, one GEMM pair per expert that got tokens."""
+    """Reference backend: (token, expert) pairs sorted by expert, one GEMM pair per expert that got tokens.
+
+    `batch_invariant`: the expert GEMMs through `invariant_linear`, so that a pair's output does not depend on how
+    many other tokens chose the same expert; the combine already sums each token's k outputs in slot order."""
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
 
     def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, shared_out=None):
-        return moe_experts(x, w13, w2, topk_weights, topk_ids, swiglu_limit, shared_out)
+        linear = invariant_linear if self.batch_invariant else F.linear
+        return moe_experts(x, w13, w2, topk_weights, topk_ids, swiglu_limit, shared_out, linear=linear)
 
 
 class Router(nn.Module):
     """The gate GEMM and the routing rule. DeepSeek keeps the gate in fp32 (`dtype`), as HF does. On CUDA the rule
     (and the load count) is one Triton kernel, deepserve/kernels/moe_routing.py, with `route()` as its reference."""
+
+    batch_invariant = False     # the gate GEMM through invariant_linear (layers/batch_invariant.py)
 
     def __init__(self, hidden_size: int, num_experts: int, cfg: RoutingConfig,
                  dtype: torch.dtype | None = None) -> None:
@@ -58,6 +68,8 @@ class Router(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, E] float32, the gate GEMM in the gate's dtype."""
+        if self.batch_invariant:
+            return invariant_linear(x.to(self.weight.dtype), self.weight).float()
         if use_triton(x) and not torch.is_grad_enabled():
             from deepserve.kernels.moe_routing import router_logits, router_logits_supported
             if router_logits_supported(x):

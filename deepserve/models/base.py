@@ -56,6 +56,8 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Embedding, a stack of DecoderLayers, final norm, LM head (tied to the embedding or not)."""
 
+    batch_invariant = False     # the tied LM head's GEMM in batch-invariant mode (layers/batch_invariant.py)
+
     def build_trunk(self, cfg: dict[str, Any], layers: Iterable[nn.Module]) -> None:
         hidden = cfg["hidden_size"]
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
@@ -87,5 +89,5 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return linear(hidden, self.embed_tokens.weight).float()
+            return linear(hidden, self.embed_tokens.weight, batch_invariant=self.batch_invariant).float()
         return self.lm_head(hidden).float()

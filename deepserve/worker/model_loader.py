@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from deepserve.config import ModelConfig
+from deepserve.layers.batch_invariant import make_batch_invariant
 from deepserve.layers.quantization import quantize_model
 from deepserve.models.registry import get_model_class
 
@@ -40,7 +41,8 @@ def load_model(config: ModelConfig, device: torch.device) -> nn.Module:
         missing = _expected_params(model) - loaded
         if missing:
             raise ValueError(f"checkpoint {config.model} lacks weights for: {', '.join(sorted(missing)[:8])}")
-    return quantize_model(model, config.quantization).eval()
+    model = quantize_model(model, config.quantization).eval()
+    return make_batch_invariant(model, device) if config.batch_invariant else model
 
 
 def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:

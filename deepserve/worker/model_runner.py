@@ -81,7 +81,8 @@ class ModelRunner:
     def _select_attention_backend(self):
         """The backend whose `build_metadata` runs once per step. On a CUDA device with Triton: Triton kernels for
         standard attention, MLA and MoE layers; the PyTorch references everywhere else."""
-        reference = TorchPagedAttention()
+        # Batch-invariant mode: every row attends as a decode row (layers/batch_invariant.py; CPU only).
+        reference = TorchPagedAttention(rows_as_decodes=self.config.model.batch_invariant)
         layers = self.model.attention_layers()
         if self.device.type != "cuda":
             return reference
@@ -94,7 +95,7 @@ class ModelRunner:
             return reference            # paged states without a per-layer backend (DeepSeek-V4.1): the model's own
         if all(isinstance(layer.backend, TorchPagedAttention) for layer in layers):
             from deepserve.layers.attention_triton import TritonPagedAttention
-            triton_backend = TritonPagedAttention()
+            triton_backend = TritonPagedAttention(rows_as_decodes=self.config.model.batch_invariant)
             for layer in layers:
                 layer.backend = triton_backend
             return triton_backend

@@ -16,8 +16,10 @@ def test_fingerprint_is_stable_and_tells_models_and_layouts_apart(tiny_llama, ti
     assert fingerprint(tiny_llama) == base                                   # another engine, same model
     others = {fingerprint(tiny_llama_other),                                # same config, other weights
               fingerprint(tiny_llama, block_size=8),
-              fingerprint(tiny_llama, dtype="bfloat16"), fingerprint(tiny_llama, kv_cache_dtype="bfloat16")}
-    assert base not in others and len(others) == 4
+              fingerprint(tiny_llama, dtype="bfloat16"), fingerprint(tiny_llama, kv_cache_dtype="bfloat16"),
+              fingerprint(tiny_llama, batch_invariant=True)}                # other GEMM / attention orders
+    assert base not in others and len(others) == 5
+    assert fingerprint(tiny_llama, batch_invariant=False) == base
 
 
 def test_other_model_misses_the_entries(tiny_llama, tiny_llama_other, tmp_path):

@@ -92,18 +92,20 @@ def stable_topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
-def expert_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) for one expert's stacked weights."""
-    return F.linear(swiglu(F.linear(x, w13), limit), w2)
+def expert_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float | None = None,
+                  linear=F.linear) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) for one expert's stacked weights; `linear(x, w)` computes each projection (the
+    batch-invariant mode passes layers/linear.invariant_linear)."""
+    return linear(swiglu(linear(x, w13), limit), w2)
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, swiglu_limit: float | None = None,
-                shared_out: torch.Tensor | None = None) -> torch.Tensor:
+                shared_out: torch.Tensor | None = None, linear=F.linear) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; topk_weights: [T, k] float32;
     topk_ids: [T, k] int64; shared_out: None or [T, H] -> [T, H] in x's dtype: each token's weighted expert sum
     plus shared_out, in float32 and rounded once. (Token, expert) pairs are sorted by expert, one GEMM pair per
-    expert that got tokens."""
+    expert that got tokens, through `linear` (see expert_swiglu)."""
     t, k = topk_ids.shape
     flat_ids = topk_ids.flatten()
     order = torch.argsort(flat_ids, stable=True)          # pair p = token p // k, its (p % k)-th expert
@@ -114,7 +116,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     for expert, n in enumerate(counts):
         if n:
             rows = slice(start, start + n)
-            outputs[rows] = expert_swiglu(inputs[rows], w13[expert], w2[expert], swiglu_limit)
+            outputs[rows] = expert_swiglu(inputs[rows], w13[expert], w2[expert], swiglu_limit, linear)
             start += n
     per_pair = torch.empty_like(outputs)
     per_pair[order] = outputs

@@ -1,0 +1,91 @@
+"""What batch-invariant mode costs on the CPU: decode tok/s at batch 1 and 32 and prefill tok/s, default model
+(SmolLM2-135M GGUF, fp32), mode off and on in the same process, rounds alternating off / on; medians reported.
+Also what it buys: the largest |logprob| change of one greedy request (top-5 logprobs of 16 tokens) between alone
+and in batches of 2, 8 and 32 random companions, per mode.
+
+Run:  python benchmarks/batch_invariant.py --output benchmarks/batch_invariant.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch
+
+from deepserve import LLM, SamplingParams
+from deepserve.bench.throughput import machine_info, run_latency, write_json
+from deepserve.loader.gguf_loader import default_model_path
+
+# (name, batch size, prompt tokens, output tokens, what is reported)
+CASES = [("decode_b1", 1, 128, 32, "decode_tokens_per_s"),
+         ("decode_b32", 32, 128, 24, "decode_tokens_per_s"),
+         ("prefill_8x256", 8, 256, 1, "prefill_tokens_per_s")]
+
+
+def measure(llm: LLM, batch: int, input_len: int, output_len: int, seed: int) -> dict:
+    result = run_latency(llm, batch, input_len, output_len, seed=seed)
+    result["prefill_tokens_per_s"] = round(batch * input_len / result["prefill_s"], 1)
+    return result
+
+
+def logprob_drift(llm: LLM, seed: int = 0) -> float:
+    """max |logprob alone - logprob in a batch| over a greedy request's top-5 logprobs, batches of 2, 8, 32."""
+    gen = torch.Generator().manual_seed(seed)
+    target = {"prompt_token_ids": torch.randint(100, 40000, (37,), generator=gen).tolist()}
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
+
+    def values(out) -> list[float]:
+        return [lp.logprob for entry in out.outputs[0].logprobs for lp in entry.values()]
+
+    alone = values(llm.generate(target, params, use_tqdm=False)[0])
+    worst = 0.0
+    for n in (2, 8, 32):
+        lengths = torch.randint(3, 60, (n - 1,), generator=gen).tolist()
+        others = [{"prompt_token_ids": torch.randint(100, 40000, (k,), generator=gen).tolist()} for k in lengths]
+        other_params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * (n - 1)
+        outs = llm.generate(others + [target], other_params + [params], use_tqdm=False)
+        worst = max(worst, max(abs(a - b) for a, b in zip(alone, values(outs[-1]))))
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "batch_invariant.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = default_model_path()
+    # One step takes every prompt of a case (4096 tokens): each decode step then has the whole batch.
+    engines = {mode: LLM(path, dtype="float32", max_model_len=1024, max_num_batched_tokens=4096, seed=0,
+                         skip_tokenizer_init=True, batch_invariant=(mode == "on")) for mode in ("off", "on")}
+    samples: dict[str, dict[str, list[float]]] = {name: {"off": [], "on": []} for name, *_ in CASES}
+    for r in range(args.rounds):
+        for name, batch, input_len, output_len, key in CASES:
+            for mode, llm in engines.items():
+                samples[name][mode].append(measure(llm, batch, input_len, output_len, seed=r)[key])
+                print(name, mode, samples[name][mode][-1], flush=True)
+    drift = {mode: logprob_drift(llm) for mode, llm in engines.items()}
+    results = {"max_logprob_change_alone_vs_batched": drift}
+    for name, batch, input_len, output_len, key in CASES:
+        off, on = (statistics.median(samples[name][m]) for m in ("off", "on"))
+        results[name] = {"batch": batch, "input_len": input_len, "output_len": output_len, "metric": key,
+                         "off": off, "on": on, "on_over_off": round(on / off, 3),
+                         "samples": samples[name]}
+    write_json(args.output, {
+        "command": f"python benchmarks/batch_invariant.py --rounds {args.rounds} --threads {args.threads}",
+        "model": os.path.basename(path), "dtype": "float32",
+        "what": "batch-invariant mode (EngineArgs(batch_invariant=True)) vs the default, same process, rounds "
+                "alternating; medians of tokens/s (decode: steps where the whole batch decodes; prefill: batch x "
+                "prompt tokens / time to every first token)",
+        "machine": machine_info(), "results": results})
+
+
+if __name__ == "__main__":
+    main()
