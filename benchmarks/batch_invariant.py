@@ -4,6 +4,7 @@ Also what it buys: the largest |logprob| change of one greedy request (top-5 log
 and in batches of 2, 8 and 32 random companions, per mode.
 
 Run:  python benchmarks/batch_invariant.py --output benchmarks/batch_invariant.json
+GPU:  python benchmarks/batch_invariant.py --device cuda --dtype bfloat16 --output benchmarks/batch_invariant_h200.json
 """
 
 from __future__ import annotations
@@ -59,12 +60,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "batch_invariant.json"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model", default=None, help="default: the default model's GGUF")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = default_model_path()
+    path = args.model or default_model_path()
     # One step takes every prompt of a case (4096 tokens): each decode step then has the whole batch.
-    engines = {mode: LLM(path, dtype="float32", max_model_len=1024, max_num_batched_tokens=4096, seed=0,
-                         skip_tokenizer_init=True, batch_invariant=(mode == "on")) for mode in ("off", "on")}
+    gpu = {"gpu_memory_utilization": 0.4} if args.device.startswith("cuda") else {}
+    engines = {mode: LLM(path, dtype=args.dtype, device=args.device, max_model_len=1024, max_num_batched_tokens=4096,
+                         seed=0, skip_tokenizer_init=True, batch_invariant=(mode == "on"), **gpu)
+               for mode in ("off", "on")}
     samples: dict[str, dict[str, list[float]]] = {name: {"off": [], "on": []} for name, *_ in CASES}
     for r in range(args.rounds):
         for name, batch, input_len, output_len, key in CASES:
@@ -79,8 +85,8 @@ def main() -> None:
                          "off": off, "on": on, "on_over_off": round(on / off, 3),
                          "samples": samples[name]}
     write_json(args.output, {
-        "command": f"python benchmarks/batch_invariant.py --rounds {args.rounds} --threads {args.threads}",
-        "model": os.path.basename(path), "dtype": "float32",
+        "command": "python " + " ".join(sys.argv),
+        "model": os.path.basename(path), "dtype": args.dtype, "device": args.device,
         "what": "batch-invariant mode (EngineArgs(batch_invariant=True)) vs the default, same process, rounds "
                 "alternating; medians of tokens/s (decode: steps where the whole batch decodes; prefill: batch x "
                 "prompt tokens / time to every first token)",
