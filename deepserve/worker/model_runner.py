@@ -61,6 +61,9 @@ class ModelRunner:
         self.config = config
         self.device = config.device.device
         self.memory = memory if memory is not None or self.device.type != "cuda" else CudaMemory(self.device)
+        # What this process had allocated before this engine (another engine's weights and KV cache): the profile
+        # counts this engine's own memory only, so a second engine in one process is sized by its own share.
+        self._memory_before = self.memory.allocated() if self.memory is not None else 0
         self.block_size = config.cache.block_size
         self.eos_token_ids = eos_token_ids
         if self.device.type == "cpu":
@@ -160,7 +163,7 @@ class ModelRunner:
         tokens and one max_model_len sequence is refused here (naming max_num_batched_tokens and a value that fits),
         not left to run out of memory at its first big step."""
         util = self.config.cache.gpu_memory_utilization
-        weights = self.memory.allocated()
+        weights = self.memory.allocated() - self._memory_before
         peaks = self._profile_run()
         free, total, reserved = self.memory.info()
         not_torch = total - free - reserved
@@ -236,7 +239,7 @@ class ModelRunner:
         try:
             for query_lens in largest_steps(tokens, sched.max_num_seqs, sched.max_model_len):
                 self._dummy_forward(query_lens, sched.max_model_len)
-            return self.memory.peak_allocated()
+            return self.memory.peak_allocated() - self._memory_before
         except torch.cuda.OutOfMemoryError:
             return None      # refused by _profiled_budget when it is the configured size
 

@@ -29,14 +29,17 @@ class FakeMemory:
     bytes a token plus `per_seq` a sequence. A step above `oom_above` bytes raises the CUDA out-of-memory error."""
 
     def __init__(self, total=256 * MiB, other=20 * MiB, weights=2 * MiB, per_token=16 << 10, per_seq=1 * MiB,
-                 oom_above=None):
+                 oom_above=None, engines_before=0):
+        """`engines_before`: bytes this process's allocator already holds for other engines (their weights and KV)."""
         self.total, self.other, self.weights = total, other, weights
         self.per_token, self.per_seq, self.oom_above = per_token, per_seq, oom_above
-        self.peak = weights
+        self.before = engines_before
+        self.loaded = False         # the runner's first question comes before its model is loaded
+        self.peak = self.before + weights
         self.steps: list[list[int]] = []
 
     def cost(self, tokens: int, seqs: int) -> int:
-        return self.weights + self.per_token * tokens + self.per_seq * seqs
+        return self.before + self.weights + self.per_token * tokens + self.per_seq * seqs
 
     def run(self, query_lens: list[int]) -> None:
         cost = self.cost(sum(query_lens), len(query_lens))
@@ -46,16 +49,19 @@ class FakeMemory:
         self.steps.append(list(query_lens))
 
     def allocated(self) -> int:
-        return self.weights
+        held = self.before + (self.weights if self.loaded else 0)
+        self.loaded = True
+        return held
 
     def reset_peak(self) -> None:
-        self.peak = self.weights
+        self.peak = self.before + self.weights
 
     def peak_allocated(self) -> int:
         return self.peak
 
     def info(self) -> tuple[int, int, int]:
-        return self.total - self.other - self.weights, self.total, self.weights
+        reserved = self.before + self.weights
+        return self.total - self.other - reserved, self.total, reserved
 
 
 class ProfilingRunner(ModelRunner):
@@ -85,6 +91,16 @@ def test_cache_is_sized_from_a_profile_of_the_largest_step(tiny_llama):
     sizes = [1024 >> i for i in range(11)]         # then half, a quarter, ... one token (compiles, measures)
     fresh = [[512 >> i] for i in range(10)]        # then one fresh prompt of each size (compiles what serving meets)
     assert memory.steps == [shape for n in sizes for shape in largest_steps(n, 8, 512)] + fresh
+
+
+def test_a_second_engine_in_the_process_is_sized_by_its_own_memory(tiny_llama):
+    """Memory another engine of this process already holds (its weights and KV cache: here 100 MiB, more than
+    this engine's whole share) is neither counted in this engine's profile nor refused: its budget is the one it
+    gets alone."""
+    alone_runner, alone = start(tiny_llama, FakeMemory(), max_num_batched_tokens=1024)
+    second_runner, second = start(tiny_llama, FakeMemory(engines_before=100 * MiB), max_num_batched_tokens=1024)
+    assert second_runner.profiled_peak_bytes == alone_runner.profiled_peak_bytes
+    assert second.cache.num_blocks == alone.cache.num_blocks
 
 
 def _suggested(message: str) -> int:
