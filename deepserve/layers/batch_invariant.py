@@ -10,16 +10,17 @@ elementwise ops (rotary, SwiGLU, residual adds) and the sampler (a pure function
 
 The switch, made once at load (`make_batch_invariant`) and read by the layers, not a global:
   - every `Linear` and the tied LM head: `layers/linear.invariant_linear` (one summation order fixed by K);
-  - MoE layers (CPU): the gate and every expert GEMM through it too (an expert's row count is how many tokens of
-    the batch chose it); the combine sums each token's k outputs in slot order, already batch-independent;
+  - MoE layers: the gate and every expert GEMM through it too (an expert's row count is how many tokens of the
+    batch chose it); the combine sums each token's k outputs in slot order, already batch-independent. On the GPU
+    the reference expert backend is kept (the fused MoE kernel picks its tiles by tokens per expert);
   - attention: the model runner builds `TorchPagedAttention(rows_as_decodes=True)`, which runs every query row,
-    prefill or decode, through the decode path over its own keys (ModelRunner reads `rows_as_decodes` below).
-  - on the GPU (written, NOT YET RUN on one: tests/gpu/test_batch_invariant_gpu.py): the same switch sends every
-    Linear through F.linear over fixed 32-row tiles (cuBLAS runs one kernel for one shape), turns off the batch-1
-    GEMV fusions (`DecoderLayer.fuses_norms`, the fused GEMVs of layers/linear.py), and the runner builds
-    `TritonPagedAttention(rows_as_decodes=True)` (every row through the unsplit decode kernel).
-Supported: dense and (on the CPU) MoE models with standard attention, unquantized; anything else is refused with a
-reason.
+    prefill or decode, through the decode path over its own keys (ModelRunner reads `rows_as_decodes` below);
+  - on the GPU (run on an H200: tests/gpu/test_batch_invariant_gpu.py): every Linear through the fixed-tiling
+    Triton matmul (kernels/invariant_matmul.py), the batch-1 GEMV fusions off (`DecoderLayer.fuses_norms`, the
+    fused GEMVs of layers/linear.py), and `TritonPagedAttention(rows_as_decodes=True)` (every row through the
+    unsplit decode kernel). Cost on the H200: benchmarks/batch_invariant_h200.json.
+Supported: dense and MoE models with standard attention, unquantized; anything else (MLA, DeepSeek-V4.1's paged
+states, int8 / w8a8) is refused with a reason.
 """
 
 from __future__ import annotations
@@ -38,8 +39,6 @@ def unsupported_reason(model: nn.Module, device: torch.device) -> str | None:
     if not layers or not all(type(a) is Attention and type(a.backend) is TorchPagedAttention for a in layers):
         return "only standard paged attention layers are batch-invariant so far (not MLA, sliding or sparse state)"
     moe = model.moe_layers() if hasattr(model, "moe_layers") else []
-    if moe and device.type != "cpu":
-        return "mixture-of-experts layers are batch-invariant on the CPU only so far (not the GPU's fused MoE kernels)"
     if not all(type(m) is FusedMoE and type(m.backend) is TorchMoE for m in moe):
         return "a mixture-of-experts layer without the reference expert backend"
     for name, module in model.named_modules():

@@ -36,7 +36,9 @@ def select_moe_and_mla_backends(model, device) -> None:
     from deepserve.layers.moe import TorchMoE
     moe = TritonMoE()
     for layer in model.moe_layers():
-        if isinstance(layer.backend, TorchMoE):
+        # Batch-invariant mode keeps the reference backend: its expert GEMMs run the fixed-tiling Triton matmul,
+        # where the fused MoE kernel picks tiles by the tokens per expert.
+        if isinstance(layer.backend, TorchMoE) and not layer.backend.batch_invariant:
             layer.backend = moe
     mla_layers = [layer for layer in model.attention_layers() if isinstance(getattr(layer, "backend", None), TorchMLA)]
     if mla_layers:

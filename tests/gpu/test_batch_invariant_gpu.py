@@ -1,6 +1,6 @@
-"""Batch-invariant mode on a CUDA GPU (written without a GPU at hand: first run pending). The CPU suite's checks
-(tests/engine/test_batch_invariant_mode.py) on the GPU path: fixed 32-row cuBLAS tiles for every Linear, no
-batch-1 GEMV fusions, every attention row through the unsplit Triton decode kernel."""
+"""Batch-invariant mode on a CUDA GPU: the CPU suite's checks (tests/engine/test_batch_invariant_mode.py) on the GPU
+path: the fixed-tiling Triton matmul for every Linear and expert GEMM, no batch-1 GEMV fusions, every attention row
+through the unsplit Triton decode kernel."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepserve import LLM
-from tests.engine.test_batch_invariant_mode import alone, in_batch, targets
+from tests.engine.test_batch_invariant_mode import alone, in_batch, targets, tiny_mixtral_d32  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -36,3 +36,15 @@ def test_gpu_eager_and_cuda_graphs_agree(tiny_llama):
     eager = in_batch(LLM(tiny_llama, **engine, enforce_eager=True), *targets(), 20, seed=3)
     graphs = in_batch(LLM(tiny_llama, **engine), *targets(), 20, seed=3)
     assert graphs == eager
+
+
+def test_gpu_mixture_of_experts(tiny_mixtral_d32):
+    """Expert GEMMs on the GPU through the fixed-tiling Triton matmul (the reference expert backend is kept in the
+    mode): alone equals among 40 companions and in chunks."""
+    engine = {**GPU_ENGINE, "dtype": "float32"}
+    llm = LLM(tiny_mixtral_d32, **engine)
+    assert all(type(m.backend).__name__ == "TorchMoE" for m in llm.engine.runner.model.moe_layers())
+    expected = alone(LLM(tiny_mixtral_d32, **engine, enable_prefix_caching=False), *targets())
+    assert in_batch(llm, *targets(), 40, seed=40) == expected
+    chunked = LLM(tiny_mixtral_d32, **engine, enable_chunked_prefill=True, max_num_batched_tokens=29)
+    assert in_batch(chunked, *targets(), 9, seed=29) == expected
