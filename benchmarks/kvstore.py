@@ -64,12 +64,15 @@ def measure_hits(llm: LLM, tiers: dict, lengths: list[int], repeats: int, seed: 
     """One engine whose store saves into every tier at once (the cold run), then, for each tier alone, the same
     prompts again with the device prefix cache emptied: every block but the tail one is loaded from that tier."""
     connector = llm.engine.kv_store
-    connector.store = KVStore(list(tiers.values()))
+
+    def use(store: KVStore) -> None:       # the connector saves through `store`, its background fetcher reads it
+        connector.store = connector.fetcher.store = store
+    use(KVStore(list(tiers.values())))
     cold = measure_cold(llm, lengths, seed)
     connector.store.flush()
     results = {"cold_with_store": cold}
     for name, tier in tiers.items():
-        connector.store = KVStore([tier])
+        use(KVStore([tier]))
         rows = {}
         for length in lengths:
             ids = prompt(length, seed + length)
@@ -166,7 +169,8 @@ def main() -> None:
                          ("hit: device prefix cache emptied first; the store then holds that one tier alone, and all "
                          "blocks but the tail one come from it"),
                          "disk hits are page-cache hits (files just written); redis on localhost",
-                         "the store loads synchronously at admission (engine thread)"],
+                         "store blocks are fetched on background threads, then copied in at admission "
+                         "(engine/kv_store_connector.py)"],
                "redis": "skipped: no redis-server" if not redis_url else "redis-server on localhost",
                "results": results, "machine": machine_info()}
     write_json(args.output, payload)
