@@ -10,6 +10,23 @@ import time
 from pathlib import Path
 
 import pytest
+from kv_settings import ENGINE, GREEDY
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """Greedy tokens of an engine without a store, by prompt (cached per module)."""
+    from deepserve import LLM
+    llm = LLM(tiny_llama, **ENGINE)
+    cache = {}
+
+    def tokens(prompt, params=GREEDY):
+        key = (tuple(prompt), params.max_tokens)
+        if key not in cache:
+            llm.reset_prefix_cache()
+            cache[key] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+        return cache[key]
+    return tokens
 
 REDIS_BIN = shutil.which("redis-server")
 

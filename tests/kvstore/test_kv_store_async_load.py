@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from kv_settings import ENGINE, GREEDY
 
 from deepserve import LLM
 from deepserve.config import EngineArgs
@@ -28,8 +29,6 @@ from deepserve.sequence import SequenceStatus
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")     # many tiny ops: two OpenMP threads spin on 2 cores
 
-ENGINE = {"skip_tokenizer_init": True, "max_model_len": 1024, "block_size": 16, "max_num_seqs": 8}
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT_LEN = 600                                # 37 full blocks can come from the store (592 tokens, 98.7%)
 STORE_BLOCKS = (PROMPT_LEN - 1) // 16
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4           # layers x (k, v) x tokens x kv heads x head dim x fp32
@@ -70,20 +69,6 @@ class TestDisk(DiskTier):
         elif how == "raise":
             raise RuntimeError(f"injected failure reading {name}")
         return super().get(name)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama):
-    llm = LLM(tiny_llama, **ENGINE)
-    cache = {}
-
-    def tokens(prompt, params=GREEDY):
-        key = (tuple(prompt), params.max_tokens)
-        if key not in cache:
-            llm.reset_prefix_cache()
-            cache[key] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
-        return cache[key]
-    return tokens
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pytest
+from kv_settings import ENGINE, GREEDY
 
 from deepserve import LLM
 from deepserve.config import EngineArgs
@@ -25,29 +25,12 @@ from deepserve.kvstore.codec import decode
 from deepserve.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE = {"skip_tokenizer_init": True, "max_model_len": 1024, "block_size": 16, "max_num_seqs": 8}
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT_LEN = 600            # 37 full blocks of 16 can come from the store: 592 tokens, 98.7%
 
 
 def prompts(n, length=PROMPT_LEN, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(3, 512) for _ in range(length)] for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama):
-    """Greedy tokens of an engine without a store, by prompt."""
-    llm = LLM(tiny_llama, **ENGINE)
-    cache = {}
-
-    def tokens(prompt, params=GREEDY):
-        key = (tuple(prompt), params.max_tokens)
-        if key not in cache:
-            llm.reset_prefix_cache()
-            cache[key] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
-        return cache[key]
-    return tokens
 
 
 def generate(llm, batch, params=GREEDY):

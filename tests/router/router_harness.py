@@ -43,6 +43,29 @@ def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05, wha
     raise TimeoutError(f"{what} not reached in {timeout_s} s")
 
 
+@contextlib.contextmanager
+def serve_cluster(log_path, *flags: str):
+    """`deepserve serve` with `flags` on a free port, logging to `log_path`: (base URL, process). SIGTERM at the end
+    must exit it cleanly (code 0) and leave no child process behind."""
+    port = free_port()
+    log = open(log_path, "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "deepserve.cli", "serve", *flags, "--port", str(port),
+                             "--max-model-len", "256"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    with open(log_path) as f:
+        assert proc.returncode == 0, f.read()[-3000:]
+    leftover = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert not leftover
+
+
 class FakeReplicaProcess:
     def __init__(self, port: int | None = None) -> None:
         self.port = port or free_port()

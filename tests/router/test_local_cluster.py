@@ -5,36 +5,16 @@ the default model several times."""
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
-from router_harness import MODEL, free_port, wait_until
+from router_harness import MODEL, serve_cluster, wait_until
 
 
-@contextlib.contextmanager
 def cluster(tmp_path, *flags: str):
-    """`deepserve serve` with `flags` on a free port: (base URL, process); SIGTERM at the end must exit it cleanly."""
-    port = free_port()
-    log = open(tmp_path / "cluster.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "deepserve.cli", "serve", *flags, "--port", str(port),
-                             "--max-model-len", "256"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield f"http://127.0.0.1:{port}", proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-    assert proc.returncode == 0, (tmp_path / "cluster.log").read_text()[-3000:]
-    leftover = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert not leftover
+    return serve_cluster(tmp_path / "cluster.log", *flags)
 
 
 def healthy_replicas(base_url: str) -> int:

@@ -9,9 +9,6 @@ import argparse
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +18,7 @@ from router_harness import (
     MODEL,
     SERVE_START_TIMEOUT_S,
     ServeProcess,
-    free_port,
+    serve_cluster,
     thread_router,
     wait_until,
 )
@@ -112,14 +109,9 @@ def test_pd_split_flags():
 
 def test_serve_pd_group_on_one_host(tmp_path, smollm):
     """`deepserve serve --replicas 2 --pd 1:1`: one command, a prefill and a decode engine behind a router."""
-    port = free_port()
     kv_store = json.dumps({"backend": "disk", "path": str(tmp_path / "kv")})
-    log = open(tmp_path / "pd.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "deepserve.cli", "serve", "--replicas", "2", "--pd", "1:1",
-                             "--kv-store", kv_store, "--port", str(port), "--max-model-len", "256"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
+    with serve_cluster(tmp_path / "pd.log", "--replicas", "2", "--pd", "1:1", "--kv-store", kv_store) as (base_url,
+                                                                                                          proc):
         def up() -> bool:
             assert proc.poll() is None, (tmp_path / "pd.log").read_text()[-3000:]
             try:
@@ -131,12 +123,3 @@ def test_serve_pd_group_on_one_host(tmp_path, smollm):
         answer = complete(base_url, prompt)
         assert answer["choices"][0]["text"] == colocated_texts(smollm, [prompt])[0]
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * len(prompt)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-    assert proc.returncode == 0, (tmp_path / "pd.log").read_text()[-3000:]
-    assert not subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, check=False).stdout.split()
