@@ -22,6 +22,7 @@ from deepserve.kernels.reference.moe import RoutingConfig, count_expert_load, mo
 from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.linear import invariant_linear
 from deepserve.layers.mlp import GatedMLP, copy_checked  # noqa: F401 (used by models)
+from deepserve.layers.rank_group import SINGLE, RankGroup
 
 # --- experts -------------------------------------------------------------------------------------
 
@@ -117,6 +118,11 @@ class FusedMoE(nn.Module):
         # Tokens routed to each expert since the last reset (int64, on the model's device).
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.backend: MoEBackend = TorchMoE()
+        # Tensor parallelism (models' shard_tensor_parallel): the layer's output is this rank's partial sum, reduced
+        # over `tp` at the end. Expert parallelism (layers/expert_parallel.py): `expert_parallel` holds this rank's
+        # experts and dispatches the routed tokens over the EP group; None in one process.
+        self.tp: RankGroup = SINGLE
+        self.expert_parallel = None
         self._expert_pieces: dict[str, set[tuple[int, int | None]]] = {"w13": set(), "w2": set()}
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,7 +135,11 @@ class FusedMoE(nn.Module):
         # The backend adds the shared experts' output to the routed sum (on the GPU inside its combine kernel:
         # no separate add launch).
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return self.backend.forward(x, self.w13, self.w2, weights, ids, self.swiglu_limit, shared_out=shared)
+        if self.expert_parallel is not None:
+            out = self.expert_parallel.forward(self, x, weights, ids, shared)
+        else:
+            out = self.backend.forward(x, self.w13, self.w2, weights, ids, self.swiglu_limit, shared_out=shared)
+        return self.tp.all_reduce(out)
 
     def reset_expert_load(self) -> None:
         self.expert_load.zero_()
