@@ -93,6 +93,49 @@ class DeviceConfig:
     cuda_graph_max_batch_size: int | None = None   # largest captured decode batch (None: max_num_seqs, <= 512)
 
 
+@dataclass
+class ParallelConfig:
+    """Ranks of one engine (deepserve/parallel/groups.py has the layout): world = data_parallel x tensor_parallel.
+
+    - tensor_parallel_size: ranks sharing one replica's attention heads and dense / expert weights;
+    - data_parallel_size: replicas, each an engine of its own (scheduler, KV cache, requests); with more than one,
+      steps are prompt-only or decode-only, chosen by the ALL/ANY votes (deepinfer.md section 4.2);
+    - expert_parallel_size: ranks over which each MoE layer's experts are spread (a multiple of tp);
+    - eplb_interval: steps between expert rebalancings (0: never), over the last `eplb_window` steps' counts;
+      num_redundant_experts: extra physical expert slots (replicas), padded up to a multiple of the EP size."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    eplb_interval: int = 0
+    eplb_window: int = 100
+    num_redundant_experts: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    def num_physical_experts(self, num_experts: int) -> int:
+        """E + the redundant slots, padded so that every EP rank holds as many."""
+        ep = self.expert_parallel_size
+        return -(-(num_experts + self.num_redundant_experts) // ep) * ep
+
+
+def check_parallel_sizes(world: int, tp: int, ep: int) -> None:
+    """A clear error for sizes that make no layout (deepserve/parallel/groups.py)."""
+    for name, value in (("tensor_parallel_size", tp), ("expert_parallel_size", ep)):
+        if int(value) != value or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+    if world % tp:
+        raise ValueError(f"the world of {world} ranks does not split into tensor-parallel groups of {tp}")
+    if ep > world or world % ep:
+        raise ValueError(f"expert_parallel_size {ep} must divide the number of ranks ({world} = "
+                         f"data_parallel_size x tensor_parallel_size)")
+    if ep > 1 and ep % tp:
+        raise ValueError(f"expert_parallel_size {ep} must be a multiple of tensor_parallel_size {tp} "
+                         "(an expert-parallel group holds whole tensor-parallel groups)")
+
+
 def json_dict(value: Any, name: str, example: str) -> dict[str, Any]:
     """A dict-valued engine argument given as a dict or as its JSON text (the CLI's form); ValueError naming it."""
     if isinstance(value, str):
@@ -242,6 +285,7 @@ class EngineConfig:
     device: DeviceConfig
     speculative: SpeculativeConfig | None = None
     kv_store: KVStoreConfig | None = None
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
 
 @dataclass
@@ -273,6 +317,14 @@ class EngineArgs:
     # Batch-invariant mode: a request's logprobs are bitwise the same alone or in any batch (CPU; deepinfer.md
     # section 9). None: DEEPSERVE_BATCH_INVARIANT.
     batch_invariant: bool | None = None
+    # Several ranks (ParallelConfig says what each means); one process each, spawned on this host or started by
+    # torchrun (deepserve/engine/multi_rank_engine.py).
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    eplb_interval: int = 0
+    eplb_window: int = 100
+    num_redundant_experts: int = 0
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -312,10 +364,32 @@ class EngineArgs:
         need(0.0 < self.gpu_memory_utilization <= 1.0,
              f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        self._validate_parallel(need)
         if self.kv_store is not None:
             KVStoreConfig.parse(self.kv_store)
             need(self.enable_prefix_caching, "kv_store needs enable_prefix_caching (store entries are named by the "
                                              "prefix cache's block hashes)")
+
+    def _validate_parallel(self, need) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size", "eplb_window"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1; got {value!r}")
+        for name in ("eplb_interval", "num_redundant_experts"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value >= 0, f"{name} must be an integer >= 0; got {value!r}")
+        check_parallel_sizes(self.parallel_config.world_size, self.tensor_parallel_size, self.expert_parallel_size)
+        if self.parallel_config.world_size == 1:
+            return
+        need(self.speculative is None, "speculative_config is not supported with several ranks yet "
+                                       "(tensor_parallel_size / data_parallel_size > 1)")
+        need(self.kv_store is None, "kv_store is not supported with several ranks yet")
+        need(self.eplb_interval == 0 or self.expert_parallel_size > 1,
+             "eplb_interval needs expert_parallel_size > 1 (there is nothing to balance on one rank)")
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.expert_parallel_size,
+                              self.eplb_interval, self.eplb_window, self.num_redundant_experts)
 
     def _prefill_cap_while_decoding(self, device: torch.device) -> int | None:
         """The CPU's default cap; none on a GPU, with an explicit max_num_batched_tokens (the user's budget holds for
@@ -381,11 +455,15 @@ class EngineArgs:
                                       max_model_len=max_model_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       max_prefill_tokens_while_decoding=self._prefill_cap_while_decoding(device),
-                                      async_scheduling=(device.type == "cuda" if self.async_scheduling is None
-                                                        else self.async_scheduling)),
-            device=DeviceConfig(device=device, enforce_eager=self.enforce_eager,
+                                      # Several ranks step in lockstep: the loop runs without overlap.
+                                      async_scheduling=self.parallel_config.world_size == 1 and (
+                                          device.type == "cuda" if self.async_scheduling is None
+                                          else self.async_scheduling)),
+            # CUDA graphs of a multi-rank step would capture its collectives: not validated yet, so eager.
+            device=DeviceConfig(device=device, enforce_eager=self.enforce_eager or self.parallel_config.world_size > 1,
                                 cuda_graph_max_batch_size=self.cuda_graph_max_batch_size),
             speculative=self.speculative,
+            parallel=self.parallel_config,
         )
 
 

@@ -7,7 +7,8 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from deepserve.config import EngineArgs
-from deepserve.engine.engine import LLMEngine, Prompt
+from deepserve.engine.engine import Prompt
+from deepserve.engine.multi_rank_engine import create_engine, serve_if_worker_rank
 from deepserve.outputs import RequestOutput
 from deepserve.sampling_params import SamplingParams
 
@@ -16,13 +17,27 @@ Message = dict[str, Any]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """Several ranks (tensor_parallel_size / data_parallel_size > 1): they are spawned on this host; under
+        torchrun every process runs this, and only rank 0 returns (the others serve it, then exit)."""
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
-        self.engine = LLMEngine.from_engine_args(self.engine_args)
+        serve_if_worker_rank(self.engine_args)
+        self.engine = create_engine(self.engine_args)
         self._next_request_id = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (benchmarks that repeat the same prompts must not measure cache hits)."""
-        self.engine.block_manager.reset_prefix_cache()
+        self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the engine's other ranks, if it has any (also done at exit)."""
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

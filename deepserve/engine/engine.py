@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import torch
+
 from deepserve import envs
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
@@ -20,7 +22,9 @@ from deepserve.engine.grammar_queue import GrammarQueue
 from deepserve.engine.kv_store_connector import attach_kv_store
 from deepserve.engine.output_processor import OutputProcessor, RequestState
 from deepserve.engine.scheduler import Scheduler
+from deepserve.layers.rank_group import ParallelContext
 from deepserve.outputs import RequestOutput
+from deepserve.parallel.step_vote import StepKind, StepVote
 from deepserve.sampling_params import SamplingParams
 from deepserve.sequence import Sequence, SequenceStatus
 from deepserve.spec_decode.length_policy import StepCostModel
@@ -56,10 +60,16 @@ class EngineStats:
     spec_decode_num_steps: int = 0
     spec_decode_num_verified_tokens: int = 0
     kv_store: dict | None = None        # KVStoreConnector.metrics() when a kv_store is configured
+    # Expert parallelism: sum over steps of the busiest EP rank's routed tokens / of the mean rank's (1.0 = even),
+    # over the balancer's window (worker/expert_balancer.py); None without expert parallelism.
+    moe_lb: float | None = None
+    num_eplb_rebalances: int = 0
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None) -> None:
+        """`parallel`: this rank's groups when the engine is one rank of several (engine/multi_rank_engine.py runs
+        them); every rank of a data-parallel replica then calls `step` in lockstep with the others."""
         envs.warn_unknown_variables()      # a mistyped DEEPSERVE_* name would otherwise be silently ignored
         self.config = config
         self.tokenizer = None
@@ -67,7 +77,11 @@ class LLMEngine:
             from deepserve.tokenizer import Tokenizer
             self.tokenizer = Tokenizer.from_pretrained(config.model.model)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else _config_eos_ids(config.model.hf_config)
-        self.runner = ModelRunner(config, eos)
+        self.runner = ModelRunner(config, eos, parallel=parallel)
+        parallel = self.runner.parallel
+        # Data-parallel replicas: every step is prompt-only or decode-only, agreed by votes on the DP group.
+        self.step_vote = (StepVote(lambda v: int(parallel.dp.all_reduce_min(torch.tensor([v])).item()))
+                          if parallel.dp.size > 1 else None)
         self.block_manager = BlockManager(config.cache.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -152,10 +166,21 @@ class LLMEngine:
         `final_output_only`: `step()` reports the request once, when it finishes (offline use: building a
         RequestOutput for every request at every step costs as much as the scheduling)."""
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.prepare_request(prompt, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = [Sequence(self._new_seq_id(), request_id, i, ids, params, self._seed_for(params, i), arrival)
+                for i in range(params.n)]
+        state = self.outputs.new_request(request_id, text, ids, params, seqs, arrival)
+        state.final_output_only = final_output_only
+        self.requests[request_id] = state
+        self._enqueue(seqs, params)
+
+    def prepare_request(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Every check of a request, changing nothing: (text, token ids), or ValueError saying what is wrong."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.tokenize_prompt(prompt)
         why_not = getattr(self.runner.model, "prompt_logprobs_unavailable", None)
         if params.prompt_logprobs is not None and why_not:
@@ -164,14 +189,12 @@ class LLMEngine:
         if bad_stop:
             raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})")
         if params.structured_outputs is not None:
+            if self.runner.parallel.tp.size > 1:
+                # Grammars compile in threads and join the scheduler when done: tensor-parallel ranks would admit
+                # them at different steps.
+                raise ValueError("structured outputs are not supported with tensor_parallel_size > 1 yet")
             self.grammar_compiler.check(params.structured_outputs)     # a bad schema: ValueError, nothing queued
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        seqs = [Sequence(self._new_seq_id(), request_id, i, ids, params, self._seed_for(params, i), arrival)
-                for i in range(params.n)]
-        state = self.outputs.new_request(request_id, text, ids, params, seqs, arrival)
-        state.final_output_only = final_output_only
-        self.requests[request_id] = state
-        self._enqueue(seqs, params)
+        return text, ids
 
     def _enqueue(self, seqs: list[Sequence], params: SamplingParams) -> None:
         """To the scheduler, or first to the grammar queue until the request's grammar compiled."""
@@ -199,6 +222,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
@@ -213,7 +239,7 @@ class LLMEngine:
         touched: dict[str, RequestState] = self._admit_compiled()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
-        sched_out = self.scheduler.schedule()
+        sched_out = self._schedule()
         for seq in sched_out.ignored:
             touched[seq.request_id] = self.requests[seq.request_id]
         previous = self._inflight
@@ -230,6 +256,10 @@ class LLMEngine:
                 if s.samples:
                     s.seq.num_inflight += 1
             launched = (sched_out, handle)
+        elif self.runner.needs_placeholder_steps:
+            self.runner.placeholder_forward()       # nothing here this step: still enter the MoE collectives
+        if self.runner.expert_balancer is not None:
+            self.runner.expert_balancer.end_step()  # this step's expert counts; a rebalance when one is due
         self._inflight = launched if self.async_scheduling else None
         if launched is None and previous is None and self.kv_store is not None:
             # Nothing to compute: only KV-store fetches (if any) are running; let their threads have the CPU.
@@ -241,6 +271,23 @@ class LLMEngine:
             if self.speculator is not None:
                 self._record_spec_step(sched_out, (time.perf_counter() - started) * 1e3)
         return self._outputs(touched)
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's step; for a data-parallel replica, of the kind the replicas voted for (step_vote.py)."""
+        if self.step_vote is None:
+            return self.scheduler.schedule()
+        attempt: list[SchedulerOutput] = []
+
+        def schedule_prefill() -> SchedulerOutput | None:
+            attempt.append(self.scheduler.schedule(StepKind.PROMPT))
+            return attempt[0] if not attempt[0].is_empty else None
+        decision = self.step_vote.decide(self.scheduler.wants_prompt_step(), schedule_prefill)
+        if decision.kind is StepKind.PROMPT:
+            return decision.prompts or (attempt[0] if attempt else SchedulerOutput())
+        out = self.scheduler.schedule(StepKind.DECODE)
+        if attempt:             # a prompt attempt that scheduled nothing may still have finished some as IGNORED
+            out.ignored = attempt[0].ignored + out.ignored
+        return out
 
     def _record_spec_step(self, sched_out: SchedulerOutput, step_ms: float) -> None:
         """Decode rows of the step (1 + drafts each) and its time, for the speculator's counters and cost model.
@@ -323,7 +370,13 @@ class LLMEngine:
                            bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions,
                            self.prompt_tokens, self.generation_tokens,
                            kv_store=self.kv_store.metrics() if self.kv_store is not None else None,
-                           **self._spec_stats())
+                           **self._spec_stats(), **self._eplb_stats())
+
+    def _eplb_stats(self) -> dict[str, Any]:
+        balancer = self.runner.expert_balancer
+        if balancer is None:
+            return {}
+        return {"moe_lb": balancer.moe_lb, "num_eplb_rebalances": balancer.num_rebalances}
 
     def _spec_stats(self) -> dict[str, int]:
         if self.speculator is None:

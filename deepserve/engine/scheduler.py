@@ -17,7 +17,10 @@ Invariants:
 - after a step, `num_computed_tokens` already counts the tokens scheduled in it (the runner computes
   them before anything else reads the sequence);
 - with overlapped scheduling, a sequence's token sampled by the step still on the device counts in
-  `num_tokens` (`num_inflight`), so the next step is scheduled before that token's id reaches the host.
+  `num_tokens` (`num_inflight`), so the next step is scheduled before that token's id reaches the host;
+- with data-parallel replicas (`schedule(kind)`, kind chosen by the votes of parallel/step_vote.py) a step is
+  prompt-only (prompt chunks of running sequences, then admissions) or decode-only (running sequences' decode
+  rows), never both: DeepInfer's NORMAL policy, so every replica's step has the same kind.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections import deque
 
 from deepserve.config import SchedulerConfig
 from deepserve.engine.block_manager import BlockManager
+from deepserve.parallel.step_vote import KV_USAGE_LIMIT, StepKind
 from deepserve.sequence import Sequence, SequenceStatus
 from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 
@@ -75,14 +79,24 @@ class Scheduler:
         self.block_manager.forget(seq)
 
     # --- one step -----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, kind: StepKind | None = None) -> SchedulerOutput:
+        """One step: mixed (kind None: decodes first, then prompt chunks under the budget), or only prompt work or
+        only decodes (data-parallel replicas)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget, prefill = self._schedule_running(out, budget, self._prefill_budget(budget))
-        if not out.preempted:
+        budget, prefill = self._schedule_running(out, budget, self._prefill_budget(budget), kind)
+        if not out.preempted and kind is not StepKind.DECODE:
             self._schedule_waiting(out, min(budget, prefill))
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
+
+    def wants_prompt_step(self) -> bool:
+        """A replica's side of the prompt-step vote: its cache has room and it has prompt work (a waiting sequence, or
+        a running one whose prompt is partly computed), or it has nothing to decode (an idle replica does not hold
+        the others back; the second vote still requires that somebody schedules)."""
+        decoding = any(s.num_tokens - s.num_computed_tokens <= 1 for s in self.running)
+        prompt_work = bool(self.waiting) or any(s.num_tokens - s.num_computed_tokens > 1 for s in self.running)
+        return not decoding or (self.block_manager.usage <= KV_USAGE_LIMIT and prompt_work)
 
     def _prefill_budget(self, budget: int) -> int:
         """Tokens this step may give to prefills (work of more than one token). Every decode waits for its whole step,
@@ -92,7 +106,8 @@ class Scheduler:
             return budget
         return min(cap, budget)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: int) -> tuple[int, int]:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: int,
+                          kind: StepKind | None = None) -> tuple[int, int]:
         """Returns the (step, prefill) budgets left."""
         i = 0
         while i < len(self.running) and budget > 0:
@@ -102,6 +117,9 @@ class Scheduler:
                 continue
             left = seq.num_tokens - seq.num_computed_tokens
             is_prefill = left > 1
+            if kind is not None and is_prefill != (kind is StepKind.PROMPT):
+                i += 1          # not this kind of step's work
+                continue
             n = min(left, budget, prefill) if is_prefill else min(left, budget)
             # Drafts to verify ride along a decode row, as far as the budget goes (slots for them are allocated like
             # any token's; `rewind` gives back the rejected ones' after the step).

@@ -94,6 +94,15 @@ class RankGroup:
         dist.broadcast_object_list(box, src=self.ranks[src], group=self.group)
         return box[0]
 
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's `obj` in group order on group rank `dst`; None on the others (pickled; small messages)."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+        out = [None] * self.size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=self.ranks[dst], group=self.group)
+        return out
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Group rank `src`'s x into x on every rank, in place; returns x."""
         if self.size > 1:

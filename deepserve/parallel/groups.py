@@ -17,26 +17,12 @@ from __future__ import annotations
 import datetime
 import os
 
+from deepserve.config import check_parallel_sizes as check_sizes
 from deepserve.layers.rank_group import ParallelContext, RankGroup
 
-# Collectives of an idle server wait far longer than any step; the engine's own loop never leaves one pending
-# while idle (engine/rank_worker.py), so this only bounds a real deadlock.
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
-
-
-def check_sizes(world: int, tp: int, ep: int) -> None:
-    """A clear error for sizes that make no layout."""
-    for name, value in (("tensor_parallel_size", tp), ("expert_parallel_size", ep)):
-        if int(value) != value or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value}")
-    if world % tp:
-        raise ValueError(f"the world of {world} ranks does not split into tensor-parallel groups of {tp}")
-    if ep > world or world % ep:
-        raise ValueError(f"expert_parallel_size {ep} must divide the number of ranks ({world} = "
-                         f"data_parallel_size x tensor_parallel_size)")
-    if ep > 1 and ep % tp:
-        raise ValueError(f"expert_parallel_size {ep} must be a multiple of tensor_parallel_size {tp} "
-                         "(an expert-parallel group holds whole tensor-parallel groups)")
+# The ranks other than 0 wait for rank 0's next step inside a broadcast (engine/multi_rank_engine.py): an idle
+# server leaves them there for as long as no request comes, so the limit is long.
+COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
 
 
 def init_world(rank: int, world: int, master_addr: str, master_port: int, backend: str = "gloo") -> None:
@@ -81,3 +67,21 @@ def build_parallel_context(rank: int, world: int, tp: int = 1, ep: int = 1) -> P
     ep_group = group_of([list(range(b * ep, (b + 1) * ep)) for b in range(world // ep)])
     world_group = RankGroup(rank, world, dist.group.WORLD, tuple(range(world)))
     return ParallelContext(tp=tp_group, dp=dp_group, ep=ep_group, world=world_group)
+
+
+def backend_for(device_type: str) -> str:
+    """gloo for CPU tensors (the control messages and votes, and the CPU model's collectives); NCCL for CUDA ones."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def destroy_world() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()

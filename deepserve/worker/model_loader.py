@@ -10,13 +10,47 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from deepserve.config import ModelConfig
+from deepserve.config import ModelConfig, ParallelConfig
 from deepserve.layers.batch_invariant import make_batch_invariant
+from deepserve.layers.rank_group import ParallelContext
 from deepserve.layers.quantization import quantize_model
 from deepserve.models.registry import get_model_class
 
 
-def load_model(config: ModelConfig, device: torch.device) -> nn.Module:
+def load_model(config: ModelConfig, device: torch.device, parallel: ParallelContext | None = None,
+               parallel_config: ParallelConfig | None = None) -> nn.Module:
+    """The model with its weights; with several ranks, this rank's shard of it (`parallel`: its groups)."""
+    parallel = parallel or ParallelContext()
+    sharded = parallel.tp.size > 1 or parallel.ep.size > 1
+    # A sharded model is read whole into host memory, cut, and only its shard goes to the device (each rank reads
+    # the whole checkpoint: simple, and host memory is the larger one).
+    target, device = device, (torch.device("cpu") if sharded else device)
+    model = _load_whole(config, device)
+    if sharded:
+        model = shard_model(model, parallel, parallel_config or ParallelConfig()).to(target)
+    model = quantize_model(model, config.quantization).eval()
+    return make_batch_invariant(model, target) if config.batch_invariant else model
+
+
+def shard_model(model: nn.Module, parallel: ParallelContext, parallel_config: ParallelConfig) -> nn.Module:
+    """Keep this rank's tensor-parallel shard and expert-parallel experts of a loaded model."""
+    if parallel.tp.size > 1:
+        if not hasattr(model, "shard_tensor_parallel"):
+            raise ValueError(f"tensor_parallel_size > 1 is not supported for {type(model).__name__} (supported: "
+                             "Llama / Mistral / Qwen2 / Qwen3, Mixtral / Qwen3-MoE, DeepSeek-V2 / V3)")
+        model.shard_tensor_parallel(parallel.tp, shard_experts=parallel.ep.size == 1)
+    if parallel.ep.size > 1:
+        moe_layers = model.moe_layers() if hasattr(model, "moe_layers") else []
+        if not moe_layers:
+            raise ValueError(f"expert_parallel_size > 1 needs a mixture-of-experts model; {type(model).__name__} "
+                             "has no MoE layers")
+        from deepserve.layers.expert_parallel import enable_expert_parallel
+        num_physical = parallel_config.num_physical_experts(moe_layers[0].num_experts)
+        enable_expert_parallel(moe_layers, parallel.ep, parallel.tp, num_physical)
+    return model
+
+
+def _load_whole(config: ModelConfig, device: torch.device) -> nn.Module:
     cls = get_model_class(config.architecture)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype if config.dtype.is_floating_point else old_dtype)
@@ -41,8 +75,7 @@ def load_model(config: ModelConfig, device: torch.device) -> nn.Module:
         missing = _expected_params(model) - loaded
         if missing:
             raise ValueError(f"checkpoint {config.model} lacks weights for: {', '.join(sorted(missing)[:8])}")
-    model = quantize_model(model, config.quantization).eval()
-    return make_batch_invariant(model, device) if config.batch_invariant else model
+    return model
 
 
 def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:

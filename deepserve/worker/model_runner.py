@@ -21,6 +21,7 @@ import torch
 from deepserve.config import EngineConfig
 from deepserve.layers.attention import Attention, TorchPagedAttention
 from deepserve.layers.forward_batch import ForwardBatch
+from deepserve.layers.rank_group import ParallelContext
 from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SequenceSamplingRow
 from deepserve.spec_decode.mtp import MTPDraft, drafts_from_logits, mtp_batch, mtp_rows
 from deepserve.spec_decode.verifier import VerifyGroup, VerifyResult, verify
@@ -55,10 +56,17 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, eos_token_ids: set[int], memory: "CudaMemory | None" = None) -> None:
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int], memory: "CudaMemory | None" = None,
+                 parallel: ParallelContext | None = None) -> None:
         """`memory`: what sizes the KV cache from a profile of the largest step (default: the CUDA device's
-        allocator on a GPU; none on the CPU, whose cache is sized from the config alone)."""
+        allocator on a GPU; none on the CPU, whose cache is sized from the config alone). `parallel`: this rank's
+        groups when the engine has several ranks (the model is then this rank's shard of it)."""
         self.config = config
+        self.parallel = parallel or ParallelContext()
+        # Expert parallelism across replicas: every rank must enter each MoE layer's all-to-all at every step, so a
+        # rank with nothing scheduled runs a placeholder forward, which writes its one token into a scratch block
+        # beyond the block manager's (no sequence's KV is touched).
+        self.needs_placeholder_steps = self.parallel.ep.size > self.parallel.tp.size
         self.device = config.device.device
         self.memory = memory if memory is not None or self.device.type != "cuda" else CudaMemory(self.device)
         # What this process had allocated before this engine (another engine's weights and KV cache): the profile
@@ -69,8 +77,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             retain_freed_memory()       # no page faults for each step's large tensors (worker/host_memory.py)
         t0 = time.perf_counter()
-        self.model = load_model(config.model, self.device)
+        self.model = load_model(config.model, self.device, self.parallel, config.parallel)
         self.load_seconds = time.perf_counter() - t0
+        self.expert_balancer = self._build_expert_balancer()
         if self.kv_cache_dtype != config.model.dtype and not all(
                 isinstance(layer, Attention) for layer in self.model.attention_layers()):
             raise ValueError("a kv_cache_dtype other than the model's is supported for standard attention layers "
@@ -80,6 +89,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches = self._allocate_kv_cache()
         self.cuda_graphs = self._capture_cuda_graphs()
+
+    def _build_expert_balancer(self):
+        """Expert parallelism: the window of expert counts, the rebalancing and the moe_lb metric."""
+        if self.parallel.ep.size == 1:
+            return None
+        from deepserve.worker.expert_balancer import ExpertBalancer
+        pc = self.config.parallel
+        return ExpertBalancer(self.model.moe_layers(), self.parallel.ep, self.parallel.tp.size, pc.eplb_interval,
+                              pc.eplb_window)
 
     def _select_attention_backend(self):
         """The backend whose `build_metadata` runs once per step. On a CUDA device with Triton: Triton kernels for
@@ -144,10 +162,14 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         per_block = self.kv_bytes_per_block()
         num_blocks = max(int(self._kv_budget_bytes()) // per_block, 1)
+        # Every rank gets the same number of blocks (tensor-parallel ranks must schedule alike; DeepInfer takes the
+        # world's minimum too).
+        num_blocks = int(self.parallel.world.all_reduce_min(torch.tensor([num_blocks])).item())
         self.config.cache.num_blocks = int(num_blocks)
         caches = []
+        allocated = num_blocks + (1 if self.needs_placeholder_steps else 0)     # + the scratch block
         for layer in self.model.attention_layers():
-            cache = torch.zeros(layer.kv_cache_shape(num_blocks, self.block_size), dtype=self._cache_dtype(layer),
+            cache = torch.zeros(layer.kv_cache_shape(allocated, self.block_size), dtype=self._cache_dtype(layer),
                                 device=self.device)
             layer.kv_cache = cache
             caches.append(cache)
@@ -273,6 +295,21 @@ class ModelRunner:
         # The sampled rows' logits through the sampler's costliest path.
         logits = self.model.compute_logits(hidden[(starts[1:] - 1).to(dev)])
         self.sampler(logits, costliest_sampling(len(query_lens), logits.shape[-1], self.device))
+
+    @torch.inference_mode()
+    def placeholder_forward(self) -> None:
+        """A one-token forward that writes only the scratch block: a rank with nothing to compute this step still
+        enters every collective of the model's forward (the MoE layers' expert-parallel all-to-alls)."""
+        dev, scratch = self.device, self.config.cache.num_blocks
+        batch = ForwardBatch(
+            input_ids=torch.zeros(1, dtype=torch.int64, device=dev), positions=torch.zeros(1, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((1,), scratch * self.block_size, dtype=torch.int64, device=dev),
+            block_tables=torch.full((1, 1), scratch, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor([0, 1], device=dev), seq_lens=torch.ones(1, dtype=torch.int64, device=dev),
+            query_lens_cpu=[1], seq_lens_cpu=[1], logits_indices=torch.zeros(1, dtype=torch.int64, device=dev),
+            block_size=self.block_size)
+        batch.attn_metadata = self.attn_backend.build_metadata(batch)
+        self.model(batch)
 
     @torch.inference_mode()
     def measure_step_costs(self, sizes: list[int], context: int, repeats: int = 5) -> list[tuple[int, float]]:
@@ -523,6 +560,10 @@ class ModelRunner:
         rows = [SequenceSamplingRow(seq, self.eos_token_ids) for seq in seqs]
         meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
         sampled = self.sampler(logits, meta)
+        if self.parallel.tp.size > 1:
+            # Tensor-parallel ranks keep identical engines: tp rank 0's tokens are everyone's, even where a reduction
+            # order left the logits a rounding apart.
+            self.parallel.tp.broadcast(sampled.token_ids)
         step.seqs = seqs
         step.row_of = {seq.seq_id: i for i, seq in enumerate(seqs)}
         step.device_tokens = sampled.token_ids
