@@ -122,7 +122,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     per_pair[order] = outputs
     # Summing each token's k outputs in slot order (not via scattered adds) keeps a token's result
     # independent of what else is in the batch.
-    combined = (per_pair.view(t, k, -1).float() * topk_weights[:, :, None].float()).sum(dim=1)
+    combined = (per_pair.view(t, k, w2.shape[1]).float() * topk_weights[:, :, None].float()).sum(dim=1)
     if shared_out is not None:
         combined += shared_out.float()      # in float32 too: the result is rounded to x's dtype once
     return combined.to(x.dtype)
