@@ -29,6 +29,8 @@ from deepserve.layers.attention import gather_blocks
 from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.linear import Linear, fused_two_linear
 from deepserve.layers.norm import RMSNorm
+from deepserve.layers.rank_group import SINGLE, RankGroup
+from deepserve.layers.tensor_parallel import narrow_parameter, shard_column, shard_row, split_evenly
 from deepserve.layers.rotary import rope_inv_freq, yarn_mscale
 from deepserve.layers.forward_batch import ForwardBatch
 
@@ -213,6 +215,22 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias)
         self.rotary = rotary
         self.attn = MLAAttention(self.num_heads, self.kv_lora_rank, self.rope_dim, scale)
+        # Tensor parallelism (shard_tensor_parallel): this rank's heads' o_proj output is summed over `tp`.
+        self.tp: RankGroup = SINGLE
+
+    def shard_tensor_parallel(self, tp: RankGroup) -> None:
+        """After loading: keep this rank's 1 / tp.size of the heads. q_proj / q_b_proj and kv_b_proj by heads (their
+        rows), o_proj by heads * v_head_dim (its columns); q_a_proj, kv_a_proj_with_mqa and the norms stay whole, so
+        the latent cache [c | k_pe] is the same on every rank. Nothing is derived from kv_b_proj at load
+        (`per_head()` views it each forward), so there is nothing to recompute."""
+        local = split_evenly(self.num_heads, tp, "num_attention_heads")
+        q_head = self.nope_dim + self.rope_dim
+        shard_column(self.q_b_proj if self.q_lora_rank else self.q_proj, [(tp.rank * local * q_head, local * q_head)])
+        kv_head = self.nope_dim + self.v_dim
+        narrow_parameter(self.kv_b_proj.weight, 0, [(tp.rank * local * kv_head, local * kv_head)])
+        shard_row(self.o_proj, (tp.rank * local * self.v_dim, local * self.v_dim), tp)
+        self.num_heads = self.kv_b_proj.num_heads = self.attn.num_heads = local
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -228,7 +246,7 @@ class MultiHeadLatentAttention(nn.Module):
         # backend fuses both with the cache write (the latent is only read back from the cache).
         out = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.per_head(), batch, rotary=self.rotary,
                         latent_norm=self.kv_a_layernorm)
-        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.v_dim)))
 
 
 class LatentUpProjection(nn.Module):

@@ -9,6 +9,8 @@ from deepserve.kernels.reference.activation import swiglu
 from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.linear import Linear, fused_swiglu_linear, linear_residual
 from deepserve.layers.norm import RMSNorm
+from deepserve.layers.rank_group import SINGLE, RankGroup
+from deepserve.layers.tensor_parallel import even_pieces, shard_column, shard_row
 
 
 def copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
@@ -36,14 +38,30 @@ class GatedMLP(nn.Module):
         self.swiglu_limit = swiglu_limit
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        # Tensor parallelism (shard_tensor_parallel): this rank's partial output is summed over `tp` after down_proj.
+        self.tp: RankGroup = SINGLE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(x))
+        return self.tp.all_reduce(self.down_proj(self.activation(x)))
 
     def forward_residual(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """h + self(norm(h)) for the residual stream h (DecoderLayer's batch-1 GPU path): the norm runs in the
         gate/up projection's prologue, the add in down_proj's epilogue, where the kernels allow."""
+        if self.tp.size > 1:            # the add comes after the all-reduce, not in down_proj's epilogue
+            return h + self.forward(norm(h))
         return linear_residual(self.activation(h, norm), self.down_proj, h)
+
+    def shard_tensor_parallel(self, tp: RankGroup, reduce: bool = True, field: str = "intermediate_size") -> None:
+        """Keep this rank's 1 / tp.size of the intermediate dim: gate_up column-parallel by segments [gate | up],
+        down_proj row-parallel. `reduce`: all-reduce the output here (False for the shared experts inside a FusedMoE,
+        whose one all-reduce sums them with the routed experts)."""
+        inter = self.intermediate_size
+        pieces = even_pieces([inter, inter], tp, field)
+        local = pieces[0][1]
+        shard_column(self.gate_up_proj, pieces)
+        shard_row(self.down_proj, (tp.rank * local, local), tp)
+        self.intermediate_size = local
+        self.tp = tp if reduce else SINGLE
 
     def activation(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
         """swiglu(gate_up(x)) (of norm(x) given an RMSNorm): the down projection's input."""

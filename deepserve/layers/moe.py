@@ -23,6 +23,7 @@ from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.linear import invariant_linear
 from deepserve.layers.mlp import GatedMLP, copy_checked  # noqa: F401 (used by models)
 from deepserve.layers.rank_group import SINGLE, RankGroup
+from deepserve.layers.tensor_parallel import even_pieces, narrow_parameter
 
 # --- experts -------------------------------------------------------------------------------------
 
@@ -143,6 +144,24 @@ class FusedMoE(nn.Module):
 
     def reset_expert_load(self) -> None:
         self.expert_load.zero_()
+
+    def shard_tensor_parallel(self, tp: RankGroup, shard_experts: bool = True) -> None:
+        """After loading: the output becomes this rank's partial sum, all-reduced over `tp` in forward (routed and
+        shared experts in one reduce). `shard_experts`: every expert keeps 1 / tp.size of its intermediate dim (w13
+        [E, 2I, H] by segments [gate | up] on dim 1, w2 [E, H, I] on dim 2); False leaves the expert stacks whole
+        (expert parallelism spreads whole experts instead). The shared experts are always sharded, without a reduce
+        of their own; the router stays whole on every rank."""
+        if shard_experts:
+            inter = self.intermediate_size
+            field = "the experts' intermediate size (moe_intermediate_size; Mixtral's intermediate_size)"
+            pieces = even_pieces([inter, inter], tp, field)
+            local = pieces[0][1]
+            narrow_parameter(self.w13, 1, pieces)
+            narrow_parameter(self.w2, 2, [(tp.rank * local, local)])
+            self.intermediate_size = local
+        if self.shared_experts is not None:
+            self.shared_experts.shard_tensor_parallel(tp, reduce=False, field="shared experts' intermediate size")
+        self.tp = tp
 
     # --- loading ---------------------------------------------------------------------------------
     def load_weight(self, name: str, tensor: torch.Tensor) -> str | None:

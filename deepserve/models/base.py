@@ -11,6 +11,7 @@ from torch import nn
 from deepserve import envs
 from deepserve.layers.linear import Linear, linear, one_row_on_gpu
 from deepserve.layers.norm import RMSNorm
+from deepserve.layers.rank_group import SINGLE, RankGroup
 from deepserve.layers.forward_batch import ForwardBatch
 
 
@@ -40,6 +41,16 @@ class DecoderLayer(nn.Module):
         self.fuses_norms = _FUSED_NORMS and hasattr(self_attn, "forward_residual") and \
             hasattr(mlp, "forward_residual")
 
+    def shard_tensor_parallel(self, tp: RankGroup, shard_experts: bool = True) -> None:
+        """Shard the attention and the MLP over `tp` (each all-reduces its own output). The one-row path is switched
+        off: it adds the residual inside o_proj's / down_proj's epilogue, before the all-reduce could."""
+        self.self_attn.shard_tensor_parallel(tp)
+        if hasattr(self.mlp, "expert_load"):        # a FusedMoE
+            self.mlp.shard_tensor_parallel(tp, shard_experts=shard_experts)
+        else:
+            self.mlp.shard_tensor_parallel(tp)
+        self.fuses_norms = False
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
         if residual is None and self.fuses_norms and one_row_on_gpu(x):
             h = self.self_attn.forward_residual(x, self.input_layernorm, batch)
@@ -57,6 +68,7 @@ class CausalLM(nn.Module):
     """Embedding, a stack of DecoderLayers, final norm, LM head (tied to the embedding or not)."""
 
     batch_invariant = False     # the tied LM head's GEMM in batch-invariant mode (layers/batch_invariant.py)
+    tp: RankGroup = SINGLE      # the tensor-parallel group the layers are sharded over (shard_tensor_parallel)
 
     def build_trunk(self, cfg: dict[str, Any], layers: Iterable[nn.Module]) -> None:
         hidden = cfg["hidden_size"]
@@ -66,6 +78,19 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         # Tied: the embedding doubles as the LM head (quantization may later install a separate one).
         self.lm_head = None if self.tie_word_embeddings else Linear(hidden, cfg["vocab_size"], bias=False)
+
+    def shard_tensor_parallel(self, tp: RankGroup, shard_experts: bool = True) -> None:
+        """After the full weights are loaded (before quantization): narrow every decoder layer to this rank's shard
+        of `tp` (attention heads, MLP / expert intermediate dims; `shard_experts` False leaves the routed experts
+        whole, for expert parallelism). Embedding, LM head and final norm stay whole: every rank computes the full
+        logits. A ValueError names the config field tp does not divide (the model is then unusable)."""
+        if self.tp.size > 1:
+            raise RuntimeError(f"{type(self).__name__} is already sharded over {self.tp.size} ranks")
+        if tp.size == 1:
+            return
+        for layer in self.layers:
+            layer.shard_tensor_parallel(tp, shard_experts)
+        self.tp = tp
 
     def attention_layers(self) -> list[nn.Module]:
         """The per-layer KV cache holders, in layer order (the model runner sizes and binds their caches)."""

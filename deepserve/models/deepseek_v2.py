@@ -113,6 +113,12 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
             scale = self.layers[0].self_attn.attn.scale
             self.mtp = MultiTokenPredictor(cfg, deepseek_layer(cfg, n, rotary, scale, self.version))
 
+    def shard_tensor_parallel(self, tp, shard_experts: bool = True) -> None:
+        """CausalLM's, and the MTP layer's decoder block the same way (its eh_proj and head stay whole)."""
+        super().shard_tensor_parallel(tp, shard_experts)
+        if self.mtp is not None and tp.size > 1:
+            self.mtp.block.shard_tensor_parallel(tp, shard_experts)
+
     def attention_layers(self) -> list:
         """The decoder layers' caches, then the MTP layer's (it is paged like them)."""
         layers = super().attention_layers()

@@ -16,6 +16,8 @@ from deepserve.layers.attention import Attention
 from deepserve.layers.linear import Linear, linear_residual
 from deepserve.layers.mlp import GatedMLP
 from deepserve.layers.norm import RMSNorm
+from deepserve.layers.rank_group import SINGLE, RankGroup
+from deepserve.layers.tensor_parallel import shard_column, shard_row, split_evenly, split_kv_heads
 from deepserve.models.base import CausalLM, DecoderLayer
 from deepserve.layers.rotary import RotaryEmbedding
 from deepserve.layers.forward_batch import ForwardBatch
@@ -38,15 +40,36 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        # Tensor parallelism (shard_tensor_parallel): this rank's heads' o_proj output is summed over `tp`.
+        self.tp: RankGroup = SINGLE
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.o_proj(self.attend(x, batch))
+        return self.tp.all_reduce(self.o_proj(self.attend(x, batch)))
 
     def forward_residual(self, h: torch.Tensor, norm: RMSNorm, batch: ForwardBatch) -> torch.Tensor:
         """h + self(norm(h)) for the residual stream h (DecoderLayer's batch-1 GPU path): the norm runs in the qkv
         projection's prologue, the add in o_proj's epilogue, where the kernels allow."""
         out = self.attend(h, batch, norm)
+        if self.tp.size > 1:            # the add comes after the all-reduce, not in o_proj's epilogue
+            return h + self.tp.all_reduce(self.o_proj(out))
         return linear_residual(out, self.o_proj, h)
+
+    def shard_tensor_parallel(self, tp: RankGroup) -> None:
+        """After loading: keep this rank's query heads and their kv heads. qkv_proj column-parallel by segments
+        [q | k | v] (weight and bias), o_proj row-parallel; the inner Attention then holds (and its KV cache is sized
+        for) the local heads. KV heads split when tp divides them, else (tp a multiple of them) each rank keeps the
+        one its query heads share. q_norm / k_norm act per head_dim and stay whole."""
+        heads = split_evenly(self.num_heads, tp, "num_attention_heads")
+        kv_heads, first_kv = split_kv_heads(self.num_kv_heads, tp)
+        d = self.head_dim
+        q_piece = (tp.rank * heads * d, heads * d)
+        shard_column(self.qkv_proj, [q_piece, (self.q_size + first_kv * d, kv_heads * d),
+                                     (self.q_size + self.kv_size + first_kv * d, kv_heads * d)])
+        shard_row(self.o_proj, q_piece, tp)
+        self.num_heads, self.num_kv_heads = heads, kv_heads
+        self.q_size, self.kv_size = heads * d, kv_heads * d
+        self.attn.num_heads, self.attn.num_kv_heads = heads, kv_heads
+        self.tp = tp
 
     def attend(self, x: torch.Tensor, batch: ForwardBatch, norm: RMSNorm | None = None) -> torch.Tensor:
         """The attention's output before o_proj, [T, H * D], of x (of norm(x) given an RMSNorm)."""
