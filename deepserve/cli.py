@@ -22,6 +22,10 @@ _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "see
                     "ignore_eos", "logprobs", "stop_token_ids"}
 
 
+# Short flags, as vLLM and SGLang users type them: --tp 2 --dp 2 --ep 4.
+_PARALLEL_ALIASES = {"tensor_parallel_size": "--tp", "data_parallel_size": "--dp", "expert_parallel_size": "--ep"}
+
+
 def add_engine_args(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineArgs):
@@ -33,8 +37,11 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: set[str] = frozenset(
         elif f.name in ("kv_cache_memory_bytes", "max_model_len", "max_num_batched_tokens",
                         "cuda_graph_max_batch_size"):
             group.add_argument(flag, type=int, default=f.default)
-        elif f.name in ("block_size", "max_num_seqs", "seed"):
+        elif f.name in ("block_size", "max_num_seqs", "seed", "eplb_interval", "eplb_window",
+                        "num_redundant_experts"):
             group.add_argument(flag, type=int, default=f.default)
+        elif f.name in _PARALLEL_ALIASES:
+            group.add_argument(flag, _PARALLEL_ALIASES[f.name], type=int, default=f.default, dest=f.name)
         elif f.name == "quantization":
             group.add_argument(flag, choices=["int8", "w8a8"], default=None)
         elif f.name == "gpu_memory_utilization":

@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 
 def run_cli(*args, timeout=300):

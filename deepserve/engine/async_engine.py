@@ -293,6 +293,8 @@ class AsyncLLMEngine:
             self._close(EngineDeadError(f"the engine loop died: {error!r}"))
             return
         self._close(EngineShutdownError("the server shut down before this request finished"))
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()          # a multi-rank engine's other ranks
 
     def _close(self, error: BaseException) -> None:
         with self._admission_lock:

@@ -27,7 +27,7 @@ import multiprocessing
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
@@ -180,7 +180,10 @@ class MultiRankEngine:
         self._commands.aborts.extend(by_replica.items())
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._replica_of)
+        """Unfinished requests, or commands the ranks have not seen yet (an abort of the last request still has to
+        reach its replica, which holds its blocks until then)."""
+        c = self._commands
+        return bool(self._replica_of or c.adds or c.aborts or c.reset_prefix_cache)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._replica_of)

@@ -9,8 +9,12 @@ still running at its timeout fails the test and is killed, so a deadlock cannot 
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import os
 import queue
+import subprocess
+import sys
 import traceback
 
 import pytest
@@ -18,6 +22,8 @@ import torch
 
 from deepserve import LLM, SamplingParams
 from tests.models.hf_compare import save_tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 COMMON = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -43,6 +49,18 @@ def tiny_llama_mr(tmp_path_factory) -> str:
     import transformers
     cfg = transformers.LlamaConfig(**COMMON, num_hidden_layers=2, intermediate_size=128)
     return save_tiny(tmp_path_factory.mktemp("llama"), cfg, transformers.LlamaForCausalLM)
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_v3(tmp_path_factory) -> str:
+    """MLA (4 heads), a dense first layer, MoE with a shared expert and grouped sigmoid routing."""
+    import transformers
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=256, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, n_group=4, topk_group=2, q_lora_rank=48, routed_scaling_factor=2.5)
+    return save_tiny(tmp_path_factory.mktemp("deepseek_v3"), cfg, transformers.DeepseekV3ForCausalLM, bias_std=0.1)
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -123,6 +141,22 @@ def test_data_parallel_two_replicas_match_one_process(tiny_llama_mr):
     assert all(t > 0 for t in got["replica_prompt_tokens"])      # both replicas served requests
 
 
+def test_tensor_parallel_two_ranks_match_one_process(tiny_llama_mr):
+    prompts = _prompts(4, seed=4)
+    got = run_scenario(_generate, tiny_llama_mr, prompts, {"tensor_parallel_size": 2})
+    assert got["tokens"] == reference(tiny_llama_mr, prompts)
+
+
+def test_deepseek_v3_tp2_dp2_ep4_matches_one_process(tiny_deepseek_v3):
+    """4 ranks: MLA heads and dense / shared-expert weights split over each TP pair, routed experts spread over all
+    four (2 per rank), two data-parallel replicas, skewed (3 requests)."""
+    prompts = _prompts(3, seed=5)
+    got = run_scenario(_generate, tiny_deepseek_v3, prompts,
+                       {"tensor_parallel_size": 2, "data_parallel_size": 2, "expert_parallel_size": 4})
+    assert got["local_experts"] == [2, 2]
+    assert got["tokens"] == reference(tiny_deepseek_v3, prompts)
+
+
 def test_skewed_arrivals_and_an_abort_never_deadlock(tiny_mixtral):
     """DP 2 x EP 2: replica 1 is idle at first (placeholder forwards keep the all-to-alls matched), prompts arrive
     mid-decode, request 3 is aborted on its replica; every other request finishes with the reference tokens."""
@@ -151,6 +185,21 @@ def test_four_replicas_one_overloaded_one_idle(tiny_mixtral):
     assert got["tokens"] == reference(tiny_mixtral, prompts)
     assert sorted(t > 0 for t in got["replica_prompt_tokens"]) == [False, True, True, True]
     assert got["local_experts"] == [2, 2]
+
+
+def test_the_same_entry_point_under_torchrun(tiny_llama_mr):
+    """torchrun's c10d rendezvous starts both ranks; TP 2: rank 0 prints the single-process engine's tokens."""
+    prompts = _prompts(3, seed=6)
+    script = os.path.join(os.path.dirname(__file__), "torchrun_generate.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    # --standalone: torchrun's c10d rendezvous on this host, on a port it picks itself.
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
+                          tiny_llama_mr, json.dumps(prompts), json.dumps({"tensor_parallel_size": 2})],
+                         capture_output=True, text=True, timeout=180, env=env)
+    assert run.returncode == 0, run.stdout[-1500:] + run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1                 # rank 0 only
+    assert json.loads(lines[0][len("TOKENS "):]) == reference(tiny_llama_mr, prompts)
 
 
 def test_bad_parallel_sizes_are_refused_before_any_rank_starts(tiny_llama_mr):

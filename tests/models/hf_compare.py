@@ -12,7 +12,6 @@ import torch
 from deepserve import LLM, SamplingParams
 from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 from deepserve.sequence import Sequence
-from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.worker.batch_builder import build_forward_batch
 
 VOCAB = 512

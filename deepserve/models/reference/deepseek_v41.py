@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepserve.models.deepseek_v41_config import DeepseekV41Config
-from deepserve.models.engram_hashing import (engram_compressed_ids, engram_compressed_vocab_size, engram_multipliers,
+from deepserve.models.engram_hashing import (engram_compressed_vocab_size, engram_multipliers,
                                              engram_table_primes)
 
 # ============================================================================ basic modules (§2.12)

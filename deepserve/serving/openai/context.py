@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from deepserve.config import EngineArgs
 from deepserve.engine.async_engine import AsyncLLMEngine
-from deepserve.engine.engine import LLMEngine
+from deepserve.engine.multi_rank_engine import create_engine
 from deepserve.serving.openai.errors import OpenAIError
 from deepserve.serving.openai.metrics import ServerMetrics
 from deepserve.serving.openai.options import DEFAULT_MAX_BODY_BYTES
@@ -57,7 +57,7 @@ class ServerContext:
         model_path = engine_args.resolve_model_path()
         names = config.served_model_names or [default_model_name(model_path)]
         metrics = ServerMetrics(names[0])
-        engine = AsyncLLMEngine(lambda: LLMEngine.from_engine_args(engine_args), max_waiting=config.max_queue,
+        engine = AsyncLLMEngine(lambda: create_engine(engine_args), max_waiting=config.max_queue,
                                 observer=metrics)
         metrics.watch(engine)
         tokenizer = engine.tokenizer

@@ -155,6 +155,13 @@ class _EngineStatsCollector(Collector):
             yield family
         if getattr(stats, "kv_store", None):
             yield from kv_store_metrics(self.model_name, stats.kv_store)
+        if getattr(stats, "moe_lb", None) is not None:     # expert parallelism only
+            yield self._gauge("deepserve:moe_lb", "Expert-parallel balance: sum over steps of the busiest EP rank's "
+                              "routed tokens / the mean rank's (1 = even), over the EPLB window.", stats.moe_lb)
+            family = CounterMetricFamily("deepserve:eplb_rebalances", "Expert rebalancings done.",
+                                         labels=["model_name"])
+            family.add_metric([self.model_name], float(stats.num_eplb_rebalances))
+            yield family
 
     def _gauge(self, name: str, help_text: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, help_text, labels=["model_name"])

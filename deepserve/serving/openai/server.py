@@ -49,10 +49,14 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     from deepserve.config import EngineArgs
     from deepserve.serving.openai.app import build_app
 
+    from deepserve.engine.multi_rank_engine import serve_if_worker_rank
+
     config = server_config(args)        # validate the flags before the (slow) model load
     role = getattr(args, "role", "colocated")
     check_role(role, engine_kwargs.get("kv_store"))
-    ctx = ServerContext.create(EngineArgs.from_kwargs(**engine_kwargs), config)
+    engine_args = EngineArgs.from_kwargs(**engine_kwargs)
+    serve_if_worker_rank(engine_args)   # under torchrun only rank 0 serves HTTP; the others serve rank 0
+    ctx = ServerContext.create(engine_args, config)
     app = build_app(ctx, drain_timeout_s=args.drain_timeout)
     warm_up_structured_outputs(ctx)
     if role == "prefill":
