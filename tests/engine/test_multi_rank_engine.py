@@ -73,9 +73,9 @@ def reference(path: str, prompts, params=GREEDY) -> list[list[int]]:
 
 
 # --- scenarios: run in a process of their own, which is rank 0 ---------------------------------------
-def _generate(path: str, prompts, engine_kwargs: dict) -> dict:
+def _generate(path: str, prompts, engine_kwargs: dict, params=GREEDY) -> dict:
     with LLM(path, skip_tokenizer_init=True, device="cpu", dtype="float32", **engine_kwargs) as llm:
-        tokens = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        tokens = _tokens(llm.generate(prompts, params, use_tqdm=False))
         stats = llm.engine.get_stats()
         replicas = [s.prompt_tokens if s is not None else 0 for s in llm.engine._stats]
         model = llm.engine.local.runner.model
@@ -141,10 +141,13 @@ def test_data_parallel_two_replicas_match_one_process(tiny_llama_mr):
     assert all(t > 0 for t in got["replica_prompt_tokens"])      # both replicas served requests
 
 
-def test_tensor_parallel_two_ranks_match_one_process(tiny_llama_mr):
+@pytest.mark.parametrize("model", ["tiny_llama_mr", "tiny_mixtral"])
+def test_tensor_parallel_two_ranks_match_one_process(model, request):
+    """Llama: heads and the MLP split; Mixtral: heads and every expert's intermediate dimension split."""
+    path = request.getfixturevalue(model)
     prompts = _prompts(4, seed=4)
-    got = run_scenario(_generate, tiny_llama_mr, prompts, {"tensor_parallel_size": 2})
-    assert got["tokens"] == reference(tiny_llama_mr, prompts)
+    got = run_scenario(_generate, path, prompts, {"tensor_parallel_size": 2})
+    assert got["tokens"] == reference(path, prompts)
 
 
 def test_deepseek_v3_tp2_dp2_ep4_matches_one_process(tiny_deepseek_v3):
@@ -178,13 +181,24 @@ def test_expert_parallel_with_eplb_rebalancing_mid_run_changes_no_token(tiny_mix
     assert got["tokens"] == reference(tiny_mixtral, prompts)
 
 
-def test_four_replicas_one_overloaded_one_idle(tiny_mixtral):
+def test_four_replicas_one_idle(tiny_mixtral):
     """DP 4 x EP 4 with 3 requests: one replica gets none (idle throughout), the others one each."""
     prompts = _prompts(3, seed=3)
     got = run_scenario(_generate, tiny_mixtral, prompts, {"data_parallel_size": 4, "expert_parallel_size": 4})
     assert got["tokens"] == reference(tiny_mixtral, prompts)
     assert sorted(t > 0 for t in got["replica_prompt_tokens"]) == [False, True, True, True]
     assert got["local_experts"] == [2, 2]
+
+
+def test_four_replicas_one_overloaded(tiny_mixtral):
+    """DP 4 x EP 4 with 5 requests: replica 0 gets two long ones and keeps decoding long after the other three
+    finished theirs (they then run placeholder forwards only)."""
+    prompts = _prompts(5, seed=7)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 4, 4, 4, 40)]
+    got = run_scenario(_generate, tiny_mixtral, prompts, {"data_parallel_size": 4, "expert_parallel_size": 4},
+                       params)
+    assert got["tokens"] == reference(tiny_mixtral, prompts, params)
+    assert [len(t) for t in got["tokens"]] == [40, 4, 4, 4, 40]
 
 
 def test_the_same_entry_point_under_torchrun(tiny_llama_mr):
