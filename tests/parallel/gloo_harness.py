@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -32,7 +33,9 @@ def _rank_entry(fn, rank: int, world: int, port: int, args: tuple, results) -> N
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=90))
         value = fn(rank, world, *args)
-        results.put((rank, "ok", value))
+        # Pickled to bytes here: a tensor put on the queue as is travels as a shared-memory handle, which is gone
+        # if this process exits before the parent unpickles it.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:               # noqa: BLE001 - reported to the parent, which fails the test
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -59,7 +62,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
                 raise TimeoutError(f"ranks {missing} still running after {timeout} s (a deadlock?)") from None
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            got[rank] = value
+            got[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)
