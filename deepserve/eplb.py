@@ -180,16 +180,33 @@ def refine_by_swaps(counts: Tensor, p2l: Tensor, replica_counts: Tensor, num_ran
 
 
 def _best_swap(slot_load: Tensor, p2l: Tensor, slot_rank: Tensor, num_ranks: int, capacity: int) -> bool:
-    """Apply the best improving swap out of the critical rank (in place); False if there is none."""
+    """Apply the best improving swap out of a critical rank (in place); False if there is none. Critical ranks are
+    tried in order of how often each is the slowest (then the lowest rank): the first with an improving swap wins."""
     rank_load = slot_load.view(num_ranks, capacity, -1).sum(1)              # [R, S]
     peak = rank_load.max(0)
     objective = float(peak.values.sum())
-    crit = int(torch.bincount(peak.indices, minlength=num_ranks).argmax())  # most often the slowest (lowest on ties)
+    times_slowest = torch.bincount(peak.indices, minlength=num_ranks)
+    for crit in times_slowest.sort(descending=True, stable=True).indices.tolist():
+        if times_slowest[crit] == 0:
+            break
+        swap = _best_swap_from(crit, slot_load, rank_load, slot_rank, capacity, objective)
+        if swap is not None:
+            a, b = swap
+            p2l[[a, b]] = p2l[[b, a]]
+            slot_load[[a, b]] = slot_load[[b, a]]
+            return True
+    return False
+
+
+def _best_swap_from(crit: int, slot_load: Tensor, rank_load: Tensor, slot_rank: Tensor, capacity: int,
+                    objective: float) -> tuple[int, int] | None:
+    """The (slot on crit, slot elsewhere) exchange that lowers the objective most, or None."""
+    num_ranks = rank_load.shape[0]
     others = rank_load.clone()
     others[crit] = float("-inf")
     top = others.topk(min(2, num_ranks - 1), dim=0)                         # the two slowest ranks but crit
     mine = torch.arange(crit * capacity, (crit + 1) * capacity)
-    theirs = torch.cat([torch.arange(0, crit * capacity), torch.arange((crit + 1) * capacity, len(p2l))])
+    theirs = torch.cat([torch.arange(0, crit * capacity), torch.arange((crit + 1) * capacity, slot_load.shape[0])])
     la, lb = slot_load[mine][:, None, :], slot_load[theirs][None, :, :]     # [C, 1, S], [1, P-C, S]
     b_rank = slot_rank[theirs]
     new_crit = rank_load[crit] - la + lb
@@ -202,11 +219,8 @@ def _best_swap(slot_load: Tensor, p2l: Tensor, slot_rank: Tensor, num_ranks: int
     value = torch.maximum(torch.maximum(new_crit, new_other), rest[None]).sum(2)   # [C, P-C]
     best = int(value.argmin())
     if float(value.view(-1)[best]) >= objective * (1 - 1e-9):
-        return False
-    a, b = int(mine[best // len(theirs)]), int(theirs[best % len(theirs)])
-    p2l[[a, b]] = p2l[[b, a]]
-    slot_load[[a, b]] = slot_load[[b, a]]
-    return True
+        return None
+    return int(mine[best // len(theirs)]), int(theirs[best % len(theirs)])
 
 
 def identity_placement(num_layers: int, num_experts: int, num_ranks: int) -> Placement:

@@ -84,6 +84,7 @@ class MultiRankEngine:
         self._load = [0] * self.dp_size                  # unfinished requests per replica
         self._stats: list[EngineStats | None] = [None] * self.dp_size
         self._stopped = False
+        self._failure: BaseException | None = None
         if groups.launched_by_torchrun():
             rank, world = _join_torchrun(args)
             if rank != 0:
@@ -120,12 +121,13 @@ class MultiRankEngine:
         if self._stopped:
             return
         self._stopped = True
-        try:
-            self.parallel.world.broadcast_object(StepCommands(stop=True))
-        except Exception:               # noqa: BLE001 - a rank already gone: terminate what is left below
-            logger.warning("multi-rank engine: stopping the ranks failed; terminating them")
-        for proc in self._procs:
-            proc.join(timeout=10)
+        if self._failure is None:       # after a failed step the ranks wait in another collective: kill them
+            try:
+                self.parallel.world.broadcast_object(StepCommands(stop=True))
+            except Exception:           # noqa: BLE001 - a rank already gone: terminate what is left below
+                logger.warning("multi-rank engine: stopping the ranks failed; terminating them")
+            for proc in self._procs:
+                proc.join(timeout=10)
         self._kill_ranks()
         groups.destroy_world()
 
@@ -192,9 +194,17 @@ class MultiRankEngine:
         self._commands.reset_prefix_cache = True
 
     def step(self) -> list[RequestOutput]:
+        if self._failure is not None:
+            # The ranks are somewhere inside a step that rank 0 left: no further collective can match.
+            raise RuntimeError(f"the multi-rank engine failed in an earlier step ({self._failure!r}); "
+                               "shut it down and start a new one") from self._failure
         commands, self._commands = self._commands, StepCommands()
-        self.parallel.world.broadcast_object(commands)
-        results = _run_step(self.local, commands, replica=0, tp_rank=0, world=self.parallel.world)
+        try:
+            self.parallel.world.broadcast_object(commands)
+            results = _run_step(self.local, commands, replica=0, tp_rank=0, world=self.parallel.world)
+        except BaseException as error:
+            self._failure = error
+            raise
         outputs = []
         for replica_result in results:
             if replica_result is None:
