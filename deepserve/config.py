@@ -160,13 +160,16 @@ class SpeculativeConfig:
     "dspark": DeepSeek-V4.1's draft blocks). num_speculative_tokens: drafts proposed per sequence and step (k).
     verify_length: "fixed" verifies all k; "confidence" verifies the number that maximises expected accepted tokens
     per unit of step time (spec_decode/length_policy.py). prompt_lookup_min/max: n-gram sizes tried, longest first.
-    cost_curve: [[rows, ms], ...] of a step's forward time by query rows (measured at start-up when absent)."""
+    cost_curve: [[rows, ms], ...] of a step's forward time by query rows (measured at start-up when absent).
+    gate (verify_length "confidence" only): measure the engine's output tokens/s with speculation on and off, in
+    alternating phases, and speculate only while it is the faster (spec_decode/gate.py); false: always speculate."""
     method: str
     num_speculative_tokens: int
     verify_length: str = "fixed"
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     cost_curve: list[tuple[int, float]] | None = None
+    gate: bool = True
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | None) -> "SpeculativeConfig | None":
@@ -194,6 +197,7 @@ class SpeculativeConfig:
              f"num_speculative_tokens must be an integer in [1, 32]; got {k!r}")
         need(self.verify_length in VERIFY_LENGTHS,
              f"verify_length must be one of {', '.join(VERIFY_LENGTHS)}; got {self.verify_length!r}")
+        need(isinstance(self.gate, bool), f"gate must be true or false; got {self.gate!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         need(isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi,
              f"prompt_lookup_min/max must be integers with 1 <= min <= max; got {lo!r}, {hi!r}")

@@ -27,6 +27,7 @@ from deepserve.outputs import RequestOutput
 from deepserve.parallel.step_vote import StepKind, StepVote
 from deepserve.sampling_params import SamplingParams
 from deepserve.sequence import Sequence, SequenceStatus
+from deepserve.spec_decode.gate import SpeculationGate
 from deepserve.spec_decode.length_policy import StepCostModel
 from deepserve.spec_decode.speculator import Speculator
 from deepserve.structured.compiler import GrammarCompiler
@@ -94,8 +95,12 @@ class LLMEngine:
         self.generation_tokens = 0
         self.speculator = self._build_speculator(config)
         # Drafts are proposed from a sequence's known tokens, so with speculation a step's tokens must be on the host
-        # before the next step is scheduled: the loop runs without overlap.
-        self.async_scheduling = config.scheduler.async_scheduling and self.speculator is None
+        # before the next step is scheduled: the loop runs without overlap while it speculates. With the gate
+        # (verify_length "confidence"), it speculates only while that is faster than overlapped plain decoding.
+        spec = config.speculative
+        self.spec_gate = (SpeculationGate() if spec is not None and spec.verify_length == "confidence" and spec.gate
+                          else None)
+        self.overlap_capable = config.scheduler.async_scheduling
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, not yet collected
         # Structured outputs: grammars compile in a thread pool (nothing of xgrammar loads until one does);
         # their sequences wait in `grammars` until compiled, outside the scheduler.
@@ -237,9 +242,18 @@ class LLMEngine:
         same as in the plain loop: a sequence's next input is read on the device from the step that sampled it,
         and a step computed for a sequence that turned out to have finished is dropped."""
         touched: dict[str, RequestState] = self._admit_compiled()
-        if self.speculator is not None:
+        speculating = self.speculating
+        if speculating:
+            if self._inflight is not None:      # back from overlapped plain decoding: drafts need known tokens
+                self._finish(self._inflight, touched)
+                self._inflight = None
             self.speculator.propose(self.scheduler.running)
+        elif self.speculator is not None:
+            for seq in self.scheduler.running:
+                seq.draft_token_ids = []
+        generated_before = self.generation_tokens
         sched_out = self._schedule()
+        sched_out.speculative = speculating
         for seq in sched_out.ignored:
             touched[seq.request_id] = self.requests[seq.request_id]
         previous = self._inflight
@@ -260,17 +274,31 @@ class LLMEngine:
             self.runner.placeholder_forward()       # nothing here this step: still enter the MoE collectives
         if self.runner.expert_balancer is not None:
             self.runner.expert_balancer.end_step()  # this step's expert counts; a rebalance when one is due
-        self._inflight = launched if self.async_scheduling else None
+        overlapped = self.overlap_capable and not speculating
+        self._inflight = launched if overlapped else None
         if launched is None and previous is None and self.kv_store is not None:
             # Nothing to compute: only KV-store fetches (if any) are running; let their threads have the CPU.
             self.kv_store.wait_for_fetch(timeout=0.01)
         if previous is not None:
             self._finish(previous, touched)
-        if launched is not None and not self.async_scheduling:
+        if launched is not None and not overlapped:
             self._finish(launched, touched)
-            if self.speculator is not None:
+            if speculating:
                 self._record_spec_step(sched_out, (time.perf_counter() - started) * 1e3)
+        if self.spec_gate is not None:
+            self.spec_gate.step_done(self.generation_tokens - generated_before,
+                                     any(_is_decode(s) for s in sched_out.scheduled))
         return self._outputs(touched)
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the next step proposes drafts."""
+        return self.speculator is not None and (self.spec_gate is None or self.spec_gate.speculating)
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether the loop overlaps steps now (never while it speculates)."""
+        return self.overlap_capable and not self.speculating
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's step; for a data-parallel replica, of the kind the replicas voted for (step_vote.py)."""
@@ -332,7 +360,7 @@ class LLMEngine:
             before = len(seq.token_ids)
             finished_status = self.outputs.process(state, s, runner_out, now)
             self.generation_tokens += len(seq.token_ids) - before
-            if self.speculator is not None and _is_decode(s):
+            if sched_out.speculative and _is_decode(s):
                 self._apply_verification(state, s, runner_out.num_accepted_drafts.get(seq.seq_id, 0))
             self.scheduler.commit(seq)
             if finished_status is not None:

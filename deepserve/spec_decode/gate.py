@@ -1,0 +1,87 @@
+"""Speculate only while it pays: the engine-level check of verify_length="confidence".
+
+The verification-length policy prices one step: which drafts are worth their rows under the measured step-cost
+curve. It cannot see what speculating costs the loop around the step: drafts are proposed from known tokens, so a
+speculating engine cannot schedule step n+1 while step n runs (no overlapped scheduling), and proposing and
+verifying take host time. Where the device step is cheap (small models, large batches) that can cost more than the
+accepted drafts save, so confidence-scheduled speculation could still lose to no speculation at all.
+
+The gate measures instead of predicting: output tokens per second of the engine loop (wall time between step
+ends, every step's emitted tokens), in phases of a few steps with speculation on and off (off: no drafts, and the
+engine overlaps its steps when it can), and keeps the better mode for an exploit period, then probes the other one
+again (loads change):
+
+    probe on (PROBE_STEPS) -> probe off (PROBE_STEPS) -> exploit the faster (EXPLOIT_STEPS) -> probe the other -> ...
+
+The first SETTLE_STEPS steps after each switch are not counted (the switch itself drains or refills the pipeline).
+Steps in which nothing decodes (only prompts) are not counted either. A mode's rate is an average of its phases,
+newest weighted most (EMA), so one noisy phase does not decide alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+PROBE_STEPS = 24
+EXPLOIT_STEPS = 256
+SETTLE_STEPS = 2
+RATE_EMA = 0.5          # weight of the newest phase in a mode's rate
+
+
+@dataclass
+class _Phase:
+    speculating: bool
+    probing: bool               # a probe (measure the mode), or an exploit period (keep the faster one)
+    steps: int                  # steps it lasts
+    counted_tokens: int = 0
+    counted_seconds: float = 0.0
+    done: int = 0
+
+
+class SpeculationGate:
+    def __init__(self, probe_steps: int = PROBE_STEPS, exploit_steps: int = EXPLOIT_STEPS,
+                 settle_steps: int = SETTLE_STEPS, clock=time.perf_counter) -> None:
+        self.probe_steps, self.exploit_steps, self.settle_steps = probe_steps, exploit_steps, settle_steps
+        self.clock = clock
+        self.rates: dict[bool, float | None] = {True: None, False: None}   # tokens / s, speculating or not
+        self.num_switches = 0
+        self._phase = _Phase(True, True, probe_steps)
+        self._last_end: float | None = None
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the next step speculates."""
+        return self._phase.speculating
+
+    def step_done(self, emitted_tokens: int, decoding: bool) -> None:
+        """After every engine step: the output tokens it emitted and whether any sequence decoded in it."""
+        now = self.clock()
+        phase = self._phase
+        if self._last_end is not None and decoding and phase.done >= self.settle_steps:
+            phase.counted_tokens += emitted_tokens
+            phase.counted_seconds += now - self._last_end
+        self._last_end = now
+        phase.done += 1
+        if phase.done >= phase.steps:
+            self._next_phase()
+
+    def _next_phase(self) -> None:
+        ended = self._phase
+        if ended.counted_seconds > 0:
+            rate = ended.counted_tokens / ended.counted_seconds
+            old = self.rates[ended.speculating]
+            self.rates[ended.speculating] = rate if old is None else RATE_EMA * rate + (1 - RATE_EMA) * old
+        on, off = self.rates[True], self.rates[False]
+        if on is None or off is None:           # a mode not measured yet (nothing decoded in its probe): probe it
+            mode, probing = on is None, True
+        elif ended.probing:                     # both measured: exploit the faster
+            mode, probing = on >= off, False
+        else:                                   # an exploit period ended: probe the other mode (loads change)
+            mode, probing = not ended.speculating, True
+        if mode != ended.speculating:
+            self.num_switches += 1
+        self._phase = _Phase(mode, probing, self.probe_steps if probing else self.exploit_steps)
+
+
+__all__ = ["SpeculationGate"]

@@ -1,0 +1,78 @@
+"""The speculation gate (spec_decode/gate.py): it exploits whichever mode gave more output tokens per second in its
+probes, probes again after each exploit period; and in the engine, switching between speculating (no overlap) and
+overlapped plain decoding mid-run changes no greedy token and leaks no KV block."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepserve import LLM, SamplingParams
+from deepserve.spec_decode.gate import SpeculationGate
+from tests.spec_decode.test_spec_engine import COPY_PROMPTS, token_ids
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def drive(gate: SpeculationGate, clock: FakeClock, steps: int, seconds_per_token: dict[bool, float]) -> list[bool]:
+    """Each step emits 4 tokens, taking the mode's time; returns the mode of every step."""
+    modes = []
+    for _ in range(steps):
+        mode = gate.speculating
+        modes.append(mode)
+        clock.now += 4 * seconds_per_token[mode]
+        gate.step_done(4, decoding=True)
+    return modes
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_exploits_the_faster_mode_and_keeps_probing(faster):
+    clock = FakeClock()
+    gate = SpeculationGate(probe_steps=4, exploit_steps=20, settle_steps=1, clock=clock)
+    times = {faster: 0.001, not faster: 0.003}
+    modes = drive(gate, clock, 4 + 4 + 20 + 4 + 20, times)
+    assert modes[:4] == [True] * 4 and modes[4:8] == [False] * 4          # probe on, then off
+    assert modes[8:28] == [faster] * 20                                   # exploit the faster
+    assert modes[28:32] == [not faster] * 4                               # probe the other again
+    assert modes[32:] == [faster] * 20
+    assert gate.rates[faster] == pytest.approx(1000.0) and gate.rates[not faster] == pytest.approx(1000 / 3)
+
+
+def test_steps_without_decodes_are_not_measured():
+    clock = FakeClock()
+    gate = SpeculationGate(probe_steps=3, exploit_steps=10, settle_steps=0, clock=clock)
+    for _ in range(3):                      # a probe of prompt-only steps measures nothing: probed again
+        clock.now += 1.0
+        gate.step_done(0, decoding=False)
+    assert gate.speculating and gate.rates[True] is None
+
+
+def test_switching_modes_mid_run_changes_no_greedy_token(default_model_path, smollm):
+    """Short phases force many switches, with overlapped scheduling on (the CPU allows it when asked): in both
+    directions the engine's tokens equal plain decoding's, and no KV block stays allocated."""
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    want = token_ids(smollm.generate(COPY_PROMPTS, params, use_tqdm=False))
+    llm = LLM(default_model_path, max_model_len=1024, seed=0, async_scheduling=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "verify_length": "confidence",
+                                  "cost_curve": [[1, 10.0], [64, 12.0]]})
+    engine = llm.engine
+    engine.spec_gate = SpeculationGate(probe_steps=3, exploit_steps=4, settle_steps=0)
+    assert token_ids(llm.generate(COPY_PROMPTS, params, use_tqdm=False)) == want
+    assert engine.spec_gate.num_switches >= 4
+    assert engine.get_stats().spec_decode_num_accepted_tokens > 0     # it did speculate in its speculating phases
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_gate_off_always_speculates(default_model_path):
+    llm = LLM(default_model_path, max_model_len=512, seed=0,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "verify_length": "confidence",
+                                  "cost_curve": [[1, 10.0], [64, 12.0]], "gate": False})
+    assert llm.engine.spec_gate is None and llm.engine.speculating
+    with pytest.raises(ValueError, match="gate must be true or false"):
+        LLM(default_model_path, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "gate": "yes"})
