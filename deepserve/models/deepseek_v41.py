@@ -276,6 +276,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         if c.is_v4 or not c.num_nextn_predict_layers:
             raise ValueError("speculative_config method 'dspark' needs a DeepSeek-V4.1 model with draft layers; "
                              f"this config has num_nextn_predict_layers={c.num_nextn_predict_layers}")
+        if c.dspark_noise_token_id is None:
+            raise ValueError("speculative_config method 'dspark' needs dspark_noise_token_id in the model's config "
+                             "(the block's filler token, §2.10)")
         if self.yoco.active:
             # Reading: the main cache needs every row's target-layer trunk; YOCO skips or alters consumer rows.
             raise ValueError("speculative_config method 'dspark' needs YOCO prefill truncation off "
