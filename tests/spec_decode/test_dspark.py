@@ -162,3 +162,23 @@ def test_dspark_needs_draft_layers_and_at_most_32_drafts(tmp_path, tiny_dspark):
     path, _ = tiny_dspark("mixed")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         dspark_llm(path, k=33)
+
+
+def test_greedy_output_under_preemption(tiny_dspark):
+    """A KV budget of 11 blocks for four requests (the longest needs 8): preempted sequences recompute their prompt
+    (main keys included) and drafts made for a length they no longer have are dropped; the tokens are unchanged."""
+    path, _ = tiny_dspark("mixed")
+    ps = prompts()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8)
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                           use_tqdm=False)]
+    block_bytes = dspark_llm(path).engine.runner.kv_bytes_per_block()
+    llm = dspark_llm(path, max_num_batched_tokens=16, kv_cache_memory_bytes=11 * block_bytes)
+    bigram_drafter(llm.engine.runner.model, [p + w for p, w in zip(ps, want)])
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
