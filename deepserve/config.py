@@ -45,6 +45,7 @@ class ModelConfig:
     seed: int
     quantization: str | None = None   # None | "int8" (weight-only) | "w8a8" (see layers/quantization.py)
     keep_mtp: bool = False          # build and load DeepSeek-V3's MTP layer (speculative_config method "mtp")
+    dspark: bool = False            # run DeepSeek-V4.1's DSpark draft blocks (speculative_config method "dspark")
     # Every row's logits independent of the batch, chunking and cache hits (layers/batch_invariant.py).
     batch_invariant: bool = False
 
@@ -451,6 +452,7 @@ class EngineArgs:
                               load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
                               seed=self.seed, quantization=self.quantization,
                               keep_mtp=self.speculative is not None and self.speculative.method == "mtp",
+                              dspark=self.speculative is not None and self.speculative.method == "dspark",
                               batch_invariant=batch_invariant),
             cache=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,

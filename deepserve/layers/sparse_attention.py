@@ -319,6 +319,27 @@ class SparseLatentAttention(nn.Module):
         o = self.rope(out.to(a.dtype), pos, inverse=True)               # undo RoPE at the query position (§2.5)
         return self.wo_b(self._grouped_wv(o))
 
+    # --- DSpark draft layers (§2.10): SWA only, the main keys in `swa`, the block's own keys never stored ---------
+    def write_main_keys(self, hm: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Main-cache keys RoPE(kv_norm(wkv · hm)) of the target's rows, at their positions' slots."""
+        self.swa.write(slots, self.rope(self.kv_norm(self.wkv(hm)), positions))
+
+    def forward_block(self, a: torch.Tensor, positions: torch.Tensor, main_slots: torch.Tensor,
+                      block_slots: torch.Tensor) -> torch.Tensor:
+        """Draft block rows `a` [T, H] attend to the main keys at `main_slots` [T, W] (-1: none) and to the rows'
+        own keys at `block_slots` [T, N] (row indices of this call, -1: none), plus the sink. The block's keys
+        are not written anywhere: the positions they stand at belong to the target's next rows."""
+        s, T = self.shape, a.shape[0]
+        q = self.wq_b(self.q_norm(self.wq_a(a))).view(T, s.heads, s.head_dim)
+        if s.head_q_norm:
+            q = unit_rms_norm(q, s.eps)
+        q = self.rope(q, positions)
+        kv = self.rope(self.kv_norm(self.wkv(a)), positions)
+        out = sink_attention_gathered(q, [(self.swa.flat(), main_slots), (kv, block_slots)], self.attn_sink,
+                                      1 / math.sqrt(s.head_dim))
+        o = self.rope(out.to(a.dtype), positions, inverse=True)
+        return self.wo_b(self._grouped_wv(o))
+
     def _grouped_wv(self, o: torch.Tensor) -> torch.Tensor:
         """[T, nH, D] -> [T, G·Lo]: group g = heads g·nH/G .. (g+1)·nH/G - 1 through its own Wv[g] (§16.6)."""
         s, T = self.shape, o.shape[0]

@@ -12,8 +12,9 @@ engine's block table (layers/paged_state.py); `attention_layers()` lists each st
 their source's), which is what the model runner sizes, allocates and copies.
 
 Checkpoints: the released format (FP8 with 32x32 UE8M0 scales, FP4 experts; deepserve/loader/
-deepseek_v41_weights.py) or the same names unquantized. DSpark draft blocks (`mtp.*`) are loaded and kept for
-speculative decoding; the text path does not run them.
+deepseek_v41_weights.py) or the same names unquantized. DSpark draft blocks (`mtp.*`) are loaded and kept; with
+`enable_dspark()` (speculative_config method "dspark") every forward also writes their main-cache keys (§2.10), and
+`draft_hidden` / `draft_base_logits` / `draft_step` run the draft blocks (spec_decode/dspark.py drives them).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ class DeepseekV41Block(nn.Module):
 class DraftBlock(DeepseekV41Block):
     """DSpark draft block `mtp.{i}` (§2.10, §2.14): SWA-only attention with base RoPE, MoE with the dspark expert
     counts; block 0 owns main_proj / main_norm, the last owns norm, markov_head, confidence_head (+ the HC head when
-    not shifted). Loaded and kept for speculative decoding; the text path does not run it."""
+    not shifted). Its SWA state holds the main-cache keys; `forward_block` runs a draft block over block rows."""
 
     def __init__(self, c: DeepseekV41Config, index: int, rope: InterleavedRope) -> None:
         super().__init__(c, None, rope, c.draft_n_routed_experts, c.draft_num_experts_per_tok)
@@ -199,6 +200,15 @@ class DraftBlock(DeepseekV41Block):
             self.confidence_head.proj = Linear(H + r, 1, bias=False)
             if not c.hc_shifted:
                 self.hc_head = HyperHead(c.hc_mult, H, c.rms_norm_eps, c.hc_eps)
+
+    def forward_block(self, R: torch.Tensor, prev_pre: torch.Tensor, positions: torch.Tensor,
+                      main_slots: torch.Tensor, block_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block rows' trunk through this draft block (attention as SparseLatentAttention.forward_block)."""
+        def attention(u: torch.Tensor) -> torch.Tensor:
+            return self.attn.forward_block(self.attn_norm(u), positions, main_slots, block_slots)
+
+        R, prev_pre = self._sublayer(R, prev_pre, self.hc_attn, attention, None)
+        return self._sublayer(R, prev_pre, self.hc_ffn, lambda u: self.ffn(self.ffn_norm(u), None), None)
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -246,6 +256,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         # prompt's: the engine refuses prompt logprobs with this reason.
         self.prompt_logprobs_unavailable = (f"YOCO: DEEPSERVE_YOCO_PREFILL_TRUNCATION_MODE={self.yoco.mode}"
                                             if self.yoco.active else None)
+        self.dspark_targets: tuple[int, ...] = ()            # set by enable_dspark: the layers f_t reads
         self.token_ids = PagedState("token_ids", 1, 0, torch.int64) if c.engram_enabled else None
         if c.engram_enabled:
             # token id -> compressed id (§2.9): identity unless a compressed tokenizer is in use (set at load).
@@ -255,7 +266,24 @@ class DeepseekV41ForCausalLM(nn.Module):
     # --- what the model runner sizes and binds ------------------------------------------------------------------
     def attention_layers(self) -> list[PagedState]:
         states = [p for block in self.layers for p in block.attn.paged_states()]
-        return states + ([self.token_ids] if self.token_ids is not None else [])
+        drafts = [block.attn.swa for block in self.mtp] if self.dspark_targets else []     # the main cache
+        return states + drafts + ([self.token_ids] if self.token_ids is not None else [])
+
+    def enable_dspark(self) -> None:
+        """Speculative decoding with the DSpark draft blocks (before the runner sizes the caches): their SWA states
+        are allocated and every forward writes the main-cache keys into them."""
+        c = self.spec
+        if c.is_v4 or not c.num_nextn_predict_layers:
+            raise ValueError("speculative_config method 'dspark' needs a DeepSeek-V4.1 model with draft layers; "
+                             f"this config has num_nextn_predict_layers={c.num_nextn_predict_layers}")
+        if c.dspark_noise_token_id is None:
+            raise ValueError("speculative_config method 'dspark' needs dspark_noise_token_id in the model's config "
+                             "(the block's filler token, §2.10)")
+        if self.yoco.active:
+            # Reading: the main cache needs every row's target-layer trunk; YOCO skips or alters consumer rows.
+            raise ValueError("speculative_config method 'dspark' needs YOCO prefill truncation off "
+                             f"(DEEPSERVE_YOCO_PREFILL_TRUNCATION_MODE={self.yoco.mode})")
+        self.dspark_targets = tuple(c.dspark_target_layer_ids)
 
     def moe_layers(self) -> list[FusedMoE]:
         return [block.ffn for block in self.layers]
@@ -270,13 +298,53 @@ class DeepseekV41ForCausalLM(nn.Module):
         R = x0[:, None, :].expand(T, c.hc_mult, c.hidden_size).contiguous()
         prev_pre = first_pre(T, c.hc_mult, x0.device)
         ngrams = self._ngrams(step) if self.token_ids is not None else None
+        features: dict[int, torch.Tensor] = {}
         for block in self.layers:
+            if block.layer_id in self.dspark_targets:
+                # Reading: "the trunk entering target layer τ" is taken before the layer's Engram.
+                features[block.layer_id] = R.float().mean(1)
             R, prev_pre = block(R, prev_pre, step, ngrams)
+        if features:
+            self._write_main_keys(torch.cat([features[t] for t in self.dspark_targets], -1), batch)
         idx = batch.logits_indices
         if step.kept_rows is not None:
             idx = self._kept_index(step, idx)
         h = combine_streams(R[idx], prev_pre[idx]) if c.hc_shifted else self.hc_head(R[idx])
         return self.norm(h)
+
+    def _write_main_keys(self, f: torch.Tensor, batch: ForwardBatch) -> None:
+        """§2.10's main cache: hm = main_norm(main_proj(f)); each draft layer's keys of every row at its slot
+        (rows past a rejected draft are overwritten when their positions come again)."""
+        first = self.mtp[0]
+        hm = first.main_norm(first.main_proj(f.to(first.main_proj.weight.dtype)))
+        for block in self.mtp:
+            block.attn.write_main_keys(hm, batch.positions, batch.slot_mapping)
+
+    def draft_hidden(self, block_ids: torch.Tensor, positions: torch.Tensor, main_slots: torch.Tensor,
+                     block_slots: torch.Tensor) -> torch.Tensor:
+        """hb [T, H] (before the post norm) of draft block rows: their own mHC trunk from the embedding (one-hot first
+        pre, as the backbone), every draft block, then the shifted mix or the last block's HC head."""
+        c = self.spec
+        x0 = self.embed(block_ids)
+        T = x0.shape[0]
+        R = x0[:, None, :].expand(T, c.hc_mult, c.hidden_size).contiguous()
+        prev_pre = first_pre(T, c.hc_mult, x0.device)
+        for block in self.mtp:
+            R, prev_pre = block.forward_block(R, prev_pre, positions, main_slots, block_slots)
+        return combine_streams(R, prev_pre) if c.hc_shifted else self.mtp[-1].hc_head(R)
+
+    def draft_base_logits(self, hb: torch.Tensor) -> torch.Tensor:
+        """RMSNorm_post(hb) @ LMHead^T (fp32); the LM head is the backbone's."""
+        return self.compute_logits(self.mtp[-1].norm(hb))
+
+    def draft_step(self, hb: torch.Tensor, base: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft position of some rows: (logits = base + markov_head(markov_embed[prev]) fp32, the confidence
+        head's logit w_c · [hb; markov_embed[prev]] fp32, before the temperature, clamp and sigmoid)."""
+        last = self.mtp[-1]
+        e = last.markov_head.embed(prev)
+        logits = base + last.markov_head.head(e).float()
+        conf = last.confidence_head.proj(torch.cat((hb, e.to(hb.dtype)), dim=-1)).float()[:, 0]
+        return logits, conf
 
     @staticmethod
     def _kept_index(step: ModelStep, idx: torch.Tensor) -> torch.Tensor:

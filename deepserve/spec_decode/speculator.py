@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from deepserve.config import SpeculativeConfig
 from deepserve.sequence import Sequence
 from deepserve.spec_decode.drafts import Drafts
+from deepserve.spec_decode.dspark import DSparkDrafter
 from deepserve.spec_decode.length_policy import StepCostModel, choose_verify_lengths
 from deepserve.spec_decode.mtp import MTPDrafter
 from deepserve.spec_decode.ngram import NgramDrafter
@@ -40,8 +41,6 @@ class SpecDecodeStats:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, cost_model: StepCostModel | None = None) -> None:
-        if config.method == "dspark":
-            raise ValueError("speculative_config: method 'dspark' is not available yet ('ngram' and 'mtp' are)")
         if config.method == "mtp" and config.num_speculative_tokens != 1:
             raise ValueError("speculative_config: method 'mtp' drafts one token a step (DeepSeek-V3's one MTP layer): "
                              f"num_speculative_tokens must be 1, got {config.num_speculative_tokens}")
@@ -50,8 +49,13 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.cost_model = cost_model
-        self.drafter = (MTPDrafter() if config.method == "mtp" else
-                        NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max))
+        if config.method == "mtp":
+            self.drafter = MTPDrafter()
+        elif config.method == "dspark":
+            self.drafter = DSparkDrafter()
+        else:
+            self.drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min,
+                                        config.prompt_lookup_max)
         self.stats = SpecDecodeStats()
         self._proposed: dict[int, Drafts] = {}      # seq_id -> what was proposed for the step being scheduled
 
@@ -116,8 +120,8 @@ class Speculator:
         self.stats.num_accepted_tokens += num_accepted
 
     def take_model_drafts(self, drafts: dict) -> None:
-        """Drafts a model-based drafter produced in the step just collected (the MTP layer's)."""
-        if drafts and isinstance(self.drafter, MTPDrafter):
+        """Drafts a model-based drafter produced in the step just collected (the MTP layer's, the DSpark blocks')."""
+        if drafts and isinstance(self.drafter, (MTPDrafter, DSparkDrafter)):
             self.drafter.latest.update(drafts)
 
     def forget(self, seq: Sequence) -> None:

@@ -63,6 +63,11 @@ def _load_whole(config: ModelConfig, device: torch.device) -> nn.Module:
             model = cls(config.hf_config, max_position=config.max_model_len, **extra)
     finally:
         torch.set_default_dtype(old_dtype)
+    if config.dspark:
+        if not hasattr(model, "enable_dspark"):
+            raise ValueError(f"speculative_config method 'dspark' needs a DeepSeek-V4.1 model with draft layers "
+                             f"(num_nextn_predict_layers > 0); {config.architecture} has none")
+        model.enable_dspark()
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:

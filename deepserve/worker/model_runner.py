@@ -23,6 +23,7 @@ from deepserve.layers.attention import Attention, TorchPagedAttention
 from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.rank_group import ParallelContext
 from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SequenceSamplingRow
+from deepserve.spec_decode.dspark import DSparkDraft, draft_blocks, run_dspark
 from deepserve.spec_decode.mtp import MTPDraft, drafts_from_logits, mtp_batch, mtp_rows
 from deepserve.spec_decode.verifier import VerifyGroup, VerifyResult, verify
 from deepserve.worker.model_loader import load_model
@@ -52,7 +53,8 @@ class ModelRunnerOutput:
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)                # seq_id -> emitted tokens
     spec_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)       # seq_id -> one per token
     num_accepted_drafts: dict[int, int] = field(default_factory=dict)
-    mtp_drafts: "dict[int, MTPDraft]" = field(default_factory=dict)    # seq_id -> the MTP layer's next draft
+    # seq_id -> the next step's drafts of a model-based drafter (DeepSeek-V3's MTP layer, V4.1's DSpark blocks)
+    mtp_drafts: "dict[int, MTPDraft | DSparkDraft]" = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -366,8 +368,8 @@ class ModelRunner:
             return None
         from deepserve.layers.moe import TorchMoE
         reference_moe = any(isinstance(layer.backend, TorchMoE) for layer in self.model.moe_layers())
-        if _drafts_with_mtp(self.model):
-            logger.info("CUDA graphs off: the MTP drafter runs after every step's sampling (eager)")
+        if _drafts_with_mtp(self.model) or _drafts_with_dspark(self.model):
+            logger.info("CUDA graphs off: the model's drafter runs after every step's sampling (eager)")
             return None
         if not hasattr(self.attn_backend, "build_graph_metadata") or reference_moe:
             logger.info("CUDA graphs off: this model's layers run eagerly")
@@ -482,7 +484,21 @@ class ModelRunner:
                 self._verify(logits[len(sample_rows):], verifiers, step)
         if drafting_mtp:
             self._draft_with_mtp(out.scheduled, batch, hidden, step)
+        elif _drafts_with_dspark(self.model):
+            self._draft_with_dspark(out.scheduled, batch, step)
         return step
+
+    def _draft_with_dspark(self, scheduled: list[ScheduledSequence], batch: ForwardBatch,
+                           step: "LaunchedStep") -> None:
+        """The DSpark blocks for every sequence whose next token is known now; drafts for the next step
+        (spec_decode/dspark.py). The forward already wrote this step's main-cache keys."""
+        sampled = dict(zip((seq.seq_id for seq in step.seqs), step.device_tokens.tolist())) if step.seqs else {}
+        emitted = {}
+        if step.verified is not None:
+            emitted = {s.seq.seq_id: e for s, e in zip(step.verified[0], step.verified[1].emitted)}
+        blocks = draft_blocks(scheduled, sampled, emitted, self.config.speculative.num_speculative_tokens,
+                              self.config.scheduler.max_model_len)
+        step.mtp_drafts = run_dspark(self.model, batch, blocks, self.eos_token_ids, self.model.spec.sliding_window)
 
     def _draft_with_mtp(self, scheduled: list[ScheduledSequence], batch: ForwardBatch, hidden: torch.Tensor,
                         step: "LaunchedStep") -> None:
@@ -595,9 +611,14 @@ class ModelRunner:
 
 
 def _drafts_with_mtp(model) -> bool:
-    """The model was built with DeepSeek-V3's MTP layer for speculative decoding (V4.1's `mtp` draft blocks are
-    loaded but not run yet)."""
+    """The model was built with DeepSeek-V3's MTP layer for speculative decoding (V4.1's DSpark blocks are
+    `_drafts_with_dspark`)."""
     return hasattr(model, "mtp_logits") and model.mtp is not None
+
+
+def _drafts_with_dspark(model) -> bool:
+    """DeepSeek-V4.1 built for speculative decoding with its DSpark draft blocks (enable_dspark)."""
+    return bool(getattr(model, "dspark_targets", ()))
 
 
 def _sampled_rows(s: ScheduledSequence) -> list[int]:
@@ -628,7 +649,7 @@ class LaunchedStep:
     ready: "torch.cuda.Event | None" = None
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     verified: "tuple[list[ScheduledSequence], VerifyResult] | None" = None   # sequences that verified drafts
-    mtp_drafts: "dict[int, MTPDraft]" = field(default_factory=dict)          # seq_id -> next step's draft
+    mtp_drafts: "dict[int, MTPDraft | DSparkDraft]" = field(default_factory=dict)   # seq_id -> next step's
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ the engine's paged, batched V4.1 model is tested against, so it favours being ob
 Parameters carry the HF names of §2.14 / §3 / §16.3 (`layers.3.attn.compressor.wkv.weight`, `layers.0.hc_attn_fn`,
 `mtp.0.main_proj.weight`, ...), so an unquantized (or dequantized) checkpoint state dict loads with
 `load_state_dict`. Layers that share (§2.2) hold no weights for what they share. DSpark draft blocks (`mtp.*`)
-are built so a checkpoint loads; their forward is not implemented here.
+are built here; their forward (the drafter's oracle) is reference/dspark.py.
 
 Computation: matmuls in the parameter dtype; norms, mHC, attention scores/softmax, router and logits in fp32
 (§2.12); the trunk is stored in the parameter dtype (bf16 in the released model).
@@ -514,6 +514,7 @@ class Block(nn.Module):
     def forward(self, R: torch.Tensor, prev_pre: torch.Tensor, positions: torch.Tensor, state: ForwardState,
                 engram_ids: torch.Tensor | None, engram_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
         c, l = self.config, self.layer_id
+        state.record(l, block_trunk=R)            # the trunk entering the layer (DSpark's main cache reads it)
         if hasattr(self, "engram"):
             # §2.9: on the trunk, before the attention pre-mix. # Reading: the updated trunk is what the attention
             # sublayer sees everywhere (its mix parameters, its input and its residual mixing).
@@ -545,7 +546,7 @@ class Block(nn.Module):
 class DraftBlock(Block):
     """DSpark draft block `mtp.{i}` (§2.10, §2.14): SWA-only attention with base RoPE, MoE with the dspark expert
     counts; block 0 owns main_proj / main_norm, the last owns norm, markov_head, confidence_head (+ the HC head
-    when not shifted). Built so a checkpoint loads; the draft forward is not part of this reference."""
+    when not shifted). Its draft forward (main cache, block drafting) is reference/dspark.py."""
 
     def __init__(self, config: DeepseekV41Config, index: int, dtype: torch.dtype) -> None:
         super().__init__(config, None, config.draft_n_routed_experts, config.draft_num_experts_per_tok, dtype)
@@ -567,7 +568,7 @@ class DraftBlock(Block):
                 add_hc_head(self, c)
 
     def forward(self, *args, **kwargs):
-        raise NotImplementedError("the DSpark draft forward is not part of the reference (§2.10)")
+        raise NotImplementedError("a draft block runs through reference/dspark.py (§2.10)")
 
 
 def add_hc_head(owner: nn.Module, c: DeepseekV41Config) -> None:
@@ -621,9 +622,9 @@ class DeepseekV41Reference(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, trace: dict | None = None) -> torch.Tensor:
         """input_ids LongTensor [T] -> logits float32 [T, V]. `trace`, when a dict, receives per-layer
-        intermediates (trace["layers"][l]: hc_attn_trunk / hc_ffn_trunk (entering each sublayer), attn_input,
-        swa_kv, compressed_kv, visible, selected, topk, index_k, index_logits, candidates), trace["shared_hidden"]
-        and trace["final_trunk"]."""
+        intermediates (trace["layers"][l]: block_trunk (entering the layer, before Engram), hc_attn_trunk /
+        hc_ffn_trunk (entering each sublayer), attn_input, swa_kv, compressed_kv, visible, selected, topk, index_k,
+        index_logits, candidates), trace["shared_hidden"] and trace["final_trunk"]."""
         c = self.config
         T, m = input_ids.shape[0], c.hc_mult
         positions = torch.arange(T, device=input_ids.device)
