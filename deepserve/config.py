@@ -162,7 +162,7 @@ class SpeculativeConfig:
     verify_length: "fixed" verifies all k; "confidence" verifies the number that maximises expected accepted tokens
     per unit of step time (spec_decode/length_policy.py). prompt_lookup_min/max: n-gram sizes tried, longest first.
     cost_curve: [[rows, ms], ...] of a step's forward time by query rows (measured at start-up when absent).
-    gate (verify_length "confidence" only): measure the engine's output tokens/s with speculation on and off, in
+    gate (verify_length "confidence", method "ngram"): measure the engine's output tokens/s with speculation on and off, in
     alternating phases, and speculate only while it is the faster (spec_decode/gate.py); false: always speculate."""
     method: str
     num_speculative_tokens: int

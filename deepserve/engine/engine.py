@@ -98,8 +98,9 @@ class LLMEngine:
         # before the next step is scheduled: the loop runs without overlap while it speculates. With the gate
         # (verify_length "confidence"), it speculates only while that is faster than overlapped plain decoding.
         spec = config.speculative
+        # Prompt lookup only: the model drafters (MTP, DSpark) draft inside the forward, which then cannot overlap.
         self.spec_gate = (SpeculationGate() if spec is not None and spec.verify_length == "confidence" and spec.gate
-                          else None)
+                          and spec.method == "ngram" else None)
         self.overlap_capable = config.scheduler.async_scheduling
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None   # launched, not yet collected
         # Structured outputs: grammars compile in a thread pool (nothing of xgrammar loads until one does);
