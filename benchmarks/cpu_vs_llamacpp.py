@@ -20,6 +20,7 @@ Run:  python benchmarks/cpu_vs_llamacpp.py [--threads 2] [--repeats 3] [--modes 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import shlex
@@ -52,9 +53,10 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> dict:
     from deepserve.layers import gguf_linear as layer_mod
     spent = {"gemm": 0.0, "forward": 0.0, "logits": 0.0}
     model = llm.engine.runner.model
-    kernel, forward, logits = layer_mod.kernel.gguf_linear, model.forward, model.compute_logits
+    forward, logits = model.forward, model.compute_logits
 
     def timed(key, fn):
+        @functools.wraps(fn, assigned=(), updated=())
         def wrapper(*a, **k):
             t = time.perf_counter()
             try:
@@ -63,10 +65,14 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> dict:
                 spent[key] += time.perf_counter() - t
         return wrapper
 
-    class TimedKernel:      # the layer module's `kernel` name: only gguf_linear is timed
+    class TimedKernel:      # the layer module's `kernel` name: only the GEMMs are timed
         def __getattr__(self, name):
             return getattr(gk, name)
-        gguf_linear = staticmethod(timed("gemm", kernel))
+        gguf_linear_q8act = staticmethod(timed("gemm", gk.gguf_linear_q8act))
+
+    gemms = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    for m in gemms:                        # each layer's bound GEMM (PackedGemm), timed as an instance attribute
+        m.gemm = timed("gemm", m.gemm)
 
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
@@ -85,6 +91,8 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> dict:
     finally:
         layer_mod.kernel = gk
         del model.forward, model.compute_logits
+        for m in gemms:
+            m.gemm = m.gemm.__wrapped__
     ms = lambda s: round(s / n * 1e3, 3)                                    # noqa: E731
     # The LM head's GEMM runs inside compute_logits, the others inside forward.
     return {"steps": n, "step_ms": ms(total), "gemm_ms_all_layers_and_lm_head": ms(spent["gemm"]),

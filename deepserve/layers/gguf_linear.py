@@ -35,12 +35,18 @@ class GGUFLinear(nn.Module):
         self.register_buffer("blocks", blocks.contiguous())
         self.qtype, self.in_features, self.out_features = qtype, in_features, blocks.shape[0]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.gemm = kernel.PackedGemm(qtype, in_features)      # library and vector code looked up once, here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        run = kernel.gguf_linear_q8act if self.int8_activations else kernel.gguf_linear
-        out = run(flat if flat.dtype == torch.float32 else flat.float(), self.blocks, self.qtype, self.in_features)
-        out = out.view(*x.shape[:-1], self.out_features)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        if self.int8_activations:
+            out = kernel.gguf_linear_q8act(flat, self.blocks, self.qtype, self.in_features)
+        else:
+            out = self.gemm(flat, self.blocks)
+        if x.dim() != 2:
+            out = out.view(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias
         return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -36,9 +36,9 @@ _ISA_NAMES = {v: k for k, v in ISAS.items()}
 _AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c")
 _AVX2_FLAGS = ("avx2", "fma", "f16c")
 
-# From this many activation rows on: dequantize + sgemm (measured on a 2-core AVX-512 Xeon: see
-# benchmarks/cpu_vs_llamacpp.json, "kernel_rows").
-MANY_ROWS = 16
+# From this many activation rows on: dequantize + sgemm. A 3072 x 576 Q4_1 GEMM on a 2-core AVX-512 Xeon, packed vs
+# dequantize + sgemm: 16 rows 0.48 vs 0.81 ms, 32 rows 1.05 vs 0.96 ms (benchmarks/cpu_vs_llamacpp.json, "kernel_rows").
+MANY_ROWS = 32
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,6 +148,29 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: 
     return y
 
 
+class PackedGemm:
+    """`gguf_linear` for one layer's type and K, with the library, its function and the vector code looked up once
+    (at load): a decode step makes ~120 of these calls, where the general entry point's checks cost ~10 us each.
+    Takes the same inputs as `gguf_linear` and falls back to it for anything but few contiguous fp32 CPU rows."""
+
+    def __init__(self, qtype: int, in_features: int) -> None:
+        self.qtype, self.in_features = qtype, in_features
+        lib = library()
+        self._fn = None if lib is None else lib.gguf_linear
+        self._isa = ISAS[_default_isa()]
+
+    def __call__(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if self._fn is None or m >= MANY_ROWS or x.dtype is not torch.float32 or not x.is_contiguous() \
+                or x.dim() != 2 or x.shape[1] != self.in_features or not x.is_cpu or not blocks.is_contiguous():
+            return gguf_linear(x, blocks, self.qtype, self.in_features)
+        n = blocks.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._fn(self.qtype, self._isa, blocks.data_ptr(), n, self.in_features, x.data_ptr(), m, self.in_features,
+                 y.data_ptr(), n, torch.get_num_threads())
+        return y
+
+
 # Numeric option (b), measured against (a) by benchmarks/cpu_vs_llamacpp.py and not used by the engine: activations
 # quantized per 32-block to int8 (ggml's Q8_1: scale, block sum), integer dot products.
 Q8ACT_ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 3, "avx512_vnni": 4}
@@ -213,6 +236,6 @@ def _default_isa() -> str:
     return _cached_isa(envs.DEEPSERVE_CPU_ISA)
 
 
-__all__ = ["BLOCK_BYTES", "ISAS", "MANY_ROWS", "Q4_1", "Q8ACT_ISAS", "Q8_0", "QK", "TYPE_NAMES", "check_blocks",
+__all__ = ["BLOCK_BYTES", "ISAS", "MANY_ROWS", "PackedGemm", "Q4_1", "Q8ACT_ISAS", "Q8_0", "QK", "TYPE_NAMES", "check_blocks",
            "choose_isa", "choose_q8act_isa", "dequantize", "dequantize_ref", "gguf_linear", "gguf_linear_q8act",
            "gguf_linear_q8act_ref", "gguf_linear_ref", "library", "quantize_q8_1_ref", "resolved_isa", "supported"]
