@@ -33,6 +33,13 @@
 
 enum { GGML_Q4_1 = 3, GGML_Q8_0 = 8 };
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+/* The vector paths prefetch the weight row this many rows ahead (the hardware prefetcher alone left a decode step's
+ * GEMMs ~25% slower: batch-1 decode of the default model 59-65 -> 81-85 tok/s, 2-core AVX-512 Xeon; option (b)
+ * below has no prefetch yet). A prefetch
+ * past the end of W is a hint that cannot fault. */
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 4
+#endif
 #define MT 4                     /* activation rows per pass over a weight row */
 
 static inline int block_bytes(int qtype) { return qtype == GGML_Q4_1 ? 20 : 34; }
@@ -107,7 +114,10 @@ AVX2_TARGET static void rows_avx2(int qtype, const uint8_t *wrow, const float *x
     float macc[MT];
     for (int r = 0; r < MT; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.f; }
     const __m128i low4 = _mm_set1_epi8(0x0f);
+    const int64_t bb = qtype == GGML_Q4_1 ? 20 : 34, ahead = PREFETCH_ROWS * nb * bb;
     for (int64_t b = 0; b < nb; ++b) {
+        if (!(b & 1))       /* a cache line every two blocks: the row PREFETCH_ROWS ahead */
+            _mm_prefetch((const char *)(wrow + ahead + b * bb), _MM_HINT_T0);
         __m256 q0, q1, q2, q3;
         float d, m = 0.f;
         if (qtype == GGML_Q4_1) {
@@ -187,7 +197,9 @@ void rows_avx512_impl(const int qtype, const uint8_t *wrow, const float *x, int6
     float macc[MT];
     for (int r = 0; r < mt; ++r) { acc[r][0] = acc[r][1] = _mm512_setzero_ps(); macc[r] = 0.f; }
     int64_t b = 0;
+    const int64_t row_bytes = nb * (qtype == GGML_Q4_1 ? 20 : 34), stride = qtype == GGML_Q4_1 ? 40 : 68;
     for (; b + 2 <= nb; b += 2) {
+        _mm_prefetch((const char *)(wrow + PREFETCH_ROWS * row_bytes + b / 2 * stride), _MM_HINT_T0);
         for (int h = 0; h < 2; ++h) {
             __m512 q0, q1;
             float d, m;
