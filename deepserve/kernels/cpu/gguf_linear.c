@@ -33,10 +33,9 @@
 
 enum { GGML_Q4_1 = 3, GGML_Q8_0 = 8 };
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-/* The vector paths prefetch the weight row this many rows ahead (the hardware prefetcher alone left a decode step's
- * GEMMs ~25% slower: batch-1 decode of the default model 59-65 -> 81-85 tok/s, 2-core AVX-512 Xeon; option (b)
- * below has no prefetch yet). A prefetch
- * past the end of W is a hint that cannot fault. */
+/* The vector paths of option (a) prefetch the weight row this many rows ahead: with the hardware prefetcher alone a
+ * decode step's GEMMs were ~25% slower (batch-1 decode of the default model 59-65 -> 81-85 tok/s, 2-core AVX-512
+ * Xeon). Option (b) below has no prefetch yet. A prefetch past the end of W is a hint that cannot fault. */
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 4
 #endif
