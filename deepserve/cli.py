@@ -43,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: set[str] = frozenset(
         elif f.name in _PARALLEL_ALIASES:
             group.add_argument(flag, _PARALLEL_ALIASES[f.name], type=int, default=f.default, dest=f.name)
         elif f.name == "quantization":
-            group.add_argument(flag, choices=["int8", "w8a8"], default=None)
+            group.add_argument(flag, choices=["int8", "w8a8", "gguf"], default=None)
         elif f.name == "gpu_memory_utilization":
             group.add_argument(flag, type=float, default=f.default)
         else:

@@ -43,7 +43,9 @@ class ModelConfig:
     load_format: str                # "auto" | "dummy"
     skip_tokenizer_init: bool
     seed: int
-    quantization: str | None = None   # None | "int8" (weight-only) | "w8a8" (see layers/quantization.py)
+    # None | "int8" (weight-only) | "w8a8" (see layers/quantization.py) | "gguf" (a GGUF file's Q4_1 / Q8_0 blocks
+    # kept packed, CPU only: layers/gguf_linear.py)
+    quantization: str | None = None
     keep_mtp: bool = False          # build and load DeepSeek-V3's MTP layer (speculative_config method "mtp")
     dspark: bool = False            # run DeepSeek-V4.1's DSpark draft blocks (speculative_config method "dspark")
     # Every row's logits independent of the batch, chunking and cache hits (layers/batch_invariant.py).
@@ -353,8 +355,8 @@ class EngineArgs:
         need(self.load_format in ("auto", "dummy"), f"load_format must be auto or dummy; got {self.load_format!r}")
         need(self.kv_cache_dtype in ("auto", *DTYPE_NAMES),
              f"kv_cache_dtype must be one of auto, {', '.join(DTYPE_NAMES)}; got {self.kv_cache_dtype!r}")
-        need(self.quantization in (None, "int8", "w8a8"),
-             f"quantization must be None, int8 or w8a8; got {self.quantization!r}")
+        need(self.quantization in (None, "int8", "w8a8", "gguf"),
+             f"quantization must be None, int8, w8a8 or gguf; got {self.quantization!r}")
         need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              f"block_size must be a power of two >= 1; got {self.block_size}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
@@ -403,6 +405,20 @@ class EngineArgs:
             return None
         return CPU_MAX_PREFILL_TOKENS_WHILE_DECODING
 
+    def _check_gguf(self, path: str, device: "torch.device", batch_invariant: bool) -> None:
+        """quantization="gguf" multiplies by the file's packed blocks in C kernels: a .gguf model on the CPU only."""
+        if not path.endswith(".gguf"):
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized blocks packed; {path} is not a .gguf "
+                             "file (use int8 or w8a8 for other checkpoints)")
+        if device.type != "cpu":
+            raise ValueError(f"quantization='gguf' runs on the CPU only (C kernels), not on {device}; leave "
+                             "quantization unset there to run the dequantized model")
+        if batch_invariant:
+            raise ValueError("quantization='gguf' is not batch-invariant (few rows run the packed kernel, many rows "
+                             "an sgemm); turn one of them off")
+        if self.parallel_config.world_size > 1:
+            raise ValueError("quantization='gguf' runs on one rank only (no tensor / data / expert parallelism)")
+
     def resolve_batch_invariant(self) -> bool:
         """The argument, or DEEPSERVE_BATCH_INVARIANT when it is None."""
         if self.batch_invariant is not None:
@@ -446,6 +462,8 @@ class EngineArgs:
         if kv_store is not None:
             kv_store.check_path()
         batch_invariant = self.resolve_batch_invariant()
+        if self.quantization == "gguf":
+            self._check_gguf(path, device, batch_invariant)
         return EngineConfig(
             kv_store=kv_store,
             model=ModelConfig(model=path, hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,

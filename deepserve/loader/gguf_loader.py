@@ -115,6 +115,16 @@ def _read_scalar(part: np.ndarray, value_type: Any) -> Any:
 
 
 @dataclass
+class PackedTensor:
+    """A quantized GGUF matrix kept as its blocks: `blocks` uint8 [out_features, row bytes], ggml type `qtype`."""
+
+    qtype: int
+    blocks: torch.Tensor = field(repr=False)
+    out_features: int
+    in_features: int
+
+
+@dataclass
 class GGUFCheckpoint:
     """A GGUF file seen as an HF checkpoint: `config` plus lazily made tensors."""
 
@@ -136,6 +146,28 @@ class GGUFCheckpoint:
             if permutes_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 weight = unpermute_rope_rows(weight, self._heads_of(hf_name))
             yield hf_name, weight
+
+    def packed_tensors(self, qtypes: tuple[int, ...]) -> dict[str, PackedTensor]:
+        """`{hf_name: PackedTensor}` of the 2-D tensors stored in one of `qtypes` (ggml type ids), their blocks
+        copied as stored (nothing dequantized): quantization="gguf" multiplies by them.
+        Q/K rows are un-permuted as `tensors()` does; a permutation of whole rows is one of blocks, since a
+        block runs along a row."""
+        permutes_qk = _ARCHITECTURES[self.architecture]["permutes_qk"]
+        packed = {}
+        for tensor in self.reader.tensors:
+            if tensor.name in _TENSORS_WITHOUT_HF_PARAMETER or int(tensor.tensor_type) not in qtypes \
+                    or len(tensor.shape) != 2:
+                continue
+            hf_name = hf_tensor_name(tensor.name)
+            in_features, out_features = (int(d) for d in tensor.shape)
+            # tensor.data: uint8 [rows, row bytes] for quantized types, a view of the read-only map: copied, so the
+            # layer owns writable memory (torch warns on read-only arrays).
+            data = np.array(tensor.data, dtype=np.uint8, order="C", copy=True)
+            blocks = torch.from_numpy(data.reshape(out_features, -1))
+            if permutes_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                blocks = unpermute_rope_rows(blocks, self._heads_of(hf_name))
+            packed[hf_name] = PackedTensor(int(tensor.tensor_type), blocks, out_features, in_features)
+        return packed
 
     def tensor_names(self) -> list[str]:
         """HF names of all tensors `tensors()` yields, without reading any data."""

@@ -28,8 +28,21 @@ def load_model(config: ModelConfig, device: torch.device, parallel: ParallelCont
     model = _load_whole(config, device)
     if sharded:
         model = shard_model(model, parallel, parallel_config or ParallelConfig()).to(target)
-    model = quantize_model(model, config.quantization).eval()
+    if config.quantization == "gguf":
+        model = _pack_gguf(model, config).eval()
+    else:
+        model = quantize_model(model, config.quantization).eval()
     return make_batch_invariant(model, target) if config.batch_invariant else model
+
+
+def _pack_gguf(model: nn.Module, config: ModelConfig) -> nn.Module:
+    """quantization="gguf": the GGUF file's Q4_1 / Q8_0 matrices back in packed form (layers/gguf_linear.py); the
+    fp32 weights the ordinary load made for them are dropped with the modules they sat in."""
+    from deepserve.layers.gguf_linear import PACKED_TYPES, pack_model
+    from deepserve.loader.gguf_loader import load_gguf
+    if not config.is_gguf:
+        raise ValueError(f"quantization='gguf' needs a .gguf model; {config.model} is not one")
+    return pack_model(model, load_gguf(config.model).packed_tensors(PACKED_TYPES))
 
 
 def shard_model(model: nn.Module, parallel: ParallelContext, parallel_config: ParallelConfig) -> nn.Module:
