@@ -11,7 +11,11 @@ ends, every step's emitted tokens), in phases of a few steps with speculation on
 engine overlaps its steps when it can), and keeps the better mode for an exploit period, then probes the other one
 again (loads change):
 
-    probe on (PROBE_STEPS) -> probe off (PROBE_STEPS) -> exploit the faster (EXPLOIT_STEPS) -> probe the other -> ...
+    speculate (EXPLOIT_STEPS) -> probe off (PROBE_STEPS) -> exploit the faster (EXPLOIT_STEPS) -> probe the other
+    -> exploit the faster -> ...
+
+It starts by speculating (what the user asked for: a short run, e.g. one request of a few hundred tokens, is never
+made to decode without drafts just to measure), and every phase's rate counts, exploit periods' included.
 
 The first SETTLE_STEPS steps after each switch are not counted (the switch itself drains or refills the pipeline).
 Steps in which nothing decodes (only prompts) are not counted either. A mode's rate is an average of its phases,
@@ -46,7 +50,7 @@ class SpeculationGate:
         self.clock = clock
         self.rates: dict[bool, float | None] = {True: None, False: None}   # tokens / s, speculating or not
         self.num_switches = 0
-        self._phase = _Phase(True, True, probe_steps)
+        self._phase = _Phase(True, False, exploit_steps)
         self._last_end: float | None = None
 
     @property
@@ -73,12 +77,12 @@ class SpeculationGate:
             old = self.rates[ended.speculating]
             self.rates[ended.speculating] = rate if old is None else RATE_EMA * rate + (1 - RATE_EMA) * old
         on, off = self.rates[True], self.rates[False]
-        if on is None or off is None:           # a mode not measured yet (nothing decoded in its probe): probe it
-            mode, probing = on is None, True
-        elif ended.probing:                     # both measured: exploit the faster
-            mode, probing = on >= off, False
-        else:                                   # an exploit period ended: probe the other mode (loads change)
+        if not ended.probing:                   # an exploit period ended: probe the other mode (loads change)
             mode, probing = not ended.speculating, True
+        elif on is None or off is None:         # a probe measured nothing (no decodes in it): probe what is missing
+            mode, probing = on is None, True
+        else:                                   # both measured: exploit the faster
+            mode, probing = on >= off, False
         if mode != ended.speculating:
             self.num_switches += 1
         self._phase = _Phase(mode, probing, self.probe_steps if probing else self.exploit_steps)

@@ -31,25 +31,26 @@ def drive(gate: SpeculationGate, clock: FakeClock, steps: int, seconds_per_token
 
 
 @pytest.mark.parametrize("faster", [True, False])
-def test_exploits_the_faster_mode_and_keeps_probing(faster):
+def test_speculates_first_then_exploits_the_faster_mode_and_keeps_probing(faster):
     clock = FakeClock()
     gate = SpeculationGate(probe_steps=4, exploit_steps=20, settle_steps=1, clock=clock)
     times = {faster: 0.001, not faster: 0.003}
-    modes = drive(gate, clock, 4 + 4 + 20 + 4 + 20, times)
-    assert modes[:4] == [True] * 4 and modes[4:8] == [False] * 4          # probe on, then off
-    assert modes[8:28] == [faster] * 20                                   # exploit the faster
-    assert modes[28:32] == [not faster] * 4                               # probe the other again
-    assert modes[32:] == [faster] * 20
+    modes = drive(gate, clock, 20 + 4 + 20 + 4 + 20, times)
+    assert modes[:20] == [True] * 20 and modes[20:24] == [False] * 4     # speculate, then probe without drafts
+    assert modes[24:44] == [faster] * 20                                  # exploit the faster
+    assert modes[44:48] == [not faster] * 4                               # probe the other again
+    assert modes[48:] == [faster] * 20
     assert gate.rates[faster] == pytest.approx(1000.0) and gate.rates[not faster] == pytest.approx(1000 / 3)
 
 
 def test_steps_without_decodes_are_not_measured():
     clock = FakeClock()
-    gate = SpeculationGate(probe_steps=3, exploit_steps=10, settle_steps=0, clock=clock)
-    for _ in range(3):                      # a probe of prompt-only steps measures nothing: probed again
+    gate = SpeculationGate(probe_steps=3, exploit_steps=3, settle_steps=0, clock=clock)
+    for _ in range(3 + 3):                  # prompt-only steps measure nothing
         clock.now += 1.0
         gate.step_done(0, decoding=False)
-    assert gate.speculating and gate.rates[True] is None
+    assert gate.rates == {True: None, False: None}
+    assert gate.speculating and gate._phase.probing     # nothing measured at all: probe speculating again
 
 
 def test_switching_modes_mid_run_changes_no_greedy_token(default_model_path, smollm):
