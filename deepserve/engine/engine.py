@@ -287,8 +287,8 @@ class LLMEngine:
             if speculating:
                 self._record_spec_step(sched_out, (time.perf_counter() - started) * 1e3)
         if self.spec_gate is not None:
-            self.spec_gate.step_done(self.generation_tokens - generated_before,
-                                     any(_is_decode(s) for s in sched_out.scheduled))
+            decode_only = bool(sched_out.scheduled) and all(_is_decode(s) for s in sched_out.scheduled)
+            self.spec_gate.step_done(self.generation_tokens - generated_before, decode_only)
         return self._outputs(touched)
 
     @property

@@ -37,3 +37,32 @@ class Drafter(Protocol):
 
     def forget(self, seq: Sequence) -> None:
         """`seq` is gone: drop what was kept for it."""
+
+
+class ModelDrafter:
+    """Serves drafts a model made inside the step before (the MTP layer's, the DSpark blocks'): the runner hands them
+    over after each step (`latest`, by seq_id), each made for the sequence at one length. Subclasses say how a
+    model's draft reads as tokens and confidences."""
+
+    def __init__(self) -> None:
+        self.latest: dict = {}
+
+    def propose(self, seq: Sequence, max_drafts: int) -> Drafts:
+        draft = self.latest.pop(seq.seq_id, None)
+        if draft is None or max_drafts < 1 or draft.position != seq.num_tokens:
+            return Drafts()             # none, or made for another length (the sequence was preempted since)
+        tokens, confidences = self.tokens_and_confidences(draft)
+        return Drafts(tokens[:max_drafts], confidences[:max_drafts], 0, seq.seq_id)
+
+    def tokens_and_confidences(self, draft) -> tuple[list[int], list[float]]:
+        raise NotImplementedError
+
+    def observe(self, drafts: Drafts, num_verified: int, num_accepted: int) -> None:
+        pass                            # the model's own confidences need no estimate
+
+    def step(self) -> None:
+        pass
+
+    def forget(self, seq: Sequence) -> None:
+        self.latest.pop(seq.seq_id, None)
+

@@ -35,7 +35,7 @@ from deepserve.kernels.reference.sampling import sample_from_probs, shaped_probs
 from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.paged_state import RowSlots
 from deepserve.sequence import Sequence
-from deepserve.spec_decode.drafts import Drafts
+from deepserve.spec_decode.drafts import ModelDrafter
 from deepserve.worker.scheduler_output import ScheduledSequence
 
 MTP_SEED_OFFSET = 1000000007        # §6.3: the draft ("mtp") random stream
@@ -153,23 +153,10 @@ def _draw(model, hb: torch.Tensor, base: torch.Tensor, blocks: list[_Block], fir
     return {b.seq.seq_id: DSparkDraft(tokens[j], confs[j], b.n) for j, b in enumerate(blocks)}
 
 
-class DSparkDrafter:
+class DSparkDrafter(ModelDrafter):
     """Serves the drafts the DSpark blocks made for each sequence in the step before, with their confidences."""
 
-    def __init__(self) -> None:
-        self.latest: dict[int, DSparkDraft] = {}
+    def tokens_and_confidences(self, draft) -> tuple[list[int], list[float]]:
+        return draft.token_ids, draft.confidences
 
-    def propose(self, seq: Sequence, max_drafts: int) -> Drafts:
-        draft = self.latest.pop(seq.seq_id, None)
-        if draft is None or max_drafts < 1 or draft.position != seq.num_tokens:
-            return Drafts()             # none, or made for another length (the sequence was preempted since)
-        return Drafts(draft.token_ids[:max_drafts], draft.confidences[:max_drafts], 0, seq.seq_id)
 
-    def observe(self, drafts: Drafts, num_verified: int, num_accepted: int) -> None:
-        pass
-
-    def step(self) -> None:
-        pass
-
-    def forget(self, seq: Sequence) -> None:
-        self.latest.pop(seq.seq_id, None)

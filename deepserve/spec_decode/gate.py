@@ -7,19 +7,19 @@ verifying take host time. Where the device step is cheap (small models, large ba
 accepted drafts save, so confidence-scheduled speculation could still lose to no speculation at all.
 
 The gate measures instead of predicting: output tokens per second of the engine loop (wall time between step
-ends, every step's emitted tokens), in phases of a few steps with speculation on and off (off: no drafts, and the
-engine overlaps its steps when it can), and keeps the better mode for an exploit period, then probes the other one
-again (loads change):
+ends, each step's emitted tokens), with speculation on and off (off: no drafts, and the engine overlaps its steps
+when it can), and keeps the faster mode for an exploit period, then probes the other one again (loads change):
 
     speculate (EXPLOIT_STEPS) -> probe off (PROBE_STEPS) -> exploit the faster (EXPLOIT_STEPS) -> probe the other
     -> exploit the faster -> ...
 
 It starts by speculating (what the user asked for: a short run, e.g. one request of a few hundred tokens, is never
-made to decode without drafts just to measure), and every phase's rate counts, exploit periods' included.
+made to decode without drafts just to measure).
 
-The first SETTLE_STEPS steps after each switch are not counted (the switch itself drains or refills the pipeline).
-Steps in which nothing decodes (only prompts) are not counted either. A mode's rate is an average of its phases,
-newest weighted most (EMA), so one noisy phase does not decide alone.
+A/B by adjacent windows: a probe is compared with the last PROBE_STEPS steps of the exploit period just before it,
+not with an average over the run, because a batch's composition drifts (requests finish, so later steps carry fewer
+sequences and fewer tokens). Only decode-only steps count (a step that also computes prompt tokens says nothing of
+decoding speed), and not the first SETTLE_STEPS after a switch (the switch drains or refills the pipeline).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 PROBE_STEPS = 24
 EXPLOIT_STEPS = 256
 SETTLE_STEPS = 2
-RATE_EMA = 0.5          # weight of the newest phase in a mode's rate
 
 
 @dataclass
@@ -59,10 +58,12 @@ class SpeculationGate:
         return self._phase.speculating
 
     def step_done(self, emitted_tokens: int, decoding: bool) -> None:
-        """After every engine step: the output tokens it emitted and whether any sequence decoded in it."""
+        """After every engine step: the output tokens it emitted and whether it was a decode-only step."""
         now = self.clock()
         phase = self._phase
-        if self._last_end is not None and decoding and phase.done >= self.settle_steps:
+        # Probes count after settling; exploit periods only their last probe_steps (the window before the next probe).
+        start = self.settle_steps if phase.probing else phase.steps - self.probe_steps
+        if self._last_end is not None and decoding and phase.done >= start:
             phase.counted_tokens += emitted_tokens
             phase.counted_seconds += now - self._last_end
         self._last_end = now
@@ -72,10 +73,8 @@ class SpeculationGate:
 
     def _next_phase(self) -> None:
         ended = self._phase
-        if ended.counted_seconds > 0:
-            rate = ended.counted_tokens / ended.counted_seconds
-            old = self.rates[ended.speculating]
-            self.rates[ended.speculating] = rate if old is None else RATE_EMA * rate + (1 - RATE_EMA) * old
+        self.rates[ended.speculating] = (ended.counted_tokens / ended.counted_seconds if ended.counted_seconds > 0
+                                         else None)
         on, off = self.rates[True], self.rates[False]
         if not ended.probing:                   # an exploit period ended: probe the other mode (loads change)
             mode, probing = not ended.speculating, True

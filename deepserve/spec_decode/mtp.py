@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from deepserve.layers.forward_batch import ForwardBatch
-from deepserve.sequence import Sequence
-from deepserve.spec_decode.drafts import Drafts
+from deepserve.spec_decode.drafts import ModelDrafter
 from deepserve.worker.scheduler_output import ScheduledSequence
 
 
@@ -82,24 +81,11 @@ def drafts_from_logits(logits: torch.Tensor, scheduled: list[ScheduledSequence],
     return out
 
 
-class MTPDrafter:
+class MTPDrafter(ModelDrafter):
     """Serves the draft the MTP layer made for each sequence in the step before (spec_decode/mtp.py); its confidence
     is the MTP's own probability of the token."""
 
-    def __init__(self) -> None:
-        self.latest: dict[int, MTPDraft] = {}
+    def tokens_and_confidences(self, draft) -> tuple[list[int], list[float]]:
+        return [draft.token_id], [draft.confidence]
 
-    def propose(self, seq: Sequence, max_drafts: int) -> Drafts:
-        draft = self.latest.pop(seq.seq_id, None)
-        if draft is None or max_drafts < 1 or draft.position != seq.num_tokens:
-            return Drafts()             # none, or made for another length (the sequence was preempted since)
-        return Drafts([draft.token_id], [draft.confidence], 0, seq.seq_id)
 
-    def observe(self, drafts: Drafts, num_verified: int, num_accepted: int) -> None:
-        pass
-
-    def step(self) -> None:
-        pass
-
-    def forget(self, seq: Sequence) -> None:
-        self.latest.pop(seq.seq_id, None)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from deepserve.config import SpeculativeConfig
 from deepserve.sequence import Sequence
-from deepserve.spec_decode.drafts import Drafts
+from deepserve.spec_decode.drafts import Drafts, ModelDrafter
 from deepserve.spec_decode.dspark import DSparkDrafter
 from deepserve.spec_decode.length_policy import StepCostModel, choose_verify_lengths
 from deepserve.spec_decode.mtp import MTPDrafter
@@ -121,7 +121,7 @@ class Speculator:
 
     def take_model_drafts(self, drafts: dict) -> None:
         """Drafts a model-based drafter produced in the step just collected (the MTP layer's, the DSpark blocks')."""
-        if drafts and isinstance(self.drafter, (MTPDrafter, DSparkDrafter)):
+        if drafts and isinstance(self.drafter, ModelDrafter):
             self.drafter.latest.update(drafts)
 
     def forget(self, seq: Sequence) -> None:

@@ -53,6 +53,9 @@ def shard_model(model: nn.Module, parallel: ParallelContext, parallel_config: Pa
                              "Llama / Mistral / Qwen2 / Qwen3, Mixtral / Qwen3-MoE, DeepSeek-V2 / V3)")
         model.shard_tensor_parallel(parallel.tp, shard_experts=parallel.ep.size == 1)
     if parallel.ep.size > 1:
+        if not hasattr(model, "shard_tensor_parallel"):     # DeepSeek-V4 / V4.1: hash-routed, FP4 experts
+            raise ValueError(f"expert_parallel_size > 1 is not supported for {type(model).__name__} yet (supported: "
+                             "Mixtral / Qwen3-MoE, DeepSeek-V2 / V3)")
         moe_layers = model.moe_layers() if hasattr(model, "moe_layers") else []
         if not moe_layers:
             raise ValueError(f"expert_parallel_size > 1 needs a mixture-of-experts model; {type(model).__name__} "
