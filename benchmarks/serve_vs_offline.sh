@@ -18,7 +18,7 @@ import json, sys, os, platform
 out, args = sys.argv[1], sys.argv[2]
 offline = json.load(open(os.path.join(out, "offline.json")))
 serve = json.load(open(os.path.join(out, "serve.json")))
-offline_tps = offline["output_tokens_per_s"]
+offline_tps = offline["result"]["output_tokens_per_s"]
 by_conc = {str(r.get("max_concurrency")): r for r in serve["runs"]}
 summary = {c: {"server_output_tok_per_s": r["output_throughput"], "ttft_p50_ms": r["ttft_ms"].get("median"),
                "server_vs_offline": round(r["output_throughput"] / offline_tps, 3)} for c, r in by_conc.items()}
