@@ -124,6 +124,7 @@ class MultiRankEngine:
         if self._failure is None:       # after a failed step the ranks wait in another collective: kill them
             try:
                 self.parallel.world.broadcast_object(StepCommands(stop=True))
+                self.parallel.world.barrier()     # nobody tears the group down while another still uses it
             except Exception:           # noqa: BLE001 - a rank already gone: terminate what is left below
                 logger.warning("multi-rank engine: stopping the ranks failed; terminating them")
             for proc in self._procs:
@@ -259,6 +260,7 @@ def serve_rank(args: EngineArgs, rank: int, world: int) -> None:
     while True:
         commands: StepCommands = parallel.world.broadcast_object(None)
         if commands.stop:
+            parallel.world.barrier()              # rank 0's shutdown waits here too
             return
         _run_step(engine, commands, replica, tp_rank, parallel.world)
 

@@ -94,6 +94,11 @@ class RankGroup:
         dist.broadcast_object_list(box, src=self.ranks[src], group=self.group)
         return box[0]
 
+    def barrier(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+            dist.barrier(group=self.group)
+
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Every rank's `obj` in group order on group rank `dst`; None on the others (pickled; small messages)."""
         if self.size == 1:
