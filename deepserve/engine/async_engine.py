@@ -292,9 +292,11 @@ class AsyncLLMEngine:
             self._dead = error
             self._close(EngineDeadError(f"the engine loop died: {error!r}"))
             return
-        self._close(EngineShutdownError("the server shut down before this request finished"))
         if hasattr(self.engine, "shutdown"):
-            self.engine.shutdown()          # a multi-rank engine's other ranks
+            # A multi-rank engine's other ranks, before `_close` lets the server's main thread go on to exit (an
+            # interpreter exiting while this thread still tears the process groups down aborts).
+            self.engine.shutdown()
+        self._close(EngineShutdownError("the server shut down before this request finished"))
 
     def _close(self, error: BaseException) -> None:
         with self._admission_lock:
