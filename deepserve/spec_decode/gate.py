@@ -10,11 +10,15 @@ The gate measures instead of predicting: output tokens per second of the engine 
 ends, each step's emitted tokens), with speculation on and off (off: no drafts, and the engine overlaps its steps
 when it can), and keeps the faster mode for an exploit period, then probes the other one again (loads change):
 
-    speculate (EXPLOIT_STEPS) -> probe off (PROBE_STEPS) -> exploit the faster (EXPLOIT_STEPS) -> probe the other
-    -> exploit the faster -> ...
+    speculate (FIRST_STEPS) -> probe off (PROBE_STEPS) -> exploit the faster (L) -> probe the other
+    -> exploit the faster (L) -> ...
 
-It starts by speculating (what the user asked for: a short run, e.g. one request of a few hundred tokens, is never
-made to decode without drafts just to measure).
+An exploit period lasts MIN_EXPLOIT_STEPS after a switch of winner and doubles (up to MAX_EXPLOIT_STEPS) each time
+the same mode wins again: a load where one mode is clearly better is probed rarely, and a wrong first guess costs a
+few dozen steps, not hundreds (at a small model's step of a millisecond, a batch lasts a few hundred steps).
+
+It starts by speculating (what the user asked for) for FIRST_STEPS: a short run, e.g. one request of a hundred
+tokens, is never made to decode without drafts just to measure.
 
 A/B by adjacent windows: a probe is compared with the last PROBE_STEPS steps of the exploit period just before it,
 not with an average over the run, because a batch's composition drifts (requests finish, so later steps carry fewer
@@ -27,8 +31,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-PROBE_STEPS = 24
-EXPLOIT_STEPS = 256
+PROBE_STEPS = 16
+FIRST_STEPS = 64
+MIN_EXPLOIT_STEPS = 32
+MAX_EXPLOIT_STEPS = 512
 SETTLE_STEPS = 2
 
 
@@ -43,13 +49,19 @@ class _Phase:
 
 
 class SpeculationGate:
-    def __init__(self, probe_steps: int = PROBE_STEPS, exploit_steps: int = EXPLOIT_STEPS,
+    def __init__(self, probe_steps: int = PROBE_STEPS, first_steps: int = FIRST_STEPS,
+                 min_exploit_steps: int = MIN_EXPLOIT_STEPS, max_exploit_steps: int = MAX_EXPLOIT_STEPS,
                  settle_steps: int = SETTLE_STEPS, clock=time.perf_counter) -> None:
-        self.probe_steps, self.exploit_steps, self.settle_steps = probe_steps, exploit_steps, settle_steps
+        if not probe_steps <= min(first_steps, min_exploit_steps) <= max_exploit_steps:
+            raise ValueError("the gate needs probe_steps <= first_steps, min_exploit_steps <= max_exploit_steps")
+        self.probe_steps, self.settle_steps = probe_steps, settle_steps
+        self.min_exploit_steps, self.max_exploit_steps = min_exploit_steps, max_exploit_steps
         self.clock = clock
         self.rates: dict[bool, float | None] = {True: None, False: None}   # tokens / s, speculating or not
         self.num_switches = 0
-        self._phase = _Phase(True, False, exploit_steps)
+        self._winner: bool | None = None        # the mode the last exploit period kept
+        self._exploit_steps = min_exploit_steps
+        self._phase = _Phase(True, False, first_steps)
         self._last_end: float | None = None
 
     @property
@@ -80,11 +92,14 @@ class SpeculationGate:
             mode, probing = not ended.speculating, True
         elif on is None or off is None:         # a probe measured nothing (no decodes in it): probe what is missing
             mode, probing = on is None, True
-        else:                                   # both measured: exploit the faster
+        else:                                   # both measured: exploit the faster, longer if it won last time too
             mode, probing = on >= off, False
+            self._exploit_steps = (min(2 * self._exploit_steps, self.max_exploit_steps) if mode == self._winner
+                                   else self.min_exploit_steps)
+            self._winner = mode
         if mode != ended.speculating:
             self.num_switches += 1
-        self._phase = _Phase(mode, probing, self.probe_steps if probing else self.exploit_steps)
+        self._phase = _Phase(mode, probing, self.probe_steps if probing else self._exploit_steps)
 
 
 __all__ = ["SpeculationGate"]

@@ -31,21 +31,40 @@ def drive(gate: SpeculationGate, clock: FakeClock, steps: int, seconds_per_token
 
 
 @pytest.mark.parametrize("faster", [True, False])
-def test_speculates_first_then_exploits_the_faster_mode_and_keeps_probing(faster):
+def test_speculates_first_then_exploits_the_faster_mode_longer_each_time_it_wins(faster):
     clock = FakeClock()
-    gate = SpeculationGate(probe_steps=4, exploit_steps=20, settle_steps=1, clock=clock)
+    gate = SpeculationGate(probe_steps=4, first_steps=20, min_exploit_steps=10, max_exploit_steps=40, settle_steps=1,
+                           clock=clock)
     times = {faster: 0.001, not faster: 0.003}
-    modes = drive(gate, clock, 20 + 4 + 20 + 4 + 20, times)
+    modes = drive(gate, clock, 20 + 4 + 10 + 4 + 20 + 4 + 40 + 4 + 40, times)
     assert modes[:20] == [True] * 20 and modes[20:24] == [False] * 4     # speculate, then probe without drafts
-    assert modes[24:44] == [faster] * 20                                  # exploit the faster
-    assert modes[44:48] == [not faster] * 4                               # probe the other again
-    assert modes[48:] == [faster] * 20
+    at = 24
+    for exploit in (10, 20, 40, 40):                                    # doubles while the same mode wins, capped
+        assert modes[at:at + exploit] == [faster] * exploit
+        assert modes[at + exploit:at + exploit + 4] in ([not faster] * 4, [])   # probe the other again
+        at += exploit + 4
     assert gate.rates[faster] == pytest.approx(1000.0) and gate.rates[not faster] == pytest.approx(1000 / 3)
+
+
+def test_a_change_of_winner_restarts_from_the_shortest_exploit_period():
+    clock = FakeClock()
+    gate = SpeculationGate(probe_steps=4, first_steps=8, min_exploit_steps=8, max_exploit_steps=64, settle_steps=0,
+                           clock=clock)
+    modes = drive(gate, clock, 8 + 4 + 8 + 4 + 16 + 4, {True: 0.001, False: 0.003})   # speculating wins twice
+    assert modes[-20:-4] == [True] * 16
+    # The load changes: speculation is now slower. The probe just run measured off at its old rate, so the next
+    # exploit period (32 steps) still speculates; its last 4 steps show the new rate and the probe after it decides.
+    modes = drive(gate, clock, 32 + 4 + 8 + 4, {True: 0.005, False: 0.003})
+    assert modes[:32] == [True] * 32 and modes[32:36] == [False] * 4
+    assert modes[36:44] == [False] * 8                                     # exploit off, from the shortest length
+    assert modes[44:48] == [True] * 4
+    with pytest.raises(ValueError, match="probe_steps"):
+        SpeculationGate(probe_steps=10, first_steps=8)
 
 
 def test_steps_without_decodes_are_not_measured():
     clock = FakeClock()
-    gate = SpeculationGate(probe_steps=3, exploit_steps=3, settle_steps=0, clock=clock)
+    gate = SpeculationGate(probe_steps=3, first_steps=3, min_exploit_steps=3, settle_steps=0, clock=clock)
     for _ in range(3 + 3):                  # prompt-only steps measure nothing
         clock.now += 1.0
         gate.step_done(0, decoding=False)
@@ -62,7 +81,8 @@ def test_switching_modes_mid_run_changes_no_greedy_token(default_model_path, smo
               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "verify_length": "confidence",
                                   "cost_curve": [[1, 10.0], [64, 12.0]]})
     engine = llm.engine
-    engine.spec_gate = SpeculationGate(probe_steps=3, exploit_steps=4, settle_steps=0)
+    engine.spec_gate = SpeculationGate(probe_steps=3, first_steps=4, min_exploit_steps=4, max_exploit_steps=4,
+                                       settle_steps=0)
     assert token_ids(llm.generate(COPY_PROMPTS, params, use_tqdm=False)) == want
     assert engine.spec_gate.num_switches >= 4
     assert engine.get_stats().spec_decode_num_accepted_tokens > 0     # it did speculate in its speculating phases
