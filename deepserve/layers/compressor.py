@@ -13,6 +13,10 @@ compressors of layers/compressor_v4.py):
 `compress_step` writes this step's token states into the paged state, then pools every entry whose last token
 is in the step, reading the span's earlier tokens back from the state: a chunk boundary or a decode step in the
 middle of an entry needs nothing else (the half-done entry's first token waits in the paged state).
+
+A decode-only step pools a (possible) entry for every row and sends the ones its row does not complete to the
+scratch slot (layers/paged_state.py): shapes fixed by the row count, no host sync, so a CUDA graph can capture it.
+Other steps select the completing rows (a prompt chunk completes T / ratio entries, not T).
 """
 
 from __future__ import annotations
@@ -64,22 +68,31 @@ class GatedPoolCompressor(nn.Module):
 @dataclass
 class NewEntries:
     """The entries one KV source completed this step, over all sequences: pre-RoPE values, their cache slots and
-    their entry indices (RoPE position = index · ratio)."""
+    their entry indices (RoPE position = index · ratio). In a decode-only step, one per row, slot -1 (the scratch
+    slot) where the row completes none."""
     pre_rope: torch.Tensor        # [N, D]
     slots: torch.Tensor           # [N]
     index: torch.Tensor           # [N]
 
 
 def compress_step(compressor: nn.Module, x: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
-                  rows: RowSlots, state: PagedState) -> NewEntries:
+                  rows: RowSlots, state: PagedState, decode_only: bool = False) -> NewEntries:
     """Write x's token states at `slot_mapping`, then pool the entries completed this step (see module doc): entry
     j completes at the row of its last token, (j + 1)·ratio - 1, so each such row yields one entry."""
     state.write(slot_mapping, compressor.token_state(x))
     r, span = compressor.ratio, compressor.span
-    done = ((positions + 1) % r == 0).nonzero().squeeze(1)
-    j = (positions[done] + 1) // r - 1
+    completes = (positions + 1) % r == 0
+    if decode_only:
+        completed = rows                            # every row; those that complete nothing write the scratch slot
+        j = ((positions + 1) // r - 1).clamp(min=0)
+    else:
+        done = completes.nonzero().squeeze(1)
+        completed = rows.select(done)
+        j = (positions[done] + 1) // r - 1
     span_positions = j[:, None] * r + torch.arange(r - span, r, device=x.device)[None, :]      # [N, span]
-    completed = rows.select(done)
     slots = completed.token_slots(span_positions)
     states = state.read(slots.flatten()).view(*slots.shape, state.width).float()
-    return NewEntries(compressor.pool(states, span_positions >= 0, j), completed.entry_slots(j[:, None], r)[:, 0], j)
+    entry_slots = completed.entry_slots(j[:, None], r)[:, 0]
+    if decode_only:                                 # padding rows of a captured decode (slot -1) complete nothing
+        entry_slots = torch.where(completes & (slot_mapping >= 0), entry_slots, -1)
+    return NewEntries(compressor.pool(states, span_positions >= 0, j), entry_slots, j)

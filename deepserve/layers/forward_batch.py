@@ -41,6 +41,10 @@ class ForwardBatch:
     # Speculative decoding: how many of each sequence's rows are drafts being verified (empty: none anywhere). Such
     # a sequence's rows are decode rows of consecutive lengths, and a backend may run them as such.
     draft_lens_cpu: list[int] = field(default_factory=list)
+    # A decode batch captured in a CUDA graph (worker/cuda_graph.py): every row is a one-row sequence of its own, the
+    # host-side lengths above are placeholders, and a row may see up to this many keys. A layer whose work is sized
+    # by context (DeepSeek-V4.1's compressed-entry lists) sizes it by this instead of seq_lens_cpu. 0: not captured.
+    graph_max_seq_len: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,12 @@ per-sequence slots and a recompute of W tokens after a prefix hit: a follow-up.
 
 `SequenceLayout` (per sequence: its rows, positions, blocks) and `RowSlots` (per row: the slot of any position or
 compressed entry of its sequence, for all rows at once) are how these are read and written.
+
+Slot -1, the scratch slot: a write that must land nowhere (a padding row of a decode replayed from a CUDA graph, an
+entry that a decode row does not complete) goes to slot -1, which indexing wraps to the last slot of the last block.
+The model runner allocates one scratch block past the block manager's for models with paged states
+(`writes_scratch_slot`), so that slot belongs to no sequence. Writing there instead of selecting the rows that do
+write keeps a decode step's shapes fixed (no host sync, capturable in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class PagedState(nn.Module):
     `ratio` positions; at least one per block). `dtype` None: the cache dtype the runner chooses."""
 
     kv_block_dim = 0
+    writes_scratch_slot = True          # the runner allocates the scratch block (module doc)
 
     def __init__(self, name: str, width: int, ratio: int = 0, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -64,6 +71,7 @@ class PagedState(nn.Module):
         return self.kv_cache.view(-1, self.width)
 
     def write(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """values at slots; slot -1 is the scratch slot (module doc)."""
         self.flat()[slots] = values.to(self.kv_cache.dtype).view(-1, self.width)
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
@@ -103,9 +111,12 @@ class RowSlots:
 
     @staticmethod
     def of(batch: ForwardBatch) -> "RowSlots":
+        device = batch.block_tables.device
+        if batch.is_decode_only:            # row b is sequence b: no host list to copy (a CUDA graph captures this)
+            return RowSlots(batch.block_tables, torch.arange(batch.num_seqs, device=device), batch.block_size)
         seq_of_row = [b for b, q in enumerate(batch.query_lens_cpu) for _ in range(q)]
-        return RowSlots(batch.block_tables, torch.tensor(seq_of_row, dtype=torch.long,
-                                                         device=batch.block_tables.device), batch.block_size)
+        return RowSlots(batch.block_tables, torch.tensor(seq_of_row, dtype=torch.long, device=device),
+                        batch.block_size)
 
     def select(self, rows: torch.Tensor) -> "RowSlots":
         return RowSlots(self.block_tables, self.row_seq[rows], self.block_size)
@@ -130,12 +141,12 @@ class RowSlots:
 def sequence_layouts(batch: ForwardBatch) -> list[SequenceLayout]:
     """The step's sequences in batch order (built once per forward, shared by every layer)."""
     bs = batch.block_size
-    starts = batch.query_start_loc.tolist()
-    layouts = []
+    layouts, start = [], 0              # row starts from the host's lengths (query_start_loc is on the device)
     data_lens = batch.data_lens_cpu or batch.seq_lens_cpu
     for b, (q, n) in enumerate(zip(batch.query_lens_cpu, batch.seq_lens_cpu)):
         blocks = batch.block_tables[b, : -(-n // bs)]
-        layouts.append(SequenceLayout(starts[b], q, n - q, n, blocks, bs, data_lens[b]))
+        layouts.append(SequenceLayout(start, q, n - q, n, blocks, bs, data_lens[b]))
+        start += q
     return layouts
 
 

@@ -147,7 +147,10 @@ class ModelStep:
         self.selected_slots = {l: slots[self.kept_rows] for l, slots in self.selected_slots.items()}
 
     def entry_count(self, ratio: int) -> int:
-        """The most compressed entries any sequence of the step has (the width of per-row entry lists)."""
+        """The most compressed entries any sequence of the step has (the width of per-row entry lists); in a
+        captured decode, the most any row may have (its host-side lengths are placeholders)."""
+        if self.batch.graph_max_seq_len:
+            return max(1, self.batch.graph_max_seq_len // ratio)
         return max([seq.seq_len // ratio for seq in self.layouts] + [1])
 
     def decode_entry_table(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -158,15 +161,19 @@ class ModelStep:
             decodes = [seq.row_start for seq in self.layouts if seq.num_rows == 1]
             if not decodes:
                 return None
-            rows = torch.tensor(decodes, dtype=torch.long, device=self.positions.device)
-            j = torch.arange(self.entry_count(ratio), device=rows.device)[None, :].expand(len(decodes), -1)
+            device = self.positions.device
+            rows = (torch.arange(len(decodes), device=device) if len(decodes) == self.positions.shape[0]
+                    else torch.tensor(decodes, dtype=torch.long, device=device))    # all rows: no host copy
+            j = torch.arange(self.entry_count(ratio), device=device)[None, :].expand(len(decodes), -1)
             self._slots[key] = (rows, self.rows.select(rows).entry_slots(j, ratio))
         return self._slots[key]
 
     def swa_slots(self, consumer: bool) -> torch.Tensor:
         """[rows, W]: the slots of positions p, p-1, ..., p-W+1 of each row's sequence, -1 before position 0 and,
         in consumer layers under YOCO, before the sequence's suffix (window_floor)."""
-        narrowed = consumer and self.yoco is not None and self.yoco.active
+        # A captured decode has no real data lengths, and needs none: YOCO's KEEP >= W + tokens per decode step
+        # (models/yoco.py) puts a decode row's whole window inside the suffix, so the floor never narrows it.
+        narrowed = consumer and self.yoco is not None and self.yoco.active and not self.batch.graph_max_seq_len
         key = ("swa", narrowed)
         if key not in self._slots:
             keys = self.positions[:, None] - torch.arange(self.window, device=self.positions.device)[None, :]
@@ -350,7 +357,7 @@ class SparseLatentAttention(nn.Module):
     # --- writes --------------------------------------------------------------------------------------------
     def _compress(self, x: torch.Tensor, step: ModelStep) -> None:
         new = compress_step(self.compressor, x, step.batch.slot_mapping, step.batch.positions, step.full_rows,
-                            self.compressor_state)
+                            self.compressor_state, step.batch.is_decode_only)
         step.new_entries[self.roles.layer_id] = new
         if new.index.numel():
             self.compressed.write(new.slots, self.rope(new.pre_rope, new.index * self.roles.ratio))
@@ -360,7 +367,7 @@ class SparseLatentAttention(nn.Module):
         KV source's new entries; V4 the entries of the indexer's own compressor over this layer's input."""
         if hasattr(self.indexer, "compressor"):
             new = compress_step(self.indexer.compressor, a, step.batch.slot_mapping, step.batch.positions,
-                                step.full_rows, self.index_key_state)
+                                step.full_rows, self.index_key_state, step.batch.is_decode_only)
             ki = new.pre_rope
         else:
             new = step.new_entries[self.roles.kv_source]

@@ -159,7 +159,9 @@ class DeepseekV41Block(nn.Module):
             a = self.attn_norm(u)
             if self.yoco_split:                  # §2.7: the shared hidden the consumer half compresses
                 step.shared_hidden = a
-            compact = self.yoco_split and step.yoco is not None and step.yoco.compact
+            # A decode row is always kept (its position is the suffix's last): only prompt steps compact.
+            compact = self.yoco_split and step.yoco is not None and step.yoco.compact and \
+                not step.batch.is_decode_only
             return self.attn(a, step, compact_here=compact)
 
         def moe(u: torch.Tensor) -> torch.Tensor:
@@ -212,6 +214,12 @@ class DraftBlock(DeepseekV41Block):
 
 
 class DeepseekV41ForCausalLM(nn.Module):
+    # CUDA graphs (worker/cuda_graph.py): the layers gather their own slot lists (no attention backend metadata),
+    # and a decode's work is sized by the context (every compressed entry a row may see), so graphs are captured
+    # per context bucket.
+    reads_attention_metadata = False
+    decode_work_grows_with_context = True
+
     @staticmethod
     def read_config(cfg: dict[str, Any]) -> DeepseekV41Config:
         return DeepseekV41Config.from_hf_dict(cfg)

@@ -14,6 +14,12 @@ replays the graph of the smallest size that holds its batch:
 A decode verifying drafts (speculative decoding) is one decode row per position: row j attends to the keys up
 to its own position, the rows before it included. Batches with prefill rows, prompt logprobs, or more rows than
 the largest size run eagerly.
+
+Context buckets: a model whose decode work is sized by the context, not by the step's rows (DeepSeek-V4.1 scores
+and gathers every compressed entry a row may see: `decode_work_grows_with_context`), is captured per (size,
+context bucket): 4k, 8k, ... up to max_model_len keys. A step replays the smallest bucket holding its longest
+sequence, so a short context does not pay for max_model_len. The first bucket is captured at start-up, the others
+the first time a step needs them (logged). Every other model has one bucket, max_model_len.
 """
 
 from __future__ import annotations
@@ -29,6 +35,16 @@ from deepserve.worker.scheduler_output import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _MAX_CAPTURE_SIZE = 512
+_SMALLEST_CONTEXT_BUCKET = 4096
+
+
+def context_buckets(max_model_len: int, smallest: int = _SMALLEST_CONTEXT_BUCKET) -> list[int]:
+    """smallest, 2·smallest, ... (doubling) up to max_model_len, which is always the last."""
+    buckets, b = [], smallest
+    while b < max_model_len:
+        buckets.append(b)
+        b *= 2
+    return buckets + [max_model_len]
 
 
 def default_capture_sizes(max_num_seqs: int, limit: int | None = None) -> list[int]:
@@ -102,86 +118,121 @@ class StaticDecodeInputs:
         self.device[:used].copy_(host[:used], non_blocking=True)
         return inflight
 
-    def batch(self, size: int, block_size: int) -> ForwardBatch:
-        """A ForwardBatch of views into the static buffers (the same tensors at every replay)."""
+    def batch(self, size: int, block_size: int, max_seq_len: int) -> ForwardBatch:
+        """A ForwardBatch of views into the static buffers (the same tensors at every replay); rows see at most
+        `max_seq_len` keys."""
         return ForwardBatch(
             input_ids=self.input_ids[:size], positions=self.positions[:size], slot_mapping=self.slots[:size],
             block_tables=self.block_tables[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], query_lens_cpu=[1] * size, seq_lens_cpu=[1] * size,
-            logits_indices=self.rows[:size], block_size=block_size)
+            logits_indices=self.rows[:size], block_size=block_size, graph_max_seq_len=max_seq_len)
 
 
 class CUDAGraphRunner:
-    """Captures and replays decode forwards. `model(batch)` -> `model.compute_logits` is what gets captured."""
+    """Captures and replays decode forwards. `model(batch)` -> `model.compute_logits` is what gets captured. A graph
+    is keyed by (padded batch size, context bucket)."""
 
     def __init__(self, model, attn_backend, block_size: int, max_model_len: int, vocab_size: int,
                  capture_sizes: list[int], device: torch.device) -> None:
         self.model, self.attn_backend = model, attn_backend
         self.block_size, self.max_model_len = block_size, max_model_len
         self.sizes = sorted(capture_sizes)
+        self.buckets = (context_buckets(max_model_len) if getattr(model, "decode_work_grows_with_context", False)
+                        else [max_model_len])
         self.device = device
         max_blocks = -(-max_model_len // block_size)
         self.inputs = StaticDecodeInputs(self.sizes[-1], max_blocks, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.batches: dict[int, ForwardBatch] = {}
-        # One logits buffer for every size: each graph copies its logits in, so the graphs' own outputs die
-        # after capture and their memory is reused across sizes (one [size, vocab] fp32 tensor per graph
-        # would cost ~1 GB for a 128k vocabulary).
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.batches: dict[tuple[int, int], ForwardBatch] = {}
+        # One logits buffer for every graph: each copies its logits in, so the graphs' own outputs die after
+        # capture and their memory is reused across sizes (one [size, vocab] fp32 tensor per graph would cost
+        # ~1 GB for a 128k vocabulary).
         self.logits = torch.empty(self.sizes[-1], vocab_size, dtype=torch.float32, device=device)
         self.capture_seconds = 0.0
         self.num_replays = 0
+        self._pool = self._stream = None
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.compute_logits(self.model(batch))
 
     @torch.inference_mode()
     def capture(self) -> float:
-        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
+        """Capture every size of the first context bucket, largest first so the smaller graphs reuse its memory."""
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
         for size in reversed(self.sizes):
-            batch = self.inputs.batch(size, self.block_size)
-            # Padding-only inputs: every row reads block 0 and writes nothing.
-            self.inputs.input_ids[:size].zero_()
-            self.inputs.positions[:size].zero_()
-            self.inputs.slots[:size].fill_(-1)
-            self.inputs.seq_lens[:size].fill_(1)
-            self.inputs.block_tables[:size].zero_()
-            batch.attn_metadata = self.attn_backend.build_graph_metadata(batch, self.max_model_len)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._forward(batch)            # warm-up: compiles Triton kernels outside the capture
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.logits[:size].copy_(self._forward(batch))
-            self.graphs[size], self.batches[size] = graph, batch
-        torch.cuda.synchronize(self.device)
+            self._capture(size, self.buckets[0])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s", len(self.sizes), self.sizes,
-                    self.capture_seconds)
+        logger.info("captured %d CUDA graphs (batch sizes %s, %d keys) in %.1f s", len(self.sizes), self.sizes,
+                    self.buckets[0], self.capture_seconds)
         return self.capture_seconds
 
-    def size_for(self, out: SchedulerOutput) -> int | None:
-        """Captured size for this step, or None when it must run eagerly."""
+    def _capture(self, size: int, bucket: int) -> None:
+        batch = self.inputs.batch(size, self.block_size, bucket)
+        # Padding-only inputs: every row reads block 0 and writes nothing (slot -1).
+        self.inputs.input_ids[:size].zero_()
+        self.inputs.positions[:size].zero_()
+        self.inputs.slots[:size].fill_(-1)
+        self.inputs.seq_lens[:size].fill_(1)
+        self.inputs.block_tables[:size].zero_()
+        if getattr(self.model, "reads_attention_metadata", True):
+            batch.attn_metadata = self.attn_backend.build_graph_metadata(batch, bucket)
+        self.graphs[size, bucket], self.batches[size, bucket] = self._record(size, batch), batch
+
+    def _record(self, size: int, batch: ForwardBatch) -> torch.cuda.CUDAGraph:
+        """The CUDA graph of one forward of `batch`, its logits copied into self.logits[:size]."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+        stream, current = self._stream, torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            self._forward(batch)            # warm-up: compiles Triton kernels outside the capture
+        current.wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            self.logits[:size].copy_(self._forward(batch))
+        current.wait_stream(stream)
+        return graph
+
+    @torch.inference_mode()
+    def _capture_late(self, key: tuple[int, int]) -> None:
+        t0 = time.perf_counter()
+        self._capture(*key)
+        logger.info("captured the CUDA graph of batch size %d, %d keys, in %.2f s (first step that needed it)",
+                    key[0], key[1], time.perf_counter() - t0)
+
+    def graph(self, size: int) -> torch.cuda.CUDAGraph:
+        """The first bucket's graph of `size` (what a verification-cost curve times)."""
+        return self.graphs[size, self.buckets[0]]
+
+    def size_for(self, out: SchedulerOutput) -> tuple[int, int] | None:
+        """The graph key (padded size, context bucket) for this step, or None when it must run eagerly."""
         if not self.graphs or not out.scheduled:
             return None
         for s in out.scheduled:
             if s.num_new_tokens - len(s.draft_token_ids) != 1 or s.seq.params.prompt_logprobs is not None:
                 return None
-        return padded_size(sum(s.num_new_tokens for s in out.scheduled), self.sizes)
+        size = padded_size(sum(s.num_new_tokens for s in out.scheduled), self.sizes)
+        if size is None:
+            return None
+        longest = max(s.start + s.num_new_tokens for s in out.scheduled)
+        bucket = next((b for b in self.buckets if b >= longest), None)
+        return None if bucket is None else (size, bucket)
 
-    def run(self, out: SchedulerOutput, size: int, patch_inflight=None) -> tuple[torch.Tensor, list]:
+    def run(self, out: SchedulerOutput, key: tuple[int, int], patch_inflight=None) -> tuple[torch.Tensor, list]:
         """Logits [rows, vocab] of a decode-only step (a row per sequence and per draft it verifies, in order),
-        replayed from the graph of `size`.
+        replayed from the graph of `key` (from size_for).
         `patch_inflight(input_ids, rows)` fills rows whose token is still on the device before the replay."""
-        inflight = self.inputs.fill(out, size, self.block_size)
+        if key not in self.graphs:
+            self._capture_late(key)         # before fill: capturing overwrites the static inputs
+        inflight = self.inputs.fill(out, key[0], self.block_size)
         if inflight and patch_inflight is not None:
             patch_inflight(self.inputs.input_ids, inflight)
-        self.graphs[size].replay()
+        self.graphs[key].replay()
         self.num_replays += 1
         return self.logits[:sum(s.num_new_tokens for s in out.scheduled)], inflight
 
 
-__all__ = ["CUDAGraphRunner", "StaticDecodeInputs", "default_capture_sizes", "padded_size"]
+__all__ = ["CUDAGraphRunner", "StaticDecodeInputs", "context_buckets", "default_capture_sizes", "padded_size"]

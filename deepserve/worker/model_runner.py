@@ -169,8 +169,12 @@ class ModelRunner:
         num_blocks = int(self.parallel.world.all_reduce_min(torch.tensor([num_blocks])).item())
         self.config.cache.num_blocks = int(num_blocks)
         caches = []
-        allocated = num_blocks + (1 if self.needs_placeholder_steps else 0)     # + the scratch block
-        for layer in self.model.attention_layers():
+        # + the scratch block: placeholder forwards write their token there, and paged states their slot -1 (padding
+        # rows of a captured decode, entries a decode row does not complete: layers/paged_state.py).
+        layers = self.model.attention_layers()
+        scratch = self.needs_placeholder_steps or any(getattr(layer, "writes_scratch_slot", False) for layer in layers)
+        allocated = num_blocks + (1 if scratch else 0)
+        for layer in layers:
             cache = torch.zeros(layer.kv_cache_shape(allocated, self.block_size), dtype=self._cache_dtype(layer),
                                 device=self.device)
             layer.kv_cache = cache
@@ -350,7 +354,7 @@ class ModelRunner:
             for i in range(repeats + 1):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                graphs.graphs[size].replay()
+                graphs.graph(size).replay()
                 end.record()
                 end.synchronize()
                 if i:
@@ -371,7 +375,10 @@ class ModelRunner:
         if _drafts_with_mtp(self.model) or _drafts_with_dspark(self.model):
             logger.info("CUDA graphs off: the model's drafter runs after every step's sampling (eager)")
             return None
-        if not hasattr(self.attn_backend, "build_graph_metadata") or reference_moe:
+        # Models whose layers read no attention metadata (DeepSeek-V4.1 gathers its own slot lists) need no backend
+        # that builds graph metadata.
+        reads_metadata = getattr(self.model, "reads_attention_metadata", True)
+        if (reads_metadata and not hasattr(self.attn_backend, "build_graph_metadata")) or reference_moe:
             logger.info("CUDA graphs off: this model's layers run eagerly")
             return None
         from deepserve.worker.cuda_graph import CUDAGraphRunner, default_capture_sizes

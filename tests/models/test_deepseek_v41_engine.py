@@ -159,3 +159,52 @@ def test_engram_with_a_compressed_vocabulary(tmp_path):
     assert llm.engine.runner.model.engram_vocab.tolist() == cids
     ids = random_prompt(30, seed=5, vocab=VOCAB)
     assert_close_relative(engine_logits(llm, ids, chunk=7), reference_logits(ref, ids))
+
+
+class _EagerReplay:
+    """Stands in for a CUDA graph on the CPU: replay() runs the forward it would have captured, on the same static
+    input buffers, so the captured-decode code path (padding rows, placeholder host lengths, slot -1 writes,
+    context buckets) runs exactly as it would inside a graph."""
+
+    def __init__(self, graphs, size: int, batch) -> None:
+        self.graphs, self.size, self.batch = graphs, size, batch
+
+    def replay(self) -> None:
+        self.graphs.logits[:self.size].copy_(self.graphs._forward(self.batch))
+
+
+def _install_eager_replay_graphs(llm, buckets: list[int]):
+    from deepserve.worker.cuda_graph import CUDAGraphRunner
+
+    class EagerReplayRunner(CUDAGraphRunner):
+        def _record(self, size, batch):
+            return _EagerReplay(self, size, batch)
+
+    runner = llm.engine.runner
+    sched = llm.engine.config.scheduler
+    graphs = EagerReplayRunner(runner.model, runner.attn_backend, runner.block_size, sched.max_model_len,
+                               llm.engine.config.model.vocab_size, [1, 2, 4, 8], runner.device)
+    graphs.buckets = buckets
+    graphs.capture()
+    runner.cuda_graphs = graphs
+    return graphs
+
+
+@pytest.mark.parametrize("variant", ["mixed", "shared", "engram", "unshifted", "c2"])
+def test_captured_decode_path_matches_reference(tiny_v41, variant):
+    """Decode steps through the CUDA-graph runner's static batches (replayed eagerly on the CPU): three sequences
+    padded to four rows, context buckets of 32 / 64 / 128 keys crossed while decoding (the later ones captured
+    when first needed). Every greedy token equals the reference's, and the padding rows' writes (slot -1, the
+    scratch block) leave every block free afterwards."""
+    path, ref = tiny_v41(variant)
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8, max_model_len=128)
+    graphs = _install_eager_replay_graphs(llm, [32, 64, 128])
+    prompts = [random_prompt(n, seed=n, vocab=VOCAB) for n in (37, 9, 21)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == reference_greedy(ref, ids, 30)[0]
+    assert graphs.num_replays >= 25
+    assert {bucket for _, bucket in graphs.graphs} == {32, 64, 128}     # 9 + 30 tokens: 32 -> 64; 37 + 30: 128
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

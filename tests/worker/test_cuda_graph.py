@@ -33,7 +33,7 @@ def test_static_inputs_hold_the_batch_then_padding():
     seqs = [_decoding_sequence(1, 6, [7, 3]), _decoding_sequence(2, 9, [5, 1, 2])]
     out = SchedulerOutput(scheduled=[ScheduledSequence(s, s.num_tokens - 1, 1) for s in seqs])
     inputs.fill(out, size=4, block_size=bs)
-    batch = inputs.batch(4, bs)
+    batch = inputs.batch(4, bs, 16)
     assert batch.input_ids.tolist() == [15, 18, 0, 0]
     assert batch.positions.tolist() == [5, 8, 0, 0]
     # position 5 -> block index 1 (block 3), offset 1; position 8 -> block index 2 (block 2), offset 0
@@ -44,7 +44,7 @@ def test_static_inputs_hold_the_batch_then_padding():
     assert batch.logits_indices.tolist() == [0, 1, 2, 3]
     # A smaller batch next step overwrites the old rows with padding.
     inputs.fill(SchedulerOutput(scheduled=out.scheduled[:1]), size=2, block_size=bs)
-    assert inputs.batch(2, bs).slot_mapping.tolist() == [3 * bs + 1, -1]
+    assert inputs.batch(2, bs, 16).slot_mapping.tolist() == [3 * bs + 1, -1]
 
 
 def test_a_decode_with_drafts_fills_one_decode_row_per_position():
@@ -56,7 +56,7 @@ def test_a_decode_with_drafts_fills_one_decode_row_per_position():
     out = SchedulerOutput(scheduled=[ScheduledSequence(plain, 5, 1),
                                      ScheduledSequence(drafting, 6, 3, draft_token_ids=[40, 41])])
     inputs.fill(out, size=4, block_size=bs)
-    batch = inputs.batch(4, bs)
+    batch = inputs.batch(4, bs, 16)
     assert batch.input_ids.tolist() == [15, 16, 40, 41]
     assert batch.positions.tolist() == [5, 6, 7, 8]
     assert batch.slot_mapping.tolist() == [3 * bs + 1, 1 * bs + 2, 1 * bs + 3, 2 * bs + 0]
