@@ -11,7 +11,8 @@ Measured, each wrapped on its own (a failure is its error text in the JSON):
   prefill   one prompt of 4k / 16k / 32k tokens in one step (max_num_batched_tokens = the prompt): tokens/s
             and model FLOPs utilisation against 989 TFLOP/s (H200 dense bf16)
   decode    batch 1 / 8 / 64 / 256 at ~1k context: step time, tokens/s, and the roofline step time (active
-            weights the step reads + each sequence's KV reads, at 4.24 TB/s)
+            weights the step reads + each sequence's KV reads, at 4.24 TB/s); decode steps replay CUDA graphs, and
+            batches 1 / 8 run again eagerly (enforce_eager) for the same-run comparison
 
 Run (on the GPU machine):  python benchmarks/h200_v41.py --output benchmarks/h200_v41.json
 """
@@ -154,12 +155,19 @@ def save(result: dict, path: str) -> None:
         json.dump(result, f, indent=2)
 
 
-def decode(path: str, batches: list[int], context: int, steps: int, result: dict, output: str) -> list[dict]:
+def decode(path: str, batches: list[int], context: int, steps: int, result: dict, output: str,
+           eager: bool = False) -> list[dict]:
+    """Decode at each batch size; `eager`: without CUDA graphs (the same-run comparison)."""
     from deepserve import LLM
     from deepserve.bench.throughput import run_latency
     llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=context + steps + 8, max_num_seqs=max(batches), max_num_batched_tokens=32768,
-              gpu_memory_utilization=0.85)
+              gpu_memory_utilization=0.85, enforce_eager=eager)
+    graphs = llm.engine.runner.cuda_graphs
+    key = "decode_eager" if eager else "decode"
+    if not eager:
+        result["cuda_graphs"] = {"captured": graphs is not None,
+                                 "capture_seconds": round(graphs.capture_seconds, 2) if graphs else None}
     out = []
     for b in batches:
         try:
@@ -173,8 +181,13 @@ def decode(path: str, batches: list[int], context: int, steps: int, result: dict
         except Exception:
             out.append({"batch_size": b, "error": traceback.format_exc(limit=3)})
         print(json.dumps(out[-1]), flush=True)
-        result["decode"] = out
+        result[key] = out
         save(result, output)
+    if graphs is not None:
+        result["cuda_graphs"]["replays"] = graphs.num_replays
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
     return out
 
 
@@ -190,6 +203,10 @@ def plot(data: dict, path: str) -> None:
         b = [d["batch_size"] for d in dec]
         left.plot(b, [d["decode_ms_per_step"] for d in dec], "o-", label="deepserve step (ms)")
         left.plot(b, [d["roofline_ms_per_step"] for d in dec], "s--", label="roofline: active weights + KV at 4.24 TB/s")
+        eager = [d for d in data.get("decode_eager", []) if "decode_ms_per_step" in d]
+        if eager:
+            left.plot([d["batch_size"] for d in eager], [d["decode_ms_per_step"] for d in eager], "x:",
+                      label="deepserve eager (no CUDA graphs)")
         left.set_xscale("log", base=2)
         left.set_yscale("log")
         left.set_xlabel("decode batch (sequences, ~1k context)")
@@ -216,6 +233,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--eager-batches", default="1,8", help="decode batches measured again without CUDA graphs")
     args = ap.parse_args()
     if args.plot_only:
         with open(args.output) as f:
@@ -228,6 +246,9 @@ def main() -> None:
     if args.batches:
         result["decode"] = decode(path, [int(b) for b in args.batches.split(",")], args.context, args.steps,
                                   result, args.output)
+    if args.eager_batches:
+        result["decode_eager"] = decode(path, [int(b) for b in args.eager_batches.split(",")], args.context,
+                                        args.steps, result, args.output, eager=True)
     gc.collect()
     torch.cuda.empty_cache()
     for tokens in [int(t) for t in args.prefill.split(",") if t]:
