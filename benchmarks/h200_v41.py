@@ -185,7 +185,7 @@ def decode(path: str, batches: list[int], context: int, steps: int, result: dict
         save(result, output)
     if graphs is not None:
         result["cuda_graphs"]["replays"] = graphs.num_replays
-    del llm
+    del llm, graphs                     # the graph runner holds the model too
     gc.collect()
     torch.cuda.empty_cache()
     return out

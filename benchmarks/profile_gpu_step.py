@@ -101,13 +101,14 @@ def profile_steps(llm: LLM, batch: int, steps: int, input_len: int = 128) -> dic
 
 def graph_replay_ms(llm: LLM, size: int, seq_len: int, reps: int = 200) -> float | None:
     graphs = llm.engine.runner.cuda_graphs
-    if DEVICE != "cuda" or graphs is None or size not in graphs.graphs:
+    if DEVICE != "cuda" or graphs is None or size not in graphs.sizes:
         return None
     inp = graphs.inputs
     inp.slots[:size].fill_(-1)
     inp.seq_lens[:size].fill_(seq_len)
+    inp.positions[:size].fill_(seq_len - 1)
     inp.block_tables[:size].zero_()
-    g = graphs.graphs[size]
+    g = graphs.graph(size)
     for _ in range(5):
         g.replay()
     sync()

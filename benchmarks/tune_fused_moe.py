@@ -22,7 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from deepserve.kernels.fused_moe import MoEConfig, fused_moe, pick_config  # noqa: E402
 
 SHAPES = {"qwen3-moe": dict(experts=128, top_k=8, hidden=2048, inter=768),
-          "deepseek-v2-lite": dict(experts=64, top_k=6, hidden=2048, inter=1408)}
+          "deepseek-v2-lite": dict(experts=64, top_k=6, hidden=2048, inter=1408),
+          # benchmarks/h200_v41.py's scaled V4.1 (the full expert width, 64 experts)
+          "deepseek-v41-scaled": dict(experts=64, top_k=6, hidden=5120, inter=2304)}
 CANDIDATES = [MoEConfig(128, 128, 128, 64, 8, 3), MoEConfig(128, 64, 128, 64, 8, 3), MoEConfig(128, 64, 64, 64, 4, 3),
               MoEConfig(64, 128, 128, 64, 4, 3), MoEConfig(64, 64, 64, 64, 4, 3), MoEConfig(64, 64, 128, 64, 4, 4),
               MoEConfig(128, 64, 128, 64, 8, 4), MoEConfig(64, 128, 64, 64, 8, 3)]
@@ -70,9 +72,11 @@ def sweep(run_one, default_tokens: str, default_output: str) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default=default_tokens)
     ap.add_argument("--output", default=default_output)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     args = ap.parse_args()
     out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "results": {}}
-    for name, s in SHAPES.items():
+    for name in args.shapes.split(","):
+        s = SHAPES[name]
         out["results"][name] = [run_one(name, s, int(t)) for t in args.tokens.split(",")]
         with open(args.output, "w") as f:
             json.dump(out, f, indent=1)

@@ -22,7 +22,7 @@ from deepserve.kernels.fused_moe import MoEPairConfig, fused_moe, pick_config  #
 from tune_fused_moe import sweep  # noqa: E402  (this folder: the shapes and the command line)
 from tune_gemv import graph_time  # noqa: E402  (CUDA-graph replay timing)
 
-TILES = [(4, 8), (8, 16), (16, 32), (32, 64)]                # (block_n_up, block_n_down)
+TILES = [(4, 8), (8, 16), (16, 32), (32, 64), (8, 32), (8, 64), (16, 16)]    # (block_n_up, block_n_down)
 K_WARPS = [(128, 4), (256, 4), (512, 4), (256, 8), (512, 8), (128, 2), (256, 2)]
 CANDIDATES = [MoEPairConfig(n_up, n_down, bk, w) for (bk, w), (n_up, n_down) in itertools.product(K_WARPS, TILES)]
 

@@ -94,6 +94,9 @@ class InterleavedRope(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        if use_triton(x):                   # one launch instead of the twin's dozen (kernels/interleaved_rope.py)
+            from deepserve.kernels.interleaved_rope import rope_at_positions
+            return rope_at_positions(x, self.cos, self.sin, positions, inverse)
         sin = self.sin[positions]
         return rope_interleaved(x, self.cos[positions], -sin if inverse else sin)
 
