@@ -1,8 +1,8 @@
 """The fused interleaved RoPE (deepserve/kernels/interleaved_rope.py) against its twin, rope_interleaved at table
 positions: queries [T, nH, D] (strided views too), single-head keys [T, D], forward and inverse, float32 / float16
 / bfloat16. Elementwise float32 math rounded once, so the results are the twin's to a float32 ulp before that
-rounding (the kernel may fuse a product and a sum into one FMA): within one ulp of the output dtype, and most
-elements bit-identical (a half-precision output rounds the two float32 values apart only near a rounding tie)."""
+rounding (the kernel may fuse a product and a sum into one FMA): within one ulp of the output dtype (plus an ulp
+of the products where they cancel), and most half-precision elements bit-identical."""
 
 import pytest
 import torch
@@ -37,9 +37,12 @@ def test_matches_the_twin(device, dtype, shape, inverse):
     assert rope_supported(x, rope.cos, rope.sin, positions)
     out = rope_at_positions(x, rope.cos, rope.sin, positions, inverse)
     assert out.shape == x.shape and out.dtype == dtype
-    # Triton's interpreter converts float32 to bfloat16 by truncation, not round-to-nearest: 1 ulp apart often.
-    min_exact = 0.0 if INTERPRET and dtype == torch.bfloat16 else 0.9
-    assert_within_ulps(out, _twin(x, rope, positions, inverse), dtype, min_exact=min_exact)
+    # Bit-identical elements: float32 outputs show the FMA differences directly (not counted); Triton's interpreter
+    # converts float32 to bfloat16 by truncation, not round-to-nearest (1 ulp apart often).
+    min_exact = 0.0 if dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16) else 0.9
+    # x0 cos - x1 sin can cancel: a fused multiply-add then differs from the twin's two rounded products by more
+    # than an ulp of the (small) result, but not by more than an ulp of the products (|x| ~ 1: 2^-23).
+    assert_within_ulps(out, _twin(x, rope, positions, inverse), dtype, min_exact=min_exact, atol=2.5e-7)
     assert torch.equal(out[..., :dim - rope_dim], x[..., :dim - rope_dim])      # pass-through dims untouched
 
 
@@ -49,6 +52,6 @@ def test_strided_rows_and_the_inverse_undoes_the_rotation(device):
     x = base[::2, :, 16:16 + 512]                   # row and head strides that are not the packed ones
     positions = torch.arange(5, device=device) * 300
     out = rope_at_positions(x, rope.cos, rope.sin, positions)
-    assert_within_ulps(out, _twin(x.contiguous(), rope, positions, False), torch.float32)
+    assert_within_ulps(out, _twin(x.contiguous(), rope, positions, False), torch.float32, atol=2.5e-7)
     back = rope_at_positions(out, rope.cos, rope.sin, positions, inverse=True)
     assert torch.allclose(back, x, atol=1e-5)
