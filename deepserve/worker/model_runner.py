@@ -514,7 +514,7 @@ class ModelRunner:
         mtp, seq_index, rows = mtp_batch(batch, scheduled, starts, next_tokens, self.device)
         mtp.attn_metadata = self.attn_backend.build_metadata(mtp)
         target = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
-        logits = self.model.mtp_logits(mtp.input_ids, target, mtp)
+        logits, _ = self.model.mtp_step(mtp.input_ids, target, mtp)
         step.mtp_drafts = drafts_from_logits(logits, scheduled, seq_index, next_tokens)
 
     def _pick_tokens(self, logits: torch.Tensor, scheduled: list[ScheduledSequence], step: "LaunchedStep") -> None:
@@ -613,7 +613,7 @@ class ModelRunner:
 def _drafts_with_mtp(model) -> bool:
     """The model was built with DeepSeek-V3's MTP layer for speculative decoding (V4.1's DSpark blocks are
     `_drafts_with_dspark`)."""
-    return hasattr(model, "mtp_logits") and model.mtp is not None
+    return hasattr(model, "mtp_step") and model.mtp is not None
 
 
 def _drafts_with_dspark(model) -> bool:
