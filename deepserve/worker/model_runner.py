@@ -393,8 +393,8 @@ class ModelRunner:
             return None
         from deepserve.layers.moe import TorchMoE
         reference_moe = any(isinstance(layer.backend, TorchMoE) for layer in self.model.moe_layers())
-        if _drafts_with_mtp(self.model) or _drafts_with_dspark(self.model):
-            logger.info("CUDA graphs off: the model's drafter runs after every step's sampling (eager)")
+        if _drafts_with_dspark(self.model):
+            logger.info("CUDA graphs off: V4.1's forward with DSpark draft blocks runs eagerly")
             return None
         if not hasattr(self.attn_backend, "build_graph_metadata") or reference_moe:
             logger.info("CUDA graphs off: this model's layers run eagerly")
@@ -406,8 +406,10 @@ class ModelRunner:
         rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
         sizes = default_capture_sizes(min(rows, sched.max_num_batched_tokens),
                                       self.config.device.cuda_graph_max_batch_size)
+        # The MTP drafter runs eagerly after sampling, from the final hidden states the graphs keep.
         graphs = CUDAGraphRunner(self.model, self.attn_backend, self.block_size, sched.max_model_len,
-                                 self.config.model.vocab_size, sizes, self.device)
+                                 self.config.model.vocab_size, sizes, self.device,
+                                 keep_hidden=_drafts_with_mtp(self.model))
         try:
             graphs.capture()
         except Exception:   # a layer that cannot be captured must not stop the engine: run eagerly instead
@@ -473,8 +475,10 @@ class ModelRunner:
         graph_size = self.cuda_graphs.size_for(out) if self.cuda_graphs is not None else None
         if graph_size is not None:
             # Decode-only: one logits row per sequence; rows of non-final 1-token prompt chunks are not sampled.
-            logits, _ = self.cuda_graphs.run(out, graph_size, lambda ids, rows: _patch_inflight(ids, rows, previous))
-            self._pick_tokens(logits, out.scheduled, step)
+            replay = self.cuda_graphs.run(out, graph_size, lambda ids, rows: _patch_inflight(ids, rows, previous))
+            self._pick_tokens(replay.logits, out.scheduled, step)
+            if _drafts_with_mtp(self.model):      # eagerly, from the hidden states the graph kept
+                self._draft_with_mtp(out.scheduled, replay.hidden, step)
             return step
         prompt_rows = [_prompt_logprob_rows(s) for s in out.scheduled]
         drafting_mtp = _drafts_with_mtp(self.model)

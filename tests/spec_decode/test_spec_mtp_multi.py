@@ -5,7 +5,11 @@ running sequence holds exactly its computed tokens' blocks, and none is held aft
 
 A random MTP layer almost never guesses the target's argmax, so these tests make it a bigram table of the target's
 greedy output (mtp_checkpoint.bigram_mtp): drafts are accepted where the target follows the table, whole chains
-included, and rejected elsewhere. (tests/spec_decode/test_spec_mtp.py checks the drafts themselves against a reference.)"""
+included, and rejected elsewhere. (tests/spec_decode/test_spec_mtp.py checks the drafts themselves against a reference.)
+
+Also the host side of the CUDA-graph path, which the CPU cannot capture: a stand-in graph runner that claims every
+decode step (CUDAGraphRunner.size_for's rule) and runs it eagerly; the MTP drafts then come from the hidden states that
+runner hands back, and equal the eager path's."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import pytest
 import torch
 
 from deepserve import LLM, SamplingParams
+from deepserve.worker.batch_builder import build_forward_batch
+from deepserve.worker.cuda_graph import CUDAGraphRunner, GraphReplay
 from tests.spec_decode.mtp_checkpoint import bigram_mtp, check_blocks, write_tiny_v3_mtp
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -129,3 +135,39 @@ def test_preemption_and_prefix_hits_with_drafts_in_flight(checkpoint, k, verify_
     assert stats.prefix_cache_hits > 0
     assert stats.spec_decode_num_accepted_tokens > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+class EagerGraphs(CUDAGraphRunner):
+    """Stands in for the decode CUDA graphs on the CPU: `size_for` is CUDAGraphRunner's (every decode step of up to
+    64 rows, no prompt logprobs), `run` computes the step eagerly and hands back a GraphReplay as a replay does:
+    logits and the hidden state of every scheduled position, in order."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.sizes, self.num_replays = runner, [8, 16, 64], 0
+        self.graphs = dict.fromkeys(self.sizes)
+
+    def run(self, out, size: int, patch_inflight=None) -> GraphReplay:
+        r = self.runner
+        batch = build_forward_batch(out, r.block_size, r.device, [list(range(s.num_new_tokens)) for s in out.scheduled])
+        assert not batch.inflight_rows, "a speculating engine does not overlap steps"
+        batch.attn_metadata = r.attn_backend.build_metadata(batch)
+        hidden = r.model(batch)
+        self.num_replays += 1
+        return GraphReplay(r.model.compute_logits(hidden), hidden, batch, [])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_graph_replayed_decode_steps_draft_from_the_kept_hidden_states(checkpoint, k):
+    _, ps, want = checkpoint
+    eager = mtp_llm(checkpoint, k, max_num_batched_tokens=16)
+    eager_drafts = recording(eager)
+    assert [o.outputs[0].token_ids for o in eager.generate(requests(ps), PARAMS, use_tqdm=False)] == want
+    graphed = mtp_llm(checkpoint, k, max_num_batched_tokens=16)
+    graphs = graphed.engine.runner.cuda_graphs = EagerGraphs(graphed.engine.runner)
+    graphed_drafts = recording(graphed)
+    assert [o.outputs[0].token_ids for o in graphed.generate(requests(ps), PARAMS, use_tqdm=False)] == want
+    assert graphs.num_replays > 10, "decode steps were meant to take the graph path"
+    assert [d[:3] for d in graphed_drafts] == [d[:3] for d in eager_drafts]
+    for g, e in zip(graphed_drafts, eager_drafts):
+        assert g[3] == pytest.approx(e[3], abs=1e-5)
+    assert graphed.engine.get_stats().spec_decode_num_accepted_tokens > 0
