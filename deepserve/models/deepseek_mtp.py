@@ -7,7 +7,8 @@ V3 checkpoints hold `num_nextn_predict_layers` (1) extra layers after the last d
     y        = decoder layer N (MLA over its own latent cache at positions i, then MoE), pre-norm residual
     logits_i = shared_head.head( shared_head.norm(y_i) )             predicts t_{i+2}
 
-so once t_{m} is known (sampled at position m), row m - 1 (input h_{m-1} and t_m) drafts t_{m+1}. The layer keeps a
+so once t_{m} is known (sampled at position m), row m - 1 (input h_{m-1} and t_m) drafts t_{m+1}; applied again at
+position m with its own output state in place of h_m and t_{m+1}'s draft, it drafts t_{m+2}, and so on. The layer keeps a
 KV cache like any decoder layer (its attention is one more entry of `attention_layers()`, paged with the same block
 tables): every computed position also runs through it, so its keys are there when a later row attends to them.
 """
@@ -41,11 +42,17 @@ class MultiTokenPredictor(nn.Module):
         self.block = block
         self.shared_head = SharedHead(hidden, cfg["vocab_size"], eps)
 
-    def forward(self, token_embeds: torch.Tensor, target_hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), V]: row i drafts the token two positions after row i's position.
-        Every row runs through the layer (its keys are written); only the rows in logits_indices get logits."""
+    def forward(self, token_embeds: torch.Tensor, target_hidden: torch.Tensor,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [len(batch.logits_indices), V], the hidden states the head read for them). Row i drafts the token
+        two positions after row i's position. Every row runs through the layer (its keys are written); only the rows
+        in logits_indices get logits.
+
+        The hidden state returned is shared_head.norm's output: a final, normed state like the target's h_i, which
+        is what drafting more than one token feeds back in place of the target's at the next position
+        (spec_decode/mtp.py; SGLang's choice too)."""
         x = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(target_hidden)], dim=-1))
         x, residual = self.block(x, None, batch)
         idx = batch.logits_indices
         y = self.shared_head.norm(x[idx]) if residual is None else self.shared_head.norm(x[idx], residual[idx])[0]
-        return self.shared_head.head(y).float()
+        return self.shared_head.head(y).float(), y

@@ -129,9 +129,15 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
         return layers + [self.mtp.block.mlp] if self.mtp is not None and hasattr(self.mtp.block.mlp,
                                                                                   "expert_load") else layers
 
-    def mtp_logits(self, token_ids: torch.Tensor, target_hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The MTP layer over rows (next token, the target's final hidden state at the row's position)."""
+    def mtp_step(self, token_ids: torch.Tensor, target_hidden: torch.Tensor,
+                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over rows (next token, the target's final hidden state at the row's position): the logits of
+        the rows in batch.logits_indices and the MTP's own hidden states for them (MultiTokenPredictor.forward)."""
         return self.mtp(self.embed_tokens(token_ids), target_hidden, batch)
+
+    def mtp_attention(self):
+        """The MTP layer's cache holder (the last of attention_layers())."""
+        return self.mtp.block.self_attn.attn
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if self.mtp is None:

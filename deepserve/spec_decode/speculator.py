@@ -41,9 +41,9 @@ class SpecDecodeStats:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, cost_model: StepCostModel | None = None) -> None:
-        if config.method == "mtp" and config.num_speculative_tokens != 1:
-            raise ValueError("speculative_config: method 'mtp' drafts one token a step (DeepSeek-V3's one MTP layer): "
-                             f"num_speculative_tokens must be 1, got {config.num_speculative_tokens}")
+        if config.num_speculative_tokens < 1:
+            raise ValueError("speculative_config: num_speculative_tokens must be at least 1, got "
+                             f"{config.num_speculative_tokens}")
         if config.verify_length == "confidence" and cost_model is None:
             raise ValueError("verify_length='confidence' needs a step cost model")
         self.config = config

@@ -9,7 +9,9 @@ replays the graph of the smallest size that holds its batch:
   - padding rows read one key of block 0 (a valid address) and write nothing (slot -1);
   - attention metadata is fixed per size: the split-K partition is sized for `max_model_len`, so a context
     of any length fits the same launch grid (splits past a sequence's end are empty and weigh nothing);
-  - logits land in a static output buffer; sampling runs outside the graph.
+  - logits land in a static output buffer; sampling runs outside the graph;
+  - with `keep_hidden`, so do the hidden states the model returns (every row's), for a drafter that runs eagerly
+    after sampling (DeepSeek-V3's MTP layer reads the target's final hidden state of every position).
 
 A decode verifying drafts (speculative decoding) is one decode row per position: row j attends to the keys up
 to its own position, the rows before it included. Batches with prefill rows, prompt logprobs, or more rows than
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -128,12 +131,31 @@ class StaticDecodeInputs:
             logits_indices=self.rows[:size], block_size=block_size, graph_max_seq_len=max_seq_len)
 
 
+@dataclass
+class GraphReplay:
+    """What one replay leaves for the rest of the step: views of the static buffers, valid until the next replay."""
+    logits: torch.Tensor                # [rows, vocab]: a row per scheduled position, in order
+    hidden: torch.Tensor | None         # [rows, ...]: what model(batch) returned for those rows (keep_hidden only)
+    batch: ForwardBatch                 # the static inputs the graph read (one decode row per position, padded)
+    inflight: list[tuple[int, int]]     # (row, seq_id) of rows whose token was patched in on the device
+
+
 class CUDAGraphRunner:
     """Captures and replays decode forwards. `model(batch)` -> `model.compute_logits` is what gets captured. A graph
-    is keyed by (padded batch size, context bucket)."""
+    is keyed by (padded batch size, context bucket).
+
+    keep_hidden: the graph also copies `model(batch)` (every row's hidden state before the LM head, whatever its
+    shape and dtype) into a static buffer allocated at the first capture, and `run` hands it out: the way in for a
+    drafter that runs eagerly after sampling (DeepSeek-V3's MTP layer reads the final hidden states).
+
+    How V4.1's DSpark drafter plugs in once its forward can be captured (its graphs stay off until then,
+    `_capture_cuda_graphs`): it needs no hidden buffer, because the target's forward writes what the draft blocks
+    read (the main keys, into the draft layers' paged states) in place, and a replay does the same writes. After the
+    replay, `run_dspark` runs on `GraphReplay.batch`, whose block tables have a row per position, not per sequence:
+    a sequence's `_Block.index` becomes the row of its first position (the sum of num_new_tokens before it)."""
 
     def __init__(self, model, attn_backend, block_size: int, max_model_len: int, vocab_size: int,
-                 capture_sizes: list[int], device: torch.device) -> None:
+                 capture_sizes: list[int], device: torch.device, keep_hidden: bool = False) -> None:
         self.model, self.attn_backend = model, attn_backend
         self.block_size, self.max_model_len = block_size, max_model_len
         self.sizes = sorted(capture_sizes)
@@ -148,12 +170,20 @@ class CUDAGraphRunner:
         # capture and their memory is reused across sizes (one [size, vocab] fp32 tensor per graph would cost
         # ~1 GB for a 128k vocabulary).
         self.logits = torch.empty(self.sizes[-1], vocab_size, dtype=torch.float32, device=device)
+        self.keep_hidden = keep_hidden
+        self.hidden: torch.Tensor | None = None     # allocated at the first capture, like the model's output
         self.capture_seconds = 0.0
         self.num_replays = 0
         self._pool = self._stream = None
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model.compute_logits(self.model(batch))
+    def _forward(self, batch: ForwardBatch, size: int) -> None:
+        """The captured work: the forward, its outputs copied into the static buffers."""
+        hidden = self.model(batch)
+        if self.keep_hidden:
+            if self.hidden is None:         # the largest size comes first: one buffer holds every size's rows
+                self.hidden = torch.empty(self.sizes[-1], *hidden.shape[1:], dtype=hidden.dtype, device=self.device)
+            self.hidden[:size].copy_(hidden)
+        self.logits[:size].copy_(self.model.compute_logits(hidden))
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -181,18 +211,18 @@ class CUDAGraphRunner:
         self.graphs[size, bucket], self.batches[size, bucket] = self._record(size, batch), batch
 
     def _record(self, size: int, batch: ForwardBatch) -> torch.cuda.CUDAGraph:
-        """The CUDA graph of one forward of `batch`, its logits copied into self.logits[:size]."""
+        """The CUDA graph of one forward of `batch`, its outputs copied into the static buffers (_forward)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
         stream, current = self._stream, torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            self._forward(batch)            # warm-up: compiles Triton kernels outside the capture
+            self._forward(batch, size)      # warm-up: compiles Triton kernels outside the capture
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-            self.logits[:size].copy_(self._forward(batch))
+            self._forward(batch, size)
         current.wait_stream(stream)
         return graph
 
@@ -221,10 +251,10 @@ class CUDAGraphRunner:
         bucket = next((b for b in self.buckets if b >= longest), None)
         return None if bucket is None else (size, bucket)
 
-    def run(self, out: SchedulerOutput, key: tuple[int, int], patch_inflight=None) -> tuple[torch.Tensor, list]:
-        """Logits [rows, vocab] of a decode-only step (a row per sequence and per draft it verifies, in order),
-        replayed from the graph of `key` (from size_for).
-        `patch_inflight(input_ids, rows)` fills rows whose token is still on the device before the replay."""
+    def run(self, out: SchedulerOutput, key: tuple[int, int], patch_inflight=None) -> GraphReplay:
+        """A decode-only step (a row per sequence and per draft it verifies, in order) replayed from the graph of
+        `key` (from size_for). `patch_inflight(input_ids, rows)` fills rows whose token is still on the device
+        before the replay."""
         if key not in self.graphs:
             self._capture_late(key)         # before fill: capturing overwrites the static inputs
         inflight = self.inputs.fill(out, key[0], self.block_size)
@@ -232,7 +262,10 @@ class CUDAGraphRunner:
             patch_inflight(self.inputs.input_ids, inflight)
         self.graphs[key].replay()
         self.num_replays += 1
-        return self.logits[:sum(s.num_new_tokens for s in out.scheduled)], inflight
+        rows = sum(s.num_new_tokens for s in out.scheduled)
+        return GraphReplay(self.logits[:rows], self.hidden[:rows] if self.hidden is not None else None,
+                           self.batches[key], inflight)
 
 
-__all__ = ["CUDAGraphRunner", "StaticDecodeInputs", "context_buckets", "default_capture_sizes", "padded_size"]
+__all__ = ["CUDAGraphRunner", "GraphReplay", "StaticDecodeInputs", "context_buckets", "default_capture_sizes",
+           "padded_size"]

@@ -73,7 +73,7 @@ def _load_whole(config: ModelConfig, device: torch.device) -> nn.Module:
     try:
         with torch.device(device):
             extra = {"keep_mtp": True} if config.keep_mtp else {}
-            if extra and not hasattr(cls, "mtp_logits"):
+            if extra and not hasattr(cls, "mtp_step"):
                 raise ValueError(f"speculative_config method 'mtp' needs a model with MTP layers (DeepSeek-V3); "
                                  f"{config.architecture} has none")
             model = cls(config.hf_config, max_position=config.max_model_len, **extra)

@@ -24,7 +24,7 @@ from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.rank_group import ParallelContext
 from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SequenceSamplingRow
 from deepserve.spec_decode.dspark import DSparkDraft, draft_blocks, run_dspark
-from deepserve.spec_decode.mtp import MTPDraft, drafts_from_logits, mtp_batch, mtp_rows
+from deepserve.spec_decode.mtp import MTPDraft, MTPScratch, mtp_rows, run_mtp
 from deepserve.spec_decode.verifier import VerifyGroup, VerifyResult, verify
 from deepserve.worker.model_loader import load_model
 from deepserve.worker.batch_builder import build_forward_batch
@@ -90,6 +90,7 @@ class ModelRunner:
         self.attn_backend = self._select_attention_backend()
         self.sampler = Sampler()
         self.kv_caches = self._allocate_kv_cache()
+        self.mtp_scratch = self._allocate_mtp_scratch()
         self.cuda_graphs = self._capture_cuda_graphs()
 
     def _build_expert_balancer(self):
@@ -230,6 +231,30 @@ class ModelRunner:
                 f"cache for its tokens and at least one max_model_len={sched.max_model_len} sequence "
                 f"({need / 2**30:.2f} GiB). {hint}"
                 "raise gpu_memory_utilization, or lower max_model_len or max_num_seqs")
+
+    def _allocate_mtp_scratch(self) -> MTPScratch | None:
+        """MTP drafting with k > 1: blocks appended to the MTP layer's cache (after whatever the runner allocated),
+        for the chain rows that fall past a sequence's blocks (spec_decode/mtp.py says why they do not come from the
+        block manager). max_num_seqs x ceil((k - 1) / block_size) blocks of one layer: small, and left out of the
+        profiled KV budget."""
+        spec = self.config.speculative
+        if not _drafts_with_mtp(self.model) or spec is None or spec.num_speculative_tokens == 1:
+            return None
+        layer = self.model.mtp_attention()
+        per_seq = MTPScratch.blocks_per_sequence(spec.num_speculative_tokens, self.block_size)
+        num_seqs = self.config.scheduler.max_num_seqs
+        old, dim = layer.kv_cache, layer.kv_block_dim
+        shape = list(old.shape)
+        first = shape[dim]
+        shape[dim] += num_seqs * per_seq
+        # The cache holds nothing yet: free it before allocating the larger one (never both at once on the GPU).
+        i = next(i for i, cache in enumerate(self.kv_caches) if cache is old)
+        self.kv_caches[i] = layer.kv_cache = old = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.kv_caches[i] = layer.kv_cache = torch.zeros(shape, dtype=self._cache_dtype(layer), device=self.device)
+        logger.info("MTP chain scratch: %d blocks", num_seqs * per_seq)
+        return MTPScratch(first, per_seq, num_seqs)
 
     @torch.inference_mode()
     def _profile_run(self) -> dict[int, int | None]:
@@ -372,8 +397,8 @@ class ModelRunner:
             return None
         from deepserve.layers.moe import TorchMoE
         reference_moe = any(isinstance(layer.backend, TorchMoE) for layer in self.model.moe_layers())
-        if _drafts_with_mtp(self.model) or _drafts_with_dspark(self.model):
-            logger.info("CUDA graphs off: the model's drafter runs after every step's sampling (eager)")
+        if _drafts_with_dspark(self.model):
+            logger.info("CUDA graphs off: V4.1's forward with DSpark draft blocks runs eagerly")
             return None
         # Models whose layers read no attention metadata (DeepSeek-V4.1 gathers its own slot lists) need no backend
         # that builds graph metadata.
@@ -388,8 +413,10 @@ class ModelRunner:
         rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
         sizes = default_capture_sizes(min(rows, sched.max_num_batched_tokens),
                                       self.config.device.cuda_graph_max_batch_size)
+        # The MTP drafter runs eagerly after sampling, from the final hidden states the graphs keep.
         graphs = CUDAGraphRunner(self.model, self.attn_backend, self.block_size, sched.max_model_len,
-                                 self.config.model.vocab_size, sizes, self.device)
+                                 self.config.model.vocab_size, sizes, self.device,
+                                 keep_hidden=_drafts_with_mtp(self.model))
         try:
             graphs.capture()
         except Exception:   # a layer that cannot be captured must not stop the engine: run eagerly instead
@@ -455,8 +482,10 @@ class ModelRunner:
         graph_size = self.cuda_graphs.size_for(out) if self.cuda_graphs is not None else None
         if graph_size is not None:
             # Decode-only: one logits row per sequence; rows of non-final 1-token prompt chunks are not sampled.
-            logits, _ = self.cuda_graphs.run(out, graph_size, lambda ids, rows: _patch_inflight(ids, rows, previous))
-            self._pick_tokens(logits, out.scheduled, step)
+            replay = self.cuda_graphs.run(out, graph_size, lambda ids, rows: _patch_inflight(ids, rows, previous))
+            self._pick_tokens(replay.logits, out.scheduled, step)
+            if _drafts_with_mtp(self.model):      # eagerly, from the hidden states the graph kept
+                self._draft_with_mtp(out.scheduled, replay.hidden, step)
             return step
         prompt_rows = [_prompt_logprob_rows(s) for s in out.scheduled]
         drafting_mtp = _drafts_with_mtp(self.model)
@@ -490,7 +519,7 @@ class ModelRunner:
             if verifiers:
                 self._verify(logits[len(sample_rows):], verifiers, step)
         if drafting_mtp:
-            self._draft_with_mtp(out.scheduled, batch, hidden, step)
+            self._draft_with_mtp(out.scheduled, hidden, step)
         elif _drafts_with_dspark(self.model):
             self._draft_with_dspark(out.scheduled, batch, step)
         return step
@@ -507,22 +536,18 @@ class ModelRunner:
                               self.config.scheduler.max_model_len)
         step.mtp_drafts = run_dspark(self.model, batch, blocks, self.eos_token_ids, self.model.spec.sliding_window)
 
-    def _draft_with_mtp(self, scheduled: list[ScheduledSequence], batch: ForwardBatch, hidden: torch.Tensor,
-                        step: "LaunchedStep") -> None:
-        """The MTP layer over the rows whose next token is known now; drafts for the next step (spec_decode/mtp.py)."""
+    def _draft_with_mtp(self, scheduled: list[ScheduledSequence], hidden: torch.Tensor, step: "LaunchedStep") -> None:
+        """The MTP layer over the rows whose next token is known now, then over its own drafts up to k: drafts for
+        the next step (spec_decode/mtp.py). `hidden`: the target's final hidden state of every scheduled position."""
         sampled = dict(zip((seq.seq_id for seq in step.seqs), step.device_tokens.tolist())) if step.seqs else {}
         emitted = {}
         if step.verified is not None:
             emitted = {s.seq.seq_id: e for s, e in zip(step.verified[0], step.verified[1].emitted)}
         next_tokens = [mtp_rows(s, sampled.get(s.seq.seq_id), emitted.get(s.seq.seq_id)) for s in scheduled]
-        starts = batch.query_start_loc.tolist()[:-1]
-        if not any(next_tokens):
-            return
-        mtp, seq_index, rows = mtp_batch(batch, scheduled, starts, next_tokens, self.device)
-        mtp.attn_metadata = self.attn_backend.build_metadata(mtp)
-        target = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
-        logits = self.model.mtp_logits(mtp.input_ids, target, mtp)
-        step.mtp_drafts = drafts_from_logits(logits, scheduled, seq_index, next_tokens)
+        spec = self.config.speculative
+        step.mtp_drafts = run_mtp(self.model, self.attn_backend.build_metadata, scheduled, next_tokens, hidden,
+                                  spec.num_speculative_tokens if spec is not None else 1,
+                                  self.config.scheduler.max_model_len, self.block_size, self.mtp_scratch)
 
     def _pick_tokens(self, logits: torch.Tensor, scheduled: list[ScheduledSequence], step: "LaunchedStep") -> None:
         """Sampling and verification of a graph-replayed decode step: `logits` has one row per scheduled position."""
@@ -620,7 +645,7 @@ class ModelRunner:
 def _drafts_with_mtp(model) -> bool:
     """The model was built with DeepSeek-V3's MTP layer for speculative decoding (V4.1's DSpark blocks are
     `_drafts_with_dspark`)."""
-    return hasattr(model, "mtp_logits") and model.mtp is not None
+    return hasattr(model, "mtp_step") and model.mtp is not None
 
 
 def _drafts_with_dspark(model) -> bool:

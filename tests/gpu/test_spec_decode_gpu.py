@@ -1,6 +1,7 @@
 """Speculative decoding on a CUDA GPU: a decode verifying drafts replays the decode CUDA graph of its row count (one
 decode row per position), and greedy tokens equal decoding without drafts; also with MLA (tiny DeepSeek-V2),
-whose latent cache the draft rows write before attending."""
+whose latent cache the draft rows write before attending; and with DeepSeek-V3's MTP drafter (k = 1 and 3), which
+runs eagerly after each replayed decode step from the final hidden states the graph kept."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from deepserve import LLM, SamplingParams
+from tests.spec_decode.mtp_checkpoint import bigram_mtp, write_tiny_v3_mtp
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -78,3 +80,66 @@ def test_mla_draft_rows_in_graphs(tmp_path):
     spec = LLM(str(tmp_path), speculative_config=NGRAM, **kw)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
     assert spec.engine.get_stats().spec_decode_num_accepted_tokens > 0
+
+
+MTP_VOCAB = 48          # <= hidden_size (64): bigram_mtp needs it
+
+
+@pytest.fixture(scope="module")
+def tiny_v3_mtp(tmp_path_factory) -> str:
+    """Tiny DeepSeek-V3 (2 layers, MLA + MoE) with one MTP layer (tests/spec_decode/mtp_checkpoint.py)."""
+    path = str(tmp_path_factory.mktemp("v3_mtp_gpu"))
+    write_tiny_v3_mtp(path, vocab_size=MTP_VOCAB)
+    return path
+
+
+def mtp_prompts(n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(5)
+    return [{"prompt_token_ids": torch.randint(3, MTP_VOCAB, (7 + 5 * i,), generator=g).tolist()} for i in range(n)]
+
+
+def recorded_drafts(llm: LLM) -> list[tuple[int, int, list[int], list[float]]]:
+    """(seq_id, position, drafts, confidences) of every MTP draft chain the engine makes from now on."""
+    made = []
+    take = llm.engine.speculator.take_model_drafts
+
+    def record(drafts):
+        made.extend((seq_id, d.position, d.token_ids, d.confidences) for seq_id, d in drafts.items())
+        take(drafts)
+    llm.engine.speculator.take_model_drafts = record
+    return made
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_drafts_from_the_hidden_states_of_replayed_graphs(tiny_v3_mtp, k):
+    """The MTP layer made a bigram table of the plain output (so drafts are accepted; its hidden-state half stays
+    random, so the confidences read the target's hidden states). With CUDA graphs on, decode steps replay graphs that
+    also keep every row's final hidden state and the MTP layer drafts from them: greedy tokens equal decoding without
+    speculation and speculation with enforce_eager, and the drafts (confidences included) equal the eager engine's."""
+    prompts = mtp_prompts(5)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kw = dict(skip_tokenizer_init=True, device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 26, max_num_seqs=8)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_v3_mtp, **kw).generate(prompts, params, use_tqdm=False)]
+    drafts = {}
+    for eager in (True, False):
+        llm = LLM(tiny_v3_mtp, speculative_config={"method": "mtp", "num_speculative_tokens": k},
+                  enforce_eager=eager, **kw)
+        bigram_mtp(llm.engine.runner.model, [p["prompt_token_ids"][-1:] + w for p, w in zip(prompts, want)])
+        graphs = llm.engine.runner.cuda_graphs
+        if eager:
+            assert graphs is None
+        else:
+            assert graphs is not None and graphs.keep_hidden, "MTP speculation was meant to keep the decode graphs"
+            replays = graphs.num_replays
+        drafts[eager] = recorded_drafts(llm)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        if not eager:
+            assert graphs.num_replays - replays > 10, "decode steps were meant to replay the graphs"
+        assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        del llm
+    assert max(len(d[2]) for d in drafts[False]) == k
+    assert [d[:3] for d in drafts[False]] == [d[:3] for d in drafts[True]]
+    for g, e in zip(drafts[False], drafts[True]):
+        assert g[3] == pytest.approx(e[3], abs=5e-3)

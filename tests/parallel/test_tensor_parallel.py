@@ -108,7 +108,7 @@ def run_steps(model) -> dict[str, torch.Tensor]:
         hidden = model(batch)
         out["prefill"] = model.compute_logits(hidden)
         if getattr(model, "mtp", None) is not None:
-            out["mtp"] = model.mtp_logits(batch.input_ids.roll(-1), hidden, batch)
+            out["mtp"] = model.mtp_step(batch.input_ids.roll(-1), hidden, batch)[0]
         out["decode"] = model.compute_logits(model(_batch([[t] for t in NEXT], [len(p) for p in PROMPTS])))
     return out
 

@@ -1,11 +1,13 @@
-"""CUDA-graph bookkeeping that needs no GPU: capture sizes, padding, and the static input layout."""
+"""CUDA-graph bookkeeping that needs no GPU: capture sizes, padding, the static input layout, and what a replay hands
+back (logits, and the hidden states kept for an eager drafter)."""
 
+import pytest
 import torch
 
 from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 from deepserve.sequence import Sequence
 from deepserve.sampling_params import SamplingParams
-from deepserve.worker.cuda_graph import StaticDecodeInputs, default_capture_sizes, padded_size
+from deepserve.worker.cuda_graph import CUDAGraphRunner, StaticDecodeInputs, default_capture_sizes, padded_size
 
 
 def test_capture_sizes_cover_every_batch_up_to_the_limit():
@@ -62,3 +64,58 @@ def test_a_decode_with_drafts_fills_one_decode_row_per_position():
     assert batch.slot_mapping.tolist() == [3 * bs + 1, 1 * bs + 2, 1 * bs + 3, 2 * bs + 0]
     assert batch.seq_lens.tolist() == [6, 7, 8, 9]
     assert batch.block_tables[1:4, :3].tolist() == [[5, 1, 2]] * 3
+
+
+class _ToyModel(torch.nn.Module):
+    """What the graph runner captures, without attention: hidden = embed(id) + position, logits = head(hidden)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+
+    def forward(self, batch):
+        return self.embed(batch.input_ids) + batch.positions[:, None].float()
+
+    def compute_logits(self, hidden):
+        return self.head(hidden).float()
+
+
+class _EagerGraph:
+    """A captured graph's stand-in on the CPU: replay runs the captured work."""
+
+    def __init__(self, work) -> None:
+        self.work = work
+
+    def replay(self) -> None:
+        self.work()
+
+
+@pytest.mark.parametrize("keep_hidden", [False, True])
+def test_a_replay_hands_back_logits_and_the_kept_hidden_states(keep_hidden):
+    """The captured work copies logits (and with keep_hidden every row's model output) into the static buffers; run
+    returns the step's rows of them, in scheduled order, and the static batch the graph read."""
+    bs = 4
+    model = _ToyModel()
+    graphs = CUDAGraphRunner(model, None, bs, max_model_len=16, vocab_size=10, capture_sizes=[2, 4],
+                             device=torch.device("cpu"), keep_hidden=keep_hidden)
+    for size in reversed(graphs.sizes):
+        key = (size, 16)                                    # one context bucket: max_model_len
+        batch = graphs.batches[key] = graphs.inputs.batch(size, bs, 16)
+        graphs.graphs[key] = _EagerGraph(lambda batch=batch, size=size: graphs._forward(batch, size))
+    plain, drafting = _decoding_sequence(1, 6, [7, 3]), _decoding_sequence(2, 7, [5, 1, 2])
+    out = SchedulerOutput(scheduled=[ScheduledSequence(plain, 5, 1),
+                                     ScheduledSequence(drafting, 6, 3, draft_token_ids=[40, 41])])
+    replay = graphs.run(out, graphs.size_for(out))
+    want = model.embed(torch.tensor([15, 16, 40, 41])) + torch.tensor([5.0, 6.0, 7.0, 8.0])[:, None]
+    assert torch.allclose(replay.logits, model.compute_logits(want))
+    if keep_hidden:
+        assert graphs.hidden.shape == (4, 4) and torch.equal(replay.hidden, want)
+    else:
+        assert replay.hidden is None and graphs.hidden is None
+    assert replay.batch is graphs.batches[4, 16] and graphs.num_replays == 1
+    # A one-row step replays the size-2 graph: its first row only.
+    replay = graphs.run(SchedulerOutput(scheduled=out.scheduled[:1]), (2, 16))
+    assert replay.logits.shape[0] == 1
+    if keep_hidden:
+        assert torch.equal(replay.hidden, want[:1])
