@@ -60,8 +60,10 @@ class _Block:
 
 
 def draft_blocks(scheduled: list[ScheduledSequence], sampled: dict[int, int], emitted: dict[int, list[int]],
-                 num_drafts: int, max_position: int) -> list[_Block]:
-    """The sequences of the step that know their next token now, with what their blocks need."""
+                 num_drafts: int, max_position: int, table_rows: list[int] | None = None) -> list[_Block]:
+    """The sequences of the step that know their next token now, with what their blocks need. `table_rows`: the
+    row of each scheduled sequence's block table in the step's batch (default: row i for sequence i; a decode
+    replayed from a CUDA graph has a row per position, each holding its sequence's table)."""
     blocks = []
     for i, s in enumerate(scheduled):
         seq_id = s.seq.seq_id
@@ -76,7 +78,7 @@ def draft_blocks(scheduled: list[ScheduledSequence], sampled: dict[int, int], em
             continue                                 # a prompt chunk that is not the last
         count = min(num_drafts, max_position - (n - 1))   # block rows at positions n-1 .. n+count-2
         if count > 0:
-            blocks.append(_Block(i, s.seq, g, n, count))
+            blocks.append(_Block(i if table_rows is None else table_rows[i], s.seq, g, n, count))
     return blocks
 
 

@@ -148,11 +148,10 @@ class CUDAGraphRunner:
     shape and dtype) into a static buffer allocated at the first capture, and `run` hands it out: the way in for a
     drafter that runs eagerly after sampling (DeepSeek-V3's MTP layer reads the final hidden states).
 
-    How V4.1's DSpark drafter plugs in once its forward can be captured (its graphs stay off until then,
-    `_capture_cuda_graphs`): it needs no hidden buffer, because the target's forward writes what the draft blocks
-    read (the main keys, into the draft layers' paged states) in place, and a replay does the same writes. After the
-    replay, `run_dspark` runs on `GraphReplay.batch`, whose block tables have a row per position, not per sequence:
-    a sequence's `_Block.index` becomes the row of its first position (the sum of num_new_tokens before it)."""
+    V4.1's DSpark drafter needs no hidden buffer: the target's forward writes what the draft blocks read (the main
+    keys, into the draft layers' paged states) in place, and a replay does the same writes. After the replay,
+    `run_dspark` runs eagerly on `GraphReplay.batch`, whose block tables have a row per position, not per sequence
+    (a sequence's table is read at the row of its first position)."""
 
     def __init__(self, model, attn_backend, block_size: int, max_model_len: int, vocab_size: int,
                  capture_sizes: list[int], device: torch.device, keep_hidden: bool = False) -> None:

@@ -397,9 +397,6 @@ class ModelRunner:
             return None
         from deepserve.layers.moe import TorchMoE
         reference_moe = any(isinstance(layer.backend, TorchMoE) for layer in self.model.moe_layers())
-        if _drafts_with_dspark(self.model):
-            logger.info("CUDA graphs off: V4.1's forward with DSpark draft blocks runs eagerly")
-            return None
         # Models whose layers read no attention metadata (DeepSeek-V4.1 gathers its own slot lists) need no backend
         # that builds graph metadata.
         reads_metadata = getattr(self.model, "reads_attention_metadata", True)
@@ -486,6 +483,11 @@ class ModelRunner:
             self._pick_tokens(replay.logits, out.scheduled, step)
             if _drafts_with_mtp(self.model):      # eagerly, from the hidden states the graph kept
                 self._draft_with_mtp(out.scheduled, replay.hidden, step)
+            elif _drafts_with_dspark(self.model):  # eagerly; the replay wrote this step's main-cache keys
+                first_rows = [0]
+                for s in out.scheduled:
+                    first_rows.append(first_rows[-1] + s.num_new_tokens)
+                self._draft_with_dspark(out.scheduled, replay.batch, step, first_rows[:-1])
             return step
         prompt_rows = [_prompt_logprob_rows(s) for s in out.scheduled]
         drafting_mtp = _drafts_with_mtp(self.model)
@@ -525,15 +527,16 @@ class ModelRunner:
         return step
 
     def _draft_with_dspark(self, scheduled: list[ScheduledSequence], batch: ForwardBatch,
-                           step: "LaunchedStep") -> None:
+                           step: "LaunchedStep", table_rows: list[int] | None = None) -> None:
         """The DSpark blocks for every sequence whose next token is known now; drafts for the next step
-        (spec_decode/dspark.py). The forward already wrote this step's main-cache keys."""
+        (spec_decode/dspark.py). The forward already wrote this step's main-cache keys. `table_rows`: where each
+        sequence's block table is in `batch` (a graph's static batch: the row of its first position)."""
         sampled = dict(zip((seq.seq_id for seq in step.seqs), step.device_tokens.tolist())) if step.seqs else {}
         emitted = {}
         if step.verified is not None:
             emitted = {s.seq.seq_id: e for s, e in zip(step.verified[0], step.verified[1].emitted)}
         blocks = draft_blocks(scheduled, sampled, emitted, self.config.speculative.num_speculative_tokens,
-                              self.config.scheduler.max_model_len)
+                              self.config.scheduler.max_model_len, table_rows)
         step.mtp_drafts = run_dspark(self.model, batch, blocks, self.eos_token_ids, self.model.spec.sliding_window)
 
     def _draft_with_mtp(self, scheduled: list[ScheduledSequence], hidden: torch.Tensor, step: "LaunchedStep") -> None:

@@ -19,6 +19,7 @@ from deepserve.models.reference.deepseek_v41 import DeepseekV41Reference
 from deepserve.models.reference.tiny import tiny_config
 from deepserve.tools.make_tiny_checkpoint import write_deepseek_v41
 
+from tests.worker.eager_graphs import install_eager_replay_graphs
 from hf_compare import assert_close_relative, check_mixed_batch, engine_logits, random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -161,35 +162,6 @@ def test_engram_with_a_compressed_vocabulary(tmp_path):
     assert_close_relative(engine_logits(llm, ids, chunk=7), reference_logits(ref, ids))
 
 
-class _EagerReplay:
-    """Stands in for a CUDA graph on the CPU: replay() runs the forward it would have captured, on the same static
-    input buffers, so the captured-decode code path (padding rows, placeholder host lengths, slot -1 writes,
-    context buckets) runs exactly as it would inside a graph."""
-
-    def __init__(self, graphs, size: int, batch) -> None:
-        self.graphs, self.size, self.batch = graphs, size, batch
-
-    def replay(self) -> None:
-        self.graphs._forward(self.batch, self.size)
-
-
-def _install_eager_replay_graphs(llm, buckets: list[int]):
-    from deepserve.worker.cuda_graph import CUDAGraphRunner
-
-    class EagerReplayRunner(CUDAGraphRunner):
-        def _record(self, size, batch):
-            return _EagerReplay(self, size, batch)
-
-    runner = llm.engine.runner
-    sched = llm.engine.config.scheduler
-    graphs = EagerReplayRunner(runner.model, runner.attn_backend, runner.block_size, sched.max_model_len,
-                               llm.engine.config.model.vocab_size, [1, 2, 4, 8], runner.device)
-    graphs.buckets = buckets
-    graphs.capture()
-    runner.cuda_graphs = graphs
-    return graphs
-
-
 @pytest.mark.parametrize("variant", ["mixed", "shared", "engram", "unshifted", "c2"])
 def test_captured_decode_path_matches_reference(tiny_v41, variant):
     """Decode steps through the CUDA-graph runner's static batches (replayed eagerly on the CPU): three sequences
@@ -198,7 +170,7 @@ def test_captured_decode_path_matches_reference(tiny_v41, variant):
     scratch block) leave every block free afterwards."""
     path, ref = tiny_v41(variant)
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8, max_model_len=128)
-    graphs = _install_eager_replay_graphs(llm, [32, 64, 128])
+    graphs = install_eager_replay_graphs(llm, [32, 64, 128])
     prompts = [random_prompt(n, seed=n, vocab=VOCAB) for n in (37, 9, 21)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)

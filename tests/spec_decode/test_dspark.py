@@ -182,3 +182,33 @@ def test_greedy_output_under_preemption(tiny_dspark):
     assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_decode_steps_replayed_from_graphs_draft_as_eager_ones(tiny_dspark):
+    """The target's decode steps through the CUDA-graph runner's static batches (replayed eagerly on the CPU: the
+    stand-in of tests/models/test_deepseek_v41_engine.py), the DSpark blocks run after each replay from its static
+    batch (a block table per position): the same drafts and confidences as the eager engine's, the same tokens
+    as without speculation, and graphs did replay."""
+    from tests.worker.eager_graphs import install_eager_replay_graphs
+    path, _ = tiny_dspark("mixed")
+    ps = prompts()
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8)
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                           use_tqdm=False)]
+    finals = [p + w for p, w in zip(ps, want)]
+    runs = []
+    for graphed in (False, True):
+        llm = dspark_llm(path, max_num_batched_tokens=16, max_model_len=128)
+        bigram_drafter(llm.engine.runner.model, finals)
+        graphs = install_eager_replay_graphs(llm, [128], sizes=(4, 8, 16, 32)) if graphed else None
+        made = recording(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+        runs.append(made)
+    assert graphs.num_replays > 5
+    eager, replayed = ({(seq_id, pos): (tokens, confs) for seq_id, pos, tokens, confs in made} for made in runs)
+    assert eager.keys() == replayed.keys()
+    for key, (tokens, confs) in eager.items():
+        assert replayed[key][0] == tokens and replayed[key][1] == pytest.approx(confs, abs=1e-5), key
