@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from deepserve import LLM, SamplingParams
-from tests.spec_decode.test_dspark import bigram_drafter, prompts, recording, tiny_dspark  # noqa: F401 (a fixture)
+from tests.spec_decode.test_dspark import (bigram_drafter, prompts, recording,  # noqa: F401 (tiny_dspark: a fixture)
+                                          tiny_dspark)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
