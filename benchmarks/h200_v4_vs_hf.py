@@ -122,6 +122,8 @@ def ours(path: str, batches: list[int], context: int, steps: int, prefill: int, 
     sync(device)
     elapsed = time.perf_counter() - start
     out["prefill"] = {"tokens": prefill, "seconds": round(elapsed, 3), "tokens_per_s": round(prefill / elapsed, 1)}
+    graphs = llm.engine.runner.cuda_graphs
+    out["cuda_graph_replays"] = graphs.num_replays if graphs is not None else None    # None: decode ran eagerly
     return out
 
 
