@@ -65,6 +65,9 @@ class Sequence:
         self.draft_token_ids: list[int] = []
         # With a grammar: the token bitmask of each verification row (structured/bitmask.py), [drafts + 1, words].
         self.draft_bitmask = None
+        # A drafter that samples its drafts (DSpark, sampled requests): the distribution each draft was drawn from,
+        # [drafts, vocab] (the verifier's Q); None: the drafts are point masses.
+        self.draft_probs = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         # Structured outputs: the sequence's StructuredMatcher (deepserve/structured/matcher.py), set by the engine

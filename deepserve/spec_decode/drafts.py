@@ -20,12 +20,15 @@ class Drafts:
     confidences: list[float] = field(default_factory=list)
     match_length: int = 0           # n-gram drafters: the length of the suffix that matched (keys the estimate)
     seq_id: int = -1                # whose drafts (drafters that keep per-sequence state read it back)
+    # [len, vocab]: the distribution each draft was drawn from (a sampling drafter); None: point masses.
+    probs: object = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def truncated(self, n: int) -> "Drafts":
-        return Drafts(self.token_ids[:n], self.confidences[:n], self.match_length, self.seq_id)
+        probs = None if self.probs is None or n == 0 else self.probs[:n]
+        return Drafts(self.token_ids[:n], self.confidences[:n], self.match_length, self.seq_id, probs)
 
 
 class Drafter(Protocol):
@@ -52,10 +55,16 @@ class ModelDrafter:
         if draft is None or max_drafts < 1 or draft.position != seq.num_tokens:
             return Drafts()             # none, or made for another length (the sequence was preempted since)
         tokens, confidences = self.tokens_and_confidences(draft)
-        return Drafts(tokens[:max_drafts], confidences[:max_drafts], 0, seq.seq_id)
+        probs = self.distributions(draft)
+        return Drafts(tokens[:max_drafts], confidences[:max_drafts], 0, seq.seq_id,
+                      None if probs is None else probs[:max_drafts])
 
     def tokens_and_confidences(self, draft) -> tuple[list[int], list[float]]:
         raise NotImplementedError
+
+    def distributions(self, draft):
+        """[drafts, vocab] the draws' distributions when the model sampled its drafts; None: point masses."""
+        return None
 
     def observe(self, drafts: Drafts, num_verified: int, num_accepted: int) -> None:
         pass                            # the model's own confidences need no estimate

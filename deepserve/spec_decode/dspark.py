@@ -19,9 +19,9 @@ Readings: drafts are made right after a prompt's last chunk too (§2.10 makes no
 drafts with the first decode; we know g then, so the first decode verifies real drafts). The block's own keys live
 only for the call (the positions they stand at are the next step's target rows, which write the real keys): the
 same visible set as DeepInfer's ring. T is the request's temperature, 1e-5 for greedy requests (§6.3's greedy
-temperature: their confidences are close to 0 or 1). The verifier keeps its point-mass rule (no draft log-prob
-rows): a sampled draft is then accepted with the target's probability of it and the residual excludes it, which
-leaves the emitted distribution the target's exactly (only acceptance is lower than §6.3's Q-ratio rule).
+temperature: their confidences are close to 0 or 1). A sampled request's drafts keep the distribution each was
+drawn from (`DSparkDraft.probs`, normalised), which the verifier uses as §6.3's Q: accept with min(P/Q, 1), residual
+max(P - Q e^-5e-5, 0). Greedy drafts are argmaxes: point masses.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class DSparkDraft:
     token_ids: list[int]
     confidences: list[float]
     position: int           # the sequence's length when the drafts are used (draft 0 is for that position)
+    probs: torch.Tensor | None = None   # [drafts, V] the distributions sampled drafts were drawn from (§6.3's Q)
 
 
 @dataclass
@@ -122,6 +123,7 @@ def _draw(model, hb: torch.Tensor, base: torch.Tensor, blocks: list[_Block], fir
     prev = [b.g for b in blocks]
     tokens: list[list[int]] = [[] for _ in blocks]
     confs: list[list[float]] = [[] for _ in blocks]
+    q_rows: list[list[torch.Tensor]] = [[] for _ in blocks]     # sampled requests: each draft's Q row
     stops = [set() if b.seq.params.ignore_eos else set(eos_token_ids) for b in blocks]
     for j, b in enumerate(blocks):
         stops[j].update(b.seq.params.stop_token_ids or ())
@@ -147,12 +149,16 @@ def _draw(model, hb: torch.Tensor, base: torch.Tensor, blocks: list[_Block], fir
                                 [blocks[live[r]].n + i for r in sampled], CASE_SAMPLE)
             drawn = drawn.clone()
             drawn.index_copy_(0, sel, sample_from_probs(probs, torch.from_numpy(u).to(device)))
+            q = probs / probs.sum(dim=-1, keepdim=True)
+            for r, row in zip(sampled, q):
+                q_rows[live[r]].append(row)
         for r, (j, d) in enumerate(zip(live, drawn.tolist())):
             stopped = any(t in stops[j] for t in tokens[j])
             tokens[j].append(d)
             confs[j].append(0.0 if stopped else conf[r])
             prev[j] = d
-    return {b.seq.seq_id: DSparkDraft(tokens[j], confs[j], b.n) for j, b in enumerate(blocks)}
+    return {b.seq.seq_id: DSparkDraft(tokens[j], confs[j], b.n, torch.stack(q_rows[j]) if q_rows[j] else None)
+            for j, b in enumerate(blocks)}
 
 
 class DSparkDrafter(ModelDrafter):
@@ -160,5 +166,8 @@ class DSparkDrafter(ModelDrafter):
 
     def tokens_and_confidences(self, draft) -> tuple[list[int], list[float]]:
         return draft.token_ids, draft.confidences
+
+    def distributions(self, draft):
+        return draft.probs
 
 

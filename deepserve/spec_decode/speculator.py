@@ -65,7 +65,7 @@ class Speculator:
         self._proposed.clear()
         decoding, proposals = [], []
         for seq in running:
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.draft_probs = [], None
             if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_inflight:
                 continue                        # prefilling (or a token still in flight): no drafts
             decoding.append(seq)
@@ -75,11 +75,12 @@ class Speculator:
             lengths = choose_verify_lengths([d.confidences for d in proposals], self.cost_model.cost)
             proposals = [d.truncated(n) for d, n in zip(proposals, lengths)]
         for seq, drafts in zip(decoding, proposals):
-            seq.draft_bitmask = None
+            seq.draft_bitmask = seq.draft_probs = None
             if drafts.token_ids and seq.grammar is not None:
                 drafts = self._constrain(seq, drafts)
             if drafts.token_ids:
                 seq.draft_token_ids = list(drafts.token_ids)
+                seq.draft_probs = drafts.probs
                 self._proposed[seq.seq_id] = drafts
         self.drafter.step()
 

@@ -4,7 +4,8 @@ A sequence verifying t drafts has t + 1 query rows: row 0 is its last known toke
 logits predict the token after row j, so row j < t *verifies* draft j and row t is a *fresh* row.
 
     P = the target's processed distribution of the row (temperature, top-k, top-p, min-p; normalised)
-    Q = the drafter's distribution of the draft token (prompt lookup proposes a token: Q is a point mass on it)
+    Q = the distribution the draft was drawn from: the drafter's processed row when it sampled the draft (DSpark
+        for a sampled request: `VerifyGroup.draft_probs`), else a point mass on it (prompt lookup, argmax drafts)
     accept draft d  iff  min(P(d) / Q(d), 1) > U_verify(seed, pos)
     on the first rejection the row's token is drawn from the residual r = max(P - Q * e^-5e-5, 0) (unnormalised;
     the inverse CDF scales by its sum); if every draft is accepted the fresh row draws from P.
@@ -45,6 +46,7 @@ class VerifyGroup:
     next_position: int              # position of the token row 0 predicts (the sequence's length)
     draft_token_ids: list[int]
     bitmask: torch.Tensor | None = None     # structured outputs: int32 words, a row per row of the group
+    draft_probs: torch.Tensor | None = None     # [drafts, V]: each draft's Q row (a sampling drafter); None: points
 
 
 @dataclass
@@ -109,9 +111,12 @@ class _RowLayout:
     def __init__(self, groups: list[VerifyGroup]) -> None:
         drafts, greedy, positions, seeds, group_of = [], [], [], [], []
         self.first_row = []
+        self.q_rows: dict[int, torch.Tensor] = {}       # layout row -> the Q row of the draft it verifies
         for i, g in enumerate(groups):
             self.first_row.append(len(drafts))
             t = len(g.draft_token_ids)
+            if g.draft_probs is not None:
+                self.q_rows.update((len(drafts) + j, g.draft_probs[j]) for j in range(t))
             drafts.extend(g.draft_token_ids + [-1])
             greedy.extend([g.params.is_greedy] * (t + 1))
             positions.extend(g.next_position + j * ROW_POSITION_STRIDE for j in range(t + 1))
@@ -143,15 +148,26 @@ def _verify_sampled(logits: torch.Tensor, rows: _RowLayout, picked: np.ndarray) 
     positions = [rows.positions[r] for r in picked]
     draft_index = torch.from_numpy(np.where(is_verify, drafts, 0)).to(device)
     p_draft = probs.gather(1, draft_index[:, None])[:, 0].double().cpu().numpy()
-    q_draft = 1.0          # a point-mass draft (prompt lookup)
-    accept = is_verify & (np.minimum(p_draft / q_draft, 1.0) > verify_uniforms(seeds, positions))
-    # Residual rows: P with the draft's mass taken off (Q is a point mass); fresh rows draw from P itself.
-    verify_rows = torch.from_numpy(np.flatnonzero(is_verify)).to(device)
+    # Q(d): 1 for a point-mass draft, the drawn-from row's value for a sampled one.
+    with_q = [i for i, r in enumerate(picked) if int(r) in rows.q_rows]
+    q_rows = torch.stack([rows.q_rows[int(picked[i])].to(device, torch.float32) for i in with_q]) if with_q else None
+    q_draft = np.ones(len(picked))
+    if with_q:
+        sel = torch.tensor(with_q, device=device)
+        q_draft[with_q] = q_rows.gather(1, draft_index.index_select(0, sel)[:, None])[:, 0].double().cpu().numpy()
+    with np.errstate(divide="ignore"):
+        ratio = np.where(q_draft > 0, p_draft / np.maximum(q_draft, 1e-300), 1.0)
+    accept = is_verify & (np.minimum(ratio, 1.0) > verify_uniforms(seeds, positions))
+    # Residual rows: max(P - Q e^-5e-5, 0): a point mass takes the draft's mass off, a sampled Q its whole row; fresh
+    # rows draw from P itself.
+    point_rows = [i for i in np.flatnonzero(is_verify).tolist() if int(picked[i]) not in rows.q_rows]
     residual = probs.clone()
-    if verify_rows.numel():
-        d = draft_index.index_select(0, verify_rows)
-        shrunk = (probs[verify_rows, d] - q_draft * _RESIDUAL_SHRINK).clamp_(min=0.0)
-        residual[verify_rows, d] = shrunk
+    if point_rows:
+        idx = torch.tensor(point_rows, device=device)
+        d = draft_index.index_select(0, idx)
+        residual[idx, d] = (probs[idx, d] - _RESIDUAL_SHRINK).clamp_(min=0.0)
+    if with_q:
+        residual[sel] = (probs[sel] - q_rows * _RESIDUAL_SHRINK).clamp_(min=0.0)
     cases = np.where(is_verify, CASE_RESIDUAL, CASE_SAMPLE)
     uniforms = np.empty(len(picked), dtype=np.float64)
     for case in (CASE_SAMPLE, CASE_RESIDUAL):

@@ -571,8 +571,8 @@ class ModelRunner:
 
     def _verify(self, logits: torch.Tensor, scheduled: list[ScheduledSequence], step: "LaunchedStep") -> None:
         """Rows of sequences with drafts: accept a prefix of the drafts and emit one token more (spec_decode)."""
-        groups = [VerifyGroup(s.seq.params, s.seq.seed, s.start + 1, s.draft_token_ids, s.seq.draft_bitmask)
-                  for s in scheduled]
+        groups = [VerifyGroup(s.seq.params, s.seq.seed, s.start + 1, s.draft_token_ids, s.seq.draft_bitmask,
+                              s.seq.draft_probs) for s in scheduled]
         requested = [s.seq.params.logprobs for s in scheduled if s.seq.params.logprobs is not None]
         step.verified = (scheduled, verify(logits, groups, max(requested) if requested else None))
 

@@ -212,3 +212,32 @@ def test_decode_steps_replayed_from_graphs_draft_as_eager_ones(tiny_dspark):
     assert eager.keys() == replayed.keys()
     for key, (tokens, confs) in eager.items():
         assert replayed[key][0] == tokens and replayed[key][1] == pytest.approx(confs, abs=1e-5), key
+
+
+def test_sampled_requests_keep_each_drafts_distribution_and_are_reproducible(tiny_dspark):
+    """A sampled request's DSpark drafts carry the distribution each was drawn from (the verifier's Q: normalised
+    rows, the draft inside their support); greedy drafts carry none; a seeded request gives the same tokens twice,
+    and some sampled drafts are accepted."""
+    path, _ = tiny_dspark("mixed")
+    ps = prompts()
+    llm = dspark_llm(path, max_num_batched_tokens=16)
+    bigram_drafter(llm.engine.runner.model, ps)
+    seen = []
+    take = llm.engine.speculator.take_model_drafts
+
+    def record(drafts):
+        seen.extend(drafts.values())
+        take(drafts)
+    llm.engine.speculator.take_model_drafts = record
+    sampled = SamplingParams(temperature=0.8, seed=11, max_tokens=20, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": p} for p in ps], [sampled, greedy, sampled, greedy], use_tqdm=False)
+    with_q = [d for d in seen if d.probs is not None]
+    assert with_q and len(with_q) < len(seen)               # the sampled requests' drafts only
+    for d in with_q:
+        assert d.probs.shape == (len(d.token_ids), VOCAB)
+        assert torch.allclose(d.probs.sum(-1), torch.ones(len(d.token_ids)), atol=1e-5)
+        assert all(d.probs[i, t] > 0 for i, t in enumerate(d.token_ids))
+    assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+    again = llm.generate([{"prompt_token_ids": p} for p in ps], [sampled, greedy, sampled, greedy], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]

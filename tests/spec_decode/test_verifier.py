@@ -97,6 +97,34 @@ def test_sampled_tokens_follow_the_target_distribution_whatever_the_drafts():
     assert first[p0 == 0].sum() == 0
 
 
+def test_sampled_drafts_with_their_distribution_use_the_q_ratio_rule():
+    """§6.3 with a drafter's distribution Q: 20,000 seeded verifications of one draft drawn from Q (independently of
+    the verifier's uniforms). The emitted token follows the target's P (chi-square; a 2% shift is detected), the
+    acceptance rate is sum_i min(P, Q), and that is above what the point-mass rule gives the same drafts
+    (E_{d~Q} P(d))."""
+    torch.manual_seed(5)
+    vocab, samples = 12, 20000
+    rows = torch.randn(2, vocab) * 1.5
+    params = SamplingParams(temperature=0.8)
+    p0 = target_probs(rows[0], params)
+    q = torch.softmax(torch.randn(vocab) * 1.5, dim=-1)
+    drafts = torch.multinomial(q, samples, replacement=True, generator=torch.Generator().manual_seed(9)).tolist()
+    groups = [VerifyGroup(params, seed, 1000, [d], draft_probs=q[None].float()) for seed, d in enumerate(drafts)]
+    result = verify(rows.repeat(samples, 1), groups)
+    first = torch.bincount(torch.tensor([e[0] for e in result.emitted]), minlength=vocab)
+    stat, df = chi_square(first, p0)
+    assert stat < chi_square_limit(df), (stat, df)
+    shifted = p0.clone()
+    shifted[int(p0.argmax())] -= 0.02
+    shifted[int(p0.argmin())] += 0.02
+    assert chi_square(first, shifted)[0] > chi_square_limit(df)
+    rate = sum(result.num_accepted) / samples
+    want = torch.minimum(p0, q.double()).sum().item()
+    assert abs(rate - want) < 4 * math.sqrt(want * (1 - want) / samples), (rate, want)
+    point_mass = verify(rows.repeat(samples, 1), [VerifyGroup(params, seed, 1000, [d]) for seed, d in enumerate(drafts)])
+    assert rate > sum(point_mass.num_accepted) / samples + 0.05
+
+
 def test_logprobs_are_the_raw_model_logprobs_of_each_emitted_token():
     torch.manual_seed(3)
     logits = torch.randn(3, 10)
