@@ -17,6 +17,11 @@ not a per-row cost: read as a slope it would price every draft row as if it paid
 policy would verify too few. So the excess of each size (the median of its samples over sizes with enough of them)
 is fitted as overhead + slope * g (Theil-Sen: the median of pairwise slopes, then the median intercept; both
 clamped at 0), and cost(g) = baseline(g) + overhead + slope * g.
+
+The fit reads the whole window (up to 5000 samples: about 1.5 ms of Python), so it is redone once per
+len(window) / REFITS_PER_WINDOW new samples, not every step (every step while the window is short): a small model's
+GPU step takes well under a millisecond, and refitting each step cost confidence-scheduled speculation more than
+its drafts saved (H200 runs of session 11).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import deque
+
+REFITS_PER_WINDOW = 100
 
 
 class StepCostModel:
@@ -41,6 +48,8 @@ class StepCostModel:
         self.padded = padded
         self.min_samples = min_samples
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._since_fit = 0
+        self.num_fits = 0
         self.slope = 0.0
         self.overhead = 0.0
 
@@ -68,6 +77,13 @@ class StepCostModel:
         if base is None:
             return
         self._samples.append((g, measured_ms - base))
+        self._since_fit += 1
+        if self._since_fit >= max(1, len(self._samples) // REFITS_PER_WINDOW):
+            self._fit()
+
+    def _fit(self) -> None:
+        self._since_fit = 0
+        self.num_fits += 1
         by_size: dict[int, list[tuple[int, float]]] = {}
         for size, excess in self._samples:
             by_size.setdefault(self._bucket(size), []).append((size, excess))

@@ -78,3 +78,19 @@ def test_cost_model_interpolates_pads_and_learns_an_online_slope():
     fast.observe(4, 1.0)
     fast.observe(4, 1.0)
     assert fast.slope == 0.0 and fast.overhead == 0.0
+
+
+def test_the_online_fit_is_redone_once_per_hundredth_of_the_window():
+    """A full window of 5000 samples refits every 50 new ones (about 1.5 ms of Python each time, too much for every
+    step of a sub-millisecond GPU step); the estimate still follows the samples."""
+    curve = [(1, 10.0), (4, 16.0), (8, 24.0)]
+    model = StepCostModel(curve)
+    for _ in range(3000):
+        model.observe(4, 16.0 + 3.0 + 4 * 1.0)
+        model.observe(8, 24.0 + 3.0 + 8 * 1.0)
+    assert model.num_fits < 700                       # every step: 6000 (about 100 ln(5000 / 100) + 100 while filling)
+    assert model.slope == pytest.approx(1.0) and model.overhead == pytest.approx(3.0)
+    for _ in range(3000):                             # the load changes: 2 ms a row now
+        model.observe(4, 16.0 + 3.0 + 4 * 2.0)
+        model.observe(8, 24.0 + 3.0 + 8 * 2.0)
+    assert model.slope == pytest.approx(2.0) and model.overhead == pytest.approx(3.0)
