@@ -65,8 +65,9 @@ def _why_not(layer: nn.Module) -> str | None:
     return None
 
 
-def build_stack(layers: list[nn.Module]) -> kernel.DecodeStack:
-    """The kernel over these decoder layers; ValueError (saying why) where it cannot run them."""
+def build_stack(layers: list[nn.Module], phase_times: bool = False) -> kernel.DecodeStack:
+    """The kernel over these decoder layers (`phase_times`: its build that times its phases, for profiles);
+    ValueError (saying why) where it cannot run them."""
     if not layers:
         raise ValueError("no layers")
     for i, layer in enumerate(layers):
@@ -89,13 +90,15 @@ def build_stack(layers: list[nn.Module]) -> kernel.DecodeStack:
         o=_packed(layer.self_attn.o_proj), post_norm=_norm_weight(layer.post_attention_layernorm),
         gate_up=_packed(layer.mlp.gate_up_proj), down=_packed(layer.mlp.down_proj),
         kv_cache=layer.self_attn.attn.kv_cache) for layer in layers]
-    return kernel.DecodeStack(weights, shape, rotary.cos_cache, rotary.sin_cache)
+    return kernel.DecodeStack(weights, shape, rotary.cos_cache, rotary.sin_cache, phase_times=phase_times)
 
 
 class CpuDecodeStack:
     """A model's decoder layers as one C call per decode step, where the kernel can run them (see the module's
     docstring). Call it with the embeddings and the batch: the residual stream after the last layer (before the final
-    norm), or None when the step takes the module path. `enabled` (DEEPSERVE_CPU_FUSED_DECODE) switches it off."""
+    norm), or None when the step takes the module path. `enabled` (DEEPSERVE_CPU_FUSED_DECODE) switches it off;
+    `phase_times` (benchmarks) builds the kernel that times its phases. After changing the layers (or phase_times),
+    `reset()`: the stack is rebuilt at the next step."""
 
     def __init__(self, layers: nn.ModuleList) -> None:
         self.layers = layers
@@ -103,6 +106,15 @@ class CpuDecodeStack:
         self._stack: kernel.DecodeStack | None = None
         self._attns: list[nn.Module] = []          # the built stack's per-layer cache holders
         self._caches: tuple | None = None          # the KV caches the stack (or its refusal) was built for
+        self.phase_times = False
+
+    def reset(self) -> None:
+        self._stack, self._attns, self._caches = None, [], None
+
+    @property
+    def stack(self) -> kernel.DecodeStack | None:
+        """The kernel the next decode step runs (None: the module path)."""
+        return self._current()
 
     def _bound_caches(self) -> tuple:
         return tuple(getattr(getattr(getattr(layer, "self_attn", None), "attn", None), "kv_cache", None)
@@ -116,7 +128,7 @@ class CpuDecodeStack:
             return None                                          # refused for these caches already
         self._caches, self._stack, self._attns = caches, None, []
         try:
-            self._stack = build_stack(list(self.layers))
+            self._stack = build_stack(list(self.layers), self.phase_times)
             self._attns = [layer.self_attn.attn for layer in self.layers]
         except ValueError as e:
             logger.debug("CPU decode steps go layer by layer: %s", e)

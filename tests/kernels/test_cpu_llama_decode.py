@@ -128,3 +128,18 @@ def test_rejects_tensors_it_cannot_take():
     with pytest.raises(ValueError, match="unsupported shape"):
         ld.DecodeStack(make_layers(1, g.Q4_1, torch.float32, gen), ld.StackShape(**{**SHAPE.__dict__, "head_dim": 48}),
                        cos, sin)
+
+
+@needs_kernel
+def test_phase_timer_build_times_every_phase_and_computes_the_same():
+    gen = torch.Generator().manual_seed(5)
+    layers = make_layers(2, g.Q4_1, torch.float32, gen)
+    cos, sin = rotary_tables()
+    positions, slots, tables, lens = step_inputs([40], gen)
+    h = torch.randn(1, SHAPE.hidden, generator=gen)
+    plain = ld.DecodeStack(layers, SHAPE, cos, sin).run(h.clone(), positions, slots, tables, lens)
+    timed = ld.DecodeStack(layers, SHAPE, cos, sin, phase_times=True)
+    assert torch.equal(timed.run(h.clone(), positions, slots, tables, lens), plain)
+    times = timed.phase_times()
+    assert list(times) == list(ld.PHASES) and all(t > 0 for t in times.values())
+    assert all(t == 0 for t in timed.phase_times().values())          # read and reset

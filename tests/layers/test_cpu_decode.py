@@ -32,7 +32,7 @@ def generate(llm, enabled, **params):
 def test_decode_steps_take_one_call(packed):
     fused = packed.engine.runner.model.cpu_decode
     generate(packed, True, max_tokens=2)
-    stack, calls = fused._current(), []
+    stack, calls = fused.stack, []
     assert stack is not None
     real = stack.run
     stack.run = lambda *a: calls.append(a[0].shape[0]) or real(*a)
@@ -54,17 +54,17 @@ def test_same_tokens_as_layer_by_layer(packed):
 
 def test_rebuilt_for_new_caches(packed):
     fused = packed.engine.runner.model.cpu_decode
-    first = fused._current()
+    first = fused.stack
     attn = packed.engine.runner.model.layers[0].self_attn.attn
     old = attn.kv_cache
     attn.kv_cache = old.clone()
     try:
-        second = fused._current()
+        second = fused.stack
         assert second is not None and second is not first
         assert second.layers[0].kv_cache is attn.kv_cache
     finally:
         attn.kv_cache = old
-    assert fused._current().layers[0].kv_cache is old
+    assert fused.stack.layers[0].kv_cache is old
 
 
 def test_refused_where_it_does_not_apply(packed, smollm):

@@ -50,6 +50,38 @@ typedef struct {
 
 enum { OK = 0, BAD_POSITION = 1, BAD_SLOT = 2, BAD_BLOCK = 3, BAD_LENGTH = 4, NO_MEMORY = 5 };
 
+/* Built with -DPHASE_TIMES (the benchmark's profile, never the engine's build): seconds spent in each phase of the
+ * layers, summed over calls until read (llama_decode_phase_times). PHASE(i) closes phase i at the current time. */
+enum { PH_NORM, PH_QKV, PH_ROTARY_KV, PH_ATTENTION, PH_O_ADD, PH_GATE_UP, PH_SWIGLU, PH_DOWN_ADD, NUM_PHASES };
+#ifdef PHASE_TIMES
+#include <time.h>
+static double phase_seconds[NUM_PHASES], phase_mark;
+static double now_seconds(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+#define PHASE(i) do { const double t_ = now_seconds(); phase_seconds[i] += t_ - phase_mark; phase_mark = t_; } while (0)
+#define PHASE_START() (phase_mark = now_seconds())
+#else
+#define PHASE(i) ((void)0)
+#define PHASE_START() ((void)0)
+#endif
+
+/* out[NUM_PHASES]: the seconds per phase since the last read (zeros without -DPHASE_TIMES); resets them. */
+void llama_decode_phase_times(double *out)
+{
+    for (int i = 0; i < NUM_PHASES; ++i) {
+#ifdef PHASE_TIMES
+        out[i] = phase_seconds[i];
+        phase_seconds[i] = 0.;
+#else
+        out[i] = 0.;
+#endif
+    }
+}
+
 /* out = x * rsqrt(mean(x^2) + eps) * weight, as kernels/reference/norm.py (16 partial sums: another order). */
 static void rms_norm_row(const float *x, const float *weight, int64_t n, float eps, float *out)
 {
@@ -140,7 +172,9 @@ static void attention_block(const Stack *s, const Layer *L, float *h, int64_t B,
     const int64_t nqkv = L->qkv.rows, kv_width = Hkv * D;
     for (int64_t b = 0; b < B; ++b)
         rms_norm_row(h + b * E, L->input_norm, E, s->eps, xn + b * E);
+    PHASE(PH_NORM);
     packed_gemv(s, &L->qkv, xn, B, E, qkv, num_threads);
+    PHASE(PH_QKV);
     for (int64_t b = 0; b < B; ++b) {
         float *row = qkv + b * nqkv;
         const float *cs = s->cos + positions[b] * s->rotary_stride, *sn = s->sin + positions[b] * s->rotary_stride;
@@ -148,11 +182,14 @@ static void attention_block(const Stack *s, const Layer *L, float *h, int64_t B,
         store_kv(L->k_cache + slots[b] * kv_width, row + H * D, kv_width);
         store_kv(L->v_cache + slots[b] * kv_width, row + (H + Hkv) * D, kv_width);
     }
+    PHASE(PH_ROTARY_KV);
     paged_decode_attention(qkv, nqkv, D, L->k_cache, L->v_cache, rows, block_tables, seq_lens, attn, H * D, D, B, H,
                            Hkv, D, s->block_size, max_blocks, s->scale, num_threads);
+    PHASE(PH_ATTENTION);
     packed_gemv(s, &L->o, attn, B, H * D, tmp, num_threads);
     for (int64_t i = 0; i < B * E; ++i)
         h[i] = tmp[i] + h[i];
+    PHASE(PH_O_ADD);
 }
 
 /* The MLP half of a layer: h += (silu(g) * u) @ Wdown^T, (g, u) = norm(h) @ Wgate_up^T. */
@@ -162,15 +199,19 @@ static void mlp_block(const Stack *s, const Layer *L, float *h, int64_t B, float
     const int64_t E = s->hidden, I = s->intermediate;
     for (int64_t b = 0; b < B; ++b)
         rms_norm_row(h + b * E, L->post_norm, E, s->eps, xn + b * E);
+    PHASE(PH_NORM);
     packed_gemv(s, &L->gate_up, xn, B, E, gate_up, num_threads);
+    PHASE(PH_GATE_UP);
     for (int64_t b = 0; b < B; ++b) {
         const float *g = gate_up + b * 2 * I, *u = g + I;
         for (int64_t i = 0; i < I; ++i)
             act[b * I + i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
+    PHASE(PH_SWIGLU);
     packed_gemv(s, &L->down, act, B, I, tmp, num_threads);
     for (int64_t i = 0; i < B * E; ++i)
         h[i] = tmp[i] + h[i];
+    PHASE(PH_DOWN_ADD);
 }
 
 /* h [B, hidden]: the embeddings of the step's B decode tokens in, the residual stream after the last layer out
@@ -194,6 +235,7 @@ int llama_decode_step(const Stack *s, float *h, int64_t B, const int64_t *positi
     }
     for (int64_t b = 0; b < B; ++b)
         rows[b] = b;
+    PHASE_START();
     float *xn = buf, *tmp = xn + B * E, *qkv = tmp + B * E, *attn = qkv + B * nqkv;
     float *gate_up = attn + B * s->heads * s->head_dim, *act = gate_up + B * 2 * I;
     for (int64_t l = 0; l < s->n_layers; ++l) {

@@ -51,17 +51,23 @@ class _Stack(ctypes.Structure):
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("isa", _I64)]
 
 
+# The phases llama_decode.c times when built with PHASE_TIMES (its PH_* order).
+PHASES = ("norms", "qkv_gemv", "rotary_kv_write", "attention", "o_gemv_add", "gate_up_gemv", "swiglu", "down_gemv_add")
+
+
 @functools.lru_cache(maxsize=None)
-def _load(cache_dtype: torch.dtype) -> ctypes.CDLL | None:
-    lib = _build.load(_SOURCE, {}, defines=_VARIANTS[cache_dtype])
+def _load(cache_dtype: torch.dtype, phase_times: bool) -> ctypes.CDLL | None:
+    defines = _VARIANTS[cache_dtype] + (("PHASE_TIMES",) if phase_times else ())
+    lib = _build.load(_SOURCE, {"llama_decode_phase_times": [_P]}, defines=defines)
     if lib is not None:
         lib.llama_decode_step.argtypes = [_P, _P, _I64, _P, _P, _P, _I64, _P, _INT]
         lib.llama_decode_step.restype = ctypes.c_int
     return lib
 
 
-def library(cache_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
-    return _load(cache_dtype) if enabled() and cache_dtype in _VARIANTS else None
+def library(cache_dtype: torch.dtype = torch.float32, phase_times: bool = False) -> ctypes.CDLL | None:
+    """The kernel for a KV cache of `cache_dtype`; `phase_times`: the build that times its phases (for profiles)."""
+    return _load(cache_dtype, phase_times) if enabled() and cache_dtype in _VARIANTS else None
 
 
 @dataclass
@@ -131,11 +137,11 @@ class DecodeStack:
     kernel cannot take; check `library(cache dtype)` before building one."""
 
     def __init__(self, layers: list[LayerWeights], shape: StackShape, cos_cache: torch.Tensor,
-                 sin_cache: torch.Tensor, isa_name: str | None = None) -> None:
+                 sin_cache: torch.Tensor, isa_name: str | None = None, phase_times: bool = False) -> None:
         if not layers:
             raise ValueError("a decode stack needs at least one layer")
         cache = layers[0].kv_cache
-        self.lib = library(cache.dtype)
+        self.lib = library(cache.dtype, phase_times)
         if self.lib is None:
             raise RuntimeError(f"the llama_decode kernel is not available here for a {cache.dtype} KV cache")
         if shape.head_dim not in _HEAD_DIMS or shape.heads % shape.kv_heads or shape.hidden % gk.QK \
@@ -182,6 +188,14 @@ class DecodeStack:
         return h
 
 
+    def phase_times(self) -> dict[str, float]:
+        """Seconds per phase of the layers (PHASES) summed since the last read, then reset; all zero unless built
+        with phase_times=True."""
+        out = (ctypes.c_double * len(PHASES))()
+        self.lib.llama_decode_phase_times(out)
+        return dict(zip(PHASES, out))
+
+
 def _linear_ref(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     k = w.blocks.shape[1] // gk.BLOCK_BYTES[w.qtype] * gk.QK
     return F.linear(x, gk.dequantize_ref(w.blocks, w.qtype, k), w.bias)
@@ -211,4 +225,4 @@ def decode_step_ref(h: torch.Tensor, layers: list[LayerWeights], shape: StackSha
     return h
 
 
-__all__ = ["DecodeStack", "LayerWeights", "PackedWeight", "StackShape", "decode_step_ref", "library"]
+__all__ = ["DecodeStack", "LayerWeights", "PHASES", "PackedWeight", "StackShape", "decode_step_ref", "library"]
