@@ -48,12 +48,14 @@ def mean_nll(llm: LLM, ids: list[int]) -> float:
 
 
 def profile_decode(llm: LLM, prompt: list[int], steps: int) -> dict:
-    """Seconds per decode step in: the packed GEMMs (kernel calls), the model's forward, the LM head + logits, and
-    the engine around them (scheduling, batch building, sampling, outputs)."""
+    """Seconds per decode step in: the packed GEMMs called from Python (the LM head; every layer's too when the layers
+    go one by one), the one C call that runs all the layers (layers/cpu_decode.py, rebuilt here with its phase timers:
+    norms, GEMVs, rotary + KV write, attention, SwiGLU), the model's forward, the LM head + logits, and the engine
+    around them (scheduling, batch building, sampling, outputs)."""
     from deepserve.layers import gguf_linear as layer_mod
-    spent = {"gemm": 0.0, "forward": 0.0, "logits": 0.0}
+    spent = {"gemm": 0.0, "forward": 0.0, "logits": 0.0, "layers_c": 0.0}
     model = llm.engine.runner.model
-    forward, logits = model.forward, model.compute_logits
+    forward, logits, fused = model.forward, model.compute_logits, model.cpu_decode
 
     def timed(key, fn):
         @functools.wraps(fn, assigned=(), updated=())
@@ -78,26 +80,38 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     engine.add_request("profile", prompt, params, final_output_only=True)
     seq = engine.requests["profile"].seqs[0]
-    while seq.num_output_tokens < 1:
+    while seq.num_output_tokens < 2:      # past the prefill (with overlapped steps, its forward runs a step late)
         engine.step()
     layer_mod.kernel, model.forward, model.compute_logits = TimedKernel(), timed("forward", forward), \
         timed("logits", logits)
+    fused.phase_times = True
+    fused.reset()
+    model.cpu_decode = timed("layers_c", fused)
+    phases = {}
     try:
         t0, n = time.perf_counter(), 0
         while engine.has_unfinished_requests():
             engine.step()
             n += 1
         total = time.perf_counter() - t0
+        stack = fused.stack
+        phases = stack.phase_times() if stack is not None and n else {}
     finally:
         layer_mod.kernel = gk
         del model.forward, model.compute_logits
+        model.cpu_decode = fused
+        fused.phase_times = False
+        fused.reset()
         for m in gemms:
             m.gemm = m.gemm.__wrapped__
     ms = lambda s: round(s / n * 1e3, 3)                                    # noqa: E731
     # The LM head's GEMM runs inside compute_logits, the others inside forward.
-    return {"steps": n, "step_ms": ms(total), "gemm_ms_all_layers_and_lm_head": ms(spent["gemm"]),
+    return {"steps": n, "step_ms": ms(total), "gemm_ms_called_from_python": ms(spent["gemm"]),
+            "layers_in_one_c_call_ms": ms(spent["layers_c"]),
+            "layers_in_one_c_call_phases_ms": {k: ms(v) for k, v in phases.items()},
             "forward_ms": ms(spent["forward"]), "compute_logits_ms": ms(spent["logits"]),
-            "forward_outside_gemm_ms": ms(spent["forward"] + spent["logits"] - spent["gemm"]),
+            "forward_outside_gemm_and_c_call_ms": ms(spent["forward"] + spent["logits"] - spent["gemm"]
+                                                     - spent["layers_c"]),
             "engine_outside_model_ms": ms(total - spent["forward"] - spent["logits"])}
 
 
@@ -228,6 +242,7 @@ def main() -> None:
                 for m in llm.engine.runner.model.modules():
                     if isinstance(m, GGUFLinear):
                         m.int8_activations = True
+                llm.engine.runner.model.cpu_decode.reset()      # refuses int8 activations: layer by layer
             if rep == 0:
                 if nll_ids is None:
                     nll_ids = llm.get_tokenizer().encode(NLL_TEXT.read_text())[:600]

@@ -90,6 +90,9 @@ _DECLARED = [
     EnvVar("DEEPSERVE_CPU_KERNELS", "bool", True,
            "use the CPU C kernels (decode attention, rotary, argmax, token bitmask, int8 quantizer); 0: the PyTorch "
            "paths"),
+    EnvVar("DEEPSERVE_CPU_FUSED_DECODE", "bool", True,
+           "CPU decode steps of few rows through a GGUF-packed Llama stack: every layer in one C call "
+           "(kernels/cpu/llama_decode.c); 0: layer by layer through the modules (read when the model is built)"),
     EnvVar("DEEPSERVE_CPU_ISA", "str", "auto",
            "CPU kernel choice: act as if this CPU had only this feature set (never more than it has); "
            "auto: detect", choices=("auto", "avx2", "avx_vnni", "avx512", "avx512_vnni", "amx")),

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from deepserve import envs
+from deepserve.layers.cpu_decode import CpuDecodeStack
 from deepserve.layers.linear import Linear, linear, one_row_on_gpu
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rank_group import SINGLE, RankGroup
@@ -69,11 +70,14 @@ class CausalLM(nn.Module):
 
     batch_invariant = False     # the tied LM head's GEMM in batch-invariant mode (layers/batch_invariant.py)
     tp: RankGroup = SINGLE      # the tensor-parallel group the layers are sharded over (shard_tensor_parallel)
+    cpu_decode: CpuDecodeStack | None = None     # set by build_trunk
 
     def build_trunk(self, cfg: dict[str, Any], layers: Iterable[nn.Module]) -> None:
         hidden = cfg["hidden_size"]
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
         self.layers = nn.ModuleList(layers)
+        # CPU decode steps through GGUF-packed Llama layers: all layers in one C call (None where it does not apply).
+        self.cpu_decode = CpuDecodeStack(self.layers)
         self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         # Tied: the embedding doubles as the LM head (quantization may later install a separate one).
@@ -103,6 +107,9 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states of the rows in `batch.logits_indices` (after the final norm)."""
         x = self.embed_tokens(batch.input_ids)
+        stream = None if self.cpu_decode is None else self.cpu_decode(x, batch)
+        if stream is not None:          # every layer ran in one C call: the residual stream after the last one
+            return self.norm(stream[batch.logits_indices])
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, batch)

@@ -257,6 +257,22 @@ def test_second_build_reuses_the_cached_library(tmp_path, monkeypatch):
 
 
 @requires_compiler
+def test_a_changed_included_file_gives_a_new_library(tmp_path, monkeypatch):
+    """A source that includes another by a quoted name (llama_decode.c includes gguf_linear.c): a change in the
+    included file alone is a new build, not the stale cached one."""
+    (tmp_path / "part.c").write_text(TINY_SOURCE)
+    source = tmp_path / "whole.c"
+    source.write_text('#include "part.c"\nint twice(void) { return 2 * answer(); }\n')
+    calls = count_compiles(monkeypatch)
+    first = cpu_build.build(source, tmp_path / "cache")
+    (tmp_path / "part.c").write_text(TINY_SOURCE.replace("42", "43"))
+    second = cpu_build.build(source, tmp_path / "cache")
+    assert first != second and len(calls) == 2
+    import ctypes
+    assert ctypes.CDLL(str(second)).twice() == 86
+
+
+@requires_compiler
 def test_concurrent_builds_do_not_break_each_other(tmp_path):
     source = tmp_path / "tiny.c"
     source.write_text(TINY_SOURCE)

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -59,8 +60,23 @@ def _cpu_identity() -> str:
     return "\n".join([platform.machine(), platform.processor(), *keep])
 
 
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_text(source: Path, seen: frozenset[Path] = frozenset()) -> str:
+    """The source and, recursively, every file it includes by a quoted name from its own directory: a change in an
+    included kernel (llama_decode.c includes gguf_linear.c) must give a new library, not the stale cached one."""
+    text = source.read_text()
+    parts = [text]
+    for name in _LOCAL_INCLUDE.findall(text):
+        path = (source.parent / name).resolve()
+        if path.is_file() and path not in seen:
+            parts.append(source_text(path, seen | {path}))
+    return "\0".join(parts)
+
+
 def library_path(source: Path, flags: list[str], compiler: str, directory: Path) -> Path:
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags), compiler, _compiler_identity(compiler),
+    key = hashlib.sha256("\0".join([source_text(source), " ".join(flags), compiler, _compiler_identity(compiler),
                                     _cpu_identity()]).encode()).hexdigest()[:16]
     return directory / f"{source.stem}-{key}.so"
 

@@ -1,0 +1,250 @@
+/* One decode step of a whole Llama-style decoder stack on the CPU, in one call: weights kept as GGUF's packed blocks
+ * (Q4_1 / Q8_0), activations fp32, the KV cache paged (fp32, or bf16 built with -DKV_BF16).
+ *
+ * Why: at batch 1 the default model's GEMVs are ~7 ms of a 12.5 ms step and the rest was ~5 ms of Python and ~25
+ * small PyTorch ops per layer (norms, rotary, cache writes, SwiGLU, residual adds: a few microseconds of dispatch
+ * each, for a few hundred floats of work). Here a layer is:
+ *
+ *     xn = rms_norm(h) * input_norm                      h: [B, hidden], the residual stream, updated in place
+ *     qkv = xn @ Wqkv^T (+ bias)                         packed GEMV (gguf_linear.c)
+ *     q, k = rotate_half(q, k) at positions              NeoX rotary, in place in qkv
+ *     cache[slots] = k, v                                 (rounded to bf16 in the bf16 build)
+ *     a = paged decode attention of q over the cache     paged_attention.c's kernel
+ *     h += a @ Wo^T
+ *     xn = rms_norm(h) * post_norm
+ *     g, u = xn @ Wgate_up^T                             packed GEMV
+ *     h += (silu(g) * u) @ Wdown^T
+ *
+ * with the same kernels the module path calls (gguf_linear, paged_decode_attention, included here as source), so
+ * the GEMVs and the attention give the same bits as there; norms and SwiGLU are plain loops whose sums run in
+ * another order than PyTorch's (ulp-level differences). The PyTorch twin is llama_decode.py's decode_step_ref.
+ *
+ * Every index the step reads from its caller (positions, slots, block tables, lengths) is checked against the
+ * tensors' sizes before anything runs: a bad one returns an error code and leaves h and the cache untouched.
+ */
+
+#include "gguf_linear.c"
+#include "paged_attention.c"
+
+typedef struct {
+    const uint8_t *blocks;         /* [rows, K / 32 * block bytes] */
+    const float *bias;             /* [rows] or NULL */
+    int64_t rows, qtype;
+} PackedMat;
+
+typedef struct {
+    const float *input_norm, *post_norm;   /* [hidden] */
+    PackedMat qkv, o, gate_up, down;
+    kv_t *k_cache, *v_cache;               /* each [num_blocks, block_size, kv_heads, head_dim] */
+} Layer;
+
+typedef struct {
+    const Layer *layers;
+    int64_t n_layers, hidden, intermediate, heads, kv_heads, head_dim;
+    int64_t num_blocks, block_size;
+    const float *cos, *sin;                /* [rotary_len, head_dim], rows rotary_stride apart */
+    int64_t rotary_len, rotary_stride;
+    float eps, scale;
+    int64_t isa;                           /* gguf_linear.c's ISA_* code */
+} Stack;
+
+enum { OK = 0, BAD_POSITION = 1, BAD_SLOT = 2, BAD_BLOCK = 3, BAD_LENGTH = 4, NO_MEMORY = 5 };
+
+/* Built with -DPHASE_TIMES (the benchmark's profile, never the engine's build): seconds spent in each phase of the
+ * layers, summed over calls until read (llama_decode_phase_times). PHASE(i) closes phase i at the current time. */
+enum { PH_NORM, PH_QKV, PH_ROTARY_KV, PH_ATTENTION, PH_O_ADD, PH_GATE_UP, PH_SWIGLU, PH_DOWN_ADD, NUM_PHASES };
+#ifdef PHASE_TIMES
+#include <time.h>
+static double phase_seconds[NUM_PHASES], phase_mark;
+static double now_seconds(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+#define PHASE(i) do { const double t_ = now_seconds(); phase_seconds[i] += t_ - phase_mark; phase_mark = t_; } while (0)
+#define PHASE_START() (phase_mark = now_seconds())
+#else
+#define PHASE(i) ((void)0)
+#define PHASE_START() ((void)0)
+#endif
+
+/* out[NUM_PHASES]: the seconds per phase since the last read (zeros without -DPHASE_TIMES); resets them. */
+void llama_decode_phase_times(double *out)
+{
+    for (int i = 0; i < NUM_PHASES; ++i) {
+#ifdef PHASE_TIMES
+        out[i] = phase_seconds[i];
+        phase_seconds[i] = 0.;
+#else
+        out[i] = 0.;
+#endif
+    }
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * weight, as kernels/reference/norm.py (16 partial sums: another order). */
+static void rms_norm_row(const float *x, const float *weight, int64_t n, float eps, float *out)
+{
+    float part[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; ++l)
+            part[l] += x[i + l] * x[i + l];
+    float ss = 0.f;
+    for (; i < n; ++i)
+        ss += x[i] * x[i];
+    for (int l = 0; l < 16; ++l)
+        ss += part[l];
+    const float r = 1.f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; ++i)
+        out[i] = weight[i] * (x[i] * r);
+}
+
+/* NeoX rotate-half of `heads` consecutive heads of one row, in place (rotary.c's formula). */
+static void rotate_row(float *x, int64_t heads, int64_t dim, const float *cs, const float *sn)
+{
+    const int64_t half = dim / 2;
+    for (int64_t h = 0; h < heads; ++h) {
+        float *xh = x + h * dim;
+        for (int64_t j = 0; j < half; ++j) {
+            const float x1 = xh[j], x2 = xh[j + half];
+            xh[j] = x1 * cs[j] - x2 * sn[j];
+            xh[j + half] = x2 * cs[j + half] + x1 * sn[j + half];
+        }
+    }
+}
+
+#ifdef KV_BF16
+/* fp32 -> bf16, round to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16). */
+static inline kv_t to_kv(float f)
+{
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return (kv_t)((bits >> 16) | 0x40);
+    return (kv_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+#else
+static inline kv_t to_kv(float f) { return f; }
+#endif
+
+static void store_kv(kv_t *dst, const float *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i)
+        dst[i] = to_kv(src[i]);
+}
+
+/* y [B, m.rows] = x [B, K] @ W^T (+ bias). */
+static void packed_gemv(const Stack *s, const PackedMat *m, const float *x, int64_t B, int64_t K, float *y,
+                        int num_threads)
+{
+    gguf_linear((int)m->qtype, (int)s->isa, m->blocks, m->rows, K, x, B, K, y, m->rows, num_threads);
+    if (m->bias)
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t n = 0; n < m->rows; ++n)
+                y[b * m->rows + n] += m->bias[n];
+}
+
+static int check_indices(const Stack *s, int64_t B, const int64_t *positions, const int64_t *slots,
+                         const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens)
+{
+    for (int64_t b = 0; b < B; ++b) {
+        if (positions[b] < 0 || positions[b] >= s->rotary_len)
+            return BAD_POSITION;
+        if (slots[b] < 0 || slots[b] >= s->num_blocks * s->block_size)
+            return BAD_SLOT;
+        if (seq_lens[b] < 1 || seq_lens[b] > max_blocks * s->block_size)
+            return BAD_LENGTH;
+        for (int64_t j = 0; j < (seq_lens[b] + s->block_size - 1) / s->block_size; ++j)
+            if (block_tables[b * max_blocks + j] < 0 || block_tables[b * max_blocks + j] >= s->num_blocks)
+                return BAD_BLOCK;
+    }
+    return OK;
+}
+
+/* The attention half of a layer: h += attention(norm(h)) @ Wo^T. */
+static void attention_block(const Stack *s, const Layer *L, float *h, int64_t B, const int64_t *positions,
+                            const int64_t *slots, const int64_t *rows, const int64_t *block_tables,
+                            int64_t max_blocks, const int64_t *seq_lens, float *xn, float *qkv, float *attn,
+                            float *tmp, int num_threads)
+{
+    const int64_t E = s->hidden, D = s->head_dim, H = s->heads, Hkv = s->kv_heads;
+    const int64_t nqkv = L->qkv.rows, kv_width = Hkv * D;
+    for (int64_t b = 0; b < B; ++b)
+        rms_norm_row(h + b * E, L->input_norm, E, s->eps, xn + b * E);
+    PHASE(PH_NORM);
+    packed_gemv(s, &L->qkv, xn, B, E, qkv, num_threads);
+    PHASE(PH_QKV);
+    for (int64_t b = 0; b < B; ++b) {
+        float *row = qkv + b * nqkv;
+        const float *cs = s->cos + positions[b] * s->rotary_stride, *sn = s->sin + positions[b] * s->rotary_stride;
+        rotate_row(row, H + Hkv, D, cs, sn);                   /* q and k heads are consecutive in the row */
+        store_kv(L->k_cache + slots[b] * kv_width, row + H * D, kv_width);
+        store_kv(L->v_cache + slots[b] * kv_width, row + (H + Hkv) * D, kv_width);
+    }
+    PHASE(PH_ROTARY_KV);
+    paged_decode_attention(qkv, nqkv, D, L->k_cache, L->v_cache, rows, block_tables, seq_lens, attn, H * D, D, B, H,
+                           Hkv, D, s->block_size, max_blocks, s->scale, num_threads);
+    PHASE(PH_ATTENTION);
+    packed_gemv(s, &L->o, attn, B, H * D, tmp, num_threads);
+    for (int64_t i = 0; i < B * E; ++i)
+        h[i] = tmp[i] + h[i];
+    PHASE(PH_O_ADD);
+}
+
+/* The MLP half of a layer: h += (silu(g) * u) @ Wdown^T, (g, u) = norm(h) @ Wgate_up^T. */
+static void mlp_block(const Stack *s, const Layer *L, float *h, int64_t B, float *xn, float *gate_up, float *act,
+                      float *tmp, int num_threads)
+{
+    const int64_t E = s->hidden, I = s->intermediate;
+    for (int64_t b = 0; b < B; ++b)
+        rms_norm_row(h + b * E, L->post_norm, E, s->eps, xn + b * E);
+    PHASE(PH_NORM);
+    packed_gemv(s, &L->gate_up, xn, B, E, gate_up, num_threads);
+    PHASE(PH_GATE_UP);
+    for (int64_t b = 0; b < B; ++b) {
+        const float *g = gate_up + b * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I; ++i)
+            act[b * I + i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+    PHASE(PH_SWIGLU);
+    packed_gemv(s, &L->down, act, B, I, tmp, num_threads);
+    for (int64_t i = 0; i < B * E; ++i)
+        h[i] = tmp[i] + h[i];
+    PHASE(PH_DOWN_ADD);
+}
+
+/* h [B, hidden]: the embeddings of the step's B decode tokens in, the residual stream after the last layer out
+ * (before the final norm). Sequence b's token is at positions[b], its key/value go to slots[b], it attends over its
+ * first seq_lens[b] cached tokens (this one's included) through block_tables [B, max_blocks]. Returns OK, or the
+ * first failed check (nothing written then). */
+int llama_decode_step(const Stack *s, float *h, int64_t B, const int64_t *positions, const int64_t *slots,
+                      const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int num_threads)
+{
+    const int err = check_indices(s, B, positions, slots, block_tables, max_blocks, seq_lens);
+    if (err != OK)
+        return err;
+    const int64_t E = s->hidden, nqkv = s->layers[0].qkv.rows, I = s->intermediate;
+    const size_t floats = (size_t)B * (2 * E + nqkv + s->heads * s->head_dim + 3 * I);
+    float *buf = malloc(sizeof(float) * floats);
+    int64_t *rows = malloc(sizeof(int64_t) * (size_t)B);
+    if (!buf || !rows) {
+        free(buf);
+        free(rows);
+        return NO_MEMORY;
+    }
+    for (int64_t b = 0; b < B; ++b)
+        rows[b] = b;
+    PHASE_START();
+    float *xn = buf, *tmp = xn + B * E, *qkv = tmp + B * E, *attn = qkv + B * nqkv;
+    float *gate_up = attn + B * s->heads * s->head_dim, *act = gate_up + B * 2 * I;
+    for (int64_t l = 0; l < s->n_layers; ++l) {
+        const Layer *L = s->layers + l;
+        attention_block(s, L, h, B, positions, slots, rows, block_tables, max_blocks, seq_lens, xn, qkv, attn, tmp,
+                        num_threads);
+        mlp_block(s, L, h, B, xn, gate_up, act, tmp, num_threads);
+    }
+    free(buf);
+    free(rows);
+    return OK;
+}

@@ -1,0 +1,145 @@
+"""The one-call decode step of a Llama stack (kernels/cpu/llama_decode.c) against its PyTorch twin, on random packed
+weights and a paged cache with scattered blocks: the residual stream out and every key/value it writes."""
+
+import pytest
+import torch
+
+from deepserve.kernels.cpu import gguf_linear as g
+from deepserve.kernels.cpu import llama_decode as ld
+
+needs_kernel = pytest.mark.skipif(ld.library() is None, reason="no C compiler or DEEPSERVE_CPU_KERNELS=0")
+HOST_ISAS = [name for name in g.ISAS if g.library() is not None and g.resolved_isa(name) == name]
+
+SHAPE = ld.StackShape(hidden=128, intermediate=192, heads=4, kv_heads=2, head_dim=32, eps=1e-5, scale=32 ** -0.5)
+NUM_BLOCKS, BLOCK_SIZE = 12, 16
+
+
+def random_blocks(rows, cols, qtype, gen):
+    """Random blocks with small fp16 scales (d > 0; Q4_1's m < 0, as llama.cpp's quantizer makes them)."""
+    nb = cols // g.QK
+    b = torch.randint(0, 256, (rows, nb, g.BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=gen)
+    b[..., 0:2] = (torch.rand(rows, nb, generator=gen) * 0.01 + 1e-3).half().view(torch.uint8).reshape(rows, nb, 2)
+    if qtype == g.Q4_1:
+        b[..., 2:4] = (-torch.rand(rows, nb, generator=gen) * 0.04).half().view(torch.uint8).reshape(rows, nb, 2)
+    return b.reshape(rows, -1).contiguous()
+
+
+def weight(rows, cols, qtype, gen, bias=False):
+    return ld.PackedWeight(random_blocks(rows, cols, qtype, gen), qtype,
+                           torch.randn(rows, generator=gen) * 0.1 if bias else None)
+
+
+def make_layers(n, qtype, cache_dtype, gen, bias=False):
+    s = SHAPE
+    qkv_rows = (s.heads + 2 * s.kv_heads) * s.head_dim
+    return [ld.LayerWeights(
+        input_norm=1 + 0.1 * torch.randn(s.hidden, generator=gen),
+        qkv=weight(qkv_rows, s.hidden, qtype, gen, bias),
+        o=weight(s.hidden, s.heads * s.head_dim, qtype, gen),
+        post_norm=1 + 0.1 * torch.randn(s.hidden, generator=gen),
+        gate_up=weight(2 * s.intermediate, s.hidden, g.Q8_0, gen),      # types may differ from matrix to matrix
+        down=weight(s.hidden, s.intermediate, qtype, gen),
+        kv_cache=torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, s.kv_heads, s.head_dim, generator=gen).to(cache_dtype))
+        for _ in range(n)]
+
+
+def rotary_tables(positions=256):
+    inv = 1.0 / 10000 ** (torch.arange(0, SHAPE.head_dim, 2).float() / SHAPE.head_dim)
+    emb = torch.outer(torch.arange(positions).float(), inv).repeat(1, 2)
+    return emb.cos(), emb.sin()
+
+
+def step_inputs(seq_lens, gen):
+    """Each sequence's blocks drawn without repeats from the whole cache, its table padded with block 0 (as the engine
+    pads them); its new token at position seq_len - 1."""
+    b = len(seq_lens)
+    max_blocks = -(-max(seq_lens) // BLOCK_SIZE)
+    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    tables = torch.zeros(b, max_blocks, dtype=torch.int64)
+    for i, n in enumerate(seq_lens):
+        used = -(-n // BLOCK_SIZE)
+        tables[i, :used] = torch.tensor(perm[:used])
+        del perm[:used]
+    lens = torch.tensor(seq_lens)
+    positions = lens - 1
+    slots = tables[torch.arange(b), positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    return positions, slots.contiguous(), tables, lens
+
+
+def run_both(layers, seq_lens, gen, isa_name=None):
+    cos, sin = rotary_tables()
+    positions, slots, tables, lens = step_inputs(seq_lens, gen)
+    h = torch.randn(len(seq_lens), SHAPE.hidden, generator=gen)
+    ref_layers = [ld.LayerWeights(**{**w.__dict__, "kv_cache": w.kv_cache.clone()}) for w in layers]
+    ref = ld.decode_step_ref(h, ref_layers, SHAPE, cos, sin, positions, slots, tables, lens)
+    out = ld.DecodeStack(layers, SHAPE, cos, sin, isa_name).run(h.clone(), positions, slots, tables, lens)
+    return out, ref, layers, ref_layers
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa_name", HOST_ISAS)
+@pytest.mark.parametrize("qtype", [g.Q4_1, g.Q8_0])
+@pytest.mark.parametrize("seq_lens", [[1], [37], [16, 70, 5]])
+def test_step_matches_reference(isa_name, qtype, seq_lens):
+    gen = torch.Generator().manual_seed(len(seq_lens) * 100 + seq_lens[0])
+    out, ref, layers, ref_layers = run_both(make_layers(3, qtype, torch.float32, gen), seq_lens, gen, isa_name)
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    for w, r in zip(layers, ref_layers):        # the keys (rotated) and values of the step's tokens, nothing else
+        assert torch.allclose(w.kv_cache, r.kv_cache, rtol=1e-5, atol=1e-5 * r.kv_cache.abs().max().item())
+
+
+@needs_kernel
+def test_bias_and_bf16_cache():
+    if ld.library(torch.bfloat16) is None:
+        pytest.skip("no bf16 build")
+    gen = torch.Generator().manual_seed(7)
+    out, ref, layers, ref_layers = run_both(make_layers(2, g.Q4_1, torch.bfloat16, gen, bias=True), [20, 3], gen)
+    assert torch.allclose(out, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+    for w, r in zip(layers, ref_layers):        # fp32 -> bf16 rounds the same way as torch's .to()
+        diff = (w.kv_cache.float() - r.kv_cache.float()).abs()
+        assert diff.max().item() <= 1e-2 * r.kv_cache.float().abs().max().item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("field,value,message", [("positions", 10_000, "rotary"), ("slots", -1, "slot"),
+                                                  ("tables", NUM_BLOCKS, "block table"), ("lens", 0, "length")])
+def test_bad_indices_raise_and_write_nothing(field, value, message):
+    gen = torch.Generator().manual_seed(3)
+    layers = make_layers(1, g.Q4_1, torch.float32, gen)
+    cos, sin = rotary_tables()
+    inputs = dict(zip(("positions", "slots", "tables", "lens"), step_inputs([30], gen)))
+    inputs[field] = inputs[field].clone()
+    inputs[field].view(-1)[0] = value
+    cache, h = layers[0].kv_cache.clone(), torch.randn(1, SHAPE.hidden, generator=gen)
+    stack = ld.DecodeStack(layers, SHAPE, cos, sin)
+    with pytest.raises(IndexError, match=message):
+        stack.run(h.clone(), inputs["positions"], inputs["slots"], inputs["tables"], inputs["lens"])
+    assert torch.equal(layers[0].kv_cache, cache)
+
+
+@needs_kernel
+def test_rejects_tensors_it_cannot_take():
+    gen = torch.Generator().manual_seed(4)
+    cos, sin = rotary_tables()
+    layers = make_layers(2, g.Q4_1, torch.float32, gen)
+    layers[1].kv_cache = layers[1].kv_cache[:, :4].clone()          # another cache shape than the first layer's
+    with pytest.raises(ValueError, match="kv_cache"):
+        ld.DecodeStack(layers, SHAPE, cos, sin)
+    with pytest.raises(ValueError, match="unsupported shape"):
+        ld.DecodeStack(make_layers(1, g.Q4_1, torch.float32, gen), ld.StackShape(**{**SHAPE.__dict__, "head_dim": 48}),
+                       cos, sin)
+
+
+@needs_kernel
+def test_phase_timer_build_times_every_phase_and_computes_the_same():
+    gen = torch.Generator().manual_seed(5)
+    layers = make_layers(2, g.Q4_1, torch.float32, gen)
+    cos, sin = rotary_tables()
+    positions, slots, tables, lens = step_inputs([40], gen)
+    h = torch.randn(1, SHAPE.hidden, generator=gen)
+    plain = ld.DecodeStack(layers, SHAPE, cos, sin).run(h.clone(), positions, slots, tables, lens)
+    timed = ld.DecodeStack(layers, SHAPE, cos, sin, phase_times=True)
+    assert torch.equal(timed.run(h.clone(), positions, slots, tables, lens), plain)
+    times = timed.phase_times()
+    assert list(times) == list(ld.PHASES) and all(t > 0 for t in times.values())
+    assert all(t == 0 for t in timed.phase_times().values())          # read and reset

@@ -1,0 +1,82 @@
+"""CPU decode steps of the GGUF-packed default model in one C call (layers/cpu_decode.py) against the layer-by-layer
+module path: the same greedy tokens, logprobs within float noise; where the kernel does not apply, the module path."""
+
+import pytest
+import torch
+
+from deepserve import LLM, SamplingParams
+from deepserve.kernels.cpu import llama_decode
+from deepserve.layers.cpu_decode import build_stack
+
+pytestmark = pytest.mark.skipif(llama_decode.library() is None, reason="no C compiler or DEEPSERVE_CPU_KERNELS=0")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module")
+def packed():
+    llm = LLM(max_model_len=512, seed=0, quantization="gguf")
+    yield llm
+    del llm
+
+
+def generate(llm, enabled, **params):
+    fused = llm.engine.runner.model.cpu_decode
+    fused.enabled = enabled
+    try:
+        return llm.generate(PROMPTS, SamplingParams(temperature=0.0, ignore_eos=True, **params), use_tqdm=False)
+    finally:
+        fused.enabled = True
+
+
+def test_decode_steps_take_one_call(packed):
+    fused = packed.engine.runner.model.cpu_decode
+    generate(packed, True, max_tokens=2)
+    stack, calls = fused.stack, []
+    assert stack is not None
+    real = stack.run
+    stack.run = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    try:
+        generate(packed, True, max_tokens=9)
+    finally:
+        del stack.run
+    assert calls == [3] * 8                 # the prefill steps go layer by layer, the 8 decode steps of 3 rows don't
+
+
+def test_same_tokens_as_layer_by_layer(packed):
+    one_call, by_layer = (generate(packed, on, max_tokens=24, logprobs=3) for on in (True, False))
+    for a, b in zip(one_call, by_layer):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok, lp in step_b.items():
+                assert abs(step_a[tok].logprob - lp.logprob) < 1e-4
+
+
+def test_rebuilt_for_new_caches(packed):
+    fused = packed.engine.runner.model.cpu_decode
+    first = fused.stack
+    attn = packed.engine.runner.model.layers[0].self_attn.attn
+    old = attn.kv_cache
+    attn.kv_cache = old.clone()
+    try:
+        second = fused.stack
+        assert second is not None and second is not first
+        assert second.layers[0].kv_cache is attn.kv_cache
+    finally:
+        attn.kv_cache = old
+    assert fused.stack.layers[0].kv_cache is old
+
+
+def test_refused_where_it_does_not_apply(packed, smollm):
+    with pytest.raises(ValueError, match="not GGUF-packed"):            # the fp32 model: nn.Linear projections
+        build_stack(list(smollm.engine.runner.model.layers))
+    layers = list(packed.engine.runner.model.layers)
+    gate_up = layers[5].mlp.gate_up_proj
+    gate_up.int8_activations = True                                     # numeric option (b): not what C computes
+    try:
+        with pytest.raises(ValueError, match="layer 5: .*int8"):
+            build_stack(layers)
+    finally:
+        del gate_up.int8_activations
+    assert isinstance(build_stack(layers), llama_decode.DecodeStack)
+    assert torch.is_tensor(layers[0].self_attn.attn.kv_cache)
