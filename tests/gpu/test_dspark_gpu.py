@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from deepserve import LLM, SamplingParams
-from tests.spec_decode.test_dspark import (bigram_drafter, prompts, recording,  # noqa: F401 (tiny_dspark: a fixture)
-                                          tiny_dspark)
+from tests.spec_decode.draft_recording import recording
+from tests.spec_decode.test_dspark import bigram_drafter, prompts, tiny_dspark  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

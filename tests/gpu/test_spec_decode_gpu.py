@@ -10,6 +10,7 @@ import torch
 
 from deepserve import LLM, SamplingParams
 from tests.spec_decode.mtp_checkpoint import bigram_mtp, write_tiny_v3_mtp
+from tests.spec_decode.draft_recording import recording as recorded_drafts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -96,18 +97,6 @@ def tiny_v3_mtp(tmp_path_factory) -> str:
 def mtp_prompts(n: int) -> list[dict]:
     g = torch.Generator().manual_seed(5)
     return [{"prompt_token_ids": torch.randint(3, MTP_VOCAB, (7 + 5 * i,), generator=g).tolist()} for i in range(n)]
-
-
-def recorded_drafts(llm: LLM) -> list[tuple[int, int, list[int], list[float]]]:
-    """(seq_id, position, drafts, confidences) of every MTP draft chain the engine makes from now on."""
-    made = []
-    take = llm.engine.speculator.take_model_drafts
-
-    def record(drafts):
-        made.extend((seq_id, d.position, d.token_ids, d.confidences) for seq_id, d in drafts.items())
-        take(drafts)
-    llm.engine.speculator.take_model_drafts = record
-    return made
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -19,6 +19,7 @@ from deepserve.models.reference.deepseek_v41 import DeepseekV41Reference
 from deepserve.models.reference.dspark import reference_drafts
 from deepserve.models.reference.tiny import tiny_config
 from deepserve.tools.make_tiny_checkpoint import write_deepseek_v41
+from tests.spec_decode.draft_recording import recording
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -50,18 +51,6 @@ def prompts(n: int = 4) -> list[list[int]]:
     for length in (14, 5, 22)[:n - 1]:
         out.append(shared + torch.randint(3, VOCAB, (length,), generator=g).tolist())
     return out
-
-
-def recording(llm: LLM) -> list[tuple[int, int, list[int], list[float]]]:
-    """(seq_id, position, drafts, confidences) of every DSpark draft block the engine makes from now on."""
-    made = []
-    take = llm.engine.speculator.take_model_drafts
-
-    def record(drafts):
-        made.extend((seq_id, d.position, d.token_ids, d.confidences) for seq_id, d in drafts.items())
-        take(drafts)
-    llm.engine.speculator.take_model_drafts = record
-    return made
 
 
 def dspark_llm(path: str, k: int = 4, **kw) -> LLM:

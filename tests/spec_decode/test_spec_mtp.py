@@ -12,6 +12,7 @@ import torch
 
 from deepserve import LLM, SamplingParams
 from tests.spec_decode.mtp_checkpoint import CONFIG, LAYERS, bigram_mtp, write_tiny_v3_mtp
+from tests.spec_decode.draft_recording import recording
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -127,18 +128,6 @@ def test_mtp_drafts_match_the_reference_and_greedy_matches_hf(tiny_v3_mtp, devic
     assert checked >= 40
     stats = llm.engine.get_stats()
     assert stats.spec_decode_num_draft_tokens > 0
-
-
-def recording(llm: LLM) -> list[tuple[int, int, list[int], list[float]]]:
-    """(seq_id, position, drafts, confidences) of every MTP draft chain the engine makes from now on."""
-    made = []
-    take = llm.engine.speculator.take_model_drafts
-
-    def record(drafts):
-        made.extend((seq_id, d.position, d.token_ids, d.confidences) for seq_id, d in drafts.items())
-        take(drafts)
-    llm.engine.speculator.take_model_drafts = record
-    return made
 
 
 def check_chains(ref: Reference, made, finals: dict[int, list[int]], tie: float = 0.0, tol: float = 1e-4) -> int:

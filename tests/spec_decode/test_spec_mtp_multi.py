@@ -20,6 +20,7 @@ from deepserve import LLM, SamplingParams
 from deepserve.worker.batch_builder import build_forward_batch
 from deepserve.worker.cuda_graph import CUDAGraphRunner, GraphReplay
 from tests.spec_decode.mtp_checkpoint import bigram_mtp, check_blocks, write_tiny_v3_mtp
+from tests.spec_decode.draft_recording import recording
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -72,17 +73,6 @@ def verifications(llm: LLM) -> list[tuple[int, int]]:
         record(seq, num_verified, num_accepted)
     llm.engine.speculator.record = wrapped
     return seen
-
-
-def recording(llm: LLM) -> list[tuple[int, int, list[int], list[float]]]:
-    made = []
-    take = llm.engine.speculator.take_model_drafts
-
-    def record(drafts):
-        made.extend((seq_id, d.position, d.token_ids, d.confidences) for seq_id, d in drafts.items())
-        take(drafts)
-    llm.engine.speculator.take_model_drafts = record
-    return made
 
 
 @pytest.mark.parametrize("verify_length", ["fixed", "confidence"])
