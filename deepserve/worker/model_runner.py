@@ -314,7 +314,7 @@ class ModelRunner:
             query_start_loc=starts.to(dev), seq_lens=torch.full((len(query_lens),), seq_len, device=dev),
             query_lens_cpu=list(query_lens), seq_lens_cpu=[seq_len] * len(query_lens),
             logits_indices=torch.arange(n, device=dev), block_size=self.block_size)
-        batch.attn_metadata = self.attn_backend.build_metadata(batch)
+        batch.attn_metadata = self._attention_metadata(batch)
         hidden = self.model(batch)
         if not sample:                  # a verification step's cost: every row's logits
             self.model.compute_logits(hidden)
@@ -339,7 +339,7 @@ class ModelRunner:
             query_start_loc=torch.tensor([0, 1], device=dev), seq_lens=torch.ones(1, dtype=torch.int64, device=dev),
             query_lens_cpu=[1], seq_lens_cpu=[1], logits_indices=torch.zeros(1, dtype=torch.int64, device=dev),
             block_size=self.block_size)
-        batch.attn_metadata = self.attn_backend.build_metadata(batch)
+        batch.attn_metadata = self._attention_metadata(batch)
         self.model(batch)
 
     @torch.inference_mode()
@@ -461,6 +461,13 @@ class ModelRunner:
         for layer, t in zip(self.model.attention_layers(), tensors, strict=True):
             layer.kv_cache.select(layer.kv_block_dim, block_id).copy_(t, non_blocking=True)
 
+    def _attention_metadata(self, batch: ForwardBatch):
+        """The backend's per-step metadata, or None for a model whose layers read none (DeepSeek-V4 / V4.1 gather
+        their own slot lists: building it would only cost host time)."""
+        if not getattr(self.model, "reads_attention_metadata", True):
+            return None
+        return self.attn_backend.build_metadata(batch)
+
     # --- one step -----------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run a step and wait for its results."""
@@ -497,7 +504,7 @@ class ModelRunner:
             logits_rows = [p + _sampled_rows(s) for s, p in zip(out.scheduled, prompt_rows)]
         batch = build_forward_batch(out, self.block_size, self.device, logits_rows)
         _patch_inflight(batch.input_ids, batch.inflight_rows, previous)
-        batch.attn_metadata = self.attn_backend.build_metadata(batch)
+        batch.attn_metadata = self._attention_metadata(batch)
         hidden = self.model(batch)             # one row per logits row
         offset = 0
         sample_rows, samplers, verify_rows, verifiers = [], [], [], []
