@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from router_harness import MODEL, serve_cluster, wait_until
 
 
@@ -80,6 +81,7 @@ class Ramp:
                     self.results.append(outcome)
 
 
+@pytest.mark.slow          # ~70 s on 2 cores (real engines scaling 1 -> 3 -> 1); the signal is unit-tested by default
 def test_serve_replicas_min_max_follows_a_load_ramp(tmp_path):
     # One sequence at a time per engine: a second client waits in the engine's queue, which is the signal the
     # router's desired count reads (1 + waiting / running), so the ramp's load is plain to the autoscaler.
