@@ -75,15 +75,3 @@ def bigram_mtp(model, sequences: list[list[int]], scale: float = 10.0) -> None:
         head[nxt.get(t, t), t] = 1.0      # a token the table lacks drafts itself
     mtp.shared_head.head.weight.copy_(head)
 
-
-def check_blocks(bm, running) -> None:
-    """Ref counts equal block-table entries; every running sequence holds exactly the blocks of its computed
-    tokens (drafts rejected in the step before hold none)."""
-    refs: dict[int, int] = {}
-    for seq in running:
-        assert len(seq.block_table) == bm.blocks_for_tokens(seq.num_computed_tokens), seq
-        for b in seq.block_table:
-            refs[b] = refs.get(b, 0) + 1
-    for block in bm.blocks:
-        assert block.ref_count == refs.get(block.block_id, 0)
-        assert (block.ref_count == 0) == (block.block_id in bm.free_queue)

@@ -53,6 +53,13 @@ def prompts(n: int = 4) -> list[list[int]]:
     return out
 
 
+def plain_greedy(path: str, ps: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """The tokens of the engine without speculation: what every speculative run must reproduce."""
+    plain = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8)
+    return [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                           use_tqdm=False)]
+
+
 def dspark_llm(path: str, k: int = 4, **kw) -> LLM:
     return LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8,
                speculative_config={"method": "dspark", "num_speculative_tokens": k, **kw.pop("spec", {})}, **kw)
@@ -106,9 +113,7 @@ def test_greedy_output_is_the_output_without_speculation(tiny_dspark, verify_len
     path, ref = tiny_dspark("mixed")
     ps = prompts()
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8)
-    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in ps], params,
-                                                           use_tqdm=False)]
+    want = plain_greedy(path, ps, params)
     spec = {"verify_length": verify_length}
     if verify_length == "confidence":
         spec["cost_curve"] = [[1, 1.0], [8, 1.2], [32, 2.0]]
@@ -159,9 +164,7 @@ def test_greedy_output_under_preemption(tiny_dspark):
     path, _ = tiny_dspark("mixed")
     ps = prompts()
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8)
-    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in ps], params,
-                                                           use_tqdm=False)]
+    want = plain_greedy(path, ps, params)
     block_bytes = dspark_llm(path).engine.runner.kv_bytes_per_block()
     llm = dspark_llm(path, max_num_batched_tokens=16, kv_cache_memory_bytes=11 * block_bytes)
     bigram_drafter(llm.engine.runner.model, [p + w for p, w in zip(ps, want)])
@@ -175,16 +178,14 @@ def test_greedy_output_under_preemption(tiny_dspark):
 
 def test_decode_steps_replayed_from_graphs_draft_as_eager_ones(tiny_dspark):
     """The target's decode steps through the CUDA-graph runner's static batches (replayed eagerly on the CPU: the
-    stand-in of tests/models/test_deepseek_v41_engine.py), the DSpark blocks run after each replay from its static
+    stand-in of tests/worker/eager_graphs.py), the DSpark blocks run after each replay from its static
     batch (a block table per position): the same drafts and confidences as the eager engine's, the same tokens
     as without speculation, and graphs did replay."""
     from tests.worker.eager_graphs import install_eager_replay_graphs
     path, _ = tiny_dspark("mixed")
     ps = prompts()
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    plain = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8)
-    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in ps], params,
-                                                           use_tqdm=False)]
+    want = plain_greedy(path, ps, params)
     finals = [p + w for p, w in zip(ps, want)]
     runs = []
     for graphed in (False, True):

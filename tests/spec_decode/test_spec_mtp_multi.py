@@ -19,7 +19,8 @@ import torch
 from deepserve import LLM, SamplingParams
 from deepserve.worker.batch_builder import build_forward_batch
 from deepserve.worker.cuda_graph import CUDAGraphRunner, GraphReplay
-from tests.spec_decode.mtp_checkpoint import bigram_mtp, check_blocks, write_tiny_v3_mtp
+from tests.spec_decode.mtp_checkpoint import bigram_mtp, write_tiny_v3_mtp
+from tests.spec_decode.test_spec_engine import check_blocks
 from tests.spec_decode.draft_recording import recording
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
