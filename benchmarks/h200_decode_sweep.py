@@ -1,0 +1,289 @@
+"""Decode steps at real batch sizes against their roofline: dense (Llama-3.2-1B, Llama-3-8B) and MoE
+(DeepSeek-V2-Lite, Qwen3-MoE) shapes, random bf16 weights, one GPU, one run.
+
+For every shape, context and batch size, `batch` random prompts of `context` tokens are prefilled, then decode
+steps in which every sequence decodes are timed back to back (CUDA graphs, overlapped scheduling: what the engine
+does when serving). Beside each step time, what the step must at least cost:
+
+  bytes      the weights the step reads (dense: every layer and the LM head; MoE: everything but the routed
+             experts, plus the distinct experts the batch touched, *counted* by the routers' load counters over
+             probe steps after the timed ones) + each sequence's KV cache (context x bytes per token)
+  flops      2 x active parameters per token + attention over the context, times the batch
+  roofline   max(bytes / 4.24 TB/s, flops / 989 TFLOP/s)            -> fraction_of_roofline = roofline / step
+  experts    (MoE) max(distinct expert bytes / bandwidth, flops / peak): the issue's MoE target reads the
+             step time against this one (within 1.5x); the full roofline above adds the KV and the other weights
+
+Plus, for the MoE shapes, a kernel table of the batch-64 step (torch.profiler over graph replays): where it goes.
+
+Run (GPU machine):  python benchmarks/h200_decode_sweep.py --output benchmarks/h200_decode_sweep.json
+Smoke (CPU):        python benchmarks/h200_decode_sweep.py --device cpu --shapes tiny-dense,tiny-moe \
+                        --batches 1,4 --contexts 64 --steps 4 --output /tmp/sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import h200_dense  # noqa: E402
+import h200_moe  # noqa: E402
+from deepserve import LLM, SamplingParams  # noqa: E402
+from deepserve.bench.throughput import random_prompts  # noqa: E402
+
+BANDWIDTH = 4.24e12          # H200 copy bandwidth, B/s (benchmarks/h200_dense.json measures it)
+PEAK_BF16 = 989e12           # H200 dense bf16 FLOP/s
+BF16 = 2
+
+TINY_MOE = dict(h200_moe.SHAPES["qwen3-moe"], hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+                intermediate_size=256, vocab_size=1024)
+DENSE = {name: s for name, s in h200_dense.SHAPES.items() if name != "tiny"} | {"tiny-dense": h200_dense.SHAPES["tiny"]}
+MOE = dict(h200_moe.SHAPES) | {"tiny-moe": TINY_MOE}
+
+
+# --- what a step must cost ------------------------------------------------------------------------------------
+
+def expert_bytes(s: dict) -> int:
+    return 3 * s["hidden_size"] * s["moe_intermediate_size"] * BF16
+
+
+def static_weight_bytes(name: str) -> int:
+    """Weights every decode step reads whatever the batch: dense shapes all of them, MoE all but the routed
+    experts (attention, dense layers, shared experts, routers, LM head)."""
+    if name in DENSE:
+        return h200_dense.decode_read_bytes(DENSE[name])
+    w = h200_moe.active_weight_bytes(MOE[name])
+    return w["total"] - w["routed_experts_top_k"]
+
+
+def kv_bytes_per_token(name: str) -> int:
+    if name in DENSE:
+        return h200_dense.kv_bytes_per_token(DENSE[name])
+    s = MOE[name]
+    if "kv_lora_rank" in s:          # MLA: the latent and the rope key, one of each per token and layer
+        return s["num_hidden_layers"] * (s["kv_lora_rank"] + s["qk_rope_head_dim"]) * BF16
+    return s["num_hidden_layers"] * 2 * s["num_key_value_heads"] * s["head_dim"] * BF16
+
+
+def flops_per_token(name: str, context: int) -> float:
+    """2 x the active parameters a token multiplies + attention's scores and weighted sums over the context."""
+    if name in DENSE:
+        s = DENSE[name]
+        active = h200_dense.decode_read_bytes(s) / BF16
+        attn = 4 * s["num_attention_heads"] * s["head_dim"] * context * s["num_hidden_layers"]
+        return 2 * active + attn
+    s = MOE[name]
+    active = h200_moe.active_weight_bytes(s)["total"] / BF16
+    if "kv_lora_rank" in s:          # absorbed MLA: scores over latent + rope, sums over the latent
+        per_key = s["kv_lora_rank"] * 2 + s["qk_rope_head_dim"]
+        attn = 2 * s["num_attention_heads"] * per_key * context * s["num_hidden_layers"]
+    else:
+        attn = 4 * s["num_attention_heads"] * s["head_dim"] * context * s["num_hidden_layers"]
+    return 2 * active + attn
+
+
+def roofline(name: str, batch: int, context: float, touched_experts: float | None) -> dict:
+    """Lower bounds of one decode step (seconds), `touched_experts` = distinct (layer, expert) pairs it reads."""
+    weights = static_weight_bytes(name)
+    experts = (touched_experts or 0) * expert_bytes(MOE[name]) if name in MOE else 0
+    kv = batch * context * kv_bytes_per_token(name)
+    flops = batch * flops_per_token(name, int(context))
+    out = {"weight_bytes": weights, "expert_bytes": experts, "kv_bytes": round(kv), "flops": flops,
+           "roofline_ms": round(max((weights + experts + kv) / BANDWIDTH, flops / PEAK_BF16) * 1e3, 4)}
+    if name in MOE:
+        out["experts_roofline_ms"] = round(max(experts / BANDWIDTH, flops / PEAK_BF16) * 1e3, 4)
+    return out
+
+
+# --- measuring ------------------------------------------------------------------------------------------------
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def touched_experts(engine) -> float:
+    """Distinct (layer, expert) pairs one step routed tokens to: the routers' load counters after one step."""
+    layers = engine.runner.model.moe_layers()
+    for layer in layers:
+        layer.reset_expert_load()
+    engine.step()
+    return float(sum(int((layer.expert_load > 0).sum()) for layer in layers))
+
+
+def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, device: str,
+                 probes: int = 3) -> dict:
+    """Time `steps` decode steps of `batch` sequences at `context` tokens; count the experts of `probes` more."""
+    eng = llm.engine
+    prompts = random_prompts(batch, context, eng.vocab_size, seed=batch * 7 + context)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + probes + 8, ignore_eos=True)
+    ids = [f"sweep-{name}-{context}-{batch}-{i}" for i in range(batch)]
+    try:
+        for rid, prompt in zip(ids, prompts):
+            eng.add_request(rid, prompt, params, final_output_only=True)
+        seqs = [s for rid in ids for s in eng.requests[rid].seqs]
+        t0 = time.perf_counter()
+        while not all(s.num_output_tokens >= 1 for s in seqs):
+            eng.step()
+        prefill_s = time.perf_counter() - t0
+        for _ in range(2):            # warm: the first decode step after prefill is not a steady one
+            eng.step()
+        sync(device)
+        before = [s.num_output_tokens for s in seqs]
+        preempted = eng.scheduler.num_preemptions
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        grew = min(s.num_output_tokens - b for s, b in zip(seqs, before))
+        context_mean = sum(s.num_tokens for s in seqs) / batch - steps / 2
+        if eng.scheduler.num_preemptions != preempted or grew < steps - 1:
+            raise RuntimeError(f"not a steady decode of {batch}: {grew} tokens per sequence in {steps} steps, "
+                               f"{eng.scheduler.num_preemptions - preempted} preemptions")
+        touched = None
+        if name in MOE:
+            touched = sum(touched_experts(eng) for _ in range(probes)) / probes
+    finally:
+        eng.abort_request(ids)
+    step_ms = elapsed / steps * 1e3
+    roof = roofline(name, batch, context_mean, touched)
+    out = {"batch": batch, "context": round(context_mean, 1), "prefill_s": round(prefill_s, 3),
+           "step_ms": round(step_ms, 4), "tokens_per_s": round(batch / step_ms * 1e3, 1), **roof,
+           "fraction_of_roofline": round(roof["roofline_ms"] / step_ms, 4),
+           "achieved_TBps": round((roof["weight_bytes"] + roof["expert_bytes"] + roof["kv_bytes"]) / step_ms / 1e9, 3)}
+    if touched is not None:
+        out["touched_experts_per_step"] = touched
+        out["experts_roofline_ratio"] = round(step_ms / roof["experts_roofline_ms"], 3)
+    return out
+
+
+def profile_batch(llm: LLM, batch: int, context: int, steps: int = 5) -> dict:
+    import profile_gpu_step
+    return profile_gpu_step.profile_steps(llm, batch, steps, input_len=context)
+
+
+def kv_fits(name: str, batch: int, context: int, budget_bytes: float) -> bool:
+    return batch * (context + 64) * kv_bytes_per_token(name) <= budget_bytes
+
+
+def run_shape(name: str, context: int, batches: list[int], args, result: dict) -> None:
+    config = (h200_dense.write_config(DENSE[name]) if name in DENSE else h200_moe.write_config(MOE[name]))
+    free = torch.cuda.mem_get_info()[0] if args.device == "cuda" else 8e9
+    weights = (h200_dense.weight_bytes(DENSE[name]) if name in DENSE
+               else h200_moe.active_weight_bytes(MOE[name])["total_weights_bytes"])
+    budget = 0.8 * free - weights
+    fit = [b for b in batches if kv_fits(name, b, context, budget)]
+    entry = result["results"].setdefault(name, {}).setdefault(str(context), {})
+    entry["skipped_batches_kv_too_big"] = [b for b in batches if b not in fit]
+    if not fit:
+        return
+    kw = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", device=args.device,
+              max_model_len=context + args.steps + 32, max_num_seqs=max(fit), max_num_batched_tokens=16384)
+    if args.device == "cuda":
+        kw["gpu_memory_utilization"] = 0.85
+    t0 = time.perf_counter()
+    llm = LLM(config, **kw)
+    entry["startup_s"] = round(time.perf_counter() - t0, 2)
+    entry["cuda_graphs"] = llm.engine.runner.cuda_graphs is not None
+    entry["batches"] = []
+    for b in fit:
+        try:
+            entry["batches"].append(decode_batch(llm, name, b, context, args.steps, args.device))
+        except Exception:
+            entry["batches"].append({"batch": b, "error": traceback.format_exc()[-1500:]})
+        print(name, context, json.dumps(entry["batches"][-1]), flush=True)
+        save(result, args.output)
+    if name in MOE and args.profile_batch in fit and args.device == "cuda":
+        try:
+            entry[f"profile_b{args.profile_batch}"] = profile_batch(llm, args.profile_batch, context)
+        except Exception:
+            entry[f"profile_b{args.profile_batch}"] = {"error": traceback.format_exc()[-1500:]}
+        print(name, "profile", json.dumps(entry[f"profile_b{args.profile_batch}"])[:4000], flush=True)
+    del llm
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    save(result, args.output)
+
+
+def save(result: dict, path: str) -> None:
+    """Written after every measurement: a run cut short keeps what it measured."""
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def plot(data: dict, path: str) -> None:
+    """Step time over the roofline per batch size, one line per (shape, context)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4))
+    for name, by_ctx in data["results"].items():
+        for ctx, entry in by_ctx.items():
+            rows = [r for r in entry.get("batches", []) if "step_ms" in r]
+            if not rows:
+                continue
+            b = [r["batch"] for r in rows]
+            left.plot(b, [r["fraction_of_roofline"] for r in rows], "o-", label=f"{name} ctx {ctx}")
+            if name in MOE:
+                right.plot(b, [r["experts_roofline_ratio"] for r in rows], "s-", label=f"{name} ctx {ctx}")
+    left.axhline(0.8, ls=":", c="gray")
+    left.set_title("roofline (weights + experts touched + KV; FLOPs) / step time", fontsize=9)
+    right.axhline(1.5, ls=":", c="gray")
+    right.set_title("MoE: step time / max(distinct expert bytes / BW, FLOPs / peak)", fontsize=9)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("decode batch")
+        ax.legend(fontsize=7)
+    fig.suptitle("decode steps on one H200, random bf16 weights", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Description": data["command"]})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="deepseek-v2-lite,qwen3-moe,llama-3.2-1b,llama-3-8b")
+    ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--contexts", default="1024,4096", help="dense shapes; MoE shapes run the first only")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--output", default="benchmarks/h200_decode_sweep.json")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG beside --output from its JSON")
+    args = ap.parse_args()
+    if args.plot_only:
+        with open(args.output) as f:
+            plot(json.load(f), args.output.removesuffix(".json") + ".png")
+        return
+    result = {"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "bandwidth_Bps": BANDWIDTH, "peak_bf16_flops": PEAK_BF16, "results": {}}
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    for name in args.shapes.split(","):
+        for context in (contexts if name in DENSE else contexts[:1]):
+            try:
+                run_shape(name, context, batches, args, result)
+            except Exception:
+                result["results"].setdefault(name, {})[str(context)] = {"error": traceback.format_exc()[-2000:]}
+                print(name, context, result["results"][name][str(context)], flush=True)
+            save(result, args.output)
+    if args.device == "cuda":
+        plot(result, args.output.removesuffix(".json") + ".png")
+
+
+if __name__ == "__main__":
+    main()
