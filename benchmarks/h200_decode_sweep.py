@@ -44,6 +44,7 @@ from deepserve.bench.throughput import random_prompts  # noqa: E402
 BANDWIDTH = 4.24e12          # H200 copy bandwidth, B/s (benchmarks/h200_dense.json measures it)
 PEAK_BF16 = 989e12           # H200 dense bf16 FLOP/s
 BF16 = 2
+MAX_BATCHED_TOKENS = 16384
 
 TINY_MOE = dict(h200_moe.SHAPES["qwen3-moe"], hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
@@ -127,7 +128,9 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
     """Time `steps` decode steps of `batch` sequences at `context` tokens; count the experts of `probes` more."""
     eng = llm.engine
     prompts = random_prompts(batch, context, eng.vocab_size, seed=batch * 7 + context)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + probes + 8, ignore_eos=True)
+    # Sequences whose prompts finish first decode while the others still prefill: room for those steps too.
+    params = SamplingParams(temperature=0.0, max_tokens=steps + probes + 8 + prefill_steps(batch, context),
+                            ignore_eos=True)
     ids = [f"sweep-{name}-{context}-{batch}-{i}" for i in range(batch)]
     try:
         for rid, prompt in zip(ids, prompts):
@@ -169,6 +172,10 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
     return out
 
 
+def prefill_steps(batch: int, context: int) -> int:
+    return -(-batch * context // MAX_BATCHED_TOKENS) + 1
+
+
 def profile_batch(llm: LLM, batch: int, context: int, steps: int = 5) -> dict:
     import profile_gpu_step
     return profile_gpu_step.profile_steps(llm, batch, steps, input_len=context)
@@ -180,6 +187,12 @@ def kv_fits(name: str, batch: int, context: int, budget_bytes: float) -> bool:
 
 def run_shape(name: str, context: int, batches: list[int], args, result: dict) -> None:
     config = (h200_dense.write_config(DENSE[name]) if name in DENSE else h200_moe.write_config(MOE[name]))
+    max_len = context + args.steps + 16 + prefill_steps(max(batches), context)
+    with open(os.path.join(config, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), max_len)   # room for 4k prompts
+    with open(os.path.join(config, "config.json"), "w") as f:
+        json.dump(cfg, f)
     free = torch.cuda.mem_get_info()[0] if args.device == "cuda" else 8e9
     weights = (h200_dense.weight_bytes(DENSE[name]) if name in DENSE
                else h200_moe.active_weight_bytes(MOE[name])["total_weights_bytes"])
@@ -190,7 +203,7 @@ def run_shape(name: str, context: int, batches: list[int], args, result: dict) -
     if not fit:
         return
     kw = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", device=args.device,
-              max_model_len=context + args.steps + 32, max_num_seqs=max(fit), max_num_batched_tokens=16384)
+              max_model_len=max_len, max_num_seqs=max(fit), max_num_batched_tokens=MAX_BATCHED_TOKENS)
     if args.device == "cuda":
         kw["gpu_memory_utilization"] = 0.85
     t0 = time.perf_counter()

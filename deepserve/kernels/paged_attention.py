@@ -13,6 +13,7 @@ for the P @ V product (as flash attention does), the output is rounded once to t
 """
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -238,7 +239,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
                    block_size, group,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
+                   SPLIT: tl.constexpr, EARLY_V: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
     i = tl.program_id(0)           # decode row
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -275,13 +276,16 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
         blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
         kv_mask = tmask[:, None] & dmask[None, :]
         k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if EARLY_V:     # the value tile's load issued with the key tile's: twice the bytes in flight
+            v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale                      # [BLOCK_G, BLOCK_N], log2 domain
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if not EARLY_V:
+            v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -337,6 +341,17 @@ def num_sms(device: torch.device) -> int:
 
 
 DECODE_BLOCK_N = 64
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Launch settings of the paged decode kernel: keys per tile, warps, pipeline stages, and whether a tile's
+    values load together with its keys (`early_v`) or after the scores."""
+    block_n: int = DECODE_BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 2
+    early_v: bool = False
+
 # DEEPSERVE_EARLY_INPUTS=0: decode, reduce and rotary-write programs load the step's inputs after the PDL wait
 # (an A/B switch, see benchmarks/ab_env.py; the inputs_ready arguments say where early loads are allowed at all).
 EARLY_INPUTS = envs.DEEPSERVE_EARLY_INPUTS
@@ -355,7 +370,8 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, out: Optional[torch.Tensor] = None, q_rows: Optional[torch.Tensor] = None,
                      seq_ids: Optional[torch.Tensor] = None, max_seq_len: Optional[int] = None,
-                     num_splits: Optional[int] = None, inputs_ready: bool = False) -> torch.Tensor:
+                     num_splits: Optional[int] = None, inputs_ready: bool = False,
+                     tiles: Optional[DecodeTiles] = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys.
 
     q: [T, H, D]; the decode rows are `q_rows` (default: all T rows), row i belonging to sequence `seq_ids[i]`
@@ -363,6 +379,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     allocated when None) and returns it. `max_seq_len` (host int) sizes the split; `num_splits` forces it.
     `inputs_ready`: q_rows, seq_ids, seq_lens and block_tables were in place before the kernel launched just
     before this call (the attention backends' per-step metadata), so they may be read before the PDL wait.
+    `tiles` forces the launch settings (tuning); None: `DecodeTiles()`.
     """
     require_triton(q)
     t, h, d = q.shape
@@ -382,9 +399,11 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 1
+    tiles = tiles or DecodeTiles()
+    block_n = tiles.block_n
     if num_splits is None:
         num_splits = decode_num_splits(n, hkv, max_seq_len, q.device)
-    partition = cdiv(cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    partition = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_seq_len, partition))
     bs = kv_cache.shape[2]
     block_d = next_pow2(d)
@@ -404,16 +423,19 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), *po_strides, *pl_strides,
         bs, group,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=DECODE_BLOCK_N, SPLIT=split,
-        INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=4, num_stages=2, **pdl_launch_args(q))
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split, EARLY_V=tiles.early_v,
+        INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **pdl_launch_args(q))
     if split:
         # The decode kernel, the reduce's predecessor, writes none of the inputs: they are ready for it.
-        decode_reduce(part_out, part_lse, q_rows, seq_ids, seq_lens, out, inputs_ready=EARLY_INPUTS)
+        decode_reduce(part_out, part_lse, q_rows, seq_ids, seq_lens, out, inputs_ready=EARLY_INPUTS,
+                      block_n=block_n)
     return out
 
 
 def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, q_rows: torch.Tensor, seq_ids: torch.Tensor,
-                  seq_lens: torch.Tensor, out: torch.Tensor, inputs_ready: bool = False) -> torch.Tensor:
+                  seq_lens: torch.Tensor, out: torch.Tensor, inputs_ready: bool = False,
+                  block_n: int = DECODE_BLOCK_N) -> torch.Tensor:
     """Merge the split-K partials of decode row i (normalised outputs part_out [n, H, S, D] float32 and their
     log2-sum-exps part_lse [n, H, S]) into out[q_rows[i]]. Only the splits that hold keys of sequence seq_ids[i]
     (DECODE_BLOCK_N tiles, see `split_partition`) are read. `inputs_ready` as in `decode_attention`."""
@@ -423,7 +445,7 @@ def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, q_rows: torch.
         part_out, part_lse, q_rows, seq_ids, seq_lens, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_S=max(64, next_pow2(num_splits)), BLOCK_N=DECODE_BLOCK_N,
+        HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_S=max(64, next_pow2(num_splits)), BLOCK_N=block_n,
         INPUTS_READY=inputs_ready, num_warps=4, **pdl_launch_args(out))
     return out
 

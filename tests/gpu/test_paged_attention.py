@@ -9,7 +9,7 @@ import torch
 from deepserve.kernels import INTERPRET
 from deepserve.layers.attention_triton import TritonPagedAttention
 from deepserve.kernels.paged_attention import (DECODE_BLOCK_N, active_splits_ref, decode_attention,
-                                               decode_attention_ref, decode_num_splits, decode_reduce,
+                                               DecodeTiles, decode_attention_ref, decode_num_splits, decode_reduce,
                                                decode_reduce_ref, prefill_attention, prefill_attention_ref,
                                                prefill_tiles, rotary_write_kv, rotary_write_kv_ref, write_kv,
                                                write_kv_ref)
@@ -161,6 +161,22 @@ def test_decode_other_block_sizes(device, block_size):
     ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.1)
     for splits in (1, 4):
         out = decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.1, num_splits=splits)
+        assert_attention_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("tiles", [DecodeTiles(64, 4, 2, True), DecodeTiles(32, 4, 3, True),
+                                   DecodeTiles(128, 8, 2, False)], ids=str)
+def test_decode_tile_settings_match_reference(device, tiles):
+    """Every launch setting the engine may pick (keys per tile, warps, stages, values loaded with the keys), with
+    and without split-K: the same attention as the reference."""
+    dtype = torch.float16
+    lens = [1, 33, 64, 129, 700]
+    batch, cache, q = _decode_case(device, dtype, 64, 4, lens, 16, cdiv_total(lens, 16) + 8)
+    ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.2)
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, out=out, max_seq_len=max(lens),
+                         num_splits=splits, tiles=tiles)
         assert_attention_close(out, ref, dtype)
 
 

@@ -1,0 +1,138 @@
+"""Decode attention at real batch sizes on the GPU: split counts and tiles of the paged (GQA) and latent (MLA)
+decode kernels, against the bandwidth of the KV bytes they must read (a tuning aid).
+
+For each shape, batch and context: a paged cache of block size 16 with shuffled blocks, every sequence at
+`context` keys; each launch setting runs inside a CUDA graph of 20 calls (as a decode step runs it) and is
+reported as microseconds per call and KV TB/s (cache bytes the call reads / time). First the engine's pick,
+then every split count with the default tiles, then tile variants at the best split count.
+
+Run (GPU machine):  python benchmarks/tune_decode_attention.py --output tune_decode_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from deepserve.kernels.mla_decode import mla_decode, mla_num_splits  # noqa: E402
+from deepserve.kernels.paged_attention import DecodeTiles, decode_attention, decode_num_splits  # noqa: E402
+from tune_gemv import graph_time  # noqa: E402  (CUDA-graph replay timing)
+
+BLOCK = 16
+SHAPES = {   # (query heads, KV heads, head dim) for paged GQA; "mla": (heads, latent rank, rope dim)
+    "qwen3-moe": ("gqa", 32, 4, 128),
+    "llama-3.2-1b": ("gqa", 32, 8, 64),
+    "llama-3-8b": ("gqa", 32, 8, 128),
+    "deepseek-v2-lite": ("mla", 16, 512, 64),
+}
+SPLITS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+GQA_TILES = [DecodeTiles(64, 4, 2, True), DecodeTiles(32, 4, 2, False), DecodeTiles(32, 4, 2, True),
+             DecodeTiles(128, 4, 2, False), DecodeTiles(128, 8, 2, True), DecodeTiles(64, 8, 2, True),
+             DecodeTiles(64, 4, 3, True), DecodeTiles(32, 4, 3, True), DecodeTiles(64, 4, 3, False)]
+MLA_TILES = [(16, 4, 2), (32, 4, 3), (64, 4, 2), (32, 8, 2), (64, 8, 2), (16, 4, 3), (32, 4, 4)]  # (block_n, warps, stages)
+
+
+def paged_inputs(batch: int, context: int, gen: torch.Generator):
+    blocks_per_seq = -(-context // BLOCK)
+    num_blocks = batch * blocks_per_seq + 1
+    table = torch.randperm(num_blocks - 1, generator=gen)[:batch * blocks_per_seq].view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    return num_blocks, table.to(torch.int32).cuda(), seq_lens.cuda()
+
+
+def time_us(fn) -> float:
+    return graph_time(lambda _copy: fn(), 1) * 1e3
+
+
+def tune_gqa(shape, batch: int, context: int) -> dict:
+    _, h, hkv, d = shape
+    gen = torch.Generator().manual_seed(batch + context)
+    num_blocks, table, seq_lens = paged_inputs(batch, context, gen)
+    cache = torch.randn(2, num_blocks, BLOCK, hkv, d, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(q)
+    q_rows = torch.arange(batch, device="cuda")
+    kv_bytes = batch * context * 2 * hkv * d * 2
+
+    def run(splits=None, tiles=None):
+        return time_us(lambda: decode_attention(q, cache, table, seq_lens, 0.1, out=out, q_rows=q_rows,
+                                                seq_ids=q_rows, max_seq_len=context, num_splits=splits, tiles=tiles))
+
+    res = {"batch": batch, "context": context, "kv_MB": round(kv_bytes / 1e6, 1),
+           "engine_splits": decode_num_splits(batch, hkv, context, q.device)}
+    res["engine_us"] = round(run(), 2)
+    by_split = {s: run(s) for s in SPLITS}
+    res["splits_us"] = {str(s): round(t, 2) for s, t in by_split.items()}
+    best_split = min(by_split, key=by_split.get)
+    res["tiles_us"] = {str(t): round(run(best_split, t), 2) for t in GQA_TILES}
+    best = min([(by_split[best_split], f"splits {best_split} default")] +
+               [(t, f"splits {best_split} {k}") for k, t in res["tiles_us"].items()])
+    res["best"] = (round(best[0], 2), best[1])
+    res["engine_TBps"] = round(kv_bytes / res["engine_us"] / 1e6, 3)
+    res["best_TBps"] = round(kv_bytes / best[0] / 1e6, 3)
+    return res
+
+
+def tune_mla(shape, batch: int, context: int) -> dict:
+    _, h, rank, rope = shape
+    gen = torch.Generator().manual_seed(batch + context)
+    num_blocks, table, seq_lens = paged_inputs(batch, context, gen)
+    cache = torch.randn(num_blocks, BLOCK, rank + rope, dtype=torch.bfloat16, device="cuda")
+    q_lat = torch.randn(batch, h, rank, dtype=torch.bfloat16, device="cuda")
+    q_pe = torch.randn(batch, h, rope, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(q_lat)
+    kv_bytes = batch * context * (rank + rope) * 2
+
+    def run(splits=None, block_n=32, warps=None, stages=2):
+        return time_us(lambda: mla_decode(q_lat, q_pe, cache, table, seq_lens, 0.1, out=out, max_seq_len=context,
+                                          num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages))
+
+    res = {"batch": batch, "context": context, "kv_MB": round(kv_bytes / 1e6, 1),
+           "engine_splits": mla_num_splits(batch, h, context, q_lat.device)}
+    res["engine_us"] = round(run(), 2)
+    by_split = {s: run(s) for s in SPLITS}
+    res["splits_us"] = {str(s): round(t, 2) for s, t in by_split.items()}
+    best_split = min(by_split, key=by_split.get)
+    res["tiles_us"] = {str(t): round(run(best_split, *t), 2) for t in MLA_TILES}
+    best = min([(by_split[best_split], f"splits {best_split} default")] +
+               [(t, f"splits {best_split} (block_n, warps, stages) {k}") for k, t in res["tiles_us"].items()])
+    res["best"] = (round(best[0], 2), best[1])
+    res["engine_TBps"] = round(kv_bytes / res["engine_us"] / 1e6, 3)
+    res["best_TBps"] = round(kv_bytes / best[0] / 1e6, 3)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--batches", default="8,32,64,128,256")
+    ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--output", default="tune_decode_attention.json")
+    args = ap.parse_args()
+    out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "results": {}}
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        rows = out["results"][name] = []
+        for context in [int(c) for c in args.contexts.split(",")]:
+            for batch in [int(b) for b in args.batches.split(",")]:
+                try:
+                    rows.append((tune_mla if shape[0] == "mla" else tune_gqa)(shape, batch, context))
+                except Exception as exc:      # a setting that does not compile or fit is reported, not fatal
+                    rows.append({"batch": batch, "context": context, "error": str(exc)[:300]})
+                r = rows[-1]
+                print(name, batch, context, {k: r.get(k) for k in ("engine_splits", "engine_us", "engine_TBps",
+                                                                    "best", "best_TBps", "error")}, flush=True)
+                torch.cuda.empty_cache()
+                with open(args.output, "w") as f:
+                    json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
