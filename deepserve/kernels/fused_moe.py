@@ -334,13 +334,15 @@ def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, devic
     per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     if per_expert > 256:      # prefill: big square tiles (measured best on an H200 at 8k tokens)
         return MoEConfig(128, 128, 128, num_warps=8)
-    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    block_m = 16 if per_expert <= 12 else 32 if per_expert <= 48 else 64
     blocks = cdiv(align_max_rows(num_pairs, num_experts, block_m), block_m)
     target = 2 * num_sms(device)
     n_up = 32 if blocks * cdiv(inter, 64) < target else 64
-    n_down = 32 if blocks * cdiv(hidden, 64) < target else (128 if block_m >= 64 else 64)
-    # Few rows per block: long K steps keep more weight bytes in flight per program.
-    return MoEConfig(block_m, n_up, n_down, block_k=128 if block_m == 16 else 64)
+    n_down = 32 if blocks * cdiv(hidden, 64) < target else (128 if block_m >= 32 else 64)
+    # Few rows per block: long K steps keep more weight bytes in flight per program. At 256 decode tokens (16-24
+    # rows per expert) 32-row blocks with 128-wide down tiles and K steps were 3% faster than the next best on an
+    # H200 (benchmarks/tune_moe_decode.py, tune_moe_decode.json).
+    return MoEConfig(block_m, n_up, n_down, block_k=128 if block_m <= 32 else 64)
 
 
 PAIR_MODE_MAX_PAIRS = 64
@@ -356,10 +358,13 @@ def use_pair_mode(num_pairs: int, num_experts: int) -> bool:
     grid axis 0 and run in the same wave, so the second read mostly hits L2; the price is L2 traffic, which
     grows with the duplicates. A static test on the pair count (no host sync, one mode per captured batch size)
     that keeps duplicates rare: batch 1 has none (a token's experts are distinct), 2 tokens x top-6 of 64 share
-    0.56 experts on average (5% more reads), and at most one pair per expert on average bounds the rest; the cap
-    keeps wide models (Qwen3-MoE, top-8 of 128) to batches <= 8. The crossover is an estimate, not a
-    measurement: time both modes by passing a MoEConfig or a MoEPairConfig as fused_moe's `config`."""
-    return num_pairs <= min(PAIR_MODE_MAX_PAIRS, num_experts)
+    0.56 experts on average (5% more reads), and at most one pair per two experts bounds the rest; the cap keeps
+    wide models (Qwen3-MoE, top-8 of 128) to batches <= 8. Measured at the bound's edge on an H200
+    (benchmarks/tune_moe_pair.py --tokens 8, tune_moe_pair_b8.json): V2-Lite at batch 8 (48 pairs on 64
+    experts, 35 distinct) runs 13% faster aligned (139 us against 160 us per layer), Qwen3-MoE at batch 8 (64 of
+    128) the same in both modes (129 / 130 us). Time both modes by passing a MoEConfig or a MoEPairConfig as
+    fused_moe's `config`."""
+    return num_pairs <= min(PAIR_MODE_MAX_PAIRS, num_experts // 2)
 
 
 def pick_pair_config(top_k: int, inter: int, hidden: int, dtype: torch.dtype, device: torch.device) -> MoEPairConfig:

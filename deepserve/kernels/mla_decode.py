@@ -35,7 +35,7 @@ from deepserve.kernels.rotary import rotary_constexprs, rotate_heads
 _LOG2E = 1.4426950408889634
 MLA_BLOCK_N = 32         # cached tokens per inner step
 MLA_BLOCK_H = 16         # heads per program (tl.dot needs >= 16 rows; padded heads are masked)
-_MIN_PARTITION = 128     # tokens (144 KiB of bf16 latents): shorter splits cost more in the reduce than they gain
+_MIN_PARTITION = 48      # tokens (54 KiB of bf16 latents): shorter splits cost more in the reduce than they gain
 _MAX_SPLITS = 128
 
 
@@ -266,18 +266,21 @@ def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
 
 
 def mla_num_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Split the context only when (sequences x head tiles) programs leave the GPU idle and contexts are long."""
+    """Split the context so that (sequences x head tiles x splits) programs come to about, never above, two per
+    SM: measured best on an H200 for 16 heads at batch 8 to 256 and contexts 1k and 4k
+    (benchmarks/tune_decode_attention.py, tune_decode_attention.json: one more split than that, e.g. 5 instead of
+    4 at batch 64, cost up to 30%; at batch 256 one split beat two by 15%)."""
     programs = max(1, batch * cdiv(num_heads, MLA_BLOCK_H))
     target = 2 * num_sms(device)
     if programs >= target or max_seq_len <= 2 * _MIN_PARTITION:
         return 1
-    return max(1, min(cdiv(target, programs), cdiv(max_seq_len, _MIN_PARTITION), _MAX_SPLITS))
+    return max(1, min(target // programs, cdiv(max_seq_len, _MIN_PARTITION), _MAX_SPLITS))
 
 
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None,
                max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, block_n: int = MLA_BLOCK_N,
-               num_warps: Optional[int] = None, num_stages: int = 2, inputs_ready: bool = False) -> torch.Tensor:
+               num_warps: Optional[int] = None, num_stages: int = 3, inputs_ready: bool = False) -> torch.Tensor:
     """One query token per sequence b (row b) over its paged latents.
 
     q_lat: [B, H, R] (q_nope with W_UK absorbed), q_pe: [B, H, P] (any batch/head strides, unit last stride);
@@ -316,8 +319,9 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         part_out = part_lse = out      # unused
         po, pl = (0, 0, 0), (0, 0)
     block_r = max(16, next_pow2(rank))
-    # 4 warps, 32-token tiles, 2 stages: the best or near it on an H200 from (B=1, 4k) to (B=256, 256) and
-    # (B=64, 4k) among 16/32/64-token tiles x 4/8 warps x 2/3 stages (bf16, 512 + 64, 16 heads).
+    # 4 warps, 32-token tiles, 3 stages: the best or within 7% of it on an H200 from batch 8 to 256 at contexts 1k
+    # and 4k among 16/32/64-token tiles x 4/8 warps x 2/3/4 stages (bf16, 512 + 64, 16 heads; 3 stages beat 2 by
+    # up to 13% at batch >= 32: tune_decode_attention.json).
     warps = num_warps or 4
     precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"      # fp32 inputs: no TF32 rounding
     _mla_decode_kernel[(bsz, cdiv(heads, MLA_BLOCK_H), num_splits)](

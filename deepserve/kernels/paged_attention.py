@@ -355,16 +355,25 @@ class DecodeTiles:
 # DEEPSERVE_EARLY_INPUTS=0: decode, reduce and rotary-write programs load the step's inputs after the PDL wait
 # (an A/B switch, see benchmarks/ab_env.py; the inputs_ready arguments say where early loads are allowed at all).
 EARLY_INPUTS = envs.DEEPSERVE_EARLY_INPUTS
-_MIN_PARTITION = 256
+_MIN_PARTITION = 128     # keys per split at least
+_FULL_WAVE = 1.9         # programs per SM (of 128-wide heads) that need no split: 250 on an H200's 132 SMs
 
 
-def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Split the context only when (rows x KV heads) programs would leave the GPU idle and contexts are long."""
+def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                      head_dim: int = 128) -> int:
+    """How many splits of the context a decode launch gets (one program per row, KV head and split).
+
+    No split once (rows x KV heads) programs, counted in 128-wide heads (a 64-wide head's program moves half the
+    bytes), reach about two per SM: there a split's reduce launch costs more than the parallelism gains (Qwen3-MoE
+    at batch 64, 256 programs of 128-wide heads: 45 us without a split, 54 us with 2). Below that, enough splits
+    for about four programs per SM, each of at least _MIN_PARTITION keys. Measured on an H200 for 64- and 128-wide
+    heads, groups 4 and 8, batch 8 to 256, contexts 1k and 4k (benchmarks/tune_decode_attention.py,
+    tune_decode_attention.json): within 12% of the best split count everywhere, against up to 30% before."""
     programs = max(1, num_rows * num_kv_heads)
-    target = 2 * num_sms(device)
-    if programs >= target or max_seq_len <= 2 * _MIN_PARTITION:
+    sms = num_sms(device)
+    if programs * head_dim >= _FULL_WAVE * sms * 128 or max_seq_len <= _MIN_PARTITION:
         return 1
-    return max(1, min(cdiv(target, programs), cdiv(max_seq_len, _MIN_PARTITION), 64))
+    return max(1, min(cdiv(4 * sms, programs), cdiv(max_seq_len, _MIN_PARTITION), 64))
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -402,7 +411,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     tiles = tiles or DecodeTiles()
     block_n = tiles.block_n
     if num_splits is None:
-        num_splits = decode_num_splits(n, hkv, max_seq_len, q.device)
+        num_splits = decode_num_splits(n, hkv, max_seq_len, q.device, d)
     partition = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_seq_len, partition))
     bs = kv_cache.shape[2]

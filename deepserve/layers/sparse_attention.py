@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from deepserve.kernels.reference import sparse_attention as reference
-from deepserve.kernels.reference.sparse_attention import candidate_block_mask, rope_interleaved, topk_indices
+from deepserve.kernels.reference.sparse_attention import candidate_block_mask, rope_interleaved
+from deepserve.kernels.topk import topk_indices, topk_mask
 from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.compressor import NewEntries, compress_step
 from deepserve.layers.forward_batch import ForwardBatch
@@ -410,9 +411,11 @@ class SparseLatentAttention(nn.Module):
             count = seq.seq_len // ratio
             table = seq.entry_slots(ratio, count)
             ki = self.index_k_source_layer.index_keys.read(table)
-            # Rows a few at a time: the logits' [rows, heads, entries] intermediate stays under ~256 MB at long
-            # contexts (a 32k-token prompt scores 16k entries per row).
-            step_rows = max(1, (1 << 26) // max(1, s.index_heads * count))
+            # Rows a few at a time: the reference's [rows, heads, entries] fp32 intermediate, or the GPU kernel's
+            # [rows, entries] logits (+ the top-k's int64 keys), stays under ~256 MB at long contexts (a 32k-token
+            # prompt scores 16k entries per row). Fewer, bigger chunks on the GPU: each chunk is ~10 launches.
+            per_row = (1 if use_triton(qn) else s.index_heads) * max(1, count)
+            step_rows = max(1, (1 << 26) // per_row)
             for r0 in range(seq.row_start, seq.row_start + seq.num_rows, step_rows):
                 rows = torch.arange(r0, min(r0 + step_rows, seq.row_start + seq.num_rows), device=pos.device)
                 self._choose(rows, qn[rows], a[rows], pos[rows], ki, table, width, step, chosen)
@@ -434,7 +437,7 @@ class SparseLatentAttention(nn.Module):
         chosen[rows] = torch.where(top >= 0, table.gather(1, top.clamp(min=0)) if N else -1, -1)
         if r.candidate_source:                          # its own top-k above is unrestricted
             step.candidates[rows, :N] = candidate_block_mask(logits, visible, s.candidate_block_size,
-                                                             s.candidate_topk_blocks)
+                                                             s.candidate_topk_blocks, select=topk_mask)
 
     def _index_logits(self, qn: torch.Tensor, a: torch.Tensor, ki: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """[n, N] index logits against shared keys ki [N, Di], or per-row keys ki [n, N, Di]."""

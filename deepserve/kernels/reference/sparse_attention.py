@@ -79,16 +79,17 @@ def topk_mask(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tens
 
 
 def candidate_block_mask(logits: torch.Tensor, visible: torch.Tensor, block_size: int,
-                         topk_blocks: int) -> torch.Tensor:
+                         topk_blocks: int, select=None) -> torch.Tensor:
     """§16.10: aligned blocks [b·bs, (b+1)·bs) of entries scored by the max over their visible entries; the top
-    `topk_blocks` blocks that have a visible entry are kept. [n, N] -> the entries of kept blocks [n, N]."""
+    `topk_blocks` blocks that have a visible entry are kept. [n, N] -> the entries of kept blocks [n, N].
+    `select`: the top-k mask function (default `topk_mask`; the engine passes kernels/topk.py's twin)."""
     n, N = logits.shape
     n_blocks = -(-N // block_size)
     pad = n_blocks * block_size - N
     scores = F.pad(logits.masked_fill(~visible, float("-inf")), (0, pad), value=float("-inf"))
     block_scores = scores.view(n, n_blocks, block_size).amax(-1)
     block_visible = F.pad(visible, (0, pad), value=False).view(n, n_blocks, block_size).any(-1)
-    kept = topk_mask(block_scores, block_visible, topk_blocks)
+    kept = (select or topk_mask)(block_scores, block_visible, topk_blocks)
     return kept.repeat_interleave(block_size, dim=1)[:, :N]
 
 
