@@ -10,6 +10,7 @@ does when serving). Beside each step time, what the step must at least cost:
              probe steps after the timed ones) + each sequence's KV cache (context x bytes per token)
   flops      2 x active parameters per token + attention over the context, times the batch
   roofline   max(bytes / 4.24 TB/s, flops / 989 TFLOP/s)            -> fraction_of_roofline = roofline / step
+  replay     the batch's captured CUDA graph replayed back to back: the forward's device time alone
   experts    (MoE) max(distinct expert bytes / bandwidth, flops / peak): the issue's MoE target reads the
              step time against this one (within 1.5x); the full roofline above adds the KV and the other weights
 
@@ -158,6 +159,7 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
         touched = None
         if name in MOE:
             touched = sum(touched_experts(eng) for _ in range(probes)) / probes
+        replay = graph_replay_ms(eng, batch) if device == "cuda" else None
     finally:
         eng.abort_request(ids)
     step_ms = elapsed / steps * 1e3
@@ -166,10 +168,32 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
            "step_ms": round(step_ms, 4), "tokens_per_s": round(batch / step_ms * 1e3, 1), **roof,
            "fraction_of_roofline": round(roof["roofline_ms"] / step_ms, 4),
            "achieved_TBps": round((roof["weight_bytes"] + roof["expert_bytes"] + roof["kv_bytes"]) / step_ms / 1e9, 3)}
+    if replay is not None:
+        # The captured forward alone, back to back: step_ms - this = what the step spends outside the forward
+        # (scheduling, sampling, the host's wait).
+        out["graph_replay_ms"] = replay
     if touched is not None:
         out["touched_experts_per_step"] = touched
         out["experts_roofline_ratio"] = round(step_ms / roof["experts_roofline_ms"], 3)
     return out
+
+
+def graph_replay_ms(engine, batch: int, reps: int = 30) -> float | None:
+    """The batch's captured graph replayed on the inputs the last step left (its sequences' real block tables and
+    lengths), with every cache write sent to slot -1 (nowhere): the forward's device time alone."""
+    graphs = engine.runner.cuda_graphs
+    if graphs is None or batch not in graphs.sizes:
+        return None
+    torch.cuda.synchronize()
+    graphs.inputs.slots[:batch].fill_(-1)
+    g = graphs.graph(batch)
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - t0) / reps * 1e3, 4)
 
 
 def prefill_steps(batch: int, context: int) -> int:
