@@ -37,6 +37,7 @@ GQA_TILES = [DecodeTiles(64, 4, 2, True), DecodeTiles(32, 4, 2, False), DecodeTi
              DecodeTiles(128, 4, 2, False), DecodeTiles(128, 8, 2, True), DecodeTiles(64, 8, 2, True),
              DecodeTiles(64, 4, 3, True), DecodeTiles(32, 4, 3, True), DecodeTiles(64, 4, 3, False)]
 MLA_TILES = [(16, 4, 2), (32, 4, 3), (64, 4, 2), (32, 8, 2), (64, 8, 2), (16, 4, 3), (32, 4, 4)]  # (block_n, warps, stages)
+# The recorded tune_decode_attention.json predates the heuristics it led to: its "default" MLA tiles were 2 stages.
 
 
 def paged_inputs(batch: int, context: int, gen: torch.Generator):
@@ -49,6 +50,23 @@ def paged_inputs(batch: int, context: int, gen: torch.Generator):
 
 def time_us(fn) -> float:
     return graph_time(lambda _copy: fn(), 1) * 1e3
+
+
+def sweep_launches(run, tiles: list, engine_splits: int, kv_bytes: int, batch: int, context: int) -> dict:
+    """`run(splits, tiles)` -> us: the engine's pick, every split count with the default tiles, then each tile
+    variant at the best split count."""
+    res = {"batch": batch, "context": context, "kv_MB": round(kv_bytes / 1e6, 1), "engine_splits": engine_splits}
+    res["engine_us"] = round(run(), 2)
+    by_split = {s: run(s) for s in SPLITS}
+    res["splits_us"] = {str(s): round(t, 2) for s, t in by_split.items()}
+    best_split = min(by_split, key=by_split.get)
+    res["tiles_us"] = {str(t): round(run(best_split, t), 2) for t in tiles}
+    best = min([(by_split[best_split], f"splits {best_split} default")] +
+               [(t, f"splits {best_split} {k}") for k, t in res["tiles_us"].items()])
+    res["best"] = (round(best[0], 2), best[1])
+    res["engine_TBps"] = round(kv_bytes / res["engine_us"] / 1e6, 3)
+    res["best_TBps"] = round(kv_bytes / best[0] / 1e6, 3)
+    return res
 
 
 def tune_gqa(shape, batch: int, context: int) -> dict:
@@ -65,19 +83,8 @@ def tune_gqa(shape, batch: int, context: int) -> dict:
         return time_us(lambda: decode_attention(q, cache, table, seq_lens, 0.1, out=out, q_rows=q_rows,
                                                 seq_ids=q_rows, max_seq_len=context, num_splits=splits, tiles=tiles))
 
-    res = {"batch": batch, "context": context, "kv_MB": round(kv_bytes / 1e6, 1),
-           "engine_splits": decode_num_splits(batch, hkv, context, q.device)}
-    res["engine_us"] = round(run(), 2)
-    by_split = {s: run(s) for s in SPLITS}
-    res["splits_us"] = {str(s): round(t, 2) for s, t in by_split.items()}
-    best_split = min(by_split, key=by_split.get)
-    res["tiles_us"] = {str(t): round(run(best_split, t), 2) for t in GQA_TILES}
-    best = min([(by_split[best_split], f"splits {best_split} default")] +
-               [(t, f"splits {best_split} {k}") for k, t in res["tiles_us"].items()])
-    res["best"] = (round(best[0], 2), best[1])
-    res["engine_TBps"] = round(kv_bytes / res["engine_us"] / 1e6, 3)
-    res["best_TBps"] = round(kv_bytes / best[0] / 1e6, 3)
-    return res
+    return sweep_launches(run, GQA_TILES, decode_num_splits(batch, hkv, context, q.device, d), kv_bytes, batch,
+                          context)
 
 
 def tune_mla(shape, batch: int, context: int) -> dict:
@@ -90,23 +97,13 @@ def tune_mla(shape, batch: int, context: int) -> dict:
     out = torch.empty_like(q_lat)
     kv_bytes = batch * context * (rank + rope) * 2
 
-    def run(splits=None, block_n=32, warps=None, stages=2):
+    def run(splits=None, block_n=32, warps=None, stages=None):
         return time_us(lambda: mla_decode(q_lat, q_pe, cache, table, seq_lens, 0.1, out=out, max_seq_len=context,
-                                          num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages))
+                                          num_splits=splits, block_n=block_n, num_warps=warps,
+                                          **({"num_stages": stages} if stages else {})))
 
-    res = {"batch": batch, "context": context, "kv_MB": round(kv_bytes / 1e6, 1),
-           "engine_splits": mla_num_splits(batch, h, context, q_lat.device)}
-    res["engine_us"] = round(run(), 2)
-    by_split = {s: run(s) for s in SPLITS}
-    res["splits_us"] = {str(s): round(t, 2) for s, t in by_split.items()}
-    best_split = min(by_split, key=by_split.get)
-    res["tiles_us"] = {str(t): round(run(best_split, *t), 2) for t in MLA_TILES}
-    best = min([(by_split[best_split], f"splits {best_split} default")] +
-               [(t, f"splits {best_split} (block_n, warps, stages) {k}") for k, t in res["tiles_us"].items()])
-    res["best"] = (round(best[0], 2), best[1])
-    res["engine_TBps"] = round(kv_bytes / res["engine_us"] / 1e6, 3)
-    res["best_TBps"] = round(kv_bytes / best[0] / 1e6, 3)
-    return res
+    return sweep_launches(lambda splits=None, tiles=None: run(splits, *(tiles or ())), MLA_TILES,
+                          mla_num_splits(batch, h, context, q_lat.device), kv_bytes, batch, context)
 
 
 def main() -> None:

@@ -31,6 +31,13 @@ def graph_us(fn) -> float:
     return graph_time(lambda _copy: fn(), 1) * 1e3
 
 def run(name: str, s: dict, tokens: int) -> dict:
+    aligned = pick_config(tokens * s["top_k"], s["experts"], s["inter"], s["hidden"], torch.device("cuda"))
+    return time_configs(name, s, tokens, [("engine pick", None), ("aligned " + str(aligned), aligned)] +
+                        [(str(c), c) for c in CANDIDATES])
+
+
+def time_configs(name: str, s: dict, tokens: int, configs: list) -> dict:
+    """fused_moe at `tokens` random tokens for each (label, config) of `configs` (None: the engine's pick)."""
     dev = "cuda"
     e, k, h, i = s["experts"], s["top_k"], s["hidden"], s["inter"]
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -40,8 +47,7 @@ def run(name: str, s: dict, tokens: int) -> dict:
     weights, ids = torch.randn(tokens, e, device=dev, generator=gen).softmax(-1).topk(k, dim=-1)
     bytes_read = ids.unique().numel() * 3 * h * i * 2
     res = {"tokens": tokens, "weight_MB": round(bytes_read / 1e6, 1), "configs": {}}
-    aligned = pick_config(tokens * k, e, i, h, x.device)
-    for label, cfg in [("engine pick", None), ("aligned " + str(aligned), aligned)] + [(str(c), c) for c in CANDIDATES]:
+    for label, cfg in configs:
         try:
             us = graph_us(lambda: fused_moe(x, w13, w2, weights, ids, config=cfg))
             res["configs"][label] = {"us": round(us, 2), "GBps": round(bytes_read / us / 1e3)}
