@@ -1,11 +1,14 @@
 """AsyncLLMEngine: an asyncio front over one LLMEngine, driven by one dedicated thread.
 
     asyncio side (any number of coroutines)           engine thread (exactly one)
-    generate() ── _AddRequest ──► commands queue ──►  engine.add_request / abort_request
+    generate() ── PendingAdd ──► commands queue ──►  engine.add_request / abort_request
                                                       engine.step() while there is work
-    per-request asyncio.Queue ◄── call_soon_threadsafe ◄── RequestOutputs of that step
+    per-request RequestStream ◄── call_soon_threadsafe ◄── RequestOutputs of that step
 
-Invariants:
+`AsyncEngineFront` is the asyncio side, shared with the engine-process client (engine/engine_client.py, the
+server's default), which drives an LLMEngine in a child process instead of a thread.
+
+Invariants (both drivers):
 - every LLMEngine call happens on the engine thread (the engine is not thread-safe); coroutines reach it
   only through `_commands`, and read engine statistics only through the `stats` snapshot;
 - commands are applied in the order they were queued, so an abort queued after an add always finds the
@@ -25,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -53,7 +57,8 @@ class RequestAbortedError(RuntimeError):
 
 
 class StepObserver(Protocol):
-    """Sees every step's outputs on the engine thread (e.g. Prometheus metrics). Must be quick and not raise."""
+    """Sees every step's outputs (e.g. Prometheus metrics), always from one thread: the engine thread, or with the
+    engine process the event loop's thread. Must be quick and not raise."""
 
     def on_step(self, outputs: list[RequestOutput], stats: EngineStats, now: float) -> None: ...
 
@@ -63,7 +68,9 @@ class StepObserver(Protocol):
 class RequestStream:
     """One request's outputs, in order, ending with the finished one. `aclose()` aborts it if unfinished.
 
-    Filled by the engine thread (through `put_threadsafe`), read by one coroutine on `loop`.
+    Filled on `loop`'s thread (`put`; the engine thread goes through `put_threadsafe`), read by one coroutine.
+    Outputs are cumulative, so an output the reader has not taken yet is replaced by the next one: a reader
+    slower than the engine (a busy front, a slow client) gets fewer, bigger increments instead of a backlog.
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
@@ -71,7 +78,8 @@ class RequestStream:
         self.request_id = request_id
         self.loop = loop
         self.finished = False           # the engine will send nothing more (set on the loop thread)
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._waiter: asyncio.Future | None = None
         self._got_first = False
         self._closed = False
         self._on_first_item = on_first_item
@@ -83,7 +91,13 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._closed:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self._close()
             raise item
@@ -114,11 +128,18 @@ class RequestStream:
             self._on_first_item()
         if isinstance(item, BaseException) or item.finished:
             self.finished = True
-        self._queue.put_nowait(item)
+        if self._items and isinstance(item, RequestOutput) and isinstance(self._items[-1], RequestOutput):
+            self._items[-1] = item      # cumulative: the newer output holds everything the older one did
+        else:
+            self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 @dataclass
-class _AddRequest:
+class PendingAdd:
+    """A request on its way to the engine; `accepted` resolves once the engine took it (or refused it)."""
+
     stream: RequestStream
     prompt: Prompt
     params: SamplingParams
@@ -136,17 +157,15 @@ class _Stop:
     drain: bool
 
 
-class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting: int | None = None,
-                 observer: StepObserver | None = None) -> None:
-        """Start the engine thread; returns once the engine is ready (load errors are raised here).
+class AsyncEngineFront:
+    """The asyncio side of an engine driver: admission, per-request streams, `num_waiting`, aborts on close.
 
-        `engine`: an LLMEngine, or better a function building one, which then runs on the engine thread.
-        Why it matters: on CPU, once one thread has run torch's OpenMP regions (loading the model does),
-        another thread's regions run 2-3x slower (measured with SmolLM2: a decode step 71 ms instead of
-        36 ms), so the model must be loaded on the thread that steps it.
-        `max_waiting`: refuse new requests (QueueFullError) while this many have not been scheduled yet.
-        """
+    A driver (a subclass) delivers commands to its engine (`_queue_add`, `_queue_abort`, `_queue_stop`), resolves
+    each PendingAdd's `accepted`, puts outputs into the streams, keeps `stats` current, and once its engine loop
+    has ended sets `_loop_exited` (under `_admission_lock`) and `_loop_done`.
+    """
+
+    def __init__(self, max_waiting: int | None = None, observer: StepObserver | None = None) -> None:
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be None or >= 0, got {max_waiting}")
         self.max_waiting = max_waiting
@@ -158,24 +177,12 @@ class AsyncLLMEngine:
         self._admission_lock = threading.Lock()
         self._loop_exited = False
         self._loop_done = threading.Event()
-        self._commands: queue.Queue[_AddRequest | _AbortRequests | _Stop] = queue.Queue()
         self._front_streams: dict[str, RequestStream] = {}     # owned by the event loop's thread
-        self._engine_streams: dict[str, RequestStream] = {}    # owned by the engine thread
-        # The engine thread sets `engine` and the first `stats` (an EngineStats replaced, never mutated, after
-        # every step) before `built` resolves.
-        self.engine: LLMEngine
         self.stats: EngineStats
-        built: concurrent.futures.Future[None] = concurrent.futures.Future()
-        # Daemon: a process whose server failed to shut down cleanly must still be able to exit.
-        thread = threading.Thread(target=self._build_and_run, args=(engine, built), name="deepserve-engine",
-                                  daemon=True)
-        thread.start()
-        built.result()
 
     @property
     def tokenizer(self):
-        # The tokenizer is read-only after loading, so the front may encode/decode on its own thread.
-        return self.engine.tokenizer
+        raise NotImplementedError
 
     @property
     def is_running(self) -> bool:
@@ -185,7 +192,6 @@ class AsyncLLMEngine:
     def is_accepting(self) -> bool:
         return self._accepting and self.is_running
 
-    # --- asyncio side -------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs until the finished one.
@@ -218,24 +224,35 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Stop a request now (its KV blocks are freed at the next engine iteration)."""
         stream = self._front_streams.get(request_id)
-        self._commands.put(_AbortRequests([request_id]))
+        self._queue_abort([request_id])
         if stream is not None:
             stream.put(RequestAbortedError(f"request {request_id!r} was aborted"))
 
     async def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Take no new requests; with `drain`, finish the in-flight ones first; wait until the loop stopped."""
         self._accepting = False
-        self._commands.put(_Stop(drain))
+        self._queue_stop(drain)
         if not await asyncio.get_running_loop().run_in_executor(None, self._loop_done.wait, timeout):
             logger.warning("engine loop still busy after %.0f s of draining; leaving it", timeout or 0)
 
+    # --- the driver's part ----------------------------------------------------------------------
+    def _queue_add(self, add: PendingAdd) -> None:
+        raise NotImplementedError
+
+    def _queue_abort(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def _queue_stop(self, drain: bool) -> None:
+        raise NotImplementedError
+
+    # --- admission --------------------------------------------------------------------------------
     def _admit(self, request_id: str, prompt: Prompt, params: SamplingParams,
-               arrival: float) -> tuple[RequestStream, _AddRequest]:
+               arrival: float) -> tuple[RequestStream, PendingAdd]:
         with self._admission_lock:
             self._check_admission(request_id)
             stream = RequestStream(request_id, asyncio.get_running_loop(), self._on_scheduled, self._release)
-            add = _AddRequest(stream, prompt, params, arrival)
-            self._commands.put(add)
+            add = PendingAdd(stream, prompt, params, arrival)
+            self._queue_add(add)
         self._front_streams[request_id] = stream
         self.num_waiting += 1
         return stream, add
@@ -260,7 +277,48 @@ class AsyncLLMEngine:
         if not stream.finished:
             # The reader left early (disconnect, cancellation, error): free the request's blocks.
             stream.put(RequestAbortedError(f"request {stream.request_id!r} was abandoned"))
-            self._commands.put(_AbortRequests([stream.request_id]))
+            self._queue_abort([stream.request_id])
+
+
+class AsyncLLMEngine(AsyncEngineFront):
+    """The engine on a thread of this process (see the module's docstring)."""
+
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting: int | None = None,
+                 observer: StepObserver | None = None) -> None:
+        """Start the engine thread; returns once the engine is ready (load errors are raised here).
+
+        `engine`: an LLMEngine, or better a function building one, which then runs on the engine thread.
+        Why it matters: on CPU, once one thread has run torch's OpenMP regions (loading the model does),
+        another thread's regions run 2-3x slower (measured with SmolLM2: a decode step 71 ms instead of
+        36 ms), so the model must be loaded on the thread that steps it.
+        `max_waiting`: refuse new requests (QueueFullError) while this many have not been scheduled yet.
+        """
+        super().__init__(max_waiting, observer)
+        self._commands: queue.Queue[PendingAdd | _AbortRequests | _Stop] = queue.Queue()
+        self._engine_streams: dict[str, RequestStream] = {}    # owned by the engine thread
+        # The engine thread sets `engine` and the first `stats` (an EngineStats replaced, never mutated, after
+        # every step) before `built` resolves.
+        self.engine: LLMEngine
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
+        # Daemon: a process whose server failed to shut down cleanly must still be able to exit.
+        thread = threading.Thread(target=self._build_and_run, args=(engine, built), name="deepserve-engine",
+                                  daemon=True)
+        thread.start()
+        built.result()
+
+    @property
+    def tokenizer(self):
+        # The tokenizer is read-only after loading, so the front may encode/decode on its own thread.
+        return self.engine.tokenizer
+
+    def _queue_add(self, add: PendingAdd) -> None:
+        self._commands.put(add)
+
+    def _queue_abort(self, request_ids: list[str]) -> None:
+        self._commands.put(_AbortRequests(request_ids))
+
+    def _queue_stop(self, drain: bool) -> None:
+        self._commands.put(_Stop(drain))
 
     # --- engine thread ------------------------------------------------------------------------
     def _build_and_run(self, engine: LLMEngine | Callable[[], LLMEngine],
@@ -317,7 +375,7 @@ class AsyncLLMEngine:
                     self.stats = self.engine.get_stats()
                 return stop
             block, applied = False, True
-            if isinstance(command, _AddRequest):
+            if isinstance(command, PendingAdd):
                 self._add(command, refuse=stop is not None)
             elif isinstance(command, _AbortRequests):
                 self._abort(command.request_ids)
@@ -327,7 +385,7 @@ class AsyncLLMEngine:
                     self.engine.abort_request(list(self._engine_streams))
                     self._fail_all(EngineShutdownError("the server shut down without draining"))
 
-    def _add(self, command: _AddRequest, refuse: bool) -> None:
+    def _add(self, command: PendingAdd, refuse: bool) -> None:
         stream = command.stream
         if not command.accepted.set_running_or_notify_cancel():
             return      # the caller was cancelled before its request got here: never add it
@@ -382,6 +440,6 @@ class AsyncLLMEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _AddRequest) and command.accepted.set_running_or_notify_cancel():
+            if isinstance(command, PendingAdd) and command.accepted.set_running_or_notify_cancel():
                 command.accepted.set_exception(EngineShutdownError("the server is shutting down"))
 

@@ -236,7 +236,13 @@ class LLMEngine:
 
     # --- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and launch one step; return outputs of the requests that progressed.
+        """Schedule and launch one step; return outputs of the requests that progressed."""
+        return [self.outputs.make_output(state) for state in self.step_states()]
+
+    def step_states(self) -> list[RequestState]:
+        """`step` without building RequestOutputs: the states of the requests to report. The engine process
+        (engine/engine_process.py) sends only what changed in them, which costs less than a whole RequestOutput.
+        A finished request's state is returned once and then forgotten by the engine.
 
         Overlapped (async_scheduling): the step launched here runs on the device while the host collects and
         processes the step before it, so step n+1 is scheduled and prepared while step n computes. Tokens are the
@@ -289,7 +295,7 @@ class LLMEngine:
         if self.spec_gate is not None:
             decode_only = bool(sched_out.scheduled) and all(_is_decode(s) for s in sched_out.scheduled)
             self.spec_gate.step_done(self.generation_tokens - generated_before, decode_only)
-        return self._outputs(touched)
+        return self._reported(touched)
 
     @property
     def speculating(self) -> bool:
@@ -381,12 +387,12 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.forget(seq)
 
-    def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+    def _reported(self, touched: dict[str, RequestState]) -> list[RequestState]:
         results = []
         for request_id, state in touched.items():
             finished = state.finished
             if finished or not state.final_output_only:
-                results.append(self.outputs.make_output(state))
+                results.append(state)
             if finished:
                 del self.requests[request_id]
                 for seq in state.seqs:

@@ -2,6 +2,10 @@
 
 Token-level stops (EOS, stop_token_ids, max_tokens, max_model_len) and text-level stops (stop strings,
 matched on the detokenized text and cut from it) are decided here; the engine then tells the scheduler.
+
+With `detokenize_all` off (the engine process of a server, engine/engine_process.py), only requests with stop
+strings are detokenized here: their stop must end generation in the engine, at the token that completed it. The
+others get no text (""): the server's front process detokenizes their tokens, off the engine's loop.
 """
 
 from __future__ import annotations
@@ -46,13 +50,14 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.detokenize_all = True      # False: only requests with stop strings (see the module's docstring)
 
     def new_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                     seqs: list[Sequence], arrival: float) -> RequestState:
         per_seq = {}
         for seq in seqs:
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and (self.detokenize_all or params.stop):
                 from deepserve.tokenizer import IncrementalDetokenizer
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
             per_seq[seq.seq_id] = SequenceOutputState(seq, detok, logprobs=[] if params.logprobs is not None else None)

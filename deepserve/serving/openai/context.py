@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
 
 from deepserve.config import EngineArgs
-from deepserve.engine.async_engine import AsyncLLMEngine
+from deepserve.engine.async_engine import AsyncEngineFront, AsyncLLMEngine
+from deepserve.engine.engine_client import EngineProcessClient
 from deepserve.engine.multi_rank_engine import create_engine
 from deepserve.serving.openai.errors import OpenAIError
 from deepserve.serving.openai.metrics import ServerMetrics
 from deepserve.serving.openai.options import DEFAULT_MAX_BODY_BYTES
 from deepserve.serving.openai.tool_parsers import HermesToolParser, tool_parser_for
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,6 +32,8 @@ class ServerConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    # The engine on a thread of this process (AsyncLLMEngine) rather than in an engine process (EngineProcessClient).
+    engine_in_process: bool = False
 
     def __post_init__(self) -> None:
         if self.rate_limit is not None and self.rate_limit <= 0:
@@ -42,7 +48,7 @@ class ServerConfig:
 
 @dataclass
 class ServerContext:
-    engine: AsyncLLMEngine
+    engine: AsyncEngineFront        # AsyncLLMEngine or EngineProcessClient: the same interface
     config: ServerConfig
     metrics: ServerMetrics
     model_names: list[str]
@@ -52,13 +58,23 @@ class ServerContext:
 
     @classmethod
     def create(cls, engine_args: EngineArgs, config: ServerConfig) -> ServerContext:
-        """Load the model (on the engine thread, see AsyncLLMEngine) and wire the server around it."""
+        """Load the model (in the engine process, or on the engine thread: see AsyncLLMEngine) and wire the
+        server around it."""
         tool_parser_for(config.tool_call_parser, None)         # a bad name fails before the slow load
         model_path = engine_args.resolve_model_path()
         names = config.served_model_names or [default_model_name(model_path)]
         metrics = ServerMetrics(names[0])
-        engine = AsyncLLMEngine(lambda: create_engine(engine_args), max_waiting=config.max_queue,
-                                observer=metrics)
+        in_process = config.engine_in_process
+        if not in_process and engine_args.parallel_config.world_size > 1:
+            # MultiRankEngine spawns and drives its ranks from the process that builds it (and a daemonic engine
+            # process may not start children): it stays on a thread here.
+            logger.warning("a multi-rank engine runs on a thread of the server's process (no engine process)")
+            in_process = True
+        if in_process:
+            engine: AsyncEngineFront = AsyncLLMEngine(lambda: create_engine(engine_args),
+                                                      max_waiting=config.max_queue, observer=metrics)
+        else:
+            engine = EngineProcessClient(engine_args, max_waiting=config.max_queue, observer=metrics)
         metrics.watch(engine)
         tokenizer = engine.tokenizer
         template = tokenizer.chat_template if tokenizer is not None else None

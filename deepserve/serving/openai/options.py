@@ -30,6 +30,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--role", choices=("colocated", "prefill", "decode"), default="colocated",
                        help="prefill/decode disaggregation (needs a shared --kv-store): prefill computes prompts "
                             "into the store for the router's decode replicas (pd_role.py)")
+    group.add_argument("--engine-in-process", action="store_true", default=None,
+                       help="step the engine on a thread of the server's process instead of in its own process "
+                            "(also DEEPSERVE_ENGINE_IN_PROCESS=1); multi-rank and --role prefill servers always do")
     group.add_argument("--drain-timeout", type=float, default=300.0,
                        help="seconds to let in-flight requests finish after SIGTERM")
     group.add_argument("--uvicorn-log-level", default="warning")

@@ -16,6 +16,7 @@ import logging
 import threading
 from typing import Any
 
+from deepserve import envs
 from deepserve.serving.openai.context import ServerConfig, ServerContext
 from deepserve.serving.openai.keys import api_keys, read_api_key_file
 from deepserve.serving.openai.pd_role import FlushBeforeAnswer, check_role
@@ -38,9 +39,12 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         cors["allowed_methods"] = args.allowed_methods
     if args.allowed_headers is not None:
         cors["allowed_headers"] = args.allowed_headers
+    in_process = getattr(args, "engine_in_process", None)
+    if in_process is None:
+        in_process = envs.DEEPSERVE_ENGINE_IN_PROCESS
     return ServerConfig(served_model_names=args.served_model_names, api_keys=api_keys(args),
                         rate_limit=args.rate_limit, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                        tool_call_parser=args.tool_call_parser, **cors)
+                        tool_call_parser=args.tool_call_parser, engine_in_process=in_process, **cors)
 
 
 def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
@@ -54,6 +58,10 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     config = server_config(args)        # validate the flags before the (slow) model load
     role = getattr(args, "role", "colocated")
     check_role(role, engine_kwargs.get("kv_store"))
+    if role == "prefill" and not config.engine_in_process:
+        # FlushBeforeAnswer waits on the engine's KV store connector, which lives where the engine does.
+        logger.warning("--role prefill: the engine runs on a thread of the server's process (no engine process)")
+        config.engine_in_process = True
     engine_args = EngineArgs.from_kwargs(**engine_kwargs)
     serve_if_worker_rank(engine_args)   # under torchrun only rank 0 serves HTTP; the others serve rank 0
     ctx = ServerContext.create(engine_args, config)
@@ -73,6 +81,8 @@ def warm_up_structured_outputs(ctx: ServerContext) -> threading.Thread | None:
     """Import xgrammar and build its vocabulary view in the background while the server starts: the first
     structured request would otherwise pay ~2-3 s on the engine thread (the import) and in its compile."""
     compiler = ctx.engine.engine.grammar_compiler
+    if compiler is None:
+        return None     # an engine process warms its own compiler up (engine_process.py)
     if compiler.tokenizer is None or importlib.util.find_spec("xgrammar") is None:
         return None
 
