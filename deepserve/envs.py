@@ -122,9 +122,10 @@ _DECLARED = [
            "structured outputs: threads compiling grammars off the engine's thread"),
     EnvVar("DEEPSERVE_SO_CACHE_SIZE", "int", 256,
            "structured outputs: compiled grammars kept (LRU over distinct schemas)"),
-    EnvVar("DEEPSERVE_ENGINE_IN_PROCESS", "bool", False,
-           "`deepserve serve`: step the engine on a thread of the HTTP server's process (as --engine-in-process), "
-           "instead of in an engine process of its own"),
+    EnvVar("DEEPSERVE_ENGINE_IN_PROCESS", "bool", None,
+           "`deepserve serve`: 1 steps the engine on a thread of the HTTP server's process (as "
+           "--engine-in-process), 0 in an engine process of its own; unset: the process on a GPU, the thread on "
+           "the CPU"),
     EnvVar("DEEPSERVE_API_KEY", "list", [],
            "API keys `deepserve serve` accepts (comma-separated); safer than --api-key, which `ps` shows",
            secret=True),

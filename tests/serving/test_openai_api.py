@@ -25,7 +25,8 @@ PROMPT = "The capital of France is"
 def server(tmp_path_factory):
     args = ["--max-model-len", "512", "--api-key", KEY, "--api-key", OTHER_KEY, "--rate-limit", str(RATE_LIMIT),
             "--max-queue", str(MAX_QUEUE), "--max-body-bytes", str(MAX_BODY), "--seed", "0"]
-    with running_server(args, tmp_path_factory.mktemp("api_server")) as srv:
+    # The engine process (the GPU default; the CPU default is the thread, which the other server modules run).
+    with running_server(args, tmp_path_factory.mktemp("api_server"), env={"DEEPSERVE_ENGINE_IN_PROCESS": "0"}) as srv:
         yield srv
 
 

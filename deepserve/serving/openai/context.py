@@ -7,7 +7,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from deepserve.config import EngineArgs
+from deepserve.config import EngineArgs, resolve_device
 from deepserve.engine.async_engine import AsyncEngineFront, AsyncLLMEngine
 from deepserve.engine.engine_client import EngineProcessClient
 from deepserve.engine.multi_rank_engine import create_engine
@@ -33,7 +33,7 @@ class ServerConfig:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     # The engine on a thread of this process (AsyncLLMEngine) rather than in an engine process (EngineProcessClient).
-    engine_in_process: bool = False
+    engine_in_process: bool | None = None   # None: an engine process on a GPU, the thread on the CPU
 
     def __post_init__(self) -> None:
         if self.rate_limit is not None and self.rate_limit <= 0:
@@ -65,6 +65,12 @@ class ServerContext:
         names = config.served_model_names or [default_model_name(model_path)]
         metrics = ServerMetrics(names[0])
         in_process = config.engine_in_process
+        if in_process is None:
+            # On the CPU the engine's own threads are the compute: a second busy process competes with them for
+            # cores (2 cores: 141 against 153 tok/s at concurrency 64 for the default model, and 1601 against
+            # 2078 for a tiny one, benchmarks/serve_process_split_cpu.json). On a GPU the engine process takes
+            # the HTTP / SSE work off the engine loop's GIL.
+            in_process = resolve_device(engine_args.device).type != "cuda"
         if not in_process and engine_args.parallel_config.world_size > 1:
             # MultiRankEngine spawns and drives its ranks from the process that builds it (and a daemonic engine
             # process may not start children): it stays on a thread here.

@@ -32,7 +32,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                             "into the store for the router's decode replicas (pd_role.py)")
     group.add_argument("--engine-in-process", action="store_true", default=None,
                        help="step the engine on a thread of the server's process instead of in its own process "
-                            "(also DEEPSERVE_ENGINE_IN_PROCESS=1); multi-rank and --role prefill servers always do")
+                            "(also DEEPSERVE_ENGINE_IN_PROCESS=1; =0 forces the process). Default: the process on a "
+                            "GPU, the thread on the CPU; multi-rank and --role prefill servers always use the thread")
     group.add_argument("--drain-timeout", type=float, default=300.0,
                        help="seconds to let in-flight requests finish after SIGTERM")
     group.add_argument("--uvicorn-log-level", default="warning")

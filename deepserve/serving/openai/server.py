@@ -41,7 +41,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         cors["allowed_headers"] = args.allowed_headers
     in_process = getattr(args, "engine_in_process", None)
     if in_process is None:
-        in_process = envs.DEEPSERVE_ENGINE_IN_PROCESS
+        in_process = envs.DEEPSERVE_ENGINE_IN_PROCESS        # None (unset): chosen by device in ServerContext
     return ServerConfig(served_model_names=args.served_model_names, api_keys=api_keys(args),
                         rate_limit=args.rate_limit, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                         tool_call_parser=args.tool_call_parser, engine_in_process=in_process, **cors)
