@@ -64,6 +64,7 @@ async def _drive(base_url: str, args: argparse.Namespace, prompts) -> list:
         return await run_load(client, args, MODEL, prompts, CONCURRENCY)
 
 
+@pytest.mark.slow   # ~60 s of real replicas on 2 cores; the policy's decisions are unit-tested in test_routing_policies.py
 def test_cache_aware_beats_round_robin_on_a_shared_prefix_workload(servers):
     rr = run_policy(servers, "round_robin", seed=1)
     ca = run_policy(servers, "cache_aware", seed=2)
