@@ -184,6 +184,15 @@ class AsyncEngineFront:
     def tokenizer(self):
         raise NotImplementedError
 
+    def _notify_observer(self, method: str, *args) -> None:
+        """Call the observer (on whichever thread delivers the step); its failure is logged, never raised."""
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, method)(*args)
+        except Exception:
+            logger.exception("step observer failed in %s", method)
+
     @property
     def is_running(self) -> bool:
         return self._dead is None and not self._loop_exited
@@ -420,14 +429,6 @@ class AsyncLLMEngine(AsyncEngineFront):
             if output.finished:
                 del self._engine_streams[output.request_id]
             stream.put_threadsafe(output)
-
-    def _notify_observer(self, method: str, *args) -> None:
-        if self.observer is None:
-            return
-        try:
-            getattr(self.observer, method)(*args)
-        except Exception:
-            logger.exception("step observer failed in %s", method)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._engine_streams.values():

@@ -321,10 +321,3 @@ class EngineProcessClient(AsyncEngineFront):
         for stream in list(self._front_streams.values()):
             stream.put(error)
 
-    def _notify_observer(self, method: str, *args) -> None:
-        if self.observer is None:
-            return
-        try:
-            getattr(self.observer, method)(*args)
-        except Exception:
-            logger.exception("step observer failed in %s", method)
