@@ -13,6 +13,8 @@ Measured, each wrapped on its own (a failure is its error text in the JSON):
   decode    batch 1 / 8 / 64 / 256 at ~1k context: step time, tokens/s, and the roofline step time (active
             weights the step reads + each sequence's KV reads, at 4.24 TB/s); decode steps replay CUDA graphs, and
             batches 1 / 8 run again eagerly (enforce_eager) for the same-run comparison
+  kv_cache  the decode engine's KV pools: bytes per token of each, blocks, tokens of context the cache holds, and
+            what the same bytes would hold with every position's window states kept
 
 Run (on the GPU machine):  python benchmarks/h200_v41.py --output benchmarks/h200_v41.json
 """
@@ -149,6 +151,24 @@ def prefill(path: str, tokens: int) -> dict:
             "mfu": round(flops / elapsed / PEAK_BF16, 4)}
 
 
+def cache_layout(llm) -> dict:
+    """The engine's two KV pools (engine/block_manager.py): compressed entries and index keys on the block table for
+    the whole context, per-position states (window keys, compressor states) in the window pool for the last
+    `window_reach` positions of each sequence; and how many tokens of context the same bytes would hold if every
+    position kept its window states (the layout before the window pool)."""
+    runner, bm = llm.engine.runner, llm.engine.block_manager
+    bs = runner.block_size
+    main, window = runner.kv_bytes_per_block(), runner.window_bytes_per_block()
+    reach = runner.model.window_reach()
+    total = bm.num_blocks * main + bm.num_window_blocks * window
+    return {"block_size": bs, "main_blocks": bm.num_blocks, "window_blocks": bm.num_window_blocks,
+            "kv_cache_gib": round(total / 2**30, 2), "main_bytes_per_token": main / bs,
+            "window_bytes_per_token": window / bs, "window_reach": reach,
+            "window_bytes_per_decoding_sequence": (-(-(reach + 1) // bs) + 1) * window,
+            "context_tokens": bm.num_blocks * bs,
+            "context_tokens_if_every_position_kept_window_states": int(total // ((main + window) / bs))}
+
+
 def save(result: dict, path: str) -> None:
     """Written after every measurement, so a run cut short still leaves what it measured."""
     with open(path, "w") as f:
@@ -168,6 +188,8 @@ def decode(path: str, batches: list[int], context: int, steps: int, result: dict
     if not eager:
         result["cuda_graphs"] = {"captured": graphs is not None,
                                  "capture_seconds": round(graphs.capture_seconds, 2) if graphs else None}
+        result["kv_cache"] = cache_layout(llm)
+        print(json.dumps(result["kv_cache"]), flush=True)
     out = []
     for b in batches:
         try:

@@ -71,6 +71,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None
     gpu_memory_utilization: float
     num_blocks: int | None = None   # filled in by the model runner once the budget is known
+    # The window pool (engine/block_manager.py), also filled in by the runner: 0 blocks for models without one.
+    num_window_blocks: int = 0
+    window_reach: int = 0
     dtype: torch.dtype | None = None   # of the KV cache; None: the model's dtype
 
 

@@ -58,6 +58,13 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # Models with a window pool (engine/block_manager.py): the window block of each block, -1 once released (a
+        # prefix of the table, num_window_released entries long).
+        self.window_table: list[int] = []
+        self.num_window_released = 0
+        # The first position whose window states every layer wrote (YOCO's prompt steps skip consumer-layer rows
+        # before a sequence's kept suffix): window blocks before it are never named for the prefix cache.
+        self.window_complete_from = 0
         self.num_cached_tokens = 0                  # prefix-cache hit of the first admission
         self.num_preemptions = 0
         # Speculative decoding: tokens proposed for the positions after the last one, for the next step only (set by

@@ -17,7 +17,7 @@ import torch
 
 from deepserve import envs
 from deepserve.config import EngineArgs, EngineConfig
-from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.block_manager import BlockManager, WindowPool
 from deepserve.engine.grammar_queue import GrammarQueue
 from deepserve.engine.kv_store_connector import attach_kv_store
 from deepserve.engine.output_processor import OutputProcessor, RequestState
@@ -83,9 +83,11 @@ class LLMEngine:
         # Data-parallel replicas: every step is prompt-only or decode-only, agreed by votes on the DP group.
         self.step_vote = (StepVote(lambda v: int(parallel.dp.all_reduce_min(torch.tensor([v])).item()))
                           if parallel.dp.size > 1 else None)
-        self.block_manager = BlockManager(config.cache.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+        cache = config.cache
+        window = WindowPool(cache.num_window_blocks, cache.window_reach) if cache.num_window_blocks else None
+        self.block_manager = BlockManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching, window)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler.prompt_window_keep = getattr(self.runner.model, "prompt_window_keep", None)
         self.kv_store = attach_kv_store(config, self.runner, self.block_manager, self.scheduler)
         self.outputs = OutputProcessor(self.tokenizer, eos, config.scheduler.max_model_len)
         self.requests: dict[str, RequestState] = {}

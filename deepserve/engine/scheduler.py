@@ -46,6 +46,9 @@ class Scheduler:
         # background fetch for it runs, it waits), forget(seq) and save_finished(seq) before a finished sequence's
         # blocks are freed. None: no store.
         self.kv_store = None
+        # YOCO (models/yoco.py): a prompt step writes every layer's window states only for the last this many tokens
+        # of the sequence (the model's `prompt_window_keep`); None: for every token.
+        self.prompt_window_keep: int | None = None
 
     # --- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -88,6 +91,7 @@ class Scheduler:
         if not out.preempted and kind is not StepKind.DECODE:
             self._schedule_waiting(out, min(budget, prefill))
         out.blocks_to_copy = self.block_manager.take_pending_copies()
+        out.window_blocks_to_copy = self.block_manager.take_pending_window_copies()
         return out
 
     def wants_prompt_step(self) -> bool:
@@ -145,7 +149,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt from the back of `running` until `seq` gets its blocks; False if `seq` itself went."""
         bm = self.block_manager
-        while not bm.can_allocate(bm.num_blocks_to_allocate(seq, n)):
+        while not bm.can_grow(seq, n):
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
@@ -183,13 +187,15 @@ class Scheduler:
                     break
                 n = budget
             reserve = self._watermark_blocks if self.running else 0
-            if not bm.can_allocate(bm.admission_cost(seq, n, hits), reserve):
+            if not bm.can_admit(seq, n, hits, reserve):
                 break
             del self.waiting[i]
             bm.allocate_slots(seq, n, hits)
             bm.record_prefix_lookup(seq.num_tokens, computed)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = computed
+            if self.prompt_window_keep is not None:
+                seq.window_complete_from = max(0, seq.num_tokens - self.prompt_window_keep)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, computed, n))
@@ -223,6 +229,8 @@ class Scheduler:
             self.block_manager.trim(seq)
 
     def commit(self, seq: Sequence) -> None:
-        """A step computed `seq`'s KV and its sampled token is known: name its full blocks for the prefix cache."""
+        """A step computed `seq`'s KV and its sampled token is known: name its full blocks for the prefix cache, then
+        give back the window blocks it has left behind (after naming them: they stay hits for later sequences)."""
         if seq.status is SequenceStatus.RUNNING:
             self.block_manager.cache_full_blocks(seq)
+            self.block_manager.release_window(seq)

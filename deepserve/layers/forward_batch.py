@@ -45,6 +45,11 @@ class ForwardBatch:
     # host-side lengths above are placeholders, and a row may see up to this many keys. A layer whose work is sized
     # by context (DeepSeek-V4.1's compressed-entry lists) sizes it by this instead of seq_lens_cpu. 0: not captured.
     graph_max_seq_len: int = 0
+    # Models with a window pool (engine/block_manager.py: per-position states read only a few positions back, DeepSeek-V4
+    # / V4.1): each row's slot and each sequence's table in that pool (-1 entries of released blocks as 0). None: the
+    # model has none, or a placeholder batch whose window states use the main tables (the start-up profile).
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_tables: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +58,15 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @property
+    def window_slots(self) -> torch.Tensor:
+        """Where each row's window states are written."""
+        return self.slot_mapping if self.window_slot_mapping is None else self.window_slot_mapping
+
+    @property
+    def window_tables(self) -> torch.Tensor:
+        return self.block_tables if self.window_block_tables is None else self.window_block_tables
 
     @property
     def is_decode_only(self) -> bool:

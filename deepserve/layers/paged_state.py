@@ -1,30 +1,34 @@
-"""Paged per-layer state for DeepSeek-V4-family layers (deepinfer.md §2.11), on the engine's one block table.
+"""Paged per-layer state for DeepSeek-V4-family layers (deepinfer.md §2.11), in two pools of the engine's blocks.
 
 A V4.1 layer keeps several kinds of state, each its own `PagedState` (the model runner sizes, allocates and
 copies each like any layer cache; `kv_block_dim` 0):
 
-    kind              where                               per block of `bs` token positions
-    SWA keys          every layer                          bs tokens x D            (keys = values, one KV head)
-    compressed KV     KV-source compressed layers          bs/ratio entries x D     (entry j covers tokens
-                                                                                     j·ratio .. (j+1)·ratio - 1)
-    index keys        index-K-source layers                bs/ratio entries x Di
-    compressor state  KV-source compressed layers          bs tokens x state_width  (fp32: what pooling reads
-                                                                                     when an entry completes)
-    token ids         Engram models, once                  bs tokens x 1 (int64: the n-gram history)
+    kind              where                               per block of `bs` token positions   pool
+    SWA keys          every layer                          bs tokens x D (keys = values)       window
+    compressor state  KV-source compressed layers          bs tokens x state_width (fp32)      window
+    token ids         Engram models, once                  bs tokens x 1 (int64)               window
+    compressed KV     KV-source compressed layers          bs/ratio entries x D                main
+    index keys        index-K-source layers                bs/ratio entries x Di               main
+
+Per-position states (`ratio` 0) are read only a few positions back: the sliding window (W - 1), a compressor's
+span, the n-gram history. They live in the window pool (engine/block_manager.py), whose blocks a sequence gives
+back once its next row can no longer read them: DeepInfer's per-sequence SWA ring, at block granularity. The
+compressed states grow with the context and live in the main pool, on the block table. `RowSlots.token_slots` reads
+the window tables, `entry_slots` the block tables; `ForwardBatch.window_slots` is where rows write their window
+states. A prefix-cache hit (block aligned, hence aligned to every ratio dividing bs) brings back both: the main
+blocks and the window blocks before the hit point (a hit is taken only where those are cached), so chunked prefill
+(a half-done ratio-2 entry waits in the compressor state), preemption (recompute), copy-on-write and prefix hits are
+exact.
 
 Layers that share (§2.2) hold a reference to their source's state, not a copy (aliasing), so the memory
-accounting counts each state once. Everything lives in blocks, so a prefix-cache hit (block aligned, hence aligned
-to every ratio dividing bs), chunked prefill (a half-done ratio-2 entry waits in the compressor state), preemption
-(recompute) and copy-on-write work unchanged. The price, against DeepInfer's per-sequence SWA ring of W + BT slots:
-SWA keys are kept for every position, not the last W (D values per token per layer). A ring would need its own
-per-sequence slots and a recompute of W tokens after a prefix hit: a follow-up.
+accounting counts each state once.
 
 `SequenceLayout` (per sequence: its rows, positions, blocks) and `RowSlots` (per row: the slot of any position or
 compressed entry of its sequence, for all rows at once) are how these are read and written.
 
 Slot -1, the scratch slot: a write that must land nowhere (a padding row of a decode replayed from a CUDA graph, an
 entry that a decode row does not complete) goes to slot -1, which indexing wraps to the last slot of the last block.
-The model runner allocates one scratch block past the block manager's for models with paged states
+The model runner allocates one scratch block past the block manager's in each pool for models with paged states
 (`writes_scratch_slot`), so that slot belongs to no sequence. Writing there instead of selecting the rows that do
 write keeps a decode step's shapes fixed (no host sync, capturable in a CUDA graph).
 """
@@ -51,6 +55,11 @@ class PagedState(nn.Module):
         super().__init__()
         self.name, self.width, self.ratio, self.cache_dtype = name, width, ratio, dtype
         self.kv_cache: torch.Tensor | None = None
+
+    @property
+    def pool(self) -> str:
+        """"window": a per-position state, read a bounded number of positions back; "main": compressed entries."""
+        return "window" if self.ratio == 0 else "main"
 
     def slots_per_block(self, block_size: int) -> int:
         return block_size if self.ratio == 0 else max(1, block_size // self.ratio)
@@ -104,38 +113,41 @@ class SequenceLayout:
 @dataclass
 class RowSlots:
     """Slot arithmetic for every row at once (no loop over sequences): row i belongs to sequence row_seq[i], whose
-    block table is block_tables[row_seq[i]]."""
-    block_tables: torch.Tensor     # [B, max_blocks]
+    block table is block_tables[row_seq[i]] and window table window_tables[row_seq[i]]."""
+    block_tables: torch.Tensor     # [B, max_blocks] (main pool: compressed entries)
     row_seq: torch.Tensor          # [rows]
     block_size: int
+    window_tables: torch.Tensor    # [B, max_blocks] (window pool: per-position states)
 
     @staticmethod
     def of(batch: ForwardBatch) -> "RowSlots":
         device = batch.block_tables.device
         if batch.is_decode_only:            # row b is sequence b: no host list to copy (a CUDA graph captures this)
-            return RowSlots(batch.block_tables, torch.arange(batch.num_seqs, device=device), batch.block_size)
+            return RowSlots(batch.block_tables, torch.arange(batch.num_seqs, device=device), batch.block_size,
+                            batch.window_tables)
         seq_of_row = [b for b, q in enumerate(batch.query_lens_cpu) for _ in range(q)]
         return RowSlots(batch.block_tables, torch.tensor(seq_of_row, dtype=torch.long, device=device),
-                        batch.block_size)
+                        batch.block_size, batch.window_tables)
 
     def select(self, rows: torch.Tensor) -> "RowSlots":
-        return RowSlots(self.block_tables, self.row_seq[rows], self.block_size)
+        return RowSlots(self.block_tables, self.row_seq[rows], self.block_size, self.window_tables)
 
-    def _block(self, index: torch.Tensor) -> torch.Tensor:
+    def _block(self, tables: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Block ids at table positions index [rows, K] (clamped into the table: callers mask what is invalid)."""
-        index = index.clamp(0, self.block_tables.shape[1] - 1)
-        return self.block_tables[self.row_seq[:, None].expand_as(index), index]
+        index = index.clamp(0, tables.shape[1] - 1)
+        return tables[self.row_seq[:, None].expand_as(index), index]
 
     def token_slots(self, positions: torch.Tensor) -> torch.Tensor:
-        """[rows, K] token positions of each row's sequence -> their slots (negative positions: garbage, mask them)."""
+        """[rows, K] token positions of each row's sequence -> their window-state slots (negative positions, and
+        positions of released window blocks: garbage, mask them)."""
         bs = self.block_size
         p = positions.clamp(min=0)
-        return self._block(p // bs) * bs + p % bs
+        return self._block(self.window_tables, p // bs) * bs + p % bs
 
     def entry_slots(self, j: torch.Tensor, ratio: int) -> torch.Tensor:
         """[rows, K] compressed entry indices of each row's sequence -> their slots (as SequenceLayout.entry_slots)."""
         per_block = max(1, self.block_size // ratio)
-        return self._block((j * ratio + ratio - 1) // self.block_size) * per_block + j % per_block
+        return self._block(self.block_tables, (j * ratio + ratio - 1) // self.block_size) * per_block + j % per_block
 
 
 def sequence_layouts(batch: ForwardBatch) -> list[SequenceLayout]:

@@ -110,10 +110,11 @@ class ModelStep:
     this step, each index source's chosen entry slots per row, the candidate-block masks per row, and the key-slot
     lists every layer of a kind reads (built once per step, for all rows at once).
 
-    Rows: `layouts`, `rows`, `positions` and `slot_mapping` describe the rows the layers compute now. They start as
+    Rows: `layouts`, `rows`, `positions` and `slot_mapping` (their window-state slots) describe the rows the layers
+    compute now. They start as
     the batch's rows; YOCO's compact mode (`yoco`, an object with kept_range / window_floor / active / compact,
     models/yoco.py) narrows them to each sequence's kept suffix at the first consumer layer (`compact_rows`).
-    Compressors always see every row (`full_rows`, `batch.positions`, `batch.slot_mapping`): the consumer half's
+    Compressors always see every row (`full_rows`, `batch.positions`, `batch.window_slots`): the consumer half's
     compressed KV covers the whole context."""
     batch: ForwardBatch
     full_layouts: list[SequenceLayout]
@@ -134,7 +135,7 @@ class ModelStep:
     def __post_init__(self) -> None:
         self.full_rows = self.rows = RowSlots.of(self.batch)
         self.layouts, self.positions, self.slot_mapping = self.full_layouts, self.batch.positions, \
-            self.batch.slot_mapping
+            self.batch.window_slots
 
     def compact_rows(self) -> None:
         """YOCO compact: from here on, each sequence's rows are its kept suffix (§8)."""
@@ -360,7 +361,7 @@ class SparseLatentAttention(nn.Module):
 
     # --- writes --------------------------------------------------------------------------------------------
     def _compress(self, x: torch.Tensor, step: ModelStep) -> None:
-        new = compress_step(self.compressor, x, step.batch.slot_mapping, step.batch.positions, step.full_rows,
+        new = compress_step(self.compressor, x, step.batch.window_slots, step.batch.positions, step.full_rows,
                             self.compressor_state, step.batch.is_decode_only)
         step.new_entries[self.roles.layer_id] = new
         if new.index.numel():
@@ -370,7 +371,7 @@ class SparseLatentAttention(nn.Module):
         """Index keys of the entries completed this step, RoPE'd at j·ratio: V4.1 ki = k_norm(wk · pre_rope) of the
         KV source's new entries; V4 the entries of the indexer's own compressor over this layer's input."""
         if hasattr(self.indexer, "compressor"):
-            new = compress_step(self.indexer.compressor, a, step.batch.slot_mapping, step.batch.positions,
+            new = compress_step(self.indexer.compressor, a, step.batch.window_slots, step.batch.positions,
                                 step.full_rows, self.index_key_state, step.batch.is_decode_only)
             ki = new.pre_rope
         else:

@@ -7,9 +7,11 @@
     h = shifted ? pre_last·R : HCHead(R);  hidden = norm(h) of the rows that need logits       (§2.3)
 
 The per-layer roles (window / C1 / C2, KV / index / index-K sources, candidate blocks, the YOCO split) come from
-`DeepseekV41Config`; every difference from DeepSeek-V4 is a field there. Each layer's state is paged on the
-engine's block table (layers/paged_state.py); `attention_layers()` lists each state once (shared layers alias
-their source's), which is what the model runner sizes, allocates and copies.
+`DeepseekV41Config`; every difference from DeepSeek-V4 is a field there. Each layer's state is paged in the
+engine's blocks (layers/paged_state.py): compressed entries on the block table, per-position states (SWA keys,
+compressor states, token ids) in the window pool, of which a sequence keeps `window_reach()` positions back;
+`attention_layers()` lists each state once (shared layers alias their source's), which is what the model runner
+sizes, allocates and copies.
 
 Checkpoints: the released format (FP8 with 32x32 UE8M0 scales, FP4 experts; deepserve/loader/
 deepseek_v41_weights.py) or the same names unquantized. DSpark draft blocks (`mtp.*`) are loaded and kept; with
@@ -277,6 +279,27 @@ class DeepseekV41ForCausalLM(nn.Module):
         drafts = [block.attn.swa for block in self.mtp] if self.dspark_targets else []     # the main cache
         return states + drafts + ([self.token_ids] if self.token_ids is not None else [])
 
+    @property
+    def prompt_window_keep(self) -> int | None:
+        """YOCO (§8): in a prompt step the consumer layers compute (compact) or see (mask) only each sequence's last
+        KEEP tokens, so only those positions' window states are whole; None: all are."""
+        return self.yoco.keep if self.yoco.active else None
+
+    def window_reach(self) -> int:
+        """How many positions before its own a row reads per-position (window-pool) state at: the sliding window's
+        W - 1, a compressor's span - 1 (the entry completed at a row pools the span's earlier tokens), the n-gram
+        history's M - 1. The block manager gives a sequence's window blocks back once they lie further behind."""
+        c = self.spec
+        reach = c.sliding_window - 1
+        for block in self.layers:
+            for comp in (getattr(block.attn, "compressor", None), getattr(getattr(block.attn, "indexer", None),
+                                                                          "compressor", None)):
+                if comp is not None:
+                    reach = max(reach, comp.span - 1)
+        if self.token_ids is not None:
+            reach = max(reach, c.engram_max_ngram_size - 1)
+        return reach
+
     def enable_dspark(self) -> None:
         """Speculative decoding with the DSpark draft blocks (before the runner sizes the caches): their SWA states
         are allocated and every forward writes the main-cache keys into them."""
@@ -326,7 +349,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         first = self.mtp[0]
         hm = first.main_norm(first.main_proj(f.to(first.main_proj.weight.dtype)))
         for block in self.mtp:
-            block.attn.write_main_keys(hm, batch.positions, batch.slot_mapping)
+            block.attn.write_main_keys(hm, batch.positions, batch.window_slots)
 
     def draft_hidden(self, block_ids: torch.Tensor, positions: torch.Tensor, main_slots: torch.Tensor,
                      block_slots: torch.Tensor) -> torch.Tensor:
@@ -369,7 +392,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     def _ngrams(self, step: ModelStep) -> torch.Tensor:
         """[T, M] compressed ids of positions p, p-1, ..., p-M+1 of each row (before 0: the compressed pad)."""
         batch, M = step.batch, self.spec.engram_max_ngram_size
-        self.token_ids.write(batch.slot_mapping, batch.input_ids[:, None])
+        self.token_ids.write(batch.window_slots, batch.input_ids[:, None])
         pad = self.engram_vocab[self.engram_pad]
         history = batch.positions[:, None] - torch.arange(M, device=batch.positions.device)[None, :]
         ids = self.token_ids.read(step.full_rows.token_slots(history).flatten()).view(history.shape)

@@ -87,7 +87,8 @@ def draft_blocks(scheduled: list[ScheduledSequence], sampled: dict[int, int], em
 def run_dspark(model, batch: ForwardBatch, blocks: list[_Block], eos_token_ids: set[int],
                window: int) -> dict[int, DSparkDraft]:
     """Every block through the draft layers at once (rows flat, sequence by sequence), then the drafts position by
-    position. `batch`: the step's forward batch (its block tables hold every committed position's main keys)."""
+    position. `batch`: the step's forward batch (its window tables hold the main keys of the W positions before
+    each block, the ones the block reads)."""
     if not blocks:
         return {}
     device = batch.block_tables.device
@@ -104,7 +105,8 @@ def run_dspark(model, batch: ForwardBatch, blocks: list[_Block], eos_token_ids: 
     p = (n - 2)[row_seq]
     main_pos = p[:, None] - torch.arange(window)[None, :]
     table_rows = torch.tensor([b.index for b in blocks], dtype=torch.long, device=device)
-    slots = RowSlots(batch.block_tables.index_select(0, table_rows), row_seq.to(device), batch.block_size)
+    tables = batch.window_tables.index_select(0, table_rows)
+    slots = RowSlots(tables, row_seq.to(device), batch.block_size, tables)
     main_slots = torch.where(main_pos.to(device) >= 0, slots.token_slots(main_pos.to(device)), -1)
     # The block's own keys: rows first[j] .. first[j] + count - 1 of this call, -1 padded.
     width = max(b.count for b in blocks)

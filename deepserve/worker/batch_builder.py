@@ -57,6 +57,9 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
     np.cumsum(q_lens, out=starts[1:])
     parts = [np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64), np.asarray(slots, dtype=np.int64),
              tables.ravel(), starts, np.asarray(s_lens, dtype=np.int64), np.asarray(logit_idx, dtype=np.int64)]
+    with_window = any(s.seq.window_table for s in out.scheduled)
+    if with_window:
+        parts += window_tables_and_slots(out, pos, block_size, max_blocks)
     views = upload_int64(parts, device)
     return ForwardBatch(
         input_ids=views[0], positions=views[1], slot_mapping=views[2],
@@ -65,4 +68,20 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
         inflight_rows=inflight, data_lens_cpu=d_lens,
         draft_lens_cpu=[len(s.draft_token_ids) for s in out.scheduled] if any(s.draft_token_ids for s in out.scheduled)
         else [],
+        window_slot_mapping=views[8] if with_window else None,
+        window_block_tables=views[7].view(num_seqs, max_blocks) if with_window else None,
     )
+
+
+def window_tables_and_slots(out: SchedulerOutput, positions: list[int], block_size: int,
+                            max_blocks: int) -> list[np.ndarray]:
+    """[window tables (flat), window slot of each row] for a model with a window pool (engine/block_manager.py).
+    Released entries (-1) become block 0: nothing reads them (they lie beyond every row's reach)."""
+    tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int64)
+    for b, sched in enumerate(out.scheduled):
+        tables[b, :len(sched.seq.window_table)] = sched.seq.window_table
+    np.maximum(tables, 0, out=tables)
+    row_seq = np.repeat(np.arange(len(out.scheduled)), [s.num_new_tokens for s in out.scheduled])
+    pos = np.asarray(positions, dtype=np.int64)
+    slots = tables[row_seq, pos // block_size] * block_size + pos % block_size
+    return [tables.ravel(), slots]

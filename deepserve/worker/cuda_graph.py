@@ -30,6 +30,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepserve.layers.forward_batch import ForwardBatch
@@ -68,11 +69,13 @@ def padded_size(batch_size: int, sizes: list[int]) -> int | None:
 
 
 class StaticDecodeInputs:
-    """Host staging buffer and device buffer with a fixed layout: ids | positions | slots | seq_lens | tables."""
+    """Host staging buffer and device buffer with a fixed layout: ids | positions | slots | seq_lens | window slots |
+    tables, a row per batch row: its block table, then (`window`: a model with a window pool) its window table."""
 
-    def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device, window: bool = False) -> None:
         self.max_batch, self.max_blocks = max_batch, max_blocks
-        n = 4 * max_batch + max_batch * max_blocks
+        self.tables_per_row = 2 if window else 1
+        n = 5 * max_batch + max_batch * max_blocks * self.tables_per_row
         pin = device.type == "cuda"
         # Two host buffers used in turn: with overlapped scheduling the copy out of one may still be queued
         # while the next step fills the other (a step is collected before the one after next is filled).
@@ -80,8 +83,11 @@ class StaticDecodeInputs:
         self.turn = 0
         self.device = torch.zeros(n, dtype=torch.int64, device=device)
         mb = max_batch
-        self.input_ids, self.positions, self.slots, self.seq_lens = (self.device[i * mb:(i + 1) * mb] for i in range(4))
-        self.block_tables = self.device[4 * mb:].view(mb, max_blocks)
+        self.input_ids, self.positions, self.slots, self.seq_lens, self.window_slots = \
+            (self.device[i * mb:(i + 1) * mb] for i in range(5))
+        tables = self.device[5 * mb:].view(mb, self.tables_per_row, max_blocks)
+        self.block_tables = tables[:, 0]
+        self.window_tables = tables[:, 1] if window else None
         self.query_start_loc = torch.arange(mb + 1, dtype=torch.int64, device=device)
         self.rows = torch.arange(mb, dtype=torch.int64, device=device)
 
@@ -90,14 +96,17 @@ class StaticDecodeInputs:
         Returns (row, seq_id) of rows whose input token is in flight (left 0 for the caller to patch)."""
         self.turn ^= 1
         host = self.hosts[self.turn]
-        mb, h = self.max_batch, host.numpy()
+        mb, h, per_row = self.max_batch, host.numpy(), self.tables_per_row
         inflight = []
-        ids, pos, slots, lens = h[0:mb], h[mb:2 * mb], h[2 * mb:3 * mb], h[3 * mb:4 * mb]
-        tables = h[4 * mb:4 * mb + size * self.max_blocks].reshape(size, self.max_blocks)
+        ids, pos, slots, lens, wslots = (h[i * mb:(i + 1) * mb] for i in range(5))
+        all_tables = h[5 * mb:5 * mb + size * per_row * self.max_blocks].reshape(size, per_row, self.max_blocks)
+        tables = all_tables[:, 0]
+        wtables = all_tables[:, 1] if per_row == 2 else None
         i = 0
         for s in out.scheduled:
             seq, p = s.seq, s.start
             table = seq.block_table
+            window = seq.window_table
             if p < len(seq.token_ids):
                 ids[i] = seq.token_ids[p]
             else:
@@ -112,12 +121,16 @@ class StaticDecodeInputs:
                 slots[i] = table[(p + j) // block_size] * block_size + (p + j) % block_size
                 lens[i] = p + j + 1
                 tables[i, :len(table)] = table
+                if wtables is not None:       # (released entries, -1, become block 0: beyond every row's reach)
+                    wslots[i] = window[(p + j) // block_size] * block_size + (p + j) % block_size
+                    wtables[i, :len(window)] = window
+                    np.maximum(wtables[i], 0, out=wtables[i])
                 i += 1
         b = i
         # Padding rows: one key of block 0 to read (a valid address), nothing to write.
-        ids[b:size], pos[b:size], slots[b:size], lens[b:size] = 0, 0, -1, 1
-        tables[b:size] = 0
-        used = 4 * mb + size * self.max_blocks
+        ids[b:size], pos[b:size], slots[b:size], lens[b:size], wslots[b:size] = 0, 0, -1, 1, -1
+        all_tables[b:size] = 0
+        used = 5 * mb + size * per_row * self.max_blocks
         self.device[:used].copy_(host[:used], non_blocking=True)
         return inflight
 
@@ -128,7 +141,9 @@ class StaticDecodeInputs:
             input_ids=self.input_ids[:size], positions=self.positions[:size], slot_mapping=self.slots[:size],
             block_tables=self.block_tables[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], query_lens_cpu=[1] * size, seq_lens_cpu=[1] * size,
-            logits_indices=self.rows[:size], block_size=block_size, graph_max_seq_len=max_seq_len)
+            logits_indices=self.rows[:size], block_size=block_size, graph_max_seq_len=max_seq_len,
+            window_slot_mapping=self.window_slots[:size] if self.window_tables is not None else None,
+            window_block_tables=self.window_tables[:size] if self.window_tables is not None else None)
 
 
 @dataclass
@@ -144,6 +159,9 @@ class CUDAGraphRunner:
     """Captures and replays decode forwards. `model(batch)` -> `model.compute_logits` is what gets captured. A graph
     is keyed by (padded batch size, context bucket).
 
+    window: the model keeps states in the window pool (engine/block_manager.py): each row also has its window table and
+    window-state slot among the static inputs.
+
     keep_hidden: the graph also copies `model(batch)` (every row's hidden state before the LM head, whatever its
     shape and dtype) into a static buffer allocated at the first capture, and `run` hands it out: the way in for a
     drafter that runs eagerly after sampling (DeepSeek-V3's MTP layer reads the final hidden states).
@@ -154,7 +172,8 @@ class CUDAGraphRunner:
     (a sequence's table is read at the row of its first position)."""
 
     def __init__(self, model, attn_backend, block_size: int, max_model_len: int, vocab_size: int,
-                 capture_sizes: list[int], device: torch.device, keep_hidden: bool = False) -> None:
+                 capture_sizes: list[int], device: torch.device, keep_hidden: bool = False,
+                 window: bool = False) -> None:
         self.model, self.attn_backend = model, attn_backend
         self.block_size, self.max_model_len = block_size, max_model_len
         self.sizes = sorted(capture_sizes)
@@ -162,7 +181,7 @@ class CUDAGraphRunner:
                         else [max_model_len])
         self.device = device
         max_blocks = -(-max_model_len // block_size)
-        self.inputs = StaticDecodeInputs(self.sizes[-1], max_blocks, device)
+        self.inputs = StaticDecodeInputs(self.sizes[-1], max_blocks, device, window)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.batches: dict[tuple[int, int], ForwardBatch] = {}
         # One logits buffer for every graph: each copies its logits in, so the graphs' own outputs die after
@@ -203,8 +222,11 @@ class CUDAGraphRunner:
         self.inputs.input_ids[:size].zero_()
         self.inputs.positions[:size].zero_()
         self.inputs.slots[:size].fill_(-1)
+        self.inputs.window_slots[:size].fill_(-1)
         self.inputs.seq_lens[:size].fill_(1)
         self.inputs.block_tables[:size].zero_()
+        if self.inputs.window_tables is not None:
+            self.inputs.window_tables[:size].zero_()
         if getattr(self.model, "reads_attention_metadata", True):
             batch.attn_metadata = self.attn_backend.build_graph_metadata(batch, bucket)
         self.graphs[size, bucket], self.batches[size, bucket] = self._record(size, batch), batch

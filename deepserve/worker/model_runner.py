@@ -29,6 +29,7 @@ from deepserve.spec_decode.verifier import VerifyGroup, VerifyResult, verify
 from deepserve.worker.model_loader import load_model
 from deepserve.worker.batch_builder import build_forward_batch
 from deepserve.worker.host_memory import retain_freed_memory
+from deepserve.worker.kv_cache import KVCacheLayout
 from deepserve.worker.memory_profile import (MAX_LOGPROBS, CudaMemory, costliest_sampling, fitting_budget,
                                              largest_steps)
 from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -89,6 +90,7 @@ class ModelRunner:
         # Builds the per-step index metadata every layer's backend reads (one builder for the whole model).
         self.attn_backend = self._select_attention_backend()
         self.sampler = Sampler()
+        self.kv_layout = KVCacheLayout(self.model, config, self.kv_cache_dtype)
         self.kv_caches = self._allocate_kv_cache()
         self.mtp_scratch = self._allocate_mtp_scratch()
         self.cuda_graphs = self._capture_cuda_graphs()
@@ -133,23 +135,20 @@ class ModelRunner:
     def kv_cache_dtype(self) -> torch.dtype:
         return self.config.cache.dtype or self.config.model.dtype
 
+    def window_states(self) -> list:
+        """Per-position states read only a bounded way back (DeepSeek-V4 / V4.1): they live in the window pool."""
+        return self.kv_layout.window_states()
+
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one block over every layer's cache (a layer whose slots are not one per token, e.g. a compressed
-        KV state with an entry per `ratio` tokens, says its size per block)."""
-        total = 0
-        for layer in self.model.attention_layers():
-            if hasattr(layer, "kv_bytes_per_block"):
-                total += layer.kv_bytes_per_block(self.kv_cache_dtype, self.block_size)
-            else:
-                total += layer.kv_bytes_per_token(self.kv_cache_dtype) * self.block_size
-        return total
+        """Bytes of one block of the main pool over every layer's cache."""
+        return self.kv_layout.main_bytes_per_block()
+
+    def window_bytes_per_block(self) -> int:
+        """Bytes of one block of the window pool (0: the model has none)."""
+        return self.kv_layout.window_bytes_per_block()
 
     def kv_bytes_per_token(self) -> float:
         return self.kv_bytes_per_block() / self.block_size
-
-    def _cache_dtype(self, layer) -> torch.dtype:
-        """A layer may keep a state in a dtype of its own (fp32 compressor state, int64 token ids)."""
-        return getattr(layer, "cache_dtype", None) or self.kv_cache_dtype
 
     def _kv_budget_bytes(self) -> int:
         cache = self.config.cache
@@ -158,30 +157,27 @@ class ModelRunner:
         if self.memory is not None:
             return self._profiled_budget()
         # CPU: enough for every sequence at full length, capped at 1 GiB (zeroing more costs start-up time).
-        sched = self.config.scheduler
-        want = int(sched.max_num_seqs * sched.max_model_len * self.kv_bytes_per_token())
-        return min(want, 1 << 30)
+        return min(self.kv_layout.wanted_bytes(), 1 << 30)
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
-        per_block = self.kv_bytes_per_block()
-        num_blocks = max(int(self._kv_budget_bytes()) // per_block, 1)
+        num_blocks, num_window = self.kv_layout.split(int(self._kv_budget_bytes()))
         # Every rank gets the same number of blocks (tensor-parallel ranks must schedule alike; DeepInfer takes the
         # world's minimum too).
         num_blocks = int(self.parallel.world.all_reduce_min(torch.tensor([num_blocks])).item())
-        self.config.cache.num_blocks = int(num_blocks)
-        caches = []
+        if num_window:
+            num_window = int(self.parallel.world.all_reduce_min(torch.tensor([num_window])).item())
+            self.config.cache.window_reach = self.model.window_reach()
+        self.config.cache.num_blocks, self.config.cache.num_window_blocks = int(num_blocks), num_window
         # + the scratch block: placeholder forwards write their token there, and paged states their slot -1 (padding
         # rows of a captured decode, entries a decode row does not complete: layers/paged_state.py).
-        layers = self.model.attention_layers()
-        scratch = self.needs_placeholder_steps or any(getattr(layer, "writes_scratch_slot", False) for layer in layers)
-        allocated = num_blocks + (1 if scratch else 0)
-        for layer in layers:
-            cache = torch.zeros(layer.kv_cache_shape(allocated, self.block_size), dtype=self._cache_dtype(layer),
-                                device=self.device)
-            layer.kv_cache = cache
-            caches.append(cache)
+        scratch = self.needs_placeholder_steps or any(getattr(layer, "writes_scratch_slot", False)
+                                                      for layer in self.model.attention_layers())
+        caches = self.kv_layout.allocate(num_blocks, num_window, scratch, self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
-                    num_blocks * per_block / 2**20)
+                    num_blocks * self.kv_bytes_per_block() / 2**20)
+        if num_window:
+            logger.info("window states: %d blocks (%.1f MiB), %d positions kept behind each sequence's next",
+                        num_window, num_window * self.window_bytes_per_block() / 2**20, self.model.window_reach())
         return caches
 
     def _profiled_budget(self) -> int:
@@ -214,7 +210,7 @@ class ModelRunner:
         sched, bs = self.config.scheduler, self.block_size
         step = largest_steps(tokens, sched.max_num_seqs, sched.max_model_len)[0]
         blocks = max(-(-sum(step) // bs) + len(step), -(-sched.max_model_len // bs))
-        return blocks * self.kv_bytes_per_block()
+        return blocks * self.kv_bytes_per_block() + self.kv_layout.least_window_bytes()
 
     def _refusal(self, peaks: dict[int, int | None], weights: int, room: int) -> str:
         sched, util = self.config.scheduler, self.config.cache.gpu_memory_utilization
@@ -252,7 +248,8 @@ class ModelRunner:
         self.kv_caches[i] = layer.kv_cache = old = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.kv_caches[i] = layer.kv_cache = torch.zeros(shape, dtype=self._cache_dtype(layer), device=self.device)
+        self.kv_caches[i] = layer.kv_cache = torch.zeros(shape, dtype=self.kv_layout.cache_dtype(layer),
+                                                         device=self.device)
         logger.info("MTP chain scratch: %d blocks", num_seqs * per_seq)
         return MTPScratch(first, per_seq, num_seqs)
 
@@ -268,8 +265,8 @@ class ModelRunner:
         sched = self.config.scheduler
         layers = self.model.attention_layers()
         for layer in layers:
-            layer.kv_cache = torch.zeros(layer.kv_cache_shape(1, self.block_size), dtype=self._cache_dtype(layer),
-                                         device=self.device)
+            layer.kv_cache = torch.zeros(layer.kv_cache_shape(1, self.block_size),
+                                         dtype=self.kv_layout.cache_dtype(layer), device=self.device)
         peaks = {}
         n = sched.max_num_batched_tokens
         while n >= 1:
@@ -339,6 +336,10 @@ class ModelRunner:
             query_start_loc=torch.tensor([0, 1], device=dev), seq_lens=torch.ones(1, dtype=torch.int64, device=dev),
             query_lens_cpu=[1], seq_lens_cpu=[1], logits_indices=torch.zeros(1, dtype=torch.int64, device=dev),
             block_size=self.block_size)
+        window = self.config.cache.num_window_blocks      # the window pool's scratch block
+        if window:
+            batch.window_slot_mapping = torch.full((1,), window * self.block_size, dtype=torch.int64, device=dev)
+            batch.window_block_tables = torch.full((1, 1), window, dtype=torch.int64, device=dev)
         batch.attn_metadata = self._attention_metadata(batch)
         self.model(batch)
 
@@ -413,7 +414,7 @@ class ModelRunner:
         # The MTP drafter runs eagerly after sampling, from the final hidden states the graphs keep.
         graphs = CUDAGraphRunner(self.model, self.attn_backend, self.block_size, sched.max_model_len,
                                  self.config.model.vocab_size, sizes, self.device,
-                                 keep_hidden=_drafts_with_mtp(self.model))
+                                 keep_hidden=_drafts_with_mtp(self.model), window=bool(self.window_states()))
         try:
             graphs.capture()
         except Exception:   # a layer that cannot be captured must not stop the engine: run eagerly instead
@@ -426,14 +427,9 @@ class ModelRunner:
     def cuda_graph_capture_seconds(self) -> float | None:
         return self.cuda_graphs.capture_seconds if self.cuda_graphs is not None else None
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for layer in self.model.attention_layers():
-            dim = layer.kv_block_dim
-            layer.kv_cache.index_copy_(dim, dst, layer.kv_cache.index_select(dim, src))
+    def copy_blocks(self, copies: list[tuple[int, int]], window_copies: list[tuple[int, int]] = ()) -> None:
+        """Copy-on-write copies (src, dst) of the main pool's blocks, and of the window pool's."""
+        self.kv_layout.copy_blocks(copies, window_copies, self.device)
 
     # --- KV blocks in and out (the KV store, engine/kv_store_connector.py) -------------------------
     def blocks_not_storable(self) -> str | None:
@@ -479,7 +475,7 @@ class ModelRunner:
 
         Rows whose input token is still in flight (sampled by `previous`, not yet on the host) read it from
         `previous`'s device tensor, so a step can be launched before the one before it has been collected."""
-        self.copy_blocks(out.blocks_to_copy)
+        self.copy_blocks(out.blocks_to_copy, out.window_blocks_to_copy)
         step = LaunchedStep()
         if out.is_empty:
             return step

@@ -33,6 +33,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     ignored: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    window_blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)    # the window pool's (block_manager)
     speculative: bool = False       # scheduled by a speculating engine (its decodes verify drafts, maybe none)
 
     @property

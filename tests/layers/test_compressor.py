@@ -22,7 +22,7 @@ def _run(ratio: int, positions: list[int], slots: list[int], tables: list[list[i
     torch.manual_seed(0)
     comp = GatedPoolCompressor(hidden=8, head_dim=6, ratio=ratio, eps=1e-6)
     token_state = _state(comp.state_width, 0, num_blocks=4)
-    rows = RowSlots(torch.tensor(tables), torch.arange(len(positions)), BS)
+    rows = RowSlots(torch.tensor(tables), torch.arange(len(positions)), BS, torch.tensor(tables))
     x = torch.randn(len(positions), 8)
     new = compress_step(comp, x, torch.tensor(slots), torch.tensor(positions), rows, token_state, decode_only=True)
     return comp, x, token_state, new

@@ -107,18 +107,33 @@ def mixed_prompts(vocab: int = VOCAB) -> list[list[int]]:
     return [(shared if i % 3 else []) + random_prompt(n, seed=100 + i, vocab=vocab) for i, n in enumerate(lengths)]
 
 
+def check_mixed_batch_two_pools(path: str, ref, greedy, vocab: int, window_blocks: int) -> LLM:
+    """check_mixed_batch for a model with a window pool (DeepSeek-V4 / V4.1, engine/block_manager.py): 16 main blocks
+    (one max_model_len=128 sequence) and `window_blocks` window blocks, so that both pools run out."""
+    probe = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8, max_model_len=128,
+                max_num_batched_tokens=24)
+    runner = probe.engine.runner
+    budget = 16 * runner.kv_bytes_per_block() + window_blocks * runner.window_bytes_per_block()
+    llm = check_mixed_batch(path, ref, runner.kv_bytes_per_token(), greedy=greedy, vocab=vocab, budget_bytes=budget,
+                            max_model_len=128)
+    bm = llm.engine.block_manager
+    assert bm.num_window_blocks == window_blocks and bm.num_blocks == (16 if runner.kv_bytes_per_block() else 256 * 16)
+    return llm
+
+
 def check_mixed_batch(path: str, hf, kv_bytes_per_token: float, steps: int = 32, greedy=None,
-                      vocab: int = VOCAB) -> LLM:
+                      vocab: int = VOCAB, budget_bytes: int | None = None, **engine_kwargs) -> LLM:
     """All prompts at once with chunked prefill (24-token steps), prefix caching and a KV budget small
     enough to force preemption: each request's tokens equal the reference's greedy ones (`greedy(model, ids,
     steps)` -> (tokens, logits [steps, V]); default HF's) and each token's logprob agrees with the reference's
-    logits (decode steps run batched, some sequences mid-prefill beside them)."""
+    logits (decode steps run batched, some sequences mid-prefill beside them). The budget: 16 blocks of 8 tokens
+    (the longest request alone needs 14), or `budget_bytes`."""
     prompts = mixed_prompts(vocab)
     refs = [(greedy or hf_greedy)(hf, ids, steps) for ids in prompts]
-    budget_blocks = 16                       # of 8 tokens; the longest request alone needs 14
+    budget_blocks = 16
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8, enable_chunked_prefill=True,
               max_num_batched_tokens=24, enable_prefix_caching=True,
-              kv_cache_memory_bytes=int(budget_blocks * 8 * kv_bytes_per_token))
+              kv_cache_memory_bytes=budget_bytes or int(budget_blocks * 8 * kv_bytes_per_token), **engine_kwargs)
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for out, (ref_tokens, ref_logits) in zip(outs, refs):
@@ -133,4 +148,5 @@ def check_mixed_batch(path: str, hf, kv_bytes_per_token: float, steps: int = 32,
     assert llm.engine.block_manager.prefix_hits > 0, "the shared prefix was meant to hit the cache"
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked after all requests finished"
+    assert bm.num_free_window_blocks == bm.num_window_blocks, "window blocks leaked after all requests finished"
     return llm

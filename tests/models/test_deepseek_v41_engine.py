@@ -20,7 +20,7 @@ from deepserve.models.reference.tiny import tiny_config
 from deepserve.tools.make_tiny_checkpoint import write_deepseek_v41
 
 from tests.worker.eager_graphs import install_eager_replay_graphs
-from hf_compare import assert_close_relative, check_mixed_batch, engine_logits, random_prompt
+from hf_compare import assert_close_relative, check_mixed_batch_two_pools, engine_logits, random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -77,32 +77,85 @@ def test_logits_and_greedy_match_reference(tiny_v41, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_batched_with_chunking_preemption_and_prefix_hits(tiny_v41, variant):
     """Six requests at once: chunked prefill, prefix-cache hits and preemption each happen (asserted inside), and
-    every token and logprob matches the reference's greedy decoding."""
+    every token and logprob matches the reference's greedy decoding. The budget: 16 main blocks (one max_model_len
+    sequence) and 7 window blocks (a 24-token step and its window need up to 6, a decoding sequence 1-2), so both pools
+    run out."""
     path, ref = tiny_v41(variant)
-    probe = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8)
-    check_mixed_batch(path, ref, probe.engine.runner.kv_bytes_per_token(), greedy=reference_greedy, vocab=VOCAB)
+    check_mixed_batch_two_pools(path, ref, reference_greedy, VOCAB, window_blocks=7)
 
 
 def test_bytes_per_token_of_each_layer_type(tiny_v41):
     """Per block of 8 tokens, fp32 caches (mixed: D=32, Di=16; ratios [0, 2, 2, 1, 1, 1]; kv sources 1, 3;
-    index-K sources 1, 3 (5 reads 3's)): every layer keeps SWA keys (8 x D); a C2 source 4 entries x D plus the
-    fp32 (score, latent) state 8 x 2D and 4 index keys x Di; a C1 source 8 entries x D, state 8 x D, 8 index keys;
-    sharing layers (2, 4, 5) nothing more."""
+    index-K sources 1, 3 (5 reads 3's)). Window pool (per position, kept only near each sequence's end): every
+    layer's SWA keys 8 x D; a C2 source's fp32 (score, latent) state 8 x 2D, a C1 source's 8 x D. Main pool (the
+    whole context): a C2 source 4 entries x D and 4 index keys x Di; a C1 source 8 entries x D and 8 index keys;
+    window and sharing layers (0, 2, 4, 5) nothing."""
     path, _ = tiny_v41("mixed")
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8)
     D, Di, f = 32, 16, 4
     swa = 8 * D * f
-    c2_source = 4 * D * f + 8 * 2 * D * 4 + 4 * Di * f
-    c1_source = 8 * D * f + 8 * D * 4 + 8 * Di * f
+    window = [swa, swa + 8 * 2 * D * 4, swa, swa + 8 * D * 4, swa, swa]
+    main = [0, 4 * D * f + 4 * Di * f, 0, 8 * D * f + 8 * Di * f, 0, 0]
     model = llm.engine.runner.model
-    per_layer = [sum(p.kv_bytes_per_block(torch.float32, 8) for p in block.attn.paged_states())
-                 for block in model.layers]
-    assert per_layer == [swa, swa + c2_source, swa, swa + c1_source, swa, swa]
-    assert llm.engine.runner.kv_bytes_per_block() == sum(per_layer)
+
+    def per_layer(pool):
+        return [sum(p.kv_bytes_per_block(torch.float32, 8) for p in block.attn.paged_states() if p.pool == pool)
+                for block in model.layers]
+    assert per_layer("window") == window and per_layer("main") == main
+    runner = llm.engine.runner
+    assert runner.window_bytes_per_block() == sum(window) and runner.kv_bytes_per_block() == sum(main)
     # Shared layers alias their source's state: the runner allocated each state once.
     shared = model.layers[2].attn
     assert shared.kv_source_layer is model.layers[1].attn
     assert model.layers[5].attn.index_k_source_layer is model.layers[3].attn
+
+
+@pytest.mark.parametrize("variant", ["mixed", "engram"])
+def test_a_long_sequence_keeps_only_its_window(tiny_v41, variant):
+    """A sequence holds its whole context in main blocks but only the window blocks its next rows can read: after
+    every step at most those covering the `reach` positions before its next one (ceil((reach + 1) / bs) + 1), while
+    the prompt's chunks come and go; all blocks come back at the end. The tokens are still the reference's."""
+    path, ref = tiny_v41(variant)
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8, max_num_batched_tokens=16)
+    engine, bm = llm.engine, llm.engine.block_manager
+    reach = engine.runner.model.window_reach()
+    assert reach == 3                           # W - 1 = 3 (a C2 compressor reads 1 back, Engram's 3-gram history 2)
+    ids = random_prompt(45, seed=3, vocab=VOCAB)
+    engine.add_request("long", {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=40,
+                                                                          ignore_eos=True))
+    held, tokens = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+        for seq in engine.scheduler.running:
+            held.append((len(seq.block_table), sum(1 for b in seq.window_table if b >= 0)))
+    bound = -(-(reach + 1) // 8) + 1
+    assert max(w for _, w in held) <= bound and max(m for m, _ in held) == -(-(45 + 39) // 8)
+    assert tokens == reference_greedy(ref, ids, 40)[0]
+    assert bm.num_free_window_blocks == bm.num_window_blocks and bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("variant", ["mixed", "c2"])
+def test_prefix_hit_brings_back_a_window_of_several_blocks(tiny_v41, variant):
+    """Blocks of 2 tokens, window 4 (reach 3): a hit at position p reads window states from p - 3 on, two blocks back.
+    A second request sharing 21 tokens with a finished one hits 10 blocks and adopts the two window blocks before
+    them, and its logits and greedy tokens are still the reference's."""
+    path, ref = tiny_v41(variant)
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=2, max_num_batched_tokens=16)
+    shared = random_prompt(21, seed=11, vocab=VOCAB)
+    first, second = shared + random_prompt(6, seed=12, vocab=VOCAB), shared + random_prompt(9, seed=13, vocab=VOCAB)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.generate({"prompt_token_ids": first}, params, use_tqdm=False)
+    bm = llm.engine.block_manager
+    assert bm.find_cached_prefix(_probe(second)) and bm.window_reach == 3
+    out = llm.generate({"prompt_token_ids": second}, params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 20
+    assert out.outputs[0].token_ids == reference_greedy(ref, second, 12)[0]
+
+
+def _probe(ids: list[int]):
+    from deepserve.sequence import Sequence
+    return Sequence(10**9 + len(ids), "probe", 0, ids, SamplingParams(), seed=0)
 
 
 def test_quantized_checkpoint_loads_the_dequantized_weights(tmp_path):

@@ -19,7 +19,7 @@ from deepserve import LLM, SamplingParams  # noqa: E402
 from deepserve.tools.make_tiny_checkpoint import (deepseek_v4_layer_mix_config, randomize_deepseek_v4,  # noqa: E402
                                                  write_deepseek_v4)
 
-from hf_compare import assert_close_relative, check_mixed_batch, engine_logits, random_prompt  # noqa: E402
+from hf_compare import assert_close_relative, check_mixed_batch_two_pools, engine_logits, random_prompt  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -81,9 +81,10 @@ def test_logits_and_greedy_match_hf_full_forward(tiny_v4, mix):
 
 
 def test_batched_with_chunking_preemption_and_prefix_hits(tiny_v4):
+    """Window 4, CSA 4 (span 8) and HCA 8: the window pool keeps 7 positions back; 9 window blocks (a 24-token step
+    needs up to 6) and 16 main blocks both run out."""
     path, hf = tiny_v4("window_csa4_hca8")
-    probe = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8)
-    check_mixed_batch(path, hf, probe.engine.runner.kv_bytes_per_token(), greedy=hf_full_greedy, vocab=VOCAB)
+    check_mixed_batch_two_pools(path, hf, hf_full_greedy, VOCAB, window_blocks=9)
 
 
 def test_hash_table_loaded(tiny_v4):

@@ -75,6 +75,30 @@ def test_decoding_after_compact_prefill_matches_mask(checkpoint, monkeypatch):
     assert max(abs(a - b) for a, b in zip(lp["compact"], lp["mask"])) < 1e-4
 
 
+def test_prefix_hits_read_only_window_states_every_layer_wrote(checkpoint, monkeypatch):
+    """Prefix caching under YOCO. A 40-token prompt A (KEEP 16) writes consumer-layer window states only from
+    position 24 on (compact). B1 shares A's first 24 tokens and is short enough that its consumer rows would read
+    positions 21-23 of a hit at 24: the window block there is not named, so B1 gets no hit (and compact == mask,
+    where a hit would have read states compact never wrote). B2 continues A (prompt + output): it hits 40 tokens,
+    whose window block before the hit point A wrote whole; compact == mask again."""
+    path, _ = checkpoint
+    a = random_prompt(PROMPT, seed=3, vocab=96)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    results, logprobs = {}, {}
+    for mode in ("mask", "compact"):
+        llm = engine(path, monkeypatch, mode)
+        out_a = llm.generate({"prompt_token_ids": a}, params, use_tqdm=False)[0].outputs[0].token_ids
+        b1 = a[:24] + random_prompt(4, seed=4, vocab=96)
+        b2 = a + out_a + random_prompt(5, seed=5, vocab=96)
+        outs = llm.generate([{"prompt_token_ids": b1}, {"prompt_token_ids": b2}], params, use_tqdm=False)
+        results[mode] = [(o.num_cached_tokens, o.outputs[0].token_ids) for o in outs]
+        logprobs[mode] = torch.tensor([e[t].logprob for o in outs for e, t in zip(o.outputs[0].logprobs,
+                                                                                   o.outputs[0].token_ids)])
+    assert [cached for cached, _ in results["compact"]] == [0, 40]
+    assert results["compact"] == results["mask"]
+    torch.testing.assert_close(logprobs["compact"], logprobs["mask"], rtol=0, atol=1e-4)
+
+
 def test_keep_bound_is_enforced(checkpoint, monkeypatch):
     path, _ = checkpoint
     assert minimum_keep(128, 1 + 5) == 134                  # window 128, 5 draft tokens (§8)

@@ -141,11 +141,13 @@ def test_greedy_output_is_the_output_without_speculation(tiny_dspark, verify_len
 
 
 def test_main_cache_is_counted_in_the_kv_bytes(tiny_dspark):
-    """Each draft layer's SWA state (block of 8 positions x D fp32) joins the per-block bytes only with DSpark on."""
+    """Each draft layer's SWA state (block of 8 positions x D fp32) joins the window pool's per-block bytes only with
+    DSpark on; the main pool is unchanged."""
     path, _ = tiny_dspark("mixed")
     plain = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8).engine.runner
     spec = dspark_llm(path).engine.runner
-    assert spec.kv_bytes_per_block() - plain.kv_bytes_per_block() == 2 * 8 * 32 * 4
+    assert spec.window_bytes_per_block() - plain.window_bytes_per_block() == 2 * 8 * 32 * 4
+    assert spec.kv_bytes_per_block() == plain.kv_bytes_per_block()
 
 
 def test_dspark_needs_draft_layers_and_at_most_32_drafts(tmp_path, tiny_dspark):
@@ -159,21 +161,24 @@ def test_dspark_needs_draft_layers_and_at_most_32_drafts(tmp_path, tiny_dspark):
 
 
 def test_greedy_output_under_preemption(tiny_dspark):
-    """A KV budget of 11 blocks for four requests (the longest needs 8): preempted sequences recompute their prompt
-    (main keys included) and drafts made for a length they no longer have are dropped; the tokens are unchanged."""
+    """A KV budget of 11 main blocks and 7 window blocks for four requests (the longest needs 8 main blocks; a 16-token
+    step with 4 drafts and its window 5 window blocks): preempted sequences recompute their prompt (main keys
+    included) and drafts made for a length they no longer have are dropped; the tokens are unchanged."""
     path, _ = tiny_dspark("mixed")
     ps = prompts()
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = plain_greedy(path, ps, params)
-    block_bytes = dspark_llm(path).engine.runner.kv_bytes_per_block()
-    llm = dspark_llm(path, max_num_batched_tokens=16, kv_cache_memory_bytes=11 * block_bytes)
+    runner = dspark_llm(path, max_model_len=64, max_num_batched_tokens=16).engine.runner
+    budget = 11 * runner.kv_bytes_per_block() + 7 * runner.window_bytes_per_block()
+    llm = dspark_llm(path, max_num_batched_tokens=16, kv_cache_memory_bytes=budget, max_model_len=64)
     bigram_drafter(llm.engine.runner.model, [p + w for p, w in zip(ps, want)])
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
     bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.num_blocks == 11 and bm.num_window_blocks == 7
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_free_window_blocks == bm.num_window_blocks
 
 
 def test_decode_steps_replayed_from_graphs_draft_as_eager_ones(tiny_dspark):

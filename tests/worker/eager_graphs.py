@@ -28,7 +28,8 @@ def install_eager_replay_graphs(llm, buckets: list[int], sizes: tuple[int, ...] 
     runner = llm.engine.runner
     sched = llm.engine.config.scheduler
     graphs = EagerReplayRunner(runner.model, runner.attn_backend, runner.block_size, sched.max_model_len,
-                               llm.engine.config.model.vocab_size, list(sizes), runner.device)
+                               llm.engine.config.model.vocab_size, list(sizes), runner.device,
+                               window=bool(runner.window_states()))
     graphs.buckets = buckets
     graphs.capture()
     runner.cuda_graphs = graphs
