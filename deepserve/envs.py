@@ -93,6 +93,9 @@ _DECLARED = [
     EnvVar("DEEPSERVE_CPU_FUSED_DECODE", "bool", True,
            "CPU decode steps of few rows through a GGUF-packed Llama stack: every layer in one C call "
            "(kernels/cpu/llama_decode.c); 0: layer by layer through the modules (read when the model is built)"),
+    EnvVar("DEEPSERVE_MIXED_CUDA_GRAPHS", "bool", True,
+           "replay steps with prompt work (prompt chunks beside decodes, up to 2,048 tokens) from CUDA graphs too, "
+           "per token bucket (worker/mixed_graph.py); 0: such steps run eagerly (read at start-up)"),
     EnvVar("DEEPSERVE_CPU_ISA", "str", "auto",
            "CPU kernel choice: act as if this CPU had only this feature set (never more than it has); "
            "auto: detect", choices=("auto", "avx2", "avx_vnni", "avx512", "avx512_vnni", "amx")),

@@ -92,6 +92,20 @@ class TritonPagedAttention:
             meta.num_prefill_tiles = int(meta.tile_seq.shape[0])
         return meta
 
+    # A mixed step's static inputs cut prompt chunks into tiles of this many rows (worker/mixed_graph.py).
+    mixed_tile_rows = PREFILL_BLOCK_M
+
+    def build_mixed_graph_metadata(self, inputs, tokens: int, max_seq_len: int) -> TritonAttentionMetadata:
+        """Metadata of a mixed step captured in a CUDA graph (worker/mixed_graph.py's StaticMixedInputs for the
+        bucket of `tokens` rows): every one of its max_seqs decode entries runs (padding ones read one key of the
+        padding sequence and write the padding row), and every prefill tile (padding ones name a sequence without
+        rows); the split-K grid is sized for `max_seq_len`."""
+        if self.rows_as_decodes:
+            raise ValueError("batch-invariant attention runs every row as a decode: no mixed-step graphs")
+        tiles = inputs.tiles_for(tokens)
+        return TritonAttentionMetadata(inputs.decode_rows, inputs.decode_seqs, max_seq_len, inputs.tile_seq[:tiles],
+                                       inputs.tile_m0[:tiles], inputs.max_seqs, tiles)
+
     def build_graph_metadata(self, batch, max_seq_len: int) -> TritonAttentionMetadata:
         """Metadata of a decode-only batch captured in a CUDA graph: every row decodes, and the split-K grid is
         sized for `max_seq_len` (the longest context the engine allows), so one graph serves any context."""

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from deepserve.layers.forward_batch import ForwardBatch
+from deepserve.worker.mixed_graph import StaticMixedInputs
 from deepserve.worker.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ class CUDAGraphRunner:
 
     def __init__(self, model, attn_backend, block_size: int, max_model_len: int, vocab_size: int,
                  capture_sizes: list[int], device: torch.device, keep_hidden: bool = False,
-                 window: bool = False) -> None:
+                 window: bool = False, mixed_buckets: list[int] = ()) -> None:
         self.model, self.attn_backend = model, attn_backend
         self.block_size, self.max_model_len = block_size, max_model_len
         self.sizes = sorted(capture_sizes)
@@ -193,6 +194,15 @@ class CUDAGraphRunner:
         self.capture_seconds = 0.0
         self.num_replays = 0
         self._pool = self._stream = None
+        # Mixed steps (worker/mixed_graph.py): one graph per token bucket, for up to sizes[-1] sequences.
+        self.mixed_buckets = sorted(mixed_buckets)
+        self.mixed: StaticMixedInputs | None = None
+        if self.mixed_buckets:
+            self.mixed = StaticMixedInputs(self.mixed_buckets[-1], self.sizes[-1], max_blocks,
+                                           attn_backend.mixed_tile_rows, device)
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_batches: dict[int, ForwardBatch] = {}
+        self.num_mixed_replays = 0
 
     def _forward(self, batch: ForwardBatch, size: int) -> None:
         """The captured work: the forward, its outputs copied into the static buffers."""
@@ -205,8 +215,11 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> float:
-        """Capture every size of the first context bucket, largest first so the smaller graphs reuse its memory."""
+        """Capture every mixed bucket and every size of the first context bucket, largest first so the smaller graphs
+        reuse its memory. A mixed bucket that cannot be captured turns mixed graphs off (logged); decode graphs
+        stay."""
         t0 = time.perf_counter()
+        self._capture_mixed_buckets()
         for size in reversed(self.sizes):
             self._capture(size, self.buckets[0])
         if self.device.type == "cuda":
@@ -230,6 +243,45 @@ class CUDAGraphRunner:
         if getattr(self.model, "reads_attention_metadata", True):
             batch.attn_metadata = self.attn_backend.build_graph_metadata(batch, bucket)
         self.graphs[size, bucket], self.batches[size, bucket] = self._record(size, batch), batch
+
+    def _capture_mixed_buckets(self) -> None:
+        try:
+            for tokens in reversed(self.mixed_buckets):
+                self.mixed.fill(SchedulerOutput(), tokens, self.block_size)        # padding only
+                batch = self.mixed.batch(tokens, self.block_size, self.max_model_len)
+                batch.attn_metadata = self.attn_backend.build_mixed_graph_metadata(self.mixed, tokens,
+                                                                                   self.max_model_len)
+                self.mixed_graphs[tokens] = self._record(self.mixed.max_seqs, batch)
+                self.mixed_batches[tokens] = batch
+        except Exception:   # a layer that cannot be captured with prompt rows: those steps run eagerly
+            logger.exception("CUDA graph capture of mixed steps failed; steps with prompt work run eagerly")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.mixed_graphs.clear()
+            self.mixed_batches.clear()
+        if self.mixed_graphs:
+            logger.info("captured CUDA graphs of mixed steps: %s tokens, up to %d sequences",
+                        sorted(self.mixed_graphs), self.mixed.max_seqs)
+
+    def mixed_bucket_for(self, out: SchedulerOutput) -> int | None:
+        """The mixed graph's token bucket for this step, or None (it runs eagerly, or as a decode graph)."""
+        if not self.mixed_graphs or not out.scheduled:
+            return None
+        for s in out.scheduled:
+            if s.draft_token_ids or s.seq.params.prompt_logprobs is not None:
+                return None
+        tokens = next((b for b in self.mixed_buckets if b >= out.num_batched_tokens), None)
+        return tokens if tokens is not None and self.mixed.fits(out, tokens) else None
+
+    def run_mixed(self, out: SchedulerOutput, tokens: int, patch_inflight=None) -> GraphReplay:
+        """A step replayed from the mixed graph of `tokens` rows (from mixed_bucket_for): logits has one row per
+        scheduled sequence (its last row), in order."""
+        inflight = self.mixed.fill(out, tokens, self.block_size)
+        if inflight and patch_inflight is not None:
+            patch_inflight(self.mixed.input_ids, inflight)
+        self.mixed_graphs[tokens].replay()
+        self.num_mixed_replays += 1
+        return GraphReplay(self.logits[:len(out.scheduled)], None, self.mixed_batches[tokens], inflight)
 
     def _record(self, size: int, batch: ForwardBatch) -> torch.cuda.CUDAGraph:
         """The CUDA graph of one forward of `batch`, its outputs copied into the static buffers (_forward)."""

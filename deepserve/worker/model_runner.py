@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepserve import envs
 from deepserve.config import EngineConfig
 from deepserve.layers.attention import Attention, TorchPagedAttention
 from deepserve.layers.forward_batch import ForwardBatch
@@ -30,6 +31,7 @@ from deepserve.worker.model_loader import load_model
 from deepserve.worker.batch_builder import build_forward_batch
 from deepserve.worker.host_memory import retain_freed_memory
 from deepserve.worker.kv_cache import KVCacheLayout
+from deepserve.worker.mixed_graph import mixed_buckets
 from deepserve.worker.memory_profile import (MAX_LOGPROBS, CudaMemory, costliest_sampling, fitting_budget,
                                              largest_steps)
 from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -414,7 +416,8 @@ class ModelRunner:
         # The MTP drafter runs eagerly after sampling, from the final hidden states the graphs keep.
         graphs = CUDAGraphRunner(self.model, self.attn_backend, self.block_size, sched.max_model_len,
                                  self.config.model.vocab_size, sizes, self.device,
-                                 keep_hidden=_drafts_with_mtp(self.model), window=bool(self.window_states()))
+                                 keep_hidden=_drafts_with_mtp(self.model), window=bool(self.window_states()),
+                                 mixed_buckets=self._mixed_graph_buckets())
         try:
             graphs.capture()
         except Exception:   # a layer that cannot be captured must not stop the engine: run eagerly instead
@@ -422,6 +425,17 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             return None
         return graphs
+
+    def _mixed_graph_buckets(self) -> list[int]:
+        """Token buckets of mixed-step graphs (worker/mixed_graph.py), or none: they need an attention backend that
+        describes such a step with fixed shapes, one process, and no model drafter (MTP keeps every row's hidden
+        state; DSpark runs after the forward on its batch)."""
+        if not envs.DEEPSERVE_MIXED_CUDA_GRAPHS or not hasattr(self.attn_backend, "build_mixed_graph_metadata") \
+                or self.attn_backend.rows_as_decodes or self.parallel.world.size > 1 \
+                or _drafts_with_mtp(self.model) or _drafts_with_dspark(self.model) \
+                or not getattr(self.model, "reads_attention_metadata", True):
+            return []
+        return mixed_buckets(self.config.scheduler.max_num_batched_tokens)
 
     @property
     def cuda_graph_capture_seconds(self) -> float | None:
@@ -491,6 +505,15 @@ class ModelRunner:
                 for s in out.scheduled:
                     first_rows.append(first_rows[-1] + s.num_new_tokens)
                 self._draft_with_dspark(out.scheduled, replay.batch, step, first_rows[:-1])
+            return step
+        mixed = self.cuda_graphs.mixed_bucket_for(out) if self.cuda_graphs is not None else None
+        if mixed is not None:
+            # Prompt work replayed from a graph: one logits row per sequence (its last row); those that sample.
+            replay = self.cuda_graphs.run_mixed(out, mixed, lambda ids, rows: _patch_inflight(ids, rows, previous))
+            rows = [b for b, s in enumerate(out.scheduled) if s.samples]
+            if rows:
+                logits = replay.logits if len(rows) == len(out.scheduled) else replay.logits[rows]
+                self._sample(logits, [out.scheduled[b].seq for b in rows], step)
             return step
         prompt_rows = [_prompt_logprob_rows(s) for s in out.scheduled]
         drafting_mtp = _drafts_with_mtp(self.model)

@@ -17,8 +17,11 @@ class _EagerReplay:
         self.graphs._forward(self.batch, self.size)
 
 
-def install_eager_replay_graphs(llm, buckets: list[int], sizes: tuple[int, ...] = (1, 2, 4, 8)):
-    """The engine's decode steps through a CUDAGraphRunner whose graphs are `_EagerReplay`s (CPU)."""
+def install_eager_replay_graphs(llm, buckets: list[int], sizes: tuple[int, ...] = (1, 2, 4, 8),
+                                mixed_buckets: tuple[int, ...] = ()):
+    """The engine's decode steps (and, with `mixed_buckets`, its steps with prompt work, which needs an attention
+    backend with `build_mixed_graph_metadata`: install_twin_triton_attention) through a CUDAGraphRunner whose graphs
+    are `_EagerReplay`s (CPU)."""
     from deepserve.worker.cuda_graph import CUDAGraphRunner
 
     class EagerReplayRunner(CUDAGraphRunner):
@@ -29,8 +32,40 @@ def install_eager_replay_graphs(llm, buckets: list[int], sizes: tuple[int, ...] 
     sched = llm.engine.config.scheduler
     graphs = EagerReplayRunner(runner.model, runner.attn_backend, runner.block_size, sched.max_model_len,
                                llm.engine.config.model.vocab_size, list(sizes), runner.device,
-                               window=bool(runner.window_states()))
+                               window=bool(runner.window_states()), mixed_buckets=list(mixed_buckets))
     graphs.buckets = buckets
     graphs.capture()
     runner.cuda_graphs = graphs
     return graphs
+
+
+def install_twin_triton_attention(llm):
+    """Every attention layer's backend becomes TritonPagedAttention running the kernels' PyTorch twins (CPU): the GPU
+    backend's metadata and dispatch (decode rows, prefill tiles, the mixed-step graph metadata) on the CPU."""
+    from deepserve.kernels import paged_attention as kernels
+    from deepserve.layers.attention_triton import TritonPagedAttention
+
+    class TwinTritonAttention(TritonPagedAttention):
+        def forward(self, q, k, v, kv_cache, batch, scale, rotary=None):
+            meta = batch.attn_metadata if batch.attn_metadata is not None else self.build_metadata(batch)
+            if rotary is not None:
+                q = kernels.rotary_write_kv_ref(kv_cache, q, k, v, batch.slot_mapping, batch.positions,
+                                                rotary.cos_cache, rotary.sin_cache)
+            else:
+                keep = batch.slot_mapping >= 0
+                kernels.write_kv_ref(kv_cache, k[keep], v[keep], batch.slot_mapping[keep])
+            out = q.new_zeros(q.shape)
+            if meta.num_decodes:
+                kernels.decode_attention_ref(q, kv_cache, batch.block_tables, batch.seq_lens, scale, out=out,
+                                             q_rows=meta.decode_rows, seq_ids=meta.decode_seqs)
+            if meta.num_prefill_tiles:
+                kernels.prefill_attention_ref(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                                              scale, meta.tile_seq, meta.tile_m0, out=out)
+            return out
+
+    backend = TwinTritonAttention()
+    runner = llm.engine.runner
+    for layer in runner.model.attention_layers():
+        layer.backend = backend
+    runner.attn_backend = backend
+    return backend
