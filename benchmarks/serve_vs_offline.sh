@@ -2,7 +2,9 @@
 # The server against the offline engine on the same workload, in one run (issue 21, "the server delivers a fraction
 # of the engine"): offline LLM.generate of 64 prompts at once vs `deepserve bench serve` against `deepserve serve`
 # at concurrency 64 and 16 (all requests at once), default model, 128 random-token prompts, 64 output tokens.
-#   bash benchmarks/serve_vs_offline.sh [--device cuda] > benchmarks/serve_vs_offline_cpu.json
+#   [CLIENTS=N] bash benchmarks/serve_vs_offline.sh [--device cuda] > benchmarks/serve_vs_offline_cpu.json
+# CLIENTS: client processes of `bench serve` (default 1; one Python client saturates near 10k streamed tokens/s,
+# benchmarks/serve_client_bound_h200.json).
 set -euo pipefail
 OUT=$(mktemp -d)
 PORT=${PORT:-8155}
@@ -12,7 +14,7 @@ SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 0.5; done
 python -m deepserve.cli bench serve --base-url "http://127.0.0.1:$PORT" --num-prompts 64 --input-len 128 --output-len 64 \
-    --request-rate inf --max-concurrency 64 16 --output-json "$OUT/serve.json" >&2
+    --request-rate inf --max-concurrency 64 16 --client-processes "${CLIENTS:-1}" --output-json "$OUT/serve.json" >&2
 python - "$OUT" "$*" <<'PY'
 import json, sys, os, platform
 out, args = sys.argv[1], sys.argv[2]

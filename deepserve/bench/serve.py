@@ -87,6 +87,10 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                         help="let requests stop at EOS (default: always generate --output-len tokens)")
     parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--client-processes", type=int, default=1, metavar="N",
+                        help="send from N client processes, each with its share of the prompts, the concurrency and "
+                             "the rate, started together; results merged (one Python client saturates near 10k "
+                             "streamed tokens/s: benchmarks/serve_client_bound_h200.json)")
     parser.add_argument("--label", default=None, help="name of the server in the JSON and the plot")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--plot", default=None, help="PNG path (default: --output-json with .png)")
@@ -102,8 +106,10 @@ def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
         raise ValueError("--shared-prefix-groups must be >= 0, and it replaces --dataset (give one of them)")
     if args.request_rate <= 0:
         raise ValueError("--request-rate must be > 0 (or inf)")
+    if args.client_processes < 1:
+        raise ValueError("--client-processes must be >= 1")
     load_before = os.getloadavg()[0]   # other work on the machine skews latencies; record how much there was
-    runs = asyncio.run(_run_all(args, slos))
+    runs = asyncio.run(_run_all(args, slos)) if args.client_processes == 1 else _run_all_processes(args, slos)
     payload = {"command": "deepserve " + shlex.join(argv), "label": args.label or args.base_url,
                "machine": {**_machine_info(), "load_average_1m_before": round(load_before, 2),
                            "load_average_1m_after": round(os.getloadavg()[0], 2)},
@@ -134,30 +140,107 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
 # --- running ------------------------------------------------------------------------------------
 
 async def _run_all(args: argparse.Namespace, slos: dict[str, float]) -> list[dict[str, Any]]:
-    import httpx  # here, not at import: `deepserve --help` and `deepserve generate` never load the HTTP client
-
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=timeout, limits=limits) as client:
-        model = args.model or await _first_model(client)
+    # (_client imports httpx here, not at import: `deepserve --help` and `deepserve generate` never load it)
+    async with _client(args) as client:
+        model = await _model_and_warm_up(client, args)
         prompts = workload_prompts(args)
-        # Warm-up, not measured, on a prompt of no workload (seed + 1): it must not put a measured prefix in a cache.
-        warmup = Prompt(load_prompts(None, 1, args.input_len, args.seed + 1)[0])
-        await _send(client, _payload(args, model, warmup, max_tokens=2))
         runs = []
         for concurrency in args.max_concurrency:
             start = time.perf_counter()
             results = await run_load(client, args, model, prompts, concurrency)
-            duration = time.perf_counter() - start
-            runs.append(summarize(results, duration, slos, {
-                "model": model, "endpoint": args.endpoint, "num_prompts": len(prompts),
-                "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-                "max_concurrency": concurrency or None, "input_len": args.input_len,
-                "output_len": args.output_len, "dataset": args.dataset,
-                "shared_prefix_groups": args.shared_prefix_groups or None,
-                "shared_prefix_len": args.shared_prefix_len if args.shared_prefix_groups else None}))
+            runs.append(summarize(results, time.perf_counter() - start, slos, _run_info(args, model, prompts,
+                                                                                        concurrency)))
         return runs
+
+
+def _run_info(args: argparse.Namespace, model: str, prompts: list, concurrency: int) -> dict[str, Any]:
+    return {"model": model, "endpoint": args.endpoint, "num_prompts": len(prompts),
+            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+            "max_concurrency": concurrency or None, "input_len": args.input_len, "output_len": args.output_len,
+            "dataset": args.dataset, "shared_prefix_groups": args.shared_prefix_groups or None,
+            "shared_prefix_len": args.shared_prefix_len if args.shared_prefix_groups else None,
+            "client_processes": args.client_processes}
+
+
+def _run_all_processes(args: argparse.Namespace, slos: dict[str, float]) -> list[dict[str, Any]]:
+    """`_run_all` from N client processes: the model name and the warm-up here, then for each concurrency the prompts
+    dealt round-robin, concurrency and rate split between the processes, which wait at a barrier before sending; the
+    run lasts from the first process's start to the last one's end (wall clock, shared by the processes of a host)."""
+    import multiprocessing
+
+    async def prepare() -> str:
+        async with _client(args) as client:
+            return await _model_and_warm_up(client, args)
+    model = asyncio.run(prepare())
+    prompts = workload_prompts(args)
+    n = args.client_processes
+    ctx = multiprocessing.get_context("spawn")
+    runs = []
+    for concurrency in args.max_concurrency:
+        if 0 < concurrency < n:
+            raise ValueError(f"--max-concurrency {concurrency} is below --client-processes {n}")
+        barrier, results = ctx.Barrier(n + 1), ctx.Queue()
+        procs = []
+        for i in range(n):
+            share = argparse.Namespace(**vars(args))
+            share.request_rate, share.seed = args.request_rate / n, args.seed + i
+            limit = concurrency // n + (i < concurrency % n) if concurrency > 0 else 0
+            procs.append(ctx.Process(target=_client_process, daemon=True,
+                                     args=(share, model, prompts[i::n], limit, barrier, results)))
+        for proc in procs:
+            proc.start()
+        barrier.wait(timeout=120)       # (a process that died first breaks the barrier: BrokenBarrierError)
+        parts = _collect(results, procs, args.request_timeout * len(prompts))
+        for proc in procs:
+            proc.join()
+        merged = [r for part, _, _ in parts for r in part]
+        duration = max(end for _, _, end in parts) - min(start for _, start, _ in parts)
+        runs.append(summarize(merged, duration, slos, _run_info(args, model, prompts, concurrency)))
+    return runs
+
+
+def _collect(results, procs: list, timeout_s: float) -> list:
+    """One (results, start, end) per client process; a RuntimeError if one of them exits without its results."""
+    import queue
+
+    parts, deadline = [], time.monotonic() + timeout_s
+    while len(parts) < len(procs):
+        try:
+            parts.append(results.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"a client process failed (exit codes {dead}) or the run timed out") from None
+    return parts
+
+
+async def _model_and_warm_up(client: httpx.AsyncClient, args: argparse.Namespace) -> str:
+    """The model to ask for, after a warm-up request that is not measured, on a prompt of no workload (seed + 1): it
+    must not put a measured prefix in a cache."""
+    model = args.model or await _first_model(client)
+    warmup = Prompt(load_prompts(None, 1, args.input_len, args.seed + 1)[0])
+    await _send(client, _payload(args, model, warmup, max_tokens=2))
+    return model
+
+
+def _client(args: argparse.Namespace):
+    import httpx
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
+    return httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=timeout, limits=limits)
+
+
+def _client_process(args: argparse.Namespace, model: str, prompts: list[Prompt], concurrency: int, barrier,
+                    results) -> None:
+    """One client process of _run_all_processes: (its results, start, end)."""
+    async def main():
+        async with _client(args) as client:
+            barrier.wait()
+            start = time.time()
+            done = await run_load(client, args, model, prompts, concurrency)
+            return done, start, time.time()
+    results.put(asyncio.run(main()))
 
 
 async def run_load(client: httpx.AsyncClient, args: argparse.Namespace, model: str, prompts: list[Prompt],

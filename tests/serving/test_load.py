@@ -118,6 +118,19 @@ def test_bench_serve_cli(server, tmp_path):
         assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+def test_bench_serve_from_two_client_processes(server, tmp_path):
+    """--client-processes 2: the prompts, the concurrency and the rate split between two processes; one merged run."""
+    out = tmp_path / "bench2.json"
+    command = [sys.executable, "-m", "deepserve.cli", "bench", "serve", "--base-url", server.base_url,
+               "--num-prompts", "7", "--max-concurrency", "4", "--input-len", "12", "--output-len", "3",
+               "--client-processes", "2", "--output-json", str(out), "--plot", str(tmp_path / "p.png")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run, = json.loads(out.read_text())["runs"]
+    assert run["client_processes"] == 2 and run["completed"] == 7 and run["failed"] == 0
+    assert run["total_output_tokens"] == 7 * 3 and run["duration_s"] > 0 and run["ttft_ms"]["median"] > 0
+
+
 @pytest.mark.skipif(schemathesis_cli() is None, reason="schemathesis is not installed")
 def test_openapi_schema_fuzzing_finds_no_5xx(server, tmp_path):
     """Schemathesis generates requests (valid and invalid) from the served schema: no 5xx, no hang."""
