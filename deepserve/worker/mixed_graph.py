@@ -19,7 +19,7 @@ fixed shapes:
 
 so the attention kernels' grids are fixed (S decode programs, cdiv(T, BLOCK_M) + S prefill tiles) and every
 padding program reads valid addresses and writes nothing a sequence owns. Everything lives in one int64 buffer,
-filled on the host and copied to the device in one transfer per step.
+filled on the host and copied to the device in one transfer per step (up to the last scheduled sequence's table row).
 """
 
 from __future__ import annotations
@@ -113,7 +113,10 @@ class StaticMixedInputs:
         if nt:
             tile_seq[:nt], tile_m0[:nt] = zip(*tiles)
         tile_seq[nt:], tile_m0[nt:] = s_pad, 0
-        self.device.copy_(self.hosts[self.turn], non_blocking=True)
+        # Block tables are the last segment: copy only the scheduled sequences' rows (a table row is max_blocks long;
+        # the padding sequence's row stays the zeros the device buffer started with).
+        used = self.offsets[-2] + num * self.max_blocks
+        self.device[:used].copy_(self.hosts[self.turn][:used], non_blocking=True)
         return inflight
 
     def fits(self, out: SchedulerOutput, tokens: int) -> bool:
