@@ -45,9 +45,10 @@ class ForwardBatch:
     # host-side lengths above are placeholders, and a row may see up to this many keys. A layer whose work is sized
     # by context (DeepSeek-V4.1's compressed-entry lists) sizes it by this instead of seq_lens_cpu. 0: not captured.
     graph_max_seq_len: int = 0
-    # Models with a window pool (engine/block_manager.py: per-position states read only a few positions back, DeepSeek-V4
-    # / V4.1): each row's slot and each sequence's table in that pool (-1 entries of released blocks as 0). None: the
-    # model has none, or a placeholder batch whose window states use the main tables (the start-up profile).
+    # Models with a window pool (engine/block_manager.py: per-position states read only a few positions back,
+    # DeepSeek-V4 / V4.1): each row's slot and each sequence's table in that pool (-1 entries of released blocks as
+    # 0). None: the model has none, or a placeholder batch whose window states use the main tables (the start-up
+    # profile).
     window_slot_mapping: torch.Tensor | None = None
     window_block_tables: torch.Tensor | None = None
 

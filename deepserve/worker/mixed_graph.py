@@ -45,7 +45,8 @@ def mixed_buckets(max_tokens: int, largest: int = 2048, smallest: int = 256) -> 
 class StaticMixedInputs:
     """One buffer for every bucket (each graph reads prefix views of the segments):
     ids | positions | slots [T_max + 1] | seq_lens [S + 1] | query_start_loc [S + 2] | logits rows [S] |
-    decode rows [S] | decode seqs [S] | tile seqs [M_max] | tile first rows [M_max] | block tables [(S + 1) x blocks]."""
+    decode rows [S] | decode seqs [S] | tile seqs [M_max] | tile first rows [M_max] |
+    block tables [(S + 1) x blocks]."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, tile_rows: int,
                  device: torch.device) -> None:
