@@ -137,6 +137,7 @@ class EagerGraphs(CUDAGraphRunner):
         self.runner, self.sizes, self.num_replays = runner, [8, 16, 64], 0
         self.buckets = [runner.config.scheduler.max_model_len]
         self.graphs = {(size, self.buckets[0]): None for size in self.sizes}
+        self.mixed_graphs = {}          # none with an MTP drafter (it reads every row's hidden state)
 
     def run(self, out, key: tuple[int, int], patch_inflight=None) -> GraphReplay:
         r = self.runner
