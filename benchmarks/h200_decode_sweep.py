@@ -14,7 +14,8 @@ does when serving). Beside each step time, what the step must at least cost:
   experts    (MoE) max(distinct expert bytes / bandwidth, flops / peak): the issue's MoE target reads the
              step time against this one (within 1.5x); the full roofline above adds the KV and the other weights
 
-Plus, for the MoE shapes, a kernel table of the batch-64 step (torch.profiler over graph replays): where it goes.
+Plus, for the MoE shapes (all shapes with --profile-dense), a kernel table of the batch-64 step (torch.profiler over
+graph replays): where it goes.
 
 Run (GPU machine):  python benchmarks/h200_decode_sweep.py --output benchmarks/h200_decode_sweep.json
 Smoke (CPU):        python benchmarks/h200_decode_sweep.py --device cpu --shapes tiny-dense,tiny-moe \
@@ -242,7 +243,7 @@ def run_shape(name: str, context: int, batches: list[int], args, result: dict) -
             entry["batches"].append({"batch": b, "error": traceback.format_exc()[-1500:]})
         print(name, context, json.dumps(entry["batches"][-1]), flush=True)
         save(result, args.output)
-    if name in MOE and args.profile_batch in fit and args.device == "cuda":
+    if (name in MOE or args.profile_dense) and args.profile_batch in fit and args.device == "cuda":
         try:
             entry[f"profile_b{args.profile_batch}"] = profile_batch(llm, args.profile_batch, context)
         except Exception:
@@ -297,6 +298,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,4096", help="dense shapes; MoE shapes run the first only")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--profile-dense", action="store_true", help="kernel tables of the dense shapes too")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--output", default="benchmarks/h200_decode_sweep.json")
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG beside --output from its JSON")

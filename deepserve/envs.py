@@ -111,6 +111,9 @@ _DECLARED = [
            "default of EngineArgs.batch_invariant"),
     EnvVar("DEEPSERVE_FUSED_NORMS", "bool", True,
            "GPU batch-1 decode: RMSNorm in GEMV prologues, residual adds in GEMV epilogues (read at import)"),
+    EnvVar("DEEPSERVE_SKINNY_GEMM", "bool", True,
+           "GPU decode GEMMs of 2-16 rows through the skinny Triton GEMM (kernels/skinny_gemm.py), the SwiGLU in "
+           "the gate/up one's epilogue; 0: cuBLAS and the SiLU-and-mul kernel (read at import)"),
     EnvVar("DEEPSERVE_PDL", "bool", True,
            "programmatic dependent launch for the decode-path Triton kernels on Hopper and later"),
     EnvVar("DEEPSERVE_GEMV_PREFETCH", "int", 1,

@@ -15,7 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepserve import envs
 from deepserve.layers.kernel_dispatch import use_triton
+
+# A/B switch (DEEPSERVE_SKINNY_GEMM=0): GEMMs of 2-16 rows on the GPU stay on cuBLAS.
+_SKINNY = envs.DEEPSERVE_SKINNY_GEMM
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -32,6 +36,15 @@ def one_row_on_gpu(x: torch.Tensor) -> bool:
 
 def _one_row_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return one_row_on_gpu(x) and x.dtype == weight.dtype
+
+
+def _few_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """2-16 activation rows of weight's half-precision dtype on the GPU, no autograd: where the skinny GEMM applies
+    (a decode step of a small batch; kernels/skinny_gemm.py says why cuBLAS is slow there)."""
+    if not (_SKINNY and use_triton(x)):
+        return False
+    from deepserve.kernels.skinny_gemm import skinny_applies
+    return skinny_applies(x, weight)
 
 
 def _plain(layer: nn.Module) -> bool:
@@ -85,6 +98,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _one_row_on_gpu(x, weight) and (bias is None or bias.dtype == weight.dtype):
         from deepserve.kernels.gemv import gemv
         return gemv(x, weight, bias)
+    if _few_rows_on_gpu(x, weight) and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())):
+        from deepserve.kernels.skinny_gemm import skinny_linear
+        return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -101,12 +117,17 @@ def linear_residual(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor) -
 def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None,
                         norm: nn.Module | None = None) -> torch.Tensor | None:
     """swiglu_activation(gate_up(x), limit) in one GEMV launch (the SwiGLU in its epilogue) for one row on the GPU
-    through a plain `Linear` without bias; of norm(x) with `norm` (an RMSNorm, run in the GEMV's prologue). None
-    otherwise (a quantized layer, more rows, the CPU): the caller then runs the steps one by one."""
-    if _plain(gate_up) and gate_up.bias is None and _one_row_on_gpu(x, gate_up.weight) and \
-            _norm_fits(norm, x):
+    through a plain `Linear` without bias; of norm(x) with `norm` (an RMSNorm, run in the GEMV's prologue). For 2-16
+    rows without `norm`, the skinny GEMM with the SwiGLU in its epilogue. None otherwise (a quantized layer, more
+    rows, the CPU): the caller then runs the steps one by one."""
+    if not (_plain(gate_up) and gate_up.bias is None):
+        return None
+    if _one_row_on_gpu(x, gate_up.weight) and _norm_fits(norm, x):
         from deepserve.kernels.gemv import swiglu_gemv
         return swiglu_gemv(x, gate_up.weight, limit, norm=norm)
+    if norm is None and _few_rows_on_gpu(x, gate_up.weight):
+        from deepserve.kernels.skinny_gemm import skinny_swiglu
+        return skinny_swiglu(x, gate_up.weight, limit)
     return None
 
 

@@ -1,0 +1,183 @@
+"""GEMM for a few activation rows on the GPU: y = x W^T (+ bias) for 2 <= M <= SKINNY_MAX_ROWS rows, optionally with
+the SwiGLU in the epilogue. The GPU twin of `F.linear` in decode steps of a small batch (deepserve/layers/linear.py
+dispatches to it; one row goes to the GEMV of kernels/gemv.py instead).
+
+Why: a decode step of 8 sequences reads each weight once and multiplies it by 8 rows, so it is a weight stream, as
+at batch 1. cuBLAS runs such shapes at 1.4-2.0 TB/s for the 4-12 MB matrices of a small model's layer (latency, not
+bandwidth, bounds them). Here the roles are swapped: the weight tile [BLOCK_N, BLOCK_K] is the MMA's left operand
+(BLOCK_N of at least 16 fills its rows) and the rows of x, padded to BLOCK_M (16 and up), the right one; each program
+streams BLOCK_N weight rows through a pipelined K loop into a [BLOCK_N, BLOCK_M] float32 accumulator. Nothing is
+wasted on the padding but MMA slots, which are free here. It is launched with PDL (kernels/pdl.py): the programs
+ask L2 for their first weights while the previous kernel drains, and the layer's launches chain without cuBLAS's
+gaps. Measured on an H200 (benchmarks/tune_skinny_gemm*.json, skinny_ab_h200.json): 2048x2048 at M = 8 in 4.9 us
+against cuBLAS's 5.9; Llama-3.2-1B decode steps at batch 2-16 4-9% faster, DeepSeek-V2-Lite's at batch 8-16 2-3%;
+but Qwen3-30B-A3B's 1.5-3% slower, not yet understood (DEEPSERVE_SKINNY_GEMM=0 keeps cuBLAS).
+
+SwiGLU mode (a gate/up weight [2I, K], gate rows then up rows) interleaves each program's gate and up rows in one
+tile, as the GEMV does, so the activation is formed in registers: the gate/up output never goes through memory
+and the SiLU-and-mul launch disappears. Gate and up are rounded to the activation dtype first, as the GEMM's output
+would be, so the result matches the unfused path up to the GEMM's summation order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from deepserve.kernels import USE_LIBDEVICE, next_pow2, require_triton, tl, triton
+from deepserve.kernels.activation import silu_mul
+from deepserve.kernels.gemv import prefetch_rows_to_l2
+from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
+
+SKINNY_MAX_ROWS = 16    # more rows stay on cuBLAS (whose larger tiles then do fill the tensor cores)
+
+
+class SkinnyTiles(NamedTuple):
+    """A launch setting: weight rows per program, K step, warps, pipeline stages, and what a program does with its
+    weights before the PDL wait: 0 nothing, 1 asks L2 for its first K step, 2 for all of its rows."""
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    prefetch: int = 1
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, m_rows, n_out, k_len, stride_xm, stride_wn, stride_ym, limit,
+                   HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                   ACCURATE_EXP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+    """y[:m_rows, n] for this program's BLOCK_N weight rows (SWIGLU: BLOCK_N // 2 output columns, n_out = I)."""
+    dtype = y_ptr.dtype.element_ty
+    r = tl.arange(0, BLOCK_N)
+    if SWIGLU:                  # rows 2c and 2c + 1 of the tile: gate and up of column c
+        col = tl.program_id(0) * (BLOCK_N // 2) + r // 2
+        rows = col + (r % 2) * n_out
+        rows_ok = col < n_out
+    else:
+        rows = tl.program_id(0) * BLOCK_N + r
+        rows_ok = rows < n_out
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < m_rows
+    k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + k[None, :]
+    x_ptrs = x_ptr + m[None, :].to(tl.int64) * stride_xm + k[:, None]          # x^T: [BLOCK_K, BLOCK_M]
+    # x comes from the previous kernel (rule 1 of kernels/pdl.py). The weights are constant: while that kernel
+    # drains, the program asks L2 for them (loading them into registers would take the first stage out of the K
+    # loop's software pipeline), so the loop's first loads hit L2.
+    if USE_PDL and PREFETCH == 1:
+        prefetch_rows_to_l2(w_ptr, rows, rows_ok, tl.minimum(k_len, BLOCK_K), stride_wn, BLOCK_K)
+    if USE_PDL and PREFETCH == 2:
+        prefetch_rows_to_l2(w_ptr, rows, rows_ok, k_len, stride_wn, BLOCK_K)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, k_len, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=rows_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+        else:
+            k_ok = k < k_len - k0
+            w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if SWIGLU:
+        # [BLOCK_N, M] -> [BLOCK_N // 2, M, 2] -> gate, up: each rounded as the GEMM's output would be.
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_N // 2, 2, BLOCK_M]), [0, 2, 1]))
+        gate = gate.to(dtype).to(tl.float32)
+        up = up.to(dtype).to(tl.float32)
+        if HAS_LIMIT:           # DeepSeek-V4.1's clamp (layers/mlp.py swiglu_activation)
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        out = silu_mul(gate, up, dtype, ACCURATE_EXP)
+        tl.store(y_ptr + m[None, :].to(tl.int64) * stride_ym + c[:, None], out,
+                 mask=(c < n_out)[:, None] & m_ok[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + m[None, :].to(tl.int64) * stride_ym + rows[:, None], acc.to(dtype),
+                 mask=rows_ok[:, None] & m_ok[None, :])
+
+
+def skinny_tiles(n: int, k: int) -> SkinnyTiles:
+    """The launch setting for a [N, K] weight, from an H200 sweep at M = 8 (benchmarks/tune_skinny_gemm.json;
+    microseconds against cuBLAS's, SwiGLU shapes against cuBLAS + SiLU-and-mul):
+      - up to 2048 rows (o_proj, MLA's kv_a, shared experts' down): 16 rows per program, K steps of 256
+        (o_proj 2048x2048 5.24 us against 5.98; kv_a 576x2048 4.64 against 5.17);
+      - up to 4095 rows (qkv, MLA's q): 64 rows, steps of 256 (3072x2048 6.07 against 6.43);
+      - more, with rows longer than 4096 (Llama-3-8B's o_proj and down): 32 rows, steps of 512 (4096x14336 29.6
+        against 31.7);
+      - more (gate/up, LM heads): 64 rows, steps of 128 (gate/up 16384x2048 18.1 against 20.0);
+    4 warps, 4 stages. Short rows get a K step of their own length at most."""
+    if n <= 2048:
+        block_n, block_k = 16, 256
+    elif n < 4096:
+        block_n, block_k = 64, 256
+    elif k >= 4096:
+        block_n, block_k = 32, 512
+    else:
+        block_n, block_k = 64, 128
+    return SkinnyTiles(block_n, min(block_k, max(16, next_pow2(k))), 4, 4)
+
+
+def skinny_wins(n: int, k: int) -> bool:
+    """Where the skinny GEMM beats cuBLAS: everywhere but few long rows (Llama-3.2-1B's down projection, 2048x8192:
+    14.8 us at best against 13.5), where cuBLAS splits K over more programs than 2048 rows give."""
+    return not (n < 4096 and k > 4096)
+
+
+def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x [M, K] with 2 <= M <= SKINNY_MAX_ROWS of weight's half-precision dtype, no autograd, a weight shape where
+    it beats cuBLAS (the caller checked the device)."""
+    return (x.dim() == 2 and 2 <= x.shape[0] <= SKINNY_MAX_ROWS and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()
+            and weight.dim() == 2 and skinny_wins(*weight.shape))
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  tiles: Optional[SkinnyTiles] = None) -> torch.Tensor:
+    """x [M, K], weight [N, K] (same dtype), bias [N] or None -> [M, N] = F.linear(x, weight, bias)."""
+    x, weight = _operands(x, weight)
+    n, k = weight.shape
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if bias is not None:
+        assert bias.shape == (n,) and bias.is_contiguous()
+    _launch(x, weight, bias, y, n, tiles or skinny_tiles(n, k), swiglu=False, limit=None)
+    return y
+
+
+def skinny_swiglu(x: torch.Tensor, w13: torch.Tensor, limit: Optional[float] = None,
+                  tiles: Optional[SkinnyTiles] = None) -> torch.Tensor:
+    """x [M, K], w13 [2I, K] (gate rows then up rows) -> [M, I] = swiglu_activation(F.linear(x, w13), limit)."""
+    x, w13 = _operands(x, w13)
+    two_i, k = w13.shape
+    assert two_i % 2 == 0
+    act = torch.empty(x.shape[0], two_i // 2, dtype=x.dtype, device=x.device)
+    _launch(x, w13, None, act, two_i // 2, tiles or skinny_tiles(two_i, k), swiglu=True, limit=limit)
+    return act
+
+
+def _operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    require_triton(x)
+    assert x.dim() == 2 and x.shape[1] == weight.shape[1] and x.dtype == weight.dtype, \
+        f"skinny GEMM: x {tuple(x.shape)} {x.dtype} against weight {tuple(weight.shape)} {weight.dtype}"
+    return (x if x.stride(-1) == 1 else x.contiguous()), (weight if weight.stride(-1) == 1 else weight.contiguous())
+
+
+def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, limit: Optional[float]) -> None:
+    n_rows, k = weight.shape
+    rows_per_program = tiles.block_n // 2 if swiglu else tiles.block_n
+    _skinny_kernel[(triton.cdiv(n_out, rows_per_program),)](
+        x, weight, bias if bias is not None else y, y, x.shape[0], n_out, k, x.stride(0), weight.stride(0),
+        y.stride(0), float(limit or 0.0), HAS_BIAS=bias is not None, SWIGLU=swiglu, HAS_LIMIT=limit is not None,
+        ACCURATE_EXP=USE_LIBDEVICE, EVEN_K=k % tiles.block_k == 0, BLOCK_M=max(16, next_pow2(x.shape[0])),
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PREFETCH=tiles.prefetch, num_warps=tiles.warps,
+        num_stages=tiles.stages, **pdl_launch_args(x))
+
+
+__all__ = ["SKINNY_MAX_ROWS", "SkinnyTiles", "skinny_applies", "skinny_linear", "skinny_swiglu", "skinny_tiles",
+           "skinny_wins"]

@@ -1,0 +1,111 @@
+"""The skinny GEMM (2-16 rows) against F.linear in float32 on the same values (exact products, another summation
+order: within one rounding of the output dtype), its SwiGLU epilogue against the two-launch path, and the layers'
+dispatch to it."""
+
+import pytest
+import torch
+from torch import nn
+
+from deepserve.kernels.activation import silu_and_mul
+from deepserve.kernels.skinny_gemm import (SKINNY_MAX_ROWS, SkinnyTiles, skinny_linear, skinny_swiglu, skinny_tiles,
+                                           skinny_wins)
+from deepserve.layers import linear as linear_module
+from deepserve.layers.linear import Linear, fused_swiglu_linear
+from deepserve.layers.mlp import GatedMLP, swiglu_activation
+
+from kernel_testing import DTYPES, assert_within_ulps, skip_bf16_in_interpreter
+
+
+def _scale(x, w):
+    return (x.float().abs() @ w.float().abs().t()).max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(2, 40, 64), (8, 100, 300), (16, 33, 1024), (5, 512, 520), (3, 7, 16)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear_matches_linear(device, dtype, m, n, k, with_bias):
+    skip_bf16_in_interpreter(dtype)
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
+    bias = torch.randn(n, device=device).to(dtype) if with_bias else None
+    out = skinny_linear(x, w, bias)
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float()).to(dtype)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_within_ulps(out, ref, dtype, ulps=1, min_exact=0.9, atol=2.0 ** -20 * _scale(x, w))
+
+
+@pytest.mark.parametrize("tiles", [SkinnyTiles(16, 128, 4, 3, 0), SkinnyTiles(32, 256, 8, 4, 1),
+                                   SkinnyTiles(64, 512, 4, 2, 2)])
+def test_skinny_linear_tilings_agree(device, tiles):
+    """Every tiling the tuning sweep tries computes the same product (K tails, row tails, strided rows of x)."""
+    x = torch.randn(6, 2 * 700, device=device).half()[:, ::2]             # stride 2 along K
+    w = (torch.randn(90, 700, device=device) * 700 ** -0.5).half()
+    ref = torch.nn.functional.linear(x.float(), w.float()).half()
+    assert_within_ulps(skinny_linear(x, w, tiles=tiles), ref, torch.float16, ulps=1, min_exact=0.9, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,inter,k", [(2, 5, 40), (8, 48, 1100), (16, 300, 64), (4, 1000, 512)])
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_skinny_swiglu_is_the_gemm_then_the_activation(device, dtype, m, inter, k, limit):
+    """One launch = the GEMM, its output rounded to the dtype, then the SwiGLU as the unfused path computes it
+    (the SiLU-and-mul kernel's arithmetic; with a limit, swiglu_activation's clamps)."""
+    skip_bf16_in_interpreter(dtype)
+    x = torch.randn(m, k, device=device).to(dtype)
+    w13 = (torch.randn(2 * inter, k, device=device) * k ** -0.5).to(dtype)
+    out = skinny_swiglu(x, w13, limit)
+    assert out.shape == (m, inter) and out.dtype == dtype
+    gate_up = skinny_linear(x, w13)
+    if limit is None:     # the SwiGLU tile interleaves gate and up rows: equal up to the summation order
+        assert_within_ulps(out, silu_and_mul(gate_up), dtype, ulps=1, min_exact=0.95, atol=2.0 ** -14)
+    ref = swiglu_activation(torch.nn.functional.linear(x.float(), w13.float()).to(dtype), limit)
+    assert_within_ulps(out, ref, dtype, ulps=2, min_exact=0.8, atol=2.0 ** -14)
+
+
+def test_skinny_tiles():
+    """The H200 sweep's picks (benchmarks/tune_skinny_gemm.json): 16 rows per program up to 2048 rows, 64 below
+    4096, then 32 rows with K steps of 512 for long rows, else 64 rows with steps of 128; short rows get a K step
+    of their own length; cuBLAS keeps few long rows (down projections of 2048 rows)."""
+    assert skinny_tiles(2048, 2048)[:4] == (16, 256, 4, 4)
+    assert skinny_tiles(3072, 2048)[:2] == (64, 256)
+    assert skinny_tiles(4096, 14336)[:2] == (32, 512)
+    assert skinny_tiles(16384, 2048)[:2] == (64, 128)
+    assert skinny_tiles(100, 40).block_k == 64
+    assert not skinny_wins(2048, 8192) and skinny_wins(4096, 14336) and skinny_wins(2048, 2816)
+
+
+def test_linear_and_mlp_dispatch_few_rows(device, monkeypatch):
+    """2-16 half-precision rows on the GPU go to the skinny GEMM (the MLP's gate/up with its SwiGLU); one row to the
+    GEMV; more rows, float32 or autograd to F.linear. Results as the unfused path's, up to summation order."""
+    monkeypatch.setattr(linear_module, "use_triton", lambda x: True)
+    import deepserve.kernels.skinny_gemm as skinny_module
+    calls = []
+    real = skinny_module.skinny_linear
+    monkeypatch.setattr(skinny_module, "skinny_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    layer = Linear(40, 24, bias=True).to(device).half()
+    ref_layer = nn.Linear(40, 24, bias=True).to(device).half()
+    ref_layer.load_state_dict(layer.state_dict())
+    with torch.inference_mode():
+        x = torch.randn(8, 40, device=device).half()
+        assert_within_ulps(layer(x), ref_layer(x), torch.float16, ulps=1, min_exact=0.9, atol=1e-4)
+        layer(torch.randn(1, 40, device=device).half())                           # the GEMV
+        layer(torch.randn(SKINNY_MAX_ROWS + 1, 40, device=device).half())         # cuBLAS
+        layer.float()(torch.randn(4, 40, device=device))                          # float32
+    assert calls == [8]
+    mlp = GatedMLP(40, 24).to(device).half()
+    x = torch.randn(4, 40, device=device).half()
+    with torch.inference_mode():
+        fused = fused_swiglu_linear(x, mlp.gate_up_proj, None)
+        assert fused is not None and fused.shape == (4, 24)
+        assert fused_swiglu_linear(torch.randn(SKINNY_MAX_ROWS + 1, 40, device=device).half(), mlp.gate_up_proj,
+                                   None) is None
+        ref = swiglu_activation(torch.nn.functional.linear(x, mlp.gate_up_proj.weight), None)
+    assert_within_ulps(fused, ref, torch.float16, ulps=2, min_exact=0.8, atol=1e-4)
+
+
+def test_skinny_switch_off_keeps_cublas(device, monkeypatch):
+    monkeypatch.setattr(linear_module, "use_triton", lambda x: True)
+    monkeypatch.setattr(linear_module, "_SKINNY", False)
+    mlp = GatedMLP(40, 24).to(device).half()
+    with torch.inference_mode():
+        assert fused_swiglu_linear(torch.randn(4, 40, device=device).half(), mlp.gate_up_proj, None) is None
