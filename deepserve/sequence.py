@@ -32,13 +32,18 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+        return self not in _UNFINISHED
 
     @property
     def finish_reason(self) -> str | None:
         if not self.is_finished:
             return None
         return "length" if self is SequenceStatus.FINISHED_IGNORED else self.value
+
+
+# Reading a member off an Enum class goes through its metaclass (~90 ns on CPython 3.11): the status checks made for
+# every sequence at every step compare against these module-level names instead.
+_UNFINISHED = (SequenceStatus.WAITING, SequenceStatus.RUNNING)
 
 
 class Sequence:
@@ -100,7 +105,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status not in _UNFINISHED      # SequenceStatus.is_finished without its property call
 
     @property
     def is_prefill_done(self) -> bool:

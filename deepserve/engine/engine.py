@@ -359,21 +359,27 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.take_model_drafts(runner_out.mtp_drafts)
         now = time.monotonic()
+        # Bound methods and counters in locals: this loop runs for every scheduled sequence of every step.
+        requests, process, commit = self.requests, self.outputs.process, self.scheduler.commit
+        prompt_tokens = generation_tokens = 0
         for s in sched_out.scheduled:
             seq = s.seq
-            state = self.requests.get(seq.request_id)
+            state = requests.get(seq.request_id)
             if state is None or seq.is_finished:
                 continue      # aborted, or finished by an earlier step while this one ran: its result is dropped
             touched[state.request_id] = state
-            self.prompt_tokens += max(0, min(s.start + s.num_new_tokens, seq.num_prompt_tokens) - s.start)
+            if s.start < seq.num_prompt_tokens:
+                prompt_tokens += min(s.start + s.num_new_tokens, seq.num_prompt_tokens) - s.start
             before = len(seq.token_ids)
-            finished_status = self.outputs.process(state, s, runner_out, now)
-            self.generation_tokens += len(seq.token_ids) - before
+            finished_status = process(state, s, runner_out, now)
+            generation_tokens += len(seq.token_ids) - before
             if sched_out.speculative and _is_decode(s):
                 self._apply_verification(state, s, runner_out.num_accepted_drafts.get(seq.seq_id, 0))
-            self.scheduler.commit(seq)
+            commit(seq)
             if finished_status is not None:
                 self.scheduler.finish(seq, finished_status)
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += generation_tokens
 
     def _apply_verification(self, state: RequestState, s, num_accepted: int) -> None:
         """After a decode step of a speculating engine: rejected drafts give back their KV, counters grow."""

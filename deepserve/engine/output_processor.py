@@ -42,7 +42,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        for seq in self.seqs:       # a loop, not all(<generator>): read for every request at every step
+            if not seq.is_finished:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -69,19 +72,33 @@ class OutputProcessor:
     def process(self, state: RequestState, sched: ScheduledSequence, out: ModelRunnerOutput,
                 now: float) -> SequenceStatus | None:
         """Apply one step's results to a sequence; return a finish status if it just finished."""
-        seq = sched.seq
-        if state.metrics.first_scheduled_time is None:
-            state.metrics.first_scheduled_time = now
-        chunk_lp = out.prompt_logprobs.get(seq.seq_id)
+        seq, metrics = sched.seq, state.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = now
+        chunk_lp = out.prompt_logprobs.get(seq.seq_id) if out.prompt_logprobs else None
         if chunk_lp and state.prompt_logprobs is not None and len(state.prompt_logprobs) < seq.num_prompt_tokens:
             state.prompt_logprobs.extend(self._logprobs_entry(e) for e in chunk_lp)
+        if not out.spec_token_ids:
+            # The common step: one sampled token (or none), without the lists of the speculative path.
+            token = out.sampled_token_ids.get(seq.seq_id)
+            if token is None:
+                return None
+            metrics.last_token_time = now
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            seq.resolve_inflight_token(token)
+            entry = out.logprobs.get(seq.seq_id) if out.logprobs else None
+            status = self._append_token(seq, state.per_seq[seq.seq_id], token, entry)
+            if status is not None:
+                metrics.finished_time = now
+            return status
         tokens, entries = _new_tokens(seq.seq_id, out)
         if not tokens:
             return None
         seq_state = state.per_seq[seq.seq_id]
-        if state.metrics.first_token_time is None:
-            state.metrics.first_token_time = now
-        state.metrics.last_token_time = now
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
         status = None
         for i, (token, entry) in enumerate(zip(tokens, entries)):
             # The first token was counted in flight when the step launched; accepted drafts come on top of it.
@@ -93,7 +110,7 @@ class OutputProcessor:
             if status is not None:
                 break       # tokens after a stop are dropped (accepted drafts past an EOS or a stop string)
         if status is not None:
-            state.metrics.finished_time = now
+            metrics.finished_time = now
         return status
 
     def _append_token(self, seq: Sequence, seq_state: "SequenceOutputState", token: int,
@@ -102,7 +119,9 @@ class OutputProcessor:
         if entry is not None and seq_state.logprobs is not None:
             seq_state.logprobs.append(self._logprobs_entry(entry))
             seq_state.cumulative_logprob += entry[1]
-        status = self._grammar_stop(seq, token) or self._token_stop(seq)
+        status = self._grammar_stop(seq, token) if seq.grammar is not None else None
+        if status is None:
+            status = self._token_stop(seq, token)
         if seq_state.detokenizer is not None:
             seq_state.text += seq_state.detokenizer.step([token])
             if status is None:
@@ -122,18 +141,19 @@ class OutputProcessor:
             return SequenceStatus.FINISHED_SO_FAILED
         return SequenceStatus.FINISHED_STOPPED if matcher.is_terminated else None
 
-    def _token_stop(self, seq: Sequence) -> SequenceStatus | None:
-        p, token = seq.params, seq.token_ids[-1]
-        out_len = seq.num_output_tokens
+    def _token_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        """EOS, stop_token_ids, max_tokens and max_model_len, for `token`, just appended to `seq`."""
+        p, length = seq.params, len(seq.token_ids)
+        out_len = length - seq.num_prompt_tokens
         if out_len >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED
-            if token in p.stop_token_ids:
+            if p.stop_token_ids and token in p.stop_token_ids:
                 seq.stop_reason = token
                 return SequenceStatus.FINISHED_STOPPED
         if p.max_tokens is not None and out_len >= p.max_tokens:
             return SequenceStatus.FINISHED_LENGTH_CAPPED
-        if self.max_model_len is not None and len(seq.token_ids) >= self.max_model_len:
+        if self.max_model_len is not None and length >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH_CAPPED
         return None
 
