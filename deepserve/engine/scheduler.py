@@ -113,15 +113,20 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: int,
                           kind: StepKind | None = None) -> tuple[int, int]:
         """Returns the (step, prefill) budgets left."""
+        # Attribute reads hoisted out of the loop: it runs for every running sequence at every step.
+        running, scheduled, fits_in_place = self.running, out.scheduled, self.block_manager.fits_in_place
+        max_model_len = self.config.max_model_len
+        prompt_kind = kind is StepKind.PROMPT
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.num_inflight and self._finishes_by_length(seq):
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            known, inflight = len(seq.token_ids), seq.num_inflight
+            if inflight and _finishes_by_length(seq, known, max_model_len):
                 i += 1          # its in-flight token is its last: nothing more to compute
                 continue
-            left = seq.num_tokens - seq.num_computed_tokens
+            left = known + inflight - seq.num_computed_tokens       # num_tokens - num_computed_tokens
             is_prefill = left > 1
-            if kind is not None and is_prefill != (kind is StepKind.PROMPT):
+            if kind is not None and is_prefill != prompt_kind:
                 i += 1          # not this kind of step's work
                 continue
             n = min(left, budget, prefill) if is_prefill else min(left, budget)
@@ -130,21 +135,17 @@ class Scheduler:
             drafts = seq.draft_token_ids[:max(budget - 1, 0)] if n == 1 and seq.draft_token_ids else []
             n += len(drafts)
             # Most decode steps fit in the sequence's last block: no allocation, no preemption check.
-            fits = n > 0 and self.block_manager.fits_in_place(seq, n)
+            fits = n > 0 and fits_in_place(seq, n)
             if fits or (n > 0 and self._make_room(seq, n, out)):
-                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n, drafts))
+                scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, n, drafts))
                 if not fits:
                     self.block_manager.allocate_slots(seq, n)
                 seq.num_computed_tokens += n
                 budget -= n
-                prefill -= n if is_prefill else 0
+                if is_prefill:
+                    prefill -= n
             i += 1
         return budget, prefill
-
-    def _finishes_by_length(self, seq: Sequence) -> bool:
-        max_tokens, known = seq.params.max_tokens, len(seq.token_ids)
-        return ((max_tokens is not None and known - seq.num_prompt_tokens + seq.num_inflight >= max_tokens)
-                or known + seq.num_inflight >= self.config.max_model_len)
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt from the back of `running` until `seq` gets its blocks; False if `seq` itself went."""
@@ -231,6 +232,20 @@ class Scheduler:
     def commit(self, seq: Sequence) -> None:
         """A step computed `seq`'s KV and its sampled token is known: name its full blocks for the prefix cache, then
         give back the window blocks it has left behind (after naming them: they stay hits for later sequences)."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.block_manager.cache_full_blocks(seq)
-            self.block_manager.release_window(seq)
+        if seq.status is _RUNNING:
+            bm = self.block_manager
+            bm.cache_full_blocks(seq)
+            if bm.window is not None:       # (no window pool: nothing to release, skip the call)
+                bm.release_window(seq)
+
+
+# Reading a member off an Enum class goes through its metaclass (~90 ns on CPython 3.11): `commit`, which runs for
+# every sequence at every step, compares against this module-level name.
+_RUNNING = SequenceStatus.RUNNING
+
+
+def _finishes_by_length(seq: Sequence, known: int, max_model_len: int) -> bool:
+    """The sequence's tokens in flight (`known` of them on the host) reach max_tokens or max_model_len."""
+    max_tokens = seq.params.max_tokens
+    return ((max_tokens is not None and known - seq.num_prompt_tokens + seq.num_inflight >= max_tokens)
+            or known + seq.num_inflight >= max_model_len)

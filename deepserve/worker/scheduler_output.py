@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from deepserve.sequence import Sequence
 
 
-@dataclass
+@dataclass(slots=True)      # slots: one is built per scheduled sequence per step, and read several times
 class ScheduledSequence:
     seq: Sequence
     start: int              # first position computed in this step
