@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from deepserve.layers.forward_batch import ForwardBatch
+from deepserve.worker.batch_builder import padded_rows
 from deepserve.worker.mixed_graph import StaticMixedInputs
 from deepserve.worker.scheduler_output import SchedulerOutput
 
@@ -94,40 +95,49 @@ class StaticDecodeInputs:
 
     def fill(self, out: SchedulerOutput, size: int, block_size: int) -> list[tuple[int, int]]:
         """Write the batch (padded to `size` rows) into a host buffer, then copy the used part over.
-        Returns (row, seq_id) of rows whose input token is in flight (left 0 for the caller to patch)."""
+        Returns (row, seq_id) of rows whose input token is in flight (left 0 for the caller to patch).
+
+        One pass over the sequences collects Python lists; the rows are then written a column at a time (numpy
+        writes of single elements cost ~100 ns each, a dozen a row)."""
         self.turn ^= 1
         host = self.hosts[self.turn]
         mb, h, per_row = self.max_batch, host.numpy(), self.tables_per_row
-        inflight = []
         ids, pos, slots, lens, wslots = (h[i * mb:(i + 1) * mb] for i in range(5))
         all_tables = h[5 * mb:5 * mb + size * per_row * self.max_blocks].reshape(size, per_row, self.max_blocks)
-        tables = all_tables[:, 0]
-        wtables = all_tables[:, 1] if per_row == 2 else None
-        i = 0
+        row_ids, row_pos, tables = [], [], []
+        inflight = []
         for s in out.scheduled:
-            seq, p = s.seq, s.start
-            table = seq.block_table
-            window = seq.window_table
-            if p < len(seq.token_ids):
-                ids[i] = seq.token_ids[p]
+            seq, p, drafts = s.seq, s.start, s.draft_token_ids
+            token_ids = seq.token_ids
+            if p < len(token_ids):
+                row_ids.append(token_ids[p])
             else:
-                ids[i] = 0
-                inflight.append((i, seq.seq_id))
-            # A row per draft after the known token: a decode row one position further (it sees the rows before
-            # it, whose keys every layer writes before its attention reads).
-            for j, token in enumerate([None] + s.draft_token_ids):
-                if token is not None:
-                    ids[i] = token
-                pos[i] = p + j
-                slots[i] = table[(p + j) // block_size] * block_size + (p + j) % block_size
-                lens[i] = p + j + 1
-                tables[i, :len(table)] = table
-                if wtables is not None:       # (released entries, -1, become block 0: beyond every row's reach)
-                    wslots[i] = window[(p + j) // block_size] * block_size + (p + j) % block_size
-                    wtables[i, :len(window)] = window
-                    np.maximum(wtables[i], 0, out=wtables[i])
-                i += 1
-        b = i
+                inflight.append((len(row_ids), seq.seq_id))
+                row_ids.append(0)
+            row_pos.append(p)
+            if drafts:
+                # A row per draft after the known token: a decode row one position further (it sees the rows before
+                # it, whose keys every layer writes before its attention reads).
+                row_ids.extend(drafts)
+                row_pos.extend(range(p + 1, p + 1 + len(drafts)))
+            tables.append(seq.block_table)
+        b = len(row_ids)
+        positions = np.asarray(row_pos, dtype=np.int64)
+        # Each row's sequence: one row a sequence, unless some verify drafts.
+        row_seq = (np.arange(b) if b == len(tables) else
+                   np.repeat(np.arange(len(tables)), [1 + len(s.draft_token_ids) for s in out.scheduled]))
+        width = max(map(len, tables), default=0)
+        seq_tables = padded_rows(tables, width)
+        ids[:b] = row_ids
+        pos[:b] = positions
+        slots[:b] = seq_tables[row_seq, positions // block_size] * block_size + positions % block_size
+        lens[:b] = positions + 1
+        all_tables[:b, 0, :width] = seq_tables[row_seq]
+        if per_row == 2:          # (released window entries, -1, become block 0: beyond every row's reach)
+            seq_windows = padded_rows([s.seq.window_table for s in out.scheduled], width)
+            np.maximum(seq_windows, 0, out=seq_windows)
+            wslots[:b] = seq_windows[row_seq, positions // block_size] * block_size + positions % block_size
+            all_tables[:b, 1, :width] = seq_windows[row_seq]
         # Padding rows: one key of block 0 to read (a valid address), nothing to write.
         ids[b:size], pos[b:size], slots[b:size], lens[b:size], wslots[b:size] = 0, 0, -1, 1, -1
         all_tables[b:size] = 0
