@@ -43,12 +43,21 @@ class SamplingRow:
 
 class SequenceSamplingRow(SamplingRow):
     """A SamplingRow that reads a live sequence: its token lists are sliced only if a penalty asks for them
-    (copying every sequence's tokens every step would cost more than the sampling itself)."""
+    (copying every sequence's tokens every step would cost more than the sampling itself), and its seed and position
+    are read only by a batch that samples (an all-greedy one never does). A row lives for one `SamplingMetadata.build`,
+    while the sequence does not change."""
 
     def __init__(self, seq, eos_token_ids: set[int]) -> None:
-        self.params, self.seed, self.position, self.eos_token_ids = seq.params, seq.seed, seq.num_tokens, eos_token_ids
-        self._seq = seq
+        self.params, self.eos_token_ids, self._seq = seq.params, eos_token_ids, seq
         self.grammar = getattr(seq, "grammar", None)
+
+    @property
+    def seed(self) -> int:
+        return self._seq.seed
+
+    @property
+    def position(self) -> int:
+        return self._seq.num_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -111,8 +120,10 @@ class SamplingMetadata:
             all_greedy=all_greedy,
             all_random=not any(greedy),
             any_penalty=any_penalty,
-            any_top_k_p=any(not g and (0 < p.top_k < vocab_size or p.top_p < 1) for p, g in zip(params, greedy)),
-            any_min_p=any(not g and p.min_p > 0 for p, g in zip(params, greedy)),
+            # (An all-greedy batch shapes nothing: no pass over its rows for these.)
+            any_top_k_p=not all_greedy and any(not g and (0 < p.top_k < vocab_size or p.top_p < 1)
+                                               for p, g in zip(params, greedy)),
+            any_min_p=not all_greedy and any(not g and p.min_p > 0 for p, g in zip(params, greedy)),
             max_num_logprobs=max(requested) if requested else None,
             prompt_token_mask=_prompt_token_mask(rows, vocab_size, device) if any_penalty else None,
             output_token_counts=_output_token_counts(rows, penalised, vocab_size, device) if any_penalty else None,
