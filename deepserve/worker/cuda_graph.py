@@ -83,6 +83,7 @@ class StaticDecodeInputs:
         # while the next step fills the other (a step is collected before the one after next is filled).
         self.hosts = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self.turn = 0
+        self.num_rows = 0       # rows (sequences and their drafts) of the last fill
         self.device = torch.zeros(n, dtype=torch.int64, device=device)
         mb = max_batch
         self.input_ids, self.positions, self.slots, self.seq_lens, self.window_slots = \
@@ -121,7 +122,7 @@ class StaticDecodeInputs:
                 row_ids.extend(drafts)
                 row_pos.extend(range(p + 1, p + 1 + len(drafts)))
             tables.append(seq.block_table)
-        b = len(row_ids)
+        b = self.num_rows = len(row_ids)
         positions = np.asarray(row_pos, dtype=np.int64)
         # Each row's sequence: one row a sequence, unless some verify drafts.
         row_seq = (np.arange(b) if b == len(tables) else
@@ -324,13 +325,15 @@ class CUDAGraphRunner:
         """The graph key (padded size, context bucket) for this step, or None when it must run eagerly."""
         if not self.graphs or not out.scheduled:
             return None
-        for s in out.scheduled:
+        rows = longest = 0
+        for s in out.scheduled:     # one pass: every row a decode row, and the step's rows and longest sequence
             if s.num_new_tokens - len(s.draft_token_ids) != 1 or s.seq.params.prompt_logprobs is not None:
                 return None
-        size = padded_size(sum(s.num_new_tokens for s in out.scheduled), self.sizes)
+            rows += s.num_new_tokens
+            longest = max(longest, s.start + s.num_new_tokens)
+        size = padded_size(rows, self.sizes)
         if size is None:
             return None
-        longest = max(s.start + s.num_new_tokens for s in out.scheduled)
         bucket = next((b for b in self.buckets if b >= longest), None)
         return None if bucket is None else (size, bucket)
 
@@ -345,7 +348,7 @@ class CUDAGraphRunner:
             patch_inflight(self.inputs.input_ids, inflight)
         self.graphs[key].replay()
         self.num_replays += 1
-        rows = sum(s.num_new_tokens for s in out.scheduled)
+        rows = self.inputs.num_rows
         return GraphReplay(self.logits[:rows], self.hidden[:rows] if self.hidden is not None else None,
                            self.batches[key], inflight)
 

@@ -580,6 +580,9 @@ class ModelRunner:
 
     def _pick_tokens(self, logits: torch.Tensor, scheduled: list[ScheduledSequence], step: "LaunchedStep") -> None:
         """Sampling and verification of a graph-replayed decode step: `logits` has one row per scheduled position."""
+        if all(s.samples and not s.draft_token_ids for s in scheduled):
+            self._sample(logits, [s.seq for s in scheduled], step)     # the common step: every row samples, in order
+            return
         sample_rows, samplers, verify_rows, verifiers = [], [], [], []
         offset = 0
         for s in scheduled:
@@ -727,8 +730,9 @@ def _patch_inflight(input_ids: torch.Tensor, rows: list[tuple[int, int]], previo
         return
     if previous is None or previous.device_tokens is None:
         raise RuntimeError("a step reads an in-flight token but no launched step holds it")
-    device = input_ids.device
-    dst = torch.tensor([r for r, _ in rows], dtype=torch.int64).to(device, non_blocking=True)
-    src = torch.tensor([previous.row_of[seq_id] for _, seq_id in rows], dtype=torch.int64).to(device,
-                                                                                              non_blocking=True)
+    # Destination rows, then source rows: one host-to-device copy for both.
+    row_of = previous.row_of
+    index = torch.tensor([r for r, _ in rows] + [row_of[seq_id] for _, seq_id in rows], dtype=torch.int64)
+    index = index.to(input_ids.device, non_blocking=True)
+    dst, src = index[:len(rows)], index[len(rows):]
     input_ids.index_copy_(0, dst, previous.device_tokens.index_select(0, src))
