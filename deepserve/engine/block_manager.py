@@ -36,6 +36,7 @@ window pool is not storable: the runner says so.)
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,7 +67,8 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...]
     h = hashlib.blake2b(digest_size=16)
     if parent_hash is not None:
         h.update(parent_hash)
-    h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids))
+    # Each id as 4 little-endian unsigned bytes; struct packs the block in one call (5x a to_bytes per token).
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
     return h.digest()
 
 
@@ -230,9 +232,10 @@ class BlockManager:
         """Name the sequence's newly completed blocks (and their window blocks) so later sequences can reuse them."""
         if not self.enable_prefix_caching:
             return
-        # Only blocks whose token ids are all known (an in-flight token's id has not reached the host yet).
-        known = min(seq.num_computed_tokens, len(seq.token_ids))
-        num_full = min(known // self.block_size, len(seq.block_table))
+        # Only blocks whose token ids are all known (an in-flight token's id has not reached the host yet), and that
+        # the sequence holds: min(known tokens, table slots) // block_size, in one min() (this runs every step).
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids), len(seq.block_table) * bs) // bs
         named = self._num_named.get(seq.seq_id, 0)
         if num_full <= named:
             return      # most steps of a decode complete no block: nothing to hash
