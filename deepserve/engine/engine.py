@@ -367,7 +367,8 @@ class LLMEngine:
             state = requests.get(seq.request_id)
             if state is None or seq.is_finished:
                 continue      # aborted, or finished by an earlier step while this one ran: its result is dropped
-            touched[state.request_id] = state
+            if not state.final_output_only:
+                touched[state.request_id] = state
             if s.start < seq.num_prompt_tokens:
                 prompt_tokens += min(s.start + s.num_new_tokens, seq.num_prompt_tokens) - s.start
             before = len(seq.token_ids)
@@ -378,6 +379,8 @@ class LLMEngine:
             commit(seq)
             if finished_status is not None:
                 self.scheduler.finish(seq, finished_status)
+                # A final-output-only request is reported once, when it finishes: only then is it touched.
+                touched[state.request_id] = state
         self.prompt_tokens += prompt_tokens
         self.generation_tokens += generation_tokens
 
