@@ -76,6 +76,8 @@ class TorchPagedAttention:
         self.rows_as_decodes = rows_as_decodes
 
     def build_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
+        if batch.num_tokens == batch.num_seqs and not self.rows_as_decodes:
+            return self._decode_step_metadata(batch)
         bs = batch.block_size
         device = batch.input_ids.device
         drafts = batch.draft_lens_cpu or [0] * len(batch.query_lens_cpu)
@@ -110,6 +112,20 @@ class TorchPagedAttention:
             n, seq_len = batch.query_lens_cpu[b], batch.seq_lens_cpu[b]
             blocks = batch.block_tables[b, : -(-seq_len // bs)]
             meta.prefills.append(_PrefillSegment(starts[b], n, seq_len - n, seq_len, blocks))
+        return meta
+
+    def _decode_step_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
+        """`build_metadata` of a step of one row per sequence (every one a plain decode: row b is sequence b), from
+        views of the batch's tensors: no per-sequence index lists to build and copy at every decode step."""
+        bs, device = batch.block_size, batch.input_ids.device
+        num_blocks = -(-max(batch.seq_lens_cpu) // bs)
+        meta = TorchAttentionMetadata(None, None, None, [])
+        meta.decode_rows = batch.query_start_loc[:-1]           # = 0, 1, ..., B - 1
+        meta.decode_blocks = batch.block_tables[:, :num_blocks].contiguous()
+        positions = torch.arange(num_blocks * bs, device=device)
+        meta.decode_mask = positions[None, :] < batch.seq_lens[:, None]
+        if device.type == "cpu" and cpu_kernels.library() is not None:
+            meta.decode_plan = cpu_kernels.DecodePlan(meta.decode_rows, meta.decode_blocks, batch.seq_lens)
         return meta
 
     def forward(self, q, k, v, kv_cache, batch, scale, rotary=None):
