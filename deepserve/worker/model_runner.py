@@ -627,10 +627,12 @@ class ModelRunner:
         lp = host.logprobs.tolist() if host.logprobs is not None else None
         top_ids = host.top_logprob_ids.tolist() if host.top_logprob_ids is not None else None
         top_lp = host.top_logprobs.tolist() if host.top_logprobs is not None else None
+        result.sampled_token_ids.update(zip([seq.seq_id for seq in step.seqs], token_ids))
+        if lp is None:
+            return result       # no row asked for logprobs: no per-row loop
         for i, seq in enumerate(step.seqs):
-            result.sampled_token_ids[seq.seq_id] = token_ids[i]
             k = seq.params.logprobs
-            if k is not None and lp is not None:
+            if k is not None:
                 ids = top_ids[i][:k] if top_ids is not None else []
                 vals = top_lp[i][:k] if top_lp is not None else []
                 result.logprobs[seq.seq_id] = (token_ids[i], lp[i], ids, vals)
