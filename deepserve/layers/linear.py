@@ -1,5 +1,6 @@
 """Linear layers: `F.linear`, except for one activation row on the GPU (batch-1 decode), where a Triton GEMV reads
-the weight faster than cuBLAS does (deepserve/kernels/gemv.py has the measurements).
+the weight faster than cuBLAS does (deepserve/kernels/gemv.py has the measurements), and for 2-16 rows (small-batch
+decode), where the skinny Triton GEMM takes the shapes it wins (deepserve/kernels/skinny_gemm.py).
 
 Models build `Linear` (an nn.Linear: loading, quantization and `isinstance` checks see no difference) and call
 `linear()` where they multiply by a weight they do not own as a module (a tied LM head).
