@@ -35,7 +35,9 @@ SKINNY_MAX_ROWS = 16    # more rows stay on cuBLAS (whose larger tiles then do f
 
 class SkinnyTiles(NamedTuple):
     """A launch setting: weight rows per program, K step, warps, pipeline stages, and what a program does with its
-    weights before the PDL wait: 0 nothing, 1 asks L2 for its first K step, 2 for all of its rows."""
+    weights before the PDL wait: 0 nothing, 1 asks L2 for its first K step, 2 for all of its rows. The default, 1,
+    is the batch-1 GEMV's; an H200 sweep of the three modes on the engine's tilings saw differences within the
+    run-to-run noise (printed only: its JSON did not come back from the GPU machine)."""
     block_n: int
     block_k: int
     warps: int
