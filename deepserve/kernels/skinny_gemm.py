@@ -106,7 +106,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, m_rows, n_out, k_len, stride_x
 
 
 def skinny_tiles(n: int, k: int) -> SkinnyTiles:
-    """The launch setting for a [N, K] weight, from an H200 sweep at M = 8 (benchmarks/tune_skinny_gemm.json;
+    """The launch setting for a [N, K] weight, from an H200 sweep at M = 8 (benchmarks/tune_skinny_gemm_grid.json;
     microseconds against cuBLAS's, SwiGLU shapes against cuBLAS + SiLU-and-mul):
       - up to 2048 rows (o_proj, MLA's kv_a, shared experts' down): 16 rows per program, K steps of 256
         (o_proj 2048x2048 5.24 us against 5.98; kv_a 576x2048 4.64 against 5.17);
