@@ -9,8 +9,8 @@ bandwidth, bounds them). Here the roles are swapped: the weight tile [BLOCK_N, B
 streams BLOCK_N weight rows through a pipelined K loop into a [BLOCK_N, BLOCK_M] float32 accumulator. Nothing is
 wasted on the padding but MMA slots, which are free here. It is launched with PDL (kernels/pdl.py): the programs
 ask L2 for their first weights while the previous kernel drains, and the layer's launches chain without cuBLAS's
-gaps. Measured on an H200 (benchmarks/tune_skinny_gemm*.json, skinny_ab_h200.json): 2048x2048 at M = 8 in 4.9 us
-against cuBLAS's 5.9; Llama-3.2-1B decode steps at batch 2-16 4-9% faster, DeepSeek-V2-Lite's at batch 8-16 2-3%;
+gaps. Measured on an H200 (benchmarks/tune_skinny_gemm_grid.json, skinny_ab_h200.json): 2048x2048 at M = 8 in
+5.2 us against cuBLAS's 6.0; Llama-3.2-1B decode steps at batch 2-16 4-9% faster, DeepSeek-V2-Lite's at batch 8-16 2-3%;
 but Qwen3-30B-A3B's 1.5-3% slower, not yet understood (DEEPSERVE_SKINNY_GEMM=0 keeps cuBLAS).
 
 SwiGLU mode (a gate/up weight [2I, K], gate rows then up rows) interleaves each program's gate and up rows in one
