@@ -171,7 +171,7 @@ def _operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, limit: Optional[float]) -> None:
-    n_rows, k = weight.shape
+    k = weight.shape[1]
     rows_per_program = tiles.block_n // 2 if swiglu else tiles.block_n
     _skinny_kernel[(triton.cdiv(n_out, rows_per_program),)](
         x, weight, bias if bias is not None else y, y, x.shape[0], n_out, k, x.stride(0), weight.stride(0),
