@@ -12,10 +12,11 @@ does when serving). Beside each step time, what the step must at least cost:
   roofline   max(bytes / 4.24 TB/s, flops / 989 TFLOP/s)            -> fraction_of_roofline = roofline / step
   replay     the batch's captured CUDA graph replayed back to back: the forward's device time alone
   experts    (MoE) max(distinct expert bytes / bandwidth, flops / peak): the issue's MoE target reads the
-             step time against this one (within 1.5x); the full roofline above adds the KV and the other weights
+             step time against this one (within 1.5x); the full roofline above adds the KV and the other weights,
+             and its ratio to this one (experts_ratio_floor) is the best the step could reach at full bandwidth
 
 Plus, for the MoE shapes (all shapes with --profile-dense), a kernel table of the batch-64 step (torch.profiler over
-graph replays): where it goes.
+graph replays; --profile-batch names other batch sizes): where it goes.
 
 Run (GPU machine):  python benchmarks/h200_decode_sweep.py --output benchmarks/h200_decode_sweep.json
 Smoke (CPU):        python benchmarks/h200_decode_sweep.py --device cpu --shapes tiny-dense,tiny-moe \
@@ -176,6 +177,10 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
     if touched is not None:
         out["touched_experts_per_step"] = touched
         out["experts_roofline_ratio"] = round(step_ms / roof["experts_roofline_ms"], 3)
+        # The ratio a step reading every byte it must (weights, experts, KV) at the full bandwidth would get: the
+        # floor of experts_roofline_ratio (at batch 256 and 1k context: 1.37 for V2-Lite, 1.52 for Qwen3-MoE, whose
+        # KV there is 46% of its expert bytes).
+        out["experts_ratio_floor"] = round(roof["roofline_ms"] / roof["experts_roofline_ms"], 3)
     return out
 
 
@@ -243,12 +248,13 @@ def run_shape(name: str, context: int, batches: list[int], args, result: dict) -
             entry["batches"].append({"batch": b, "error": traceback.format_exc()[-1500:]})
         print(name, context, json.dumps(entry["batches"][-1]), flush=True)
         save(result, args.output)
-    if (name in MOE or args.profile_dense) and args.profile_batch in fit and args.device == "cuda":
+    profiled = [b for b in args.profile_batch if b in fit] if name in MOE or args.profile_dense else []
+    for b in profiled if args.device == "cuda" else []:
         try:
-            entry[f"profile_b{args.profile_batch}"] = profile_batch(llm, args.profile_batch, context)
+            entry[f"profile_b{b}"] = profile_batch(llm, b, context)
         except Exception:
-            entry[f"profile_b{args.profile_batch}"] = {"error": traceback.format_exc()[-1500:]}
-        print(name, "profile", json.dumps(entry[f"profile_b{args.profile_batch}"])[:4000], flush=True)
+            entry[f"profile_b{b}"] = {"error": traceback.format_exc()[-1500:]}
+        print(name, "profile", json.dumps(entry[f"profile_b{b}"])[:4000], flush=True)
     del llm
     gc.collect()
     if args.device == "cuda":
@@ -297,7 +303,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--contexts", default="1024,4096", help="dense shapes; MoE shapes run the first only")
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--profile-batch", type=lambda v: [int(b) for b in v.split(",")], default=[64],
+                    help="comma-separated batch sizes with a kernel table")
     ap.add_argument("--profile-dense", action="store_true", help="kernel tables of the dense shapes too")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--output", default="benchmarks/h200_decode_sweep.json")

@@ -23,7 +23,8 @@ from deepserve.kernels import HAS_TRITON, cdiv, next_pow2, require_triton, tl, t
 from deepserve.kernels.pdl import (pdl_launch_args, pdl_launch_dependents, pdl_wait, pdl_wait_after_inputs,
                                   pdl_wait_for_inputs)
 from deepserve.kernels.reference import attention as reference
-from deepserve.kernels.rotary import cos_sin_row, rotary_constexprs, rotate_heads
+from deepserve.kernels.reference.norm import rms_norm
+from deepserve.kernels.rotary import cos_sin_row, rotary_constexprs, rotate_normed_heads
 
 _LOG2E = 1.4426950408889634
 
@@ -105,34 +106,39 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 # positions and slot_mapping are views into the step's packed index buffer: not specialised on (see rotary.py).
 @triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])
 def _rotary_write_kv_kernel(pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, cache_ptr, cos_ptr, sin_ptr,
+                            q_norm_ptr, k_norm_ptr, norm_eps,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
                             stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_cos,
                             block_size, num_q_heads, num_kv_heads,
                             HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr, HALF: tl.constexpr,
                             BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
-                            HALF_CACHE: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
+                            HALF_CACHE: tl.constexpr, QK_NORM: tl.constexpr, INPUTS_READY: tl.constexpr,
+                            USE_PDL: tl.constexpr):
     """One token: q rotated into q_out (padding rows too: harmless, and the decode kernel reads them), k rotated
-    and v copied straight into the cache slot."""
+    and v copied straight into the cache slot; with QK_NORM, q and k RMS-normalised per head first."""
     t, dst, keep, cos1, sin1, cos2, sin2, j, jmask = rotary_write_prologue(
         pos_ptr, slot_ptr, cache_ptr, cos_ptr, sin_ptr, stride_c_block, stride_c_slot, stride_cos, block_size,
         HALF, BLOCK_HALF, HALF_CACHE, INPUTS_READY, USE_PDL)
-    rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh, num_q_heads, True,
-                 cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
-    rotate_heads(k_ptr + t * stride_kt, dst, stride_kh, stride_c_head, num_kv_heads, keep,
-                 cos1, sin1, cos2, sin2, j, jmask, HALF, BLOCK_H, INTERLEAVED)
+    rotate_normed_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh, num_q_heads, True,
+                        cos1, sin1, cos2, sin2, j, jmask, q_norm_ptr, norm_eps, HALF, BLOCK_H, INTERLEAVED, QK_NORM)
+    rotate_normed_heads(k_ptr + t * stride_kt, dst, stride_kh, stride_c_head, num_kv_heads, keep,
+                        cos1, sin1, cos2, sin2, j, jmask, k_norm_ptr, norm_eps, HALF, BLOCK_H, INTERLEAVED, QK_NORM)
     copy_heads(v_ptr + t * stride_vt, stride_vh, dst + stride_c_kv, stride_c_head, num_kv_heads, keep, HEAD_DIM,
                BLOCK_HD)
 
 
 def rotary_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     slot_mapping: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-                    sin_cache: torch.Tensor, inputs_ready: bool = False) -> torch.Tensor:
+                    sin_cache: torch.Tensor, inputs_ready: bool = False,
+                    qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
     """Rotary embedding of q and k at `positions` and the cache write of the rotated k and of v, in one launch:
     `q_rot, k_rot = apply_rotary(positions, q, k, cos_cache, sin_cache)` (NeoX halves; full- or half-width caches)
     then `write_kv(kv_cache, k_rot, v, slot_mapping)`, rows with a negative slot writing nothing.
     q: [T, H, D], k, v: [T, Hkv, D] (any row/head strides, unit last stride). Returns q_rot, a new contiguous
     tensor; the rotated k lives only in the cache. `inputs_ready`: positions and slot_mapping were in place before
-    the kernel launched just before this call (the step's input buffers): read before the PDL wait."""
+    the kernel launched just before this call (the step's input buffers): read before the PDL wait.
+    `qk_norm` = (q weight [D], k weight [D], eps), in q's dtype: q and k are first `rms_norm`ed per head (Qwen3's
+    q_norm / k_norm), which saves their two launches and the copies their strided views would need."""
     require_triton(q)
     t, h, d = q.shape
     hkv = k.shape[1]
@@ -141,20 +147,26 @@ def rotary_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         return q_out
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     assert kv_cache.stride(-1) == 1 and kv_cache.shape[0] == 2 and kv_cache.shape[3:] == k.shape[1:]
+    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (q, q, 0.0)
+    if qk_norm is not None:
+        assert q_norm.shape == k_norm.shape == (d,) and q_norm.dtype == k_norm.dtype == q.dtype
+        assert q_norm.is_contiguous() and k_norm.is_contiguous()
     _rotary_write_kv_kernel[(t,)](
-        positions, slot_mapping, q, k, v, q_out, kv_cache, cos_cache, sin_cache,
+        positions, slot_mapping, q, k, v, q_out, kv_cache, cos_cache, sin_cache, q_norm, k_norm, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
         q_out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         cos_cache.stride(0), kv_cache.shape[2], h, hkv,
         HEAD_DIM=d, BLOCK_HD=next_pow2(hkv * d), **rotary_constexprs(d, h, cos_cache, sin_cache, False),
-        INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=4, **pdl_launch_args(q))
+        QK_NORM=qk_norm is not None, INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=4, **pdl_launch_args(q))
     return q_out
 
 
-def rotary_write_kv_ref(kv_cache, q, k, v, slot_mapping, positions, cos_cache, sin_cache):
-    """The PyTorch twin: the reference rotation (RotaryEmbedding's), then the reference backend's write; rows with a
-    negative slot are skipped (the reference's write needs valid slots)."""
+def rotary_write_kv_ref(kv_cache, q, k, v, slot_mapping, positions, cos_cache, sin_cache, qk_norm=None):
+    """The PyTorch twin: (the reference per-head norms,) the reference rotation (RotaryEmbedding's), then the
+    reference backend's write; rows with a negative slot are skipped (the reference's write needs valid slots)."""
     from deepserve.kernels.rotary import apply_rotary_ref
+    if qk_norm is not None:
+        q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
     q_rot, k_rot = apply_rotary_ref(positions, q, k, cos_cache, sin_cache)
     keep = slot_mapping >= 0
     write_kv_ref(kv_cache, k_rot[keep], v[keep], slot_mapping[keep])

@@ -11,9 +11,9 @@ Two variants for DeepSeek's MLA (deepserve/layers/mla.py):
   half caches  cos/sin of width D/2 (one column per angle, as MLARotaryEmbedding keeps them) instead of the
                duplicated width-D caches of RotaryEmbedding: both halves read the same column.
 
-The rotation (`cos_sin_row` + `rotate_heads`, with `rotary_constexprs` for its settings) is shared with the kernels
-that rotate and write the cache in one launch: `rotary_write_kv` (deepserve/kernels/paged_attention.py) and
-`rotary_write_latents` (deepserve/kernels/mla_decode.py).
+The rotation (`cos_sin_row` + `rotate_heads`, with `rotary_constexprs` for its settings; `rotate_normed_heads` with
+Qwen3's per-head RMSNorm first) is shared with the kernels that rotate and write the cache in one launch:
+`rotary_write_kv` (deepserve/kernels/paged_attention.py) and `rotary_write_latents` (deepserve/kernels/mla_decode.py).
 """
 
 import torch
@@ -47,6 +47,22 @@ def rotate_heads(x_row, o_row, stride_xh, stride_oh, num_heads, keep,
     """Rotate the `num_heads` heads of one token (x_row, o_row: that token's first head) and store them at o_row, if
     `keep`. Each value is rounded to x's dtype, then stored in o's (a KV cache may hold another dtype): the rotated
     tensor, then written, as the reference does it."""
+    rotate_normed_heads(x_row, o_row, stride_xh, stride_oh, num_heads, keep, cos1, sin1, cos2, sin2, j, jmask,
+                        x_row, 0.0, HALF, BLOCK_H, INTERLEAVED, False)
+
+
+@triton.jit
+def rotate_normed_heads(x_row, o_row, stride_xh, stride_oh, num_heads, keep,
+                        cos1, sin1, cos2, sin2, j, jmask, norm_w_ptr, eps,
+                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr):
+    """`rotate_heads`, each head first RMS-normalised with the [2 * HALF] weight at norm_w_ptr when NORM (Qwen3's
+    q_norm / k_norm before the rotation): kernels/norm.py's arithmetic (float32 statistics, the normalised value
+    rounded to x's dtype, times the weight, rounded again), so the rotation sees what the two-launch path's does."""
+    tl.static_assert(not (NORM and INTERLEAVED), "the norm's weight is read in the NeoX layout")
+    dtype = x_row.dtype.element_ty
+    if NORM:
+        w1 = tl.load(norm_w_ptr + j, mask=jmask, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_w_ptr + HALF + j, mask=jmask, other=0.0).to(tl.float32)
     for h0 in range(0, num_heads, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         mask = (h < num_heads)[:, None] & jmask[None, :]
@@ -57,11 +73,15 @@ def rotate_heads(x_row, o_row, stride_xh, stride_oh, num_heads, keep,
         else:
             x1 = tl.load(row + j[None, :], mask=mask, other=0.0).to(tl.float32)
             x2 = tl.load(row + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
+            x1 = ((x1 * rstd[:, None]).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
+            x2 = ((x2 * rstd[:, None]).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
         o1 = x1 * cos1[None, :] - x2 * sin1[None, :]
         o2 = x2 * cos2[None, :] + x1 * sin2[None, :]
         dst = o_row + h[:, None] * stride_oh + j[None, :]
-        tl.store(dst, o1.to(x_row.dtype.element_ty).to(o_row.dtype.element_ty), mask=mask & keep)
-        tl.store(dst + HALF, o2.to(x_row.dtype.element_ty).to(o_row.dtype.element_ty), mask=mask & keep)
+        tl.store(dst, o1.to(dtype).to(o_row.dtype.element_ty), mask=mask & keep)
+        tl.store(dst + HALF, o2.to(dtype).to(o_row.dtype.element_ty), mask=mask & keep)
 
 
 # positions is a view into the step's packed index buffer: its 16-byte alignment changes with the step's token

@@ -23,6 +23,7 @@ from deepserve.kernels.reference.attention import (causal_prefill_attention, gat
                                                   masked_decode_attention, write_kv)
 from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.linear import fused_qkv_rotary_write
+from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import RotaryEmbedding
 
 
@@ -30,9 +31,11 @@ class AttentionBackend(Protocol):
     def build_metadata(self, batch: ForwardBatch) -> object: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                batch: ForwardBatch, scale: float, rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+                batch: ForwardBatch, scale: float, rotary: RotaryEmbedding | None = None,
+                qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> torch.Tensor:
         """q [T, H, D], k, v [T, Hkv, D] -> [T, H, D]. With `rotary`, q and k are first rotated at
-        batch.positions (`rotary(batch.positions, q, k)`), so that a backend may fuse that with its cache write."""
+        batch.positions (`rotary(batch.positions, q, k)`), so that a backend may fuse that with its cache write;
+        with `qk_norm` (Qwen3's per-head q_norm, k_norm), q and k are normalised before that, fused there too."""
         ...
 
 
@@ -128,8 +131,10 @@ class TorchPagedAttention:
             meta.decode_plan = cpu_kernels.DecodePlan(meta.decode_rows, meta.decode_blocks, batch.seq_lens)
         return meta
 
-    def forward(self, q, k, v, kv_cache, batch, scale, rotary=None):
+    def forward(self, q, k, v, kv_cache, batch, scale, rotary=None, qk_norm=None):
         meta: TorchAttentionMetadata = batch.attn_metadata
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
         if rotary is not None:
             q, k = rotary(batch.positions, q, k)
         write_kv(kv_cache, k, v, batch.slot_mapping)
@@ -186,10 +191,11 @@ class Attention(nn.Module):
         return 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                rotary: RotaryEmbedding | None = None) -> torch.Tensor:
-        """Attention of q over the cached keys after k, v are written; `rotary` (if given) rotates q and k first."""
+                rotary: RotaryEmbedding | None = None, qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> torch.Tensor:
+        """Attention of q over the cached keys after k, v are written; `rotary` (if given) rotates q and k first,
+        after `qk_norm` (if given) normalised them per head."""
         assert self.kv_cache is not None, "the model runner binds a KV cache before the first forward"
-        return self.backend.forward(q, k, v, self.kv_cache, batch, self.scale, rotary=rotary)
+        return self.backend.forward(q, k, v, self.kv_cache, batch, self.scale, rotary=rotary, qk_norm=qk_norm)
 
     def forward_from_hidden(self, x: torch.Tensor, qkv_proj: nn.Module, batch: ForwardBatch,
                             rotary: RotaryEmbedding, norm: nn.Module | None = None) -> torch.Tensor | None:

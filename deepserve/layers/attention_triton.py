@@ -113,15 +113,18 @@ class TritonPagedAttention:
         return TritonAttentionMetadata(rows, rows, max_seq_len, None, None, batch.num_seqs, 0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch,
-                scale: float, rotary=None) -> torch.Tensor:
+                scale: float, rotary=None, qk_norm=None) -> torch.Tensor:
         meta = batch.attn_metadata
         if not isinstance(meta, TritonAttentionMetadata):
             meta = self.build_metadata(batch)
+        norm_weights = _fusable_qk_norm(qk_norm, q) if rotary is not None else None
+        if qk_norm is not None and norm_weights is None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
         if rotary is not None:
-            # One launch rotates q (into a new tensor) and k, and writes k and v: the rotated k is only read back
-            # from the cache.
+            # One launch (normalises q and k per head with qk_norm,) rotates q (into a new tensor) and k, and writes
+            # k and v: the rotated k is only read back from the cache.
             q = rotary_write_kv(kv_cache, q, k, v, batch.slot_mapping, batch.positions, rotary.cos_cache,
-                                rotary.sin_cache, inputs_ready=True)
+                                rotary.sin_cache, inputs_ready=True, qk_norm=norm_weights)
         else:
             if q.stride(-1) != 1:
                 q = q.contiguous()
@@ -147,6 +150,17 @@ class TritonPagedAttention:
             prefill_attention(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale,
                               meta.tile_seq, meta.tile_m0, out=out)
         return out
+
+
+def _fusable_qk_norm(qk_norm, q: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, float]]:
+    """(q weight, k weight, eps) when rotary_write_kv can apply the per-head norms itself: weights in q's dtype (the
+    reference's output dtype is then q's) and one eps; None otherwise (or without norms)."""
+    if qk_norm is None:
+        return None
+    q_norm, k_norm = qk_norm
+    if q_norm.weight.dtype != q.dtype or k_norm.weight.dtype != q.dtype or q_norm.eps != k_norm.eps:
+        return None
+    return q_norm.weight, k_norm.weight, q_norm.eps
 
 
 __all__ = ["TritonPagedAttention", "TritonAttentionMetadata"]

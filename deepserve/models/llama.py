@@ -85,11 +85,11 @@ class LlamaAttention(nn.Module):
         q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # The attention applies the rotary embedding: the GPU backend fuses it with the KV-cache write (one launch);
-        # the reference rotates q and k as views side by side in qkv, in one pass (one C call on the CPU).
-        return self.attn(q, k, v, batch, rotary=self.rotary).reshape(t, self.q_size)
+        # The attention applies the q/k norms (Qwen3) and the rotary embedding: the GPU backend fuses them with the
+        # KV-cache write (one launch); the reference rotates q and k as views side by side in qkv, in one pass (one
+        # C call on the CPU).
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
+        return self.attn(q, k, v, batch, rotary=self.rotary, qk_norm=qk_norm).reshape(t, self.q_size)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -11,11 +11,14 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_gpu_greedy_equals_cpu(tiny_llama):
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
+def test_gpu_greedy_equals_cpu(model, request):
+    """tiny_qwen3: its per-head q/k norms run inside the GPU's rotate-and-write kernel, apart on the CPU."""
+    path = request.getfixturevalue(model)
     prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    cpu = LLM(tiny_llama, skip_tokenizer_init=True, device="cpu", dtype="float32")
-    gpu = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 26)
+    cpu = LLM(path, skip_tokenizer_init=True, device="cpu", dtype="float32")
+    gpu = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 26)
     a = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)]
     assert a == b

@@ -117,6 +117,68 @@ def test_rotary_write_kv_matches_reference(device, dtype, heads, kv_heads, head_
     assert torch.equal(fused.view(2, nb * bs, kv_heads, head_dim)[:, ~written], untouched)
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 4, 128), (6, 3, 96)])
+def test_rotary_write_kv_with_qk_norm_matches_reference(device, dtype, heads, kv_heads, head_dim):
+    """Qwen3's per-head q/k RMSNorm folded into the rotate-and-write launch = the reference norms, rotation and write
+    (within one rounding, mostly bit-identical); padding rows write nothing; the norm weights matter."""
+    skip_bf16_in_interpreter(dtype)
+    nb, bs, t = 12, 16, 19
+    rope = RotaryEmbedding(head_dim, 4096, 1000000.0).to(device)
+    q, k, v, slots, positions = _rotary_case(device, dtype, heads, kv_heads, head_dim, t, nb, bs)
+    q, k = q * 3, k * 0.5          # norms that are far from 1
+    q_w = (torch.rand(head_dim, device=device) + 0.5).to(dtype)
+    k_w = (torch.rand(head_dim, device=device) + 0.5).to(dtype)
+    cache = random_cache(nb, bs, kv_heads, head_dim, dtype, device)
+    fused, ref = cache.clone(), cache.clone()
+    q_rot = rotary_write_kv(fused, q, k, v, slots, positions, rope.cos_cache, rope.sin_cache, inputs_ready=True,
+                            qk_norm=(q_w, k_w, 1e-6))
+    ref_q = rotary_write_kv_ref(ref, q, k, v, slots, positions, rope.cos_cache, rope.sin_cache,
+                                qk_norm=(q_w, k_w, 1e-6))
+    # Norm statistics summed in another order and the rotation's fused multiply-add: a rounding or two apart. In
+    # float32 a head whose rstd differs in its last bit differs everywhere, so only the bound is checked there.
+    atol = 2.0 ** -20 * max(ref_q.float().abs().max().item(), ref[0].float().abs().max().item())
+    min_exact = 0.0 if dtype == torch.float32 else 0.95
+    assert_within_ulps(q_rot, ref_q, dtype, ulps=2, min_exact=min_exact, atol=atol)
+    assert_within_ulps(fused[0], ref[0], dtype, ulps=2, min_exact=min_exact, atol=atol)
+    assert torch.equal(fused[1], ref[1])
+    unnormed = cache.clone()
+    plain_q = rotary_write_kv(unnormed, q, k, v, slots, positions, rope.cos_cache, rope.sin_cache)
+    assert not torch.allclose(plain_q.float(), q_rot.float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k_eps", [1e-6, 1e-5], ids=["fused", "unfused"])
+def test_triton_backend_qk_norm_matches_torch_backend(device, dtype, k_eps):
+    """The backend path Qwen3 takes: TritonPagedAttention.forward with qk_norm = TorchPagedAttention.forward (the norm
+    modules, then rotation and write), decode rows and a prefill together. Norms with two eps values cannot share
+    the fused launch: the backend runs them apart first, with the same result."""
+    from deepserve.layers.norm import RMSNorm
+    skip_bf16_in_interpreter(dtype)
+    heads, kv_heads, head_dim, bs, nb = 8, 2, 64, 16, 32
+    batch = make_batch([(30, 1), (0, 9), (17, 1)], bs, nb, device)
+    t = int(batch.input_ids.shape[0])
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0).to(device)
+    qkv = (3 * torch.randn(t, (heads + 2 * kv_heads) * head_dim, device=device)).to(dtype)
+    q = qkv[:, :heads * head_dim].view(t, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(t, kv_heads, head_dim)
+    norms = (RMSNorm(head_dim, 1e-6).to(device, dtype), RMSNorm(head_dim, k_eps).to(device, dtype))
+    for n in norms:
+        torch.nn.init.uniform_(n.weight, 0.5, 1.5)
+    cache = random_cache(nb, bs, kv_heads, head_dim, dtype, device)
+    ref_cache = cache.clone()
+    torch_backend, triton_backend = TorchPagedAttention(), TritonPagedAttention()
+    batch.attn_metadata = torch_backend.build_metadata(batch)
+    want = torch_backend.forward(q, k, v, ref_cache, batch, head_dim ** -0.5, rotary=rope, qk_norm=norms)
+    batch.attn_metadata = triton_backend.build_metadata(batch)
+    got = triton_backend.forward(q, k, v, cache, batch, head_dim ** -0.5, rotary=rope, qk_norm=norms)
+    assert_attention_close(got, want, dtype)
+    atol = 2.0 ** -20 * ref_cache[0].float().abs().max().item()
+    assert_within_ulps(cache[0], ref_cache[0], dtype, ulps=2, min_exact=0.95, atol=atol)
+    assert torch.equal(cache[1], ref_cache[1])
+
+
 def test_rotary_write_kv_no_tokens(device):
     rope = RotaryEmbedding(64, 128, 10000.0).to(device)
     cache = random_cache(2, 16, 2, 64, torch.float16, device)
