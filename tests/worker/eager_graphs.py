@@ -46,8 +46,10 @@ def install_twin_triton_attention(llm):
     from deepserve.layers.attention_triton import TritonPagedAttention
 
     class TwinTritonAttention(TritonPagedAttention):
-        def forward(self, q, k, v, kv_cache, batch, scale, rotary=None):
+        def forward(self, q, k, v, kv_cache, batch, scale, rotary=None, qk_norm=None):
             meta = batch.attn_metadata if batch.attn_metadata is not None else self.build_metadata(batch)
+            if qk_norm is not None:      # (Qwen3) the norms the GPU kernel applies before rotating
+                q, k = qk_norm[0](q), qk_norm[1](k)
             if rotary is not None:
                 q = kernels.rotary_write_kv_ref(kv_cache, q, k, v, batch.slot_mapping, batch.positions,
                                                 rotary.cos_cache, rotary.sin_cache)
