@@ -1,0 +1,32 @@
+"""Kernel launch modes A/B'd through the decode sweep. AB picks one (default: the engine's settings):
+  skinny_nopdl        the skinny GEMM launched without programmatic dependent launch (it waits for its predecessor
+                      to finish, and its successor for it); every other kernel keeps PDL
+  skinny_noprefetch   the skinny GEMM with PDL but no L2 prefetch of its first K step before the wait
+The switch patches deepserve/kernels in this process, then runs h200_decode_sweep.py with the remaining arguments.
+A diagnostic: skinny_pdl_ab_h200.json holds the numbers. (moe_fused_combine_ab_h200.json came from a third mode,
+the MoE pair mode's down GEMVs and combine in one launch, removed with its kernel after it lost.)
+
+Run (GPU machine):
+  for ab in default skinny_nopdl skinny_noprefetch; do for sh in qwen3-moe deepseek-v2-lite; do
+    AB=$ab python benchmarks/ab_kernel_modes.py --shapes $sh --batches 8,16 --output /tmp/ab.json; done; done
+"""
+
+import os
+import runpy
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import deepserve.kernels.skinny_gemm as skinny  # noqa: E402
+
+mode = os.environ.get("AB", "default")
+if mode == "skinny_nopdl":
+    skinny.pdl_launch_args = lambda tensor: {"USE_PDL": False}
+elif mode == "skinny_noprefetch":
+    _tiles = skinny.skinny_tiles
+    skinny.skinny_tiles = lambda n, k: _tiles(n, k)._replace(prefetch=0)
+elif mode != "default":
+    raise SystemExit(f"AB={mode!r}: default, skinny_nopdl or skinny_noprefetch")
+sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
