@@ -1,0 +1,94 @@
+"""Plots beside this session's A/B and profile JSONs (the issue asks for a plot beside each benchmark file):
+  qk_norm_fusion_h200.json      Qwen3-MoE step time before / after the q/k-norm fusion, skinny GEMM on and off
+  skinny_pdl_ab_h200.json       step time per skinny-GEMM launch mode, per shape and batch
+  moe_fused_combine_ab_h200.json  the MoE pair mode with and without the fused down+combine
+  h200_moe_step_profiles.json   where a batch-8 step goes, kernel by kernel (PDL off: each kernel's own time)
+
+Run:  python benchmarks/plot_ab.py      (writes <name>.png beside each JSON; needs matplotlib)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def _mean(v) -> float:
+    return sum(v) / len(v) if isinstance(v, list) else v
+
+
+def grouped_bars(ax, groups: dict[str, dict[str, float]], ylabel: str, title: str) -> None:
+    """groups: x label -> {series: value}; one bar per series in each group."""
+    series = list(dict.fromkeys(s for g in groups.values() for s in g))
+    width = 0.8 / len(series)
+    for i, name in enumerate(series):
+        xs = [j + i * width for j in range(len(groups))]
+        ax.bar(xs, [g.get(name, 0.0) for g in groups.values()], width, label=name)
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(groups))])
+    ax.set_xticklabels(list(groups), fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def qk_norm_fusion(path: Path) -> plt.Figure:
+    d = json.loads(path.read_text())["qwen3-moe"]
+    groups = {}
+    for skinny in ("skinny_on", "skinny_off"):
+        for batch in ("8", "16", "128"):
+            row = {when: _mean(d[when][skinny][batch]) for when in ("before", "after") if batch in d[when][skinny]}
+            if row:
+                groups[f"b{batch} {skinny}"] = row
+    fig, ax = plt.subplots(figsize=(8, 4))
+    grouped_bars(ax, groups, "decode step, ms", "Qwen3-MoE decode step before / after the q/k-norm fusion (H200)")
+    return fig
+
+
+def mode_ab(path: Path, title: str) -> plt.Figure:
+    d = json.loads(path.read_text())["step_ms"]
+    groups = {f"{shape} b{batch}": {mode: _mean(v) for mode, v in modes.items()}
+              for shape, batches in d.items() for batch, modes in batches.items()}
+    fig, ax = plt.subplots(figsize=(8, 4))
+    grouped_bars(ax, groups, "decode step, ms", title)
+    return fig
+
+
+def step_profiles(path: Path) -> plt.Figure:
+    run = json.loads(path.read_text())["runs"]["pdl_off_after_qk_norm_fusion"]
+    fig, axes = plt.subplots(1, len(run["results"]), figsize=(12, 4.5))
+    for ax, (shape, by_ctx) in zip(axes, run["results"].items()):
+        entry = next(iter(by_ctx.values()))
+        top = [(f"{name[:34]} x{count:g}", us) for name, us, count in entry["profile_b8"]["top"][:12]]
+        ax.barh([n for n, _ in top][::-1], [us for _, us in top][::-1])
+        ax.set_xlabel("us per decode step (x launches per step)")
+        ax.set_title(f"{shape}, batch 8, DEEPSERVE_PDL=0", fontsize=9)
+        ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def main() -> None:
+    figures = {
+        "qk_norm_fusion_h200": lambda p: qk_norm_fusion(p),
+        "skinny_pdl_ab_h200": lambda p: mode_ab(p, "skinny GEMM launch modes (H200)"),
+        "moe_fused_combine_ab_h200": lambda p: mode_ab(p, "MoE pair mode: down + combine fused or apart (H200)"),
+        "h200_moe_step_profiles": lambda p: step_profiles(p),
+    }
+    for name, draw in figures.items():
+        path = HERE / f"{name}.json"
+        fig = draw(path)
+        fig.tight_layout()
+        fig.savefig(path.with_suffix(".png"), dpi=110)
+        plt.close(fig)
+        print("wrote", path.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
