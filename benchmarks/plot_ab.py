@@ -3,6 +3,7 @@
   skinny_pdl_ab_h200.json       step time per skinny-GEMM launch mode, per shape and batch
   moe_fused_combine_ab_h200.json  the MoE pair mode with and without the fused down+combine
   h200_moe_step_profiles.json   where a batch-8 step goes, kernel by kernel (PDL off: each kernel's own time)
+  serve_vs_offline_cpu_xeon_amx.json  the server against offline LLM.generate on the CPU, three runs
 
 Run:  python benchmarks/plot_ab.py      (writes <name>.png beside each JSON; needs matplotlib)
 """
@@ -74,12 +75,26 @@ def step_profiles(path: Path) -> plt.Figure:
     return fig
 
 
+def serve_vs_offline(path: Path) -> plt.Figure:
+    runs = json.loads(path.read_text())["runs"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
+    groups = {f"run {i + 1}": {f"concurrency {c}": r["summary"][c]["server_vs_offline"] for c in ("64", "16")}
+              for i, r in enumerate(runs)}
+    grouped_bars(left, groups, "server / offline output tok/s", "server vs offline (CPU, 2 cores; target >= 0.8)")
+    left.axhline(0.8, color="grey", linestyle="--", linewidth=1)
+    right.bar([f"run {i + 1}" for i in range(len(runs))], [r["summary"]["16"]["ttft_p50_ms"] for r in runs])
+    right.set_ylabel("TTFT p50 at concurrency 16, ms")
+    right.set_title("time to first token (16 requests at once)", fontsize=9)
+    return fig
+
+
 def main() -> None:
     figures = {
         "qk_norm_fusion_h200": lambda p: qk_norm_fusion(p),
         "skinny_pdl_ab_h200": lambda p: mode_ab(p, "skinny GEMM launch modes (H200)"),
         "moe_fused_combine_ab_h200": lambda p: mode_ab(p, "MoE pair mode: down + combine fused or apart (H200)"),
         "h200_moe_step_profiles": lambda p: step_profiles(p),
+        "serve_vs_offline_cpu_xeon_amx": lambda p: serve_vs_offline(p),
     }
     for name, draw in figures.items():
         path = HERE / f"{name}.json"
