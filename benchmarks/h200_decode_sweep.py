@@ -283,7 +283,10 @@ def plot(data: dict, path: str) -> None:
             b = [r["batch"] for r in rows]
             left.plot(b, [r["fraction_of_roofline"] for r in rows], "o-", label=f"{name} ctx {ctx}")
             if name in MOE:
-                right.plot(b, [r["experts_roofline_ratio"] for r in rows], "s-", label=f"{name} ctx {ctx}")
+                line, = right.plot(b, [r["experts_roofline_ratio"] for r in rows], "s-", label=f"{name} ctx {ctx}")
+                if all("experts_ratio_floor" in r for r in rows):      # the best ratio at full bandwidth
+                    right.plot(b, [r["experts_ratio_floor"] for r in rows], "--", c=line.get_color(), lw=1,
+                               label=f"{name} floor (all bytes at full BW)")
     left.axhline(0.8, ls=":", c="gray")
     left.set_title("roofline (weights + experts touched + KV; FLOPs) / step time", fontsize=9)
     right.axhline(1.5, ls=":", c="gray")
