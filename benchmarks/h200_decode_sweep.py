@@ -248,8 +248,8 @@ def run_shape(name: str, context: int, batches: list[int], args, result: dict) -
             entry["batches"].append({"batch": b, "error": traceback.format_exc()[-1500:]})
         print(name, context, json.dumps(entry["batches"][-1]), flush=True)
         save(result, args.output)
-    profiled = [b for b in args.profile_batch if b in fit] if name in MOE or args.profile_dense else []
-    for b in profiled if args.device == "cuda" else []:
+    profiled = args.profile_batch if (name in MOE or args.profile_dense) and args.device == "cuda" else []
+    for b in [b for b in profiled if b in fit]:
         try:
             entry[f"profile_b{b}"] = profile_batch(llm, b, context)
         except Exception:
