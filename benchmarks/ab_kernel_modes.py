@@ -2,6 +2,9 @@
   skinny_nopdl        the skinny GEMM launched without programmatic dependent launch (it waits for its predecessor
                       to finish, and its successor for it); every other kernel keeps PDL
   skinny_noprefetch   the skinny GEMM with PDL but no L2 prefetch of its first K step before the wait
+  router_cublas       the MoE gate GEMM of 17-512 tokens on cuBLAS (a cast, the GEMM, a reduce; then the routing
+                      kernel on [T, E] logits) instead of the split-K Triton kernel feeding the routing kernel
+(The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0.)
 The switch patches deepserve/kernels in this process, then runs h200_decode_sweep.py with the remaining arguments.
 A diagnostic: skinny_pdl_ab_h200.json holds the numbers. (moe_fused_combine_ab_h200.json came from a third mode,
 the MoE pair mode's down GEMVs and combine in one launch, removed with its kernel after it lost.)
@@ -18,6 +21,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import deepserve.kernels.moe_routing as moe_routing  # noqa: E402
 import deepserve.kernels.skinny_gemm as skinny  # noqa: E402
 
 mode = os.environ.get("AB", "default")
@@ -26,7 +30,9 @@ if mode == "skinny_nopdl":
 elif mode == "skinny_noprefetch":
     _tiles = skinny.skinny_tiles
     skinny.skinny_tiles = lambda n, k: _tiles(n, k)._replace(prefetch=0)
+elif mode == "router_cublas":
+    moe_routing.router_logit_partials_supported = lambda x, w: False
 elif mode != "default":
-    raise SystemExit(f"AB={mode!r}: default, skinny_nopdl or skinny_noprefetch")
+    raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch or router_cublas")
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -4,6 +4,8 @@
   moe_fused_combine_ab_h200.json  the MoE pair mode with and without the fused down+combine
   h200_moe_step_profiles.json   where a batch-8 step goes, kernel by kernel (PDL off: each kernel's own time)
   serve_vs_offline_cpu_xeon_amx.json  the server against offline LLM.generate on the CPU, three runs
+  router_gate_ab_h200.json      the MoE gate GEMM + routing: split-K Triton kernel against cuBLAS, by tokens
+  moe_shared_fusion_ab_h200.json  a MoE layer's experts with the shared experts fused into the grouped GEMMs or not
 
 Run:  python benchmarks/plot_ab.py      (writes <name>.png beside each JSON; needs matplotlib)
 """
@@ -88,8 +90,28 @@ def serve_vs_offline(path: Path) -> plt.Figure:
     return fig
 
 
+def per_tokens(path: Path, series: dict[str, str], title: str) -> plt.Figure:
+    """One panel per shape: microseconds per call against tokens, a line per series (JSON key -> label)."""
+    results = json.loads(path.read_text())["results"]
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.6))
+    for ax, (shape, rows) in zip(axes, results.items()):
+        for key, label in series.items():
+            ax.plot([r["tokens"] for r in rows], [r[key] for r in rows], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("us per call")
+        ax.set_title(f"{shape}: {title}", fontsize=9)
+        ax.legend(fontsize=7)
+    return fig
+
+
 def main() -> None:
     figures = {
+        "router_gate_ab_h200": lambda p: per_tokens(p, {"triton_us": "split-K Triton + routing",
+                                                        "cublas_us": "cuBLAS + routing"}, "gate GEMM + routing"),
+        "moe_shared_fusion_ab_h200": lambda p: per_tokens(p, {"fused_us": "shared experts in the grouped GEMMs",
+                                                              "module_us": "shared experts' own GEMMs"},
+                                                          "MoE experts (H200)"),
         "qk_norm_fusion_h200": lambda p: qk_norm_fusion(p),
         "skinny_pdl_ab_h200": lambda p: mode_ab(p, "skinny GEMM launch modes (H200)"),
         "moe_fused_combine_ab_h200": lambda p: mode_ab(p, "MoE pair mode: down + combine fused or apart (H200)"),
@@ -98,6 +120,8 @@ def main() -> None:
     }
     for name, draw in figures.items():
         path = HERE / f"{name}.json"
+        if not path.exists():
+            continue
         fig = draw(path)
         fig.tight_layout()
         fig.savefig(path.with_suffix(".png"), dpi=110)

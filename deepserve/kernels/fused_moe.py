@@ -12,6 +12,11 @@ Aligned mode (grouped GEMMs, `MoEConfig`): four launches at decode sizes.
             SwiGLU (with DeepSeek-V4.1's clamp) in the epilogue -> one [rows, I] activation, never [rows, 2I].
   down      grouped GEMM with w2[expert]; the epilogue multiplies by the router weight and writes each pair's
             row.
+  shared    (optional, `shared_weights`) the shared experts, a SwiGLU every token goes through, as the first
+            blocks of both GEMMs' grids: dense blocks of BLOCK_M tokens, cut into chunks of I columns on the gate/up
+            side so every program has the routed ones' N tiles; the down side runs its whole intermediate size in
+            the K loop and writes shared_out. No launches of their own (two cuBLAS/skinny GEMMs before), and their
+            weight reads start in the first wave beside the routed experts'.
 
 Pair mode (small decode batches, `MoEPairConfig`): no align, three launches. Grid axis 0 is the pair
 p = token * top_k + slot (its expert read from topk_ids in the kernel), axis 1 a tile of output columns; each
@@ -41,7 +46,7 @@ from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_rows, swiglu, swiglu_rows
 from deepserve.kernels.paged_attention import num_sms
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
-from deepserve.kernels.reference.moe import moe_experts
+from deepserve.kernels.reference.moe import expert_swiglu, moe_experts
 
 _ALIGN_CELLS = 8192      # one-hot cells [pairs, experts] per align program: bounds its registers
 
@@ -173,29 +178,56 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoE
 # ------------------------------------------------------------------------------------------------
 # Aligned mode: grouped GEMMs over blocks of sorted rows
 # ------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["num_pairs"])   # the batch size: no new variant per step
-def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
-                    num_pairs, top_k, inter, hidden, limit,
-                    stride_xt, stride_we, stride_wn, stride_am,
-                    HAS_LIMIT: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """act[row, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for one block of sorted rows."""
+@triton.jit(do_not_specialize=["num_pairs", "num_tokens"])   # the batch size: no new variant per step
+def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr, ws_ptr, act_s_ptr,
+                    num_pairs, num_tokens, top_k, inter, hidden, shared_inter, limit,
+                    stride_xt, stride_we, stride_wn, stride_am, stride_wsn, stride_asm,
+                    HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_CHUNKS: tl.constexpr,
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """act[row, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for one block of sorted rows.
+
+    HAS_SHARED: the grid's first programs run the shared experts (ws: [2 * shared_inter, H], gate rows then up
+    rows) as a dense block per BLOCK_M tokens, SHARED_CHUNKS programs per block along axis 0, each taking `inter`
+    columns of the shared intermediate size (so every program has the same N tiles on axis 1), into act_s[token].
+    They come first, so the shared weights are read from the first wave on, beside the routed experts'."""
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if expert < 0:
+    col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_SHARED:
+        num_shared = SHARED_CHUNKS * tl.cdiv(num_tokens, BLOCK_M)
+    else:
+        num_shared = 0
+    block = pid_m - num_shared
+    expert = tl.load(block_expert_ptr + tl.maximum(block, 0)).to(tl.int64)
+    if (block >= 0) & (expert < 0):        # an unused block of the sorted list
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    row_ok = pairs < num_pairs
-    tokens = (pairs // top_k).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < inter
+    if block < 0:       # shared experts: token block pid_m // SHARED_CHUNKS, chunk pid_m % SHARED_CHUNKS
+        rows = (pid_m // SHARED_CHUNKS) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < num_tokens
+        tokens = rows
+        n = (pid_m % SHARED_CHUNKS) * inter + col
+        n_ok = (col < inter) & (n < shared_inter)
+        w_ptr = ws_ptr
+        stride_w = stride_wsn
+        up_rows = shared_inter
+        dst_ptr = act_s_ptr
+        stride_dst = stride_asm
+    else:
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(sorted_pairs_ptr + rows)
+        row_ok = pairs < num_pairs
+        tokens = pairs // top_k
+        n = col
+        n_ok = col < inter
+        w_ptr = w13_ptr + expert * stride_we
+        stride_w = stride_wn
+        up_rows = inter
+        dst_ptr = act_ptr
+        stride_dst = stride_am
     k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tokens[:, None] * stride_xt + k[None, :]
-    # [BLOCK_K, BLOCK_N] tiles of w13[e]^T: gate rows n, up rows I + n.
-    g_ptrs = w13_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]
-    u_ptrs = g_ptrs + inter * stride_wn
+    x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xt + k[None, :]
+    # [BLOCK_K, BLOCK_N] tiles of w^T: gate rows n, up rows up_rows + n.
+    g_ptrs = w_ptr + n[None, :].to(tl.int64) * stride_w + k[:, None]
+    u_ptrs = g_ptrs + up_rows * stride_w
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -208,41 +240,70 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     act = swiglu(acc_g, acc_u, limit, HAS_LIMIT)
-    dst = act_ptr + rows[:, None].to(tl.int64) * stride_am + n[None, :]
+    dst = dst_ptr + rows[:, None].to(tl.int64) * stride_dst + n[None, :]
     tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])   # the batch size: no new variant per step
+@triton.jit(do_not_specialize=["num_pairs", "num_tokens"])   # the batch size: no new variant per step
 def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr,
-                 num_pairs, hidden, inter,
-                 stride_am, stride_we, stride_wn, stride_op,
-                 PRECISION: tl.constexpr,
+                 act_s_ptr, w2s_ptr, shared_out_ptr,
+                 num_pairs, num_tokens, hidden, inter, shared_inter,
+                 stride_am, stride_we, stride_wn, stride_op, stride_asm, stride_wsn, stride_so,
+                 HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[pair, n] = router_weight[pair] * (act[row] . w2[e, n]) for one block of sorted rows."""
+    """out[pair, n] = router_weight[pair] * (act[row] . w2[e, n]) for one block of sorted rows.
+
+    HAS_SHARED: the grid's first programs are the shared experts' token blocks, shared_out[token, n] =
+    act_s[token] . w2s[n] over the whole shared intermediate size (no router weight: the combine adds it as is)."""
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if expert < 0:
+    if HAS_SHARED:
+        num_shared = tl.cdiv(num_tokens, BLOCK_M)
+    else:
+        num_shared = 0
+    block = pid_m - num_shared
+    expert = tl.load(block_expert_ptr + tl.maximum(block, 0)).to(tl.int64)
+    if (block >= 0) & (expert < 0):        # an unused block of the sorted list
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    row_ok = pairs < num_pairs
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if block < 0:       # shared experts: token block pid_m
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < num_tokens
+        out_rows = rows
+        scale = tl.full([BLOCK_M], 1.0, tl.float32)
+        a_ptr = act_s_ptr
+        stride_a = stride_asm
+        w_ptr = w2s_ptr
+        stride_w = stride_wsn
+        length = shared_inter
+        dst_ptr = shared_out_ptr
+        stride_dst = stride_so
+    else:
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(sorted_pairs_ptr + rows)
+        row_ok = pairs < num_pairs
+        out_rows = pairs
+        scale = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
+        a_ptr = act_ptr
+        stride_a = stride_am
+        w_ptr = w2_ptr + expert * stride_we
+        stride_w = stride_wn
+        length = inter
+        dst_ptr = out_ptr
+        stride_dst = stride_op
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     k = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_am + k[None, :]
-    w_ptrs = w2_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_a + k[None, :]
+    w_ptrs = w_ptr + n[None, :].to(tl.int64) * stride_w + k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k_ok = k < inter - k0
+    for k0 in range(0, length, BLOCK_K):
+        k_ok = k < length - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    router_w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
-    acc = acc * router_w[:, None]
-    dst = out_ptr + pairs[:, None].to(tl.int64) * stride_op + n[None, :]
+    acc = acc * scale[:, None]
+    dst = dst_ptr + out_rows[:, None].to(tl.int64) * stride_dst + n[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
@@ -380,16 +441,31 @@ def pick_pair_config(top_k: int, inter: int, hidden: int, dtype: torch.dtype, de
     return MoEPairConfig(block_n_up=8, block_n_down=16, block_k=block_k, num_warps=2)
 
 
+def pick_moe_config(num_tokens: int, top_k: int, num_experts: int, inter: int, hidden: int, dtype: torch.dtype,
+                    device: torch.device) -> MoEConfig | MoEPairConfig:
+    """The mode (by `use_pair_mode`) and its tiles (by the pick_* heuristics) for a step of `num_tokens` tokens."""
+    num_pairs = num_tokens * top_k
+    if use_pair_mode(num_pairs, num_experts):
+        return pick_pair_config(top_k, inter, hidden, dtype, device)
+    return pick_config(num_pairs, num_experts, inter, hidden, device)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, swiglu_limit: Optional[float] = None,
               config: Optional[MoEConfig | MoEPairConfig] = None,
-              shared_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+              shared_out: Optional[torch.Tensor] = None,
+              shared_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; topk_weights: [T, k] (float32);
     topk_ids: [T, k]; shared_out: None or [T, H] (the shared experts' output, added in the combine) -> [T, H] in
     x's dtype. Same contract as `TorchMoE.forward`.
 
+    shared_weights: None or (gate_up [2S, H], down [H, S]) in x's dtype, the shared experts' weights (a SwiGLU every
+    token goes through, with the routed experts' swiglu_limit), instead of shared_out: the aligned mode runs them as
+    extra blocks of its two grouped GEMMs (no launches of their own); the pair mode computes them with torch first.
+    Either way their output is rounded to x's dtype and added in the combine, as shared_out would be.
+
     `config` forces a mode and its tiles (tests, tuning): a MoEConfig the aligned grouped GEMMs, a MoEPairConfig
-    the pair mode; None picks the mode by `use_pair_mode` and the tiles by the pick_* heuristics."""
+    the pair mode; None picks both by `pick_moe_config`."""
     require_triton(x)
     t, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -400,40 +476,70 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if x.stride(-1) != 1:
         x = x.contiguous()
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1 and w2.shape == (num_experts, hidden, inter)
-    num_pairs = t * top_k
-    if config is None and use_pair_mode(num_pairs, num_experts):
-        config = pick_pair_config(top_k, inter, hidden, x.dtype, x.device)
-    elif config is None:
-        config = pick_config(num_pairs, num_experts, inter, hidden, x.device)
+    if config is None:
+        config = pick_moe_config(t, top_k, num_experts, inter, hidden, x.dtype, x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    experts = _pair_experts if isinstance(config, MoEPairConfig) else _aligned_experts
-    pair_out = experts(x, w13, w2, weights, topk_ids, swiglu_limit, config)
+    if shared_weights is not None:
+        assert shared_out is None, "give the shared experts' output or their weights, not both"
+        _check_shared_weights(x, *shared_weights)
+    if isinstance(config, MoEPairConfig):
+        if shared_weights is not None:
+            shared_out = expert_swiglu(x, *shared_weights, swiglu_limit)
+        pair_out = _pair_experts(x, w13, w2, weights, topk_ids, swiglu_limit, config)
+    else:
+        pair_out, fused_shared_out = _aligned_experts(x, w13, w2, weights, topk_ids, swiglu_limit, config,
+                                                      shared_weights)
+        shared_out = shared_out if fused_shared_out is None else fused_shared_out
     return moe_combine(pair_out, top_k, shared_out)
 
 
-def _aligned_experts(x, w13, w2, weights, topk_ids, swiglu_limit, cfg: MoEConfig) -> torch.Tensor:
-    """[pairs, H] weighted expert outputs: align, then grouped GEMMs over blocks of sorted rows."""
+def _check_shared_weights(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    hidden = x.shape[1]
+    shared_inter = down.shape[1]
+    assert gate_up.shape == (2 * shared_inter, hidden) and down.shape == (hidden, shared_inter), \
+        f"shared experts' weights {tuple(gate_up.shape)}, {tuple(down.shape)} for hidden size {hidden}"
+    assert gate_up.dtype == down.dtype == x.dtype, "the shared experts' weights must be in x's dtype"
+    assert gate_up.stride(-1) == 1 and down.stride(-1) == 1
+
+
+def _aligned_experts(x, w13, w2, weights, topk_ids, swiglu_limit, cfg: MoEConfig, shared_weights=None):
+    """([pairs, H] weighted expert outputs, [T, H] shared experts' output or None): align, then grouped GEMMs over
+    blocks of sorted rows, after the shared experts' token blocks when `shared_weights` is given."""
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
+    num_tokens, top_k = topk_ids.shape
     num_pairs = topk_ids.numel()
     align = moe_align(topk_ids, num_experts, cfg.block_m)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"   # "tf32" only matters for fp32 inputs
     act = torch.empty(align.sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(align.num_blocks, cdiv(inter, cfg.block_n_up))](
-        x, w13, act, align.sorted_pairs, align.block_expert,
-        num_pairs, topk_ids.shape[1], inter, hidden, float(swiglu_limit or 0.0),
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        HAS_LIMIT=swiglu_limit is not None, PRECISION=precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     pair_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _down_kernel[(align.num_blocks, cdiv(hidden, cfg.block_n_down))](
-        act, w2, pair_out, align.sorted_pairs, align.block_expert, weights,
-        num_pairs, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
-        PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k,
+    if shared_weights is not None:
+        ws13, ws2 = shared_weights
+        shared_inter = ws2.shape[1]
+        chunks = cdiv(shared_inter, inter)       # programs per token block along axis 0, `inter` columns each
+        token_blocks = cdiv(num_tokens, cfg.block_m)
+        act_s = torch.empty(num_tokens, shared_inter, dtype=x.dtype, device=x.device)
+        shared_out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    else:                                         # placeholders: no shared blocks in the grid
+        ws13, ws2, act_s, shared_out = w13, w2, act, None
+        shared_inter, chunks, token_blocks = 0, 1, 0
+    _gate_up_kernel[(chunks * token_blocks + align.num_blocks, cdiv(inter, cfg.block_n_up))](
+        x, w13, act, align.sorted_pairs, align.block_expert, ws13, act_s,
+        num_pairs, num_tokens, top_k, inter, hidden, shared_inter, float(swiglu_limit or 0.0),
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), ws13.stride(-2), act_s.stride(0),
+        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=shared_out is not None, SHARED_CHUNKS=chunks,
+        PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return pair_out
+    shared_dst = shared_out if shared_out is not None else pair_out
+    _down_kernel[(token_blocks + align.num_blocks, cdiv(hidden, cfg.block_n_down))](
+        act, w2, pair_out, align.sorted_pairs, align.block_expert, weights, act_s, ws2, shared_dst,
+        num_pairs, num_tokens, hidden, inter, shared_inter,
+        act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), act_s.stride(0), ws2.stride(-2),
+        shared_dst.stride(0),
+        HAS_SHARED=shared_out is not None, PRECISION=precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return pair_out, shared_out
 
 
 def _pair_experts(x, w13, w2, weights, topk_ids, swiglu_limit, cfg: MoEPairConfig) -> torch.Tensor:
@@ -475,11 +581,15 @@ def moe_combine(pair_out: torch.Tensor, top_k: int, shared_out: Optional[torch.T
     return out
 
 
-def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, config=None, shared_out=None):
-    """The PyTorch twin: the engine's reference expert backend."""
+def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, config=None, shared_out=None,
+                  shared_weights=None):
+    """The PyTorch twin: the engine's reference expert backend (with `shared_weights`, the shared experts' SwiGLU
+    in torch first, as layers/mlp.GatedMLP computes it)."""
+    if shared_weights is not None:
+        shared_out = expert_swiglu(x, *shared_weights, swiglu_limit)
     return moe_experts(x, w13, w2, topk_weights, topk_ids, swiglu_limit, shared_out)
 
 
 __all__ = ["MoEAlignment", "MoEConfig", "MoEPairConfig", "PAIR_MODE_MAX_PAIRS", "moe_align", "moe_align_ref",
-           "align_max_rows", "pick_config", "pick_pair_config", "use_pair_mode", "moe_combine", "fused_moe",
-           "fused_moe_ref"]
+           "align_max_rows", "pick_config", "pick_moe_config", "pick_pair_config", "use_pair_mode", "moe_combine",
+           "fused_moe", "fused_moe_ref"]

@@ -1,8 +1,15 @@
 """Fused MoE routing: everything after the gate GEMM in one launch. The GPU twin of `route()` (+ the expert-load
-`index_add_`) in deepserve/layers/moe.py, which stays the reference and the CPU path. The gate GEMM stays on cuBLAS except at
-decode sizes (`router_logits`: one GEMV launch).
+`index_add_`) in deepserve/layers/moe.py, which stays the reference and the CPU path. The gate GEMM before it
+(float32 products of float32 inputs, never TF32) is one launch too, by batch size:
+  1..16 tokens    `router_logits`: a GEMV, [T, E] logits.
+  17..64          `router_logit_partials` (a float32 gate): a split-K GEMM on CUDA cores, [S, T, E] partial sums
+                  (S splits of the hidden dim, each its own slice: no atomics, deterministic), which `fused_route`
+                  sums itself.
+  above           cuBLAS (the caller's F.linear; from 17 tokens for a bf16 gate).
+Both replace a cast + cuBLAS's split-K GEMM and reduce kernels (DeepSeek's gate is float32) for a 0.5 MB weight.
 
-logits [T, E] float32 (+ e_score_correction_bias [E]) -> weights [T, k] float32, ids [T, k] int64, and
+logits [T, E] float32, or partials [S, T, E] summed in order s = 0..S-1 (`sum_partials`)
+(+ e_score_correction_bias [E]) -> weights [T, k] float32, ids [T, k] int64, and
 expert_load[e] += (count of e among the ids). One program per token row, the row's E scores in registers, laid
 out [groups, experts per group] (greedy: one group of E):
   scores   softmax exp(x - max) / sum, sigmoid 1 / (1 + exp(-x)), sqrtsoftplus sqrt(x > 20 ? x : log1p(exp(x))):
@@ -33,8 +40,9 @@ import functools
 
 import torch
 
-from deepserve.kernels import USE_LIBDEVICE, libdevice, next_pow2, require_triton, tl, triton
+from deepserve.kernels import USE_LIBDEVICE, cdiv, libdevice, next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_rows
+from deepserve.kernels.paged_attention import num_sms
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from deepserve.kernels.reference.moe import count_expert_load, route
 
@@ -109,12 +117,12 @@ def _mask_groups(choice, valid, j, num_groups,
 
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, load_ptr,
-                  num_groups, group_size, stride_l, scaling,
+                  num_groups, group_size, stride_p, stride_l, scaling, NUM_PARTIALS: tl.constexpr,
                   SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_MODE: tl.constexpr,
                   TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                   COUNT_LOAD: tl.constexpr, ACCURATE: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """One token row: scores, choice, group filter, top-k, weights, load count."""
+    """One token row: (the sum of its partial logits), scores, choice, group filter, top-k, weights, load count."""
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -122,7 +130,11 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, load_ptr,
     j = tl.arange(0, BLOCK_S)[None, :]
     expert = g * group_size + j                                     # [BLOCK_G, BLOCK_S]
     valid = (g < num_groups) & (j < group_size)
-    x = tl.load(logits_ptr + row * stride_l + expert, mask=valid, other=0.0).to(tl.float32)
+    row_ptrs = logits_ptr + row * stride_l + expert
+    x = tl.load(row_ptrs, mask=valid, other=0.0).to(tl.float32)
+    # Unrolled (a constexpr count): the S loads go out together. In order s = 1, 2, ...: sum_partials' sum.
+    for s in tl.static_range(1, NUM_PARTIALS):
+        x = x + tl.load(row_ptrs + s * stride_p, mask=valid, other=0.0).to(tl.float32)
     scores = _scores(x, valid, SCORING, ACCURATE)
     choice = scores
     if HAS_BIAS:
@@ -196,11 +208,15 @@ def _kernel_meta(cfg, num_experts: int):
 
 def fused_route(logits: torch.Tensor, cfg, bias: torch.Tensor | None = None,
                 expert_load: torch.Tensor | None = None):
-    """logits: [T, E] float32; cfg: RoutingConfig; bias: [E] (any float dtype) or None; expert_load: [E] int64 or
-    None -> (weights [T, k] float32, ids [T, k] int64), the results of `route(logits, cfg, bias)`; with
-    expert_load, each expert's count among the ids is added to it in the same launch."""
+    """logits: [T, E] float32, or [S, T, E] float32 partial logits (`router_logit_partials`); cfg: RoutingConfig;
+    bias: [E] (any float dtype) or None; expert_load: [E] int64 or None -> (weights [T, k] float32, ids [T, k]
+    int64), the results of `route(logits, cfg, bias)` (of `route(sum_partials(logits), cfg, bias)`); with
+    expert_load, each expert's count among the ids is added to it in the same launch. Each S compiles its own
+    kernel (the partials' loads unrolled): `router_logit_partials` keeps S to a few powers of two."""
     require_triton(logits)
-    t, num_experts = logits.shape
+    assert logits.dim() in (2, 3), f"logits [T, E] or partials [S, T, E], got {tuple(logits.shape)}"
+    num_partials = logits.shape[0] if logits.dim() == 3 else 1
+    t, num_experts = logits.shape[-2:]
     assert logits.dtype == torch.float32, "route() takes float32 logits"
     assert fused_route_supported(cfg, num_experts), f"{cfg} with {num_experts} experts: use route()"
     k = cfg.top_k
@@ -219,15 +235,20 @@ def fused_route(logits: torch.Tensor, cfg, bias: torch.Tensor | None = None,
     _route_kernel[(t,)](
         logits, bias if bias is not None else logits, weights, ids,
         expert_load if expert_load is not None else ids,
-        num_groups, group_size, logits.stride(0), float(cfg.scaling_factor),
-        HAS_BIAS=bias is not None, COUNT_LOAD=expert_load is not None, **meta, **pdl_launch_args(logits))
+        num_groups, group_size, logits.stride(0) if num_partials > 1 else 0, logits.stride(-2),
+        float(cfg.scaling_factor), NUM_PARTIALS=num_partials, HAS_BIAS=bias is not None,
+        COUNT_LOAD=expert_load is not None, **meta, **pdl_launch_args(logits))
     return weights, ids
 
 
 # ------------------------------------------------------------------------------------------------
-# The gate GEMM at decode sizes
+# The gate GEMM: a GEMV at decode sizes, split-K partial sums up to 64 tokens
 # ------------------------------------------------------------------------------------------------
-ROUTER_GEMV_MAX_TOKENS = 16     # above this, cuBLAS (the gate is a real GEMM by then)
+ROUTER_GEMV_MAX_TOKENS = 16     # above this, the split-K kernel (the gate is a real GEMM by then)
+# Above this, cuBLAS. Measured on an H200 (benchmarks/router_gate_ab.py, router_gate_ab_h200.json: gate GEMM + routing
+# in a CUDA graph, hidden 2048): V2-Lite's float32 gate 5.8 / 8.4 / 13.9 / 24.6 us at 17 / 64 / 128 / 256 tokens,
+# against cuBLAS's 11.7 / 12.8 / 13.1 / 13.8 (cast, SIMT sgemm, split-K reduce, routing).
+ROUTER_TILED_MAX_TOKENS = 64
 
 
 @triton.jit
@@ -266,6 +287,99 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# The tiled kernel's tile: BLOCK_T tokens x BLOCK_E experts, BLOCK_K of the hidden dim per step. Not tuned on a GPU.
+_TILE_T, _TILE_E, _TILE_K, _TILE_WARPS = 16, 16, 32, 4
+_MAX_SPLITS = 16
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])   # the batch size: no new variant per step
+def _router_partials_kernel(x_ptr, w_ptr, out_ptr, num_tokens, num_experts, hidden, num_splits,
+                            stride_xt, stride_we, stride_os, stride_ot,
+                            BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                            USE_PDL: tl.constexpr):
+    """out[s, t, e] = sum over split s's range of k of float32(x[t, k]) * float32(w[e, k]), for a BLOCK_T x BLOCK_E
+    tile of (t, e).
+
+    tl.dot with input_precision="ieee" on float32 operands is Triton's CUDA-core path (no tensor cores, no TF32):
+    each thread runs FMA chains over k for its outputs, operands from shared memory, loads pipelined with cp.async.
+    (A broadcast product + tl.sum over k compiled for sm_90 to 5 warp shuffles a product: K lay across the lanes.)"""
+    pdl_wait(USE_PDL)                   # x is the previous kernel's output; the weight is not worth an early load
+    pdl_launch_dependents(USE_PDL)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    split = tl.program_id(2)
+    t_ok, e_ok = t < num_tokens, e < num_experts
+    # Split s takes the K steps [s * steps // S, (s + 1) * steps // S): whole steps, none empty when S <= steps.
+    steps = tl.cdiv(hidden, BLOCK_K)
+    k_begin = (split * steps // num_splits) * BLOCK_K
+    k_end = ((split + 1) * steps // num_splits) * BLOCK_K
+    k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :]
+    w_ptrs = w_ptr + e[:, None].to(tl.int64) * stride_we + k[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_ok = k[None, :] < hidden - k0                     # only the last step of the last split is partial
+        xs = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok, other=0.0).to(tl.float32)
+        ws = tl.load(w_ptrs + k0, mask=e_ok[:, None] & k_ok, other=0.0).to(tl.float32)
+        acc = tl.dot(xs, tl.trans(ws), acc, input_precision="ieee")
+    out_ptrs = out_ptr + split * stride_os + t[:, None].to(tl.int64) * stride_ot + e[None, :]
+    tl.store(out_ptrs, acc, mask=t_ok[:, None] & e_ok[None, :])
+
+
+def router_logit_partials_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the gate GEMM of x takes `router_logit_partials`: 17..ROUTER_TILED_MAX_TOKENS tokens and a float32
+    gate (DeepSeek's). A bf16 gate (Qwen3-MoE) keeps cuBLAS above the GEMV's sizes: its logits rounded to bf16,
+    as HF computes them (the split-K kernel's float32 sums would break bf16 ties differently), and cuBLAS's bf16
+    GEMM was as fast or faster from 17 tokens up (router_gate_ab_h200.json)."""
+    return (x.dim() == 2 and ROUTER_GEMV_MAX_TOKENS < x.shape[0] <= ROUTER_TILED_MAX_TOKENS
+            and weight.dtype == torch.float32)
+
+
+def router_splits(num_tokens: int, num_experts: int, hidden: int, device: torch.device) -> int:
+    """S for `router_logit_partials`: the smallest power of two that gives the grid 2 programs an SM (1 once the
+    tiles alone do), at most _MAX_SPLITS and at most the K steps. Powers of two: `fused_route` compiles a kernel
+    per S, so a model sees at most five (1, 2, 4, 8, 16) over all batch sizes."""
+    tiles = cdiv(num_tokens, _TILE_T) * cdiv(num_experts, _TILE_E)
+    steps = cdiv(hidden, _TILE_K)
+    wanted = next_pow2(cdiv(2 * num_sms(device), tiles))
+    return min(wanted, _MAX_SPLITS, 1 << (steps.bit_length() - 1))
+
+
+def router_logit_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H] (any float dtype), weight [E, H] (float32 or bf16) -> [S, T, E] float32 partial logits: slice s
+    holds the dot products over split s of the hidden dim, in float32 products of float32 inputs, so that
+    `sum_partials` of them = F.linear(x.float(), weight.float()) up to summation order. Deterministic: every
+    output written once by one program, the same S and summation order for the same T on the same GPU.
+    `fused_route` takes them as they are (the sum is in its row loads: no [T, E] round trip, no reduce launch)."""
+    require_triton(x)
+    assert x.dim() == 2 and x.shape[0] > 0, f"x {tuple(x.shape)}: [T, H] with T > 0"
+    t, hidden = x.shape
+    num_experts = weight.shape[0]
+    assert weight.shape == (num_experts, hidden)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    splits = router_splits(t, num_experts, hidden, x.device)
+    # Slices 16 floats apart at any T: fused_route's stride over them stays a multiple of 16, which Triton
+    # specializes on (no second route kernel for odd T x E).
+    size = t * num_experts
+    out = torch.empty(splits, cdiv(size, 16) * 16, dtype=torch.float32, device=x.device)[:, :size]
+    out = out.view(splits, t, num_experts)
+    grid = (cdiv(t, _TILE_T), cdiv(num_experts, _TILE_E), splits)
+    _router_partials_kernel[grid](
+        x, weight, out, t, num_experts, hidden, splits, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
+        BLOCK_T=_TILE_T, BLOCK_E=_TILE_E, BLOCK_K=_TILE_K, num_warps=_TILE_WARPS, **pdl_launch_args(x))
+    return out
+
+
+def sum_partials(partials: torch.Tensor) -> torch.Tensor:
+    """[S, T, E] -> [T, E]: p[0] + p[1] + ... in that order, in float32, as `fused_route` sums them (bit for bit)."""
+    out = partials[0].clone()
+    for p in partials[1:]:
+        out += p
+    return out
+
+
 def fused_route_ref(logits, cfg, bias=None, expert_load=None):
     """The PyTorch twin: route() and the index_add_ of FusedMoE."""
     weights, ids = route(logits, cfg, bias)
@@ -274,5 +388,6 @@ def fused_route_ref(logits, cfg, bias=None, expert_load=None):
     return weights, ids
 
 
-__all__ = ["MAX_EXPERTS", "fused_route", "fused_route_ref", "fused_route_supported", "router_logits",
-           "router_logits_supported"]
+__all__ = ["MAX_EXPERTS", "ROUTER_GEMV_MAX_TOKENS", "ROUTER_TILED_MAX_TOKENS", "fused_route", "fused_route_ref",
+           "fused_route_supported", "router_logit_partials", "router_logit_partials_supported", "router_logits",
+           "router_logits_supported", "router_splits", "sum_partials"]

@@ -32,11 +32,13 @@ class MoEBackend(Protocol):
 
     def forward(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, swiglu_limit: float | None = None,
-                shared_out: torch.Tensor | None = None) -> torch.Tensor:
+                shared_out: torch.Tensor | None = None, shared_experts: GatedMLP | None = None) -> torch.Tensor:
         """x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I];
         topk_weights: [T, k] float32; topk_ids: [T, k] int64; shared_out: None or [T, H] in x's dtype (the
         shared experts' output) -> [T, H] in x's dtype: the weighted sum of each token's experts, plus shared_out,
-        in float32 and rounded once (the GPU backend adds it in its combine kernel, not in another launch)."""
+        in float32 and rounded once (the GPU backend adds it in its combine kernel, not in another launch).
+        shared_experts (instead of shared_out): the shared experts' module, for the backend to run on x; its output
+        is added as shared_out would be (the GPU backend folds plain weights into its grouped GEMMs)."""
         ...
 
 
@@ -49,7 +51,9 @@ class TorchMoE:
     def __init__(self, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant
 
-    def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, shared_out=None):
+    def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, shared_out=None, shared_experts=None):
+        if shared_experts is not None:
+            shared_out = shared_experts(x)
         linear = invariant_linear if self.batch_invariant else F.linear
         return moe_experts(x, w13, w2, topk_weights, topk_ids, swiglu_limit, shared_out, linear=linear)
 
@@ -69,19 +73,31 @@ class Router(nn.Module):
         self.register_parameter("e_score_correction_bias", bias)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> [T, E] float32, the gate GEMM in the gate's dtype."""
+        """x: [T, H] -> [T, E] float32, the gate GEMM in the gate's dtype (float32 products of float32 inputs on
+        the Triton path up to 512 tokens)."""
         if self.batch_invariant:
             return invariant_linear(x.to(self.weight.dtype), self.weight).float()
         if use_triton(x) and not torch.is_grad_enabled():
-            from deepserve.kernels.moe_routing import router_logits, router_logits_supported
+            from deepserve.kernels.moe_routing import (router_logit_partials, router_logit_partials_supported,
+                                                       router_logits, router_logits_supported, sum_partials)
             if router_logits_supported(x):
                 # One GEMV launch at decode sizes instead of a cast and cuBLAS's two GEMV kernels.
                 return router_logits(x, self.weight)
+            if router_logit_partials_supported(x, self.weight):
+                return sum_partials(router_logit_partials(x, self.weight))
         return F.linear(x.to(self.weight.dtype), self.weight).float()
 
     def forward(self, x: torch.Tensor, expert_load: torch.Tensor | None = None):
         """x: [T, H] -> (weights [T, k] float32, ids [T, k] int64); with `expert_load` ([E] int64), each expert's
         count among the ids is added to it."""
+        if use_triton(x) and not torch.is_grad_enabled() and not self.batch_invariant:
+            from deepserve.kernels.moe_routing import (fused_route, fused_route_supported, router_logit_partials,
+                                                       router_logit_partials_supported)
+            if router_logit_partials_supported(x, self.weight) and fused_route_supported(self.cfg, self.weight.shape[0]):
+                # 17..512 tokens: the split-K gate's partial sums go to the routing kernel, which adds them as it
+                # loads its row: two launches, no [T, E] logits (cuBLAS took a cast, a GEMM and a reduce).
+                partials = router_logit_partials(x, self.weight)
+                return fused_route(partials, self.cfg, self.e_score_correction_bias, expert_load)
         logits = self.logits(x)
         if use_triton(logits) and not logits.requires_grad:
             from deepserve.kernels.moe_routing import fused_route, fused_route_supported
@@ -133,13 +149,14 @@ class FusedMoE(nn.Module):
             weights, ids = self.gate(x, self.expert_load)
         else:
             weights, ids = self.gate(x, token_ids, self.expert_load)
-        # The backend adds the shared experts' output to the routed sum (on the GPU inside its combine kernel:
-        # no separate add launch).
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        # The backend runs the shared experts and adds their output to the routed sum (on the GPU inside its
+        # grouped GEMMs and combine kernel: no launches of their own).
         if self.expert_parallel is not None:
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
             out = self.expert_parallel.forward(self, x, weights, ids, shared)
         else:
-            out = self.backend.forward(x, self.w13, self.w2, weights, ids, self.swiglu_limit, shared_out=shared)
+            out = self.backend.forward(x, self.w13, self.w2, weights, ids, self.swiglu_limit,
+                                       shared_experts=self.shared_experts)
         return self.tp.all_reduce(out)
 
     def reset_expert_load(self) -> None:

@@ -12,7 +12,10 @@ from typing import Optional
 
 import torch
 
-from deepserve.kernels.fused_moe import MoEConfig, MoEPairConfig, fused_moe
+from deepserve import envs
+from deepserve.kernels.fused_moe import MoEConfig, MoEPairConfig, fused_moe, pick_moe_config
+from deepserve.layers.linear import Linear
+from deepserve.layers.mlp import GatedMLP
 
 
 class TritonMoE:
@@ -21,8 +24,36 @@ class TritonMoE:
         # pair mode; None: both picked per call by batch size.
         self.config = config
 
-    def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, shared_out=None):
-        return fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit, config=self.config, shared_out=shared_out)
+    def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, shared_out=None, shared_experts=None):
+        num_experts, two_i, hidden = w13.shape
+        config = self.config or pick_moe_config(x.shape[0], topk_ids.shape[1], num_experts, two_i // 2, hidden,
+                                                x.dtype, x.device)
+        shared_weights = None
+        if shared_experts is not None:
+            # The aligned mode runs plain shared weights as extra blocks of its grouped GEMMs (two launches fewer,
+            # their weight reads beside the routed experts'); the pair mode (batches of a few tokens) has no such
+            # blocks, and the shared experts run as their own module (batch-1 GEMV kernels).
+            if isinstance(config, MoEConfig) and envs.DEEPSERVE_MOE_FUSED_SHARED:
+                shared_weights = plain_shared_weights(shared_experts, x, swiglu_limit)
+            if shared_weights is None:
+                shared_out = shared_experts(x)
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit, config=config, shared_out=shared_out,
+                         shared_weights=shared_weights)
+
+
+def plain_shared_weights(shared: GatedMLP, x, swiglu_limit):
+    """(gate_up, down) weights of shared experts the fused kernels can run in place of the module, else None:
+    a plain GatedMLP (no subclass, no quantized projection, no bias, no all-reduce of its own, not batch-invariant)
+    in x's dtype with the routed experts' clamp."""
+    if type(shared) is not GatedMLP or shared.tp.size > 1 or shared.swiglu_limit != swiglu_limit:
+        return None
+    projections = (shared.gate_up_proj, shared.down_proj)
+    if any(type(p) is not Linear or p.bias is not None or p.batch_invariant for p in projections):
+        return None
+    gate_up, down = shared.gate_up_proj.weight, shared.down_proj.weight
+    if gate_up.dtype != x.dtype or down.dtype != x.dtype or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+        return None
+    return gate_up, down
 
 
 def select_moe_and_mla_backends(model, device) -> None:
@@ -48,4 +79,4 @@ def select_moe_and_mla_backends(model, device) -> None:
             layer.backend = mla
 
 
-__all__ = ["TritonMoE", "select_moe_and_mla_backends"]
+__all__ = ["TritonMoE", "plain_shared_weights", "select_moe_and_mla_backends"]

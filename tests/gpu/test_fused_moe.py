@@ -8,7 +8,8 @@ from deepserve.kernels import INTERPRET
 import deepserve.kernels.fused_moe as fused_moe_module
 from deepserve.kernels.fused_moe import (MoEConfig, MoEPairConfig, align_max_rows, fused_moe, fused_moe_ref,
                                          moe_align, moe_align_ref, moe_combine, pick_pair_config, use_pair_mode)
-from deepserve.layers.moe_triton import TritonMoE
+import deepserve.layers.moe_triton as moe_triton_module
+from deepserve.layers.moe_triton import TritonMoE, plain_shared_weights
 from deepserve.layers.moe import FusedMoE, RoutingConfig
 from kernel_testing import skip_bf16_in_interpreter
 
@@ -212,6 +213,28 @@ def test_aligned_mode_with_shared_out(device, dtype, shape):
     _run(device, dtype, *shape, config=MoEConfig(16, 32, 32, 64), shared=True)
 
 
+# (T, E, top_k, H, I, shared intermediate S, swiglu_limit): S = 2I (V2-Lite's two shared experts), S not a
+# multiple of I (a partial last chunk), S < I; T over several 16-row token blocks with a partial last one.
+SHARED_CASES = [(7, 16, 4, 96, 80, 160, None), (33, 4, 1, 64, 48, 80, 0.5), (5, 8, 2, 72, 44, 36, None),
+                (20, 8, 6, 72, 32, 96, 0.5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SHARED_CASES, ids=lambda c: "T{}-E{}-k{}-H{}-I{}-S{}-limit{}".format(*c))
+@pytest.mark.parametrize("config", [MoEConfig(16, 32, 32, 32), SMALL_PAIR_TILES], ids=["aligned", "pair-mode"])
+def test_shared_weights_match_reference(device, dtype, case, config):
+    """The shared experts given as weights: the aligned mode runs them as the first blocks of its two grouped
+    GEMMs (chunks of I columns, the whole S in the down GEMM's K loop), the pair mode in torch; both against
+    TorchMoE with the shared SwiGLU computed as GatedMLP does."""
+    skip_bf16_in_interpreter(dtype)
+    t, num_experts, top_k, hidden, inter, shared_inter, limit = case
+    x, w13, w2, weights, ids, _ = _inputs(device, dtype, t, num_experts, top_k, hidden, inter)
+    gate_up = (torch.randn(2 * shared_inter, hidden, device=device) / hidden ** 0.5).to(dtype)
+    down = (torch.randn(hidden, shared_inter, device=device) / shared_inter ** 0.5).to(dtype)
+    out = fused_moe(x, w13, w2, weights, ids, limit, config=config, shared_weights=(gate_up, down))
+    _check(out, fused_moe_ref(x, w13, w2, weights, ids, limit, shared_weights=(gate_up, down)), dtype)
+
+
 def test_empty_batch(device):
     x = torch.zeros(0, 64, device=device)
     w13, w2 = _weights(4, 64, 32, torch.float32, device)
@@ -271,10 +294,20 @@ def test_decode_touches_only_the_routed_experts(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [None, SMALL_PAIR_TILES], ids=["picked", "pair-mode"])
-def test_backend_in_moe_layer(device, dtype, config):
-    """A whole FusedMoE layer (router, shared expert added in the combine) with TritonMoE equals the same layer on
-    TorchMoE; 52 pairs on 16 experts: the aligned mode when picked, and the pair mode forced."""
+@pytest.mark.parametrize("fuse_shared", [True, False], ids=["fused-shared", "shared-module"])
+def test_backend_in_moe_layer(device, dtype, config, fuse_shared, monkeypatch):
+    """A whole FusedMoE layer (router, shared experts) with TritonMoE equals the same layer on TorchMoE; 52 pairs on
+    16 experts: the aligned mode when picked (the shared experts' weights in its grouped GEMMs, unless
+    DEEPSERVE_MOE_FUSED_SHARED=0), and the pair mode forced (the shared experts as their own module)."""
     skip_bf16_in_interpreter(dtype)
+    monkeypatch.setenv("DEEPSERVE_MOE_FUSED_SHARED", "1" if fuse_shared else "0")
+    calls = []
+    real_fused_moe = fused_moe_module.fused_moe
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("shared_weights") is not None)
+        return real_fused_moe(*args, **kwargs)
+    monkeypatch.setattr(moe_triton_module, "fused_moe", spy)
     routing = RoutingConfig(top_k=4, topk_method="group_limited_greedy", num_groups=4, topk_groups=2,
                             scaling_factor=2.0)
     layer = FusedMoE(64, 32, 16, routing, shared_intermediate_size=48).to(device)
@@ -290,6 +323,23 @@ def test_backend_in_moe_layer(device, dtype, config):
         out = layer(x)
     _check(out, ref, dtype)
     assert torch.equal(layer.expert_load, 2 * load_ref)
+    assert calls == [fuse_shared and config is None]
+
+
+def test_only_plain_shared_experts_are_fused():
+    """Shared experts with a quantized or batch-invariant projection, another clamp or another dtype run as their
+    own module."""
+    from deepserve.layers.mlp import GatedMLP
+    x = torch.zeros(2, 16)
+    mlp = GatedMLP(16, 8, swiglu_limit=None)
+    assert plain_shared_weights(mlp, x, None) is not None
+    assert plain_shared_weights(mlp, x, 7.0) is None
+    assert plain_shared_weights(mlp, x.half(), None) is None
+    mlp.down_proj.batch_invariant = True
+    assert plain_shared_weights(mlp, x, None) is None
+    mlp.down_proj.batch_invariant = False
+    mlp.gate_up_proj = torch.nn.Linear(16, 16, bias=False)       # stands in for a quantized replacement
+    assert plain_shared_weights(mlp, x, None) is None
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")

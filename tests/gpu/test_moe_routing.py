@@ -5,8 +5,11 @@ import pytest
 import torch
 
 from deepserve.kernels import INTERPRET
-from deepserve.kernels.moe_routing import (ROUTER_GEMV_MAX_TOKENS, fused_route, fused_route_ref, fused_route_supported,
-                                           router_logits, router_logits_supported)
+from deepserve.kernels import moe_routing as routing
+from deepserve.kernels.moe_routing import (ROUTER_GEMV_MAX_TOKENS, ROUTER_TILED_MAX_TOKENS, fused_route,
+                                           fused_route_ref, fused_route_supported, router_logit_partials,
+                                           router_logit_partials_supported, router_logits, router_logits_supported,
+                                           router_splits, sum_partials)
 from deepserve.layers import moe as moe_module
 from deepserve.layers.moe import FusedMoE, RoutingConfig
 
@@ -192,7 +195,6 @@ def test_layer_runs_the_kernel(device, monkeypatch):
         ref_load = layer.expert_load.clone()
         layer.reset_expert_load()
         calls = []
-        import deepserve.kernels.moe_routing as routing
 
         def spy(*args):
             calls.append(1)
@@ -255,3 +257,129 @@ def test_router_logits_only_at_decode_sizes():
     assert router_logits_supported(torch.zeros(1, 8)) and router_logits_supported(torch.zeros(ROUTER_GEMV_MAX_TOKENS, 8))
     assert not router_logits_supported(torch.zeros(ROUTER_GEMV_MAX_TOKENS + 1, 8))
     assert not router_logits_supported(torch.zeros(0, 8))
+
+
+H200_SMS = 132
+
+
+@pytest.fixture
+def h200_splits(monkeypatch):
+    """The split counts of an H200 (132 SMs), whatever runs the test (the interpreter's num_sms is 8)."""
+    monkeypatch.setattr(routing, "num_sms", lambda device: H200_SMS)
+
+
+GATE_DTYPES = [(torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("t", [17, 64, 200, 512])
+@pytest.mark.parametrize("e,h", [(64, 2048), (128, 2048), (8, 40), (60, 700)])
+@pytest.mark.parametrize("x_dtype,w_dtype", GATE_DTYPES)
+def test_router_logit_partials_match_the_gate_gemm(device, h200_splits, t, e, h, x_dtype, w_dtype):
+    """The split-K gate GEMM, its partials summed in order = F.linear in float32 on the same values (exact
+    products, another summation order: within 1e-5 of the row's magnitude). Odd T, E, H: masked tiles, splits of
+    unequal length."""
+    if INTERPRET and t * e * h > 17 * 128 * 2048:
+        pytest.skip("the interpreter takes ~1 ms a K step of a tile: the larger shapes run on a GPU")
+    x = torch.randn(t, h, device=device).to(x_dtype)
+    w = (torch.randn(e, h, device=device) * 0.05).to(w_dtype)
+    partials = router_logit_partials(x, w)
+    assert partials.dtype == torch.float32 and partials.shape == (router_splits(t, e, h, x.device), t, e)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    scale = (x.float().abs() @ w.float().abs().t()).max().item()
+    torch.testing.assert_close(sum_partials(partials), ref, rtol=0, atol=1e-5 * scale)
+
+
+def test_router_logit_partials_are_deterministic(device, h200_splits):
+    """No atomics: two calls give the same bits (16 splits of 22 K steps here)."""
+    x = torch.randn(40, 700, device=device).to(torch.bfloat16)
+    w = torch.randn(60, 700, device=device) * 0.05
+    first = router_logit_partials(x, w)
+    assert first.shape[0] == 16
+    assert torch.equal(first, router_logit_partials(x, w))
+
+
+@pytest.mark.parametrize("splits", [1, 3, 16])
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3", "qwen3_moe"])
+def test_route_sums_the_partials(device, name, splits):
+    """fused_route on [S, T, E] partials = fused_route on their `sum_partials` bit for bit (the kernel sums them in
+    the same order), load counter included; and = route() on that sum as the [T, E] tests check (ids and load
+    equal; weights within 1e-6: softmax's sum order, the interpreter's exp)."""
+    e, cfg = MODELS[name]
+    gen = torch.Generator().manual_seed(splits)
+    partials = (torch.randn(splits, 8, e, generator=gen) * 2 / splits ** 0.5).to(device)
+    bias = _bias(e, device) if cfg.uses_bias else None
+    load, load_summed, load_ref = (torch.zeros(e, dtype=torch.int64, device=device) for _ in range(3))
+    weights, ids = fused_route(partials, cfg, bias, load)
+    logits = sum_partials(partials)
+    weights_summed, ids_summed = fused_route(logits, cfg, bias, load_summed)
+    assert torch.equal(ids, ids_summed) and torch.equal(weights, weights_summed) and torch.equal(load, load_summed)
+    ref_w, ref_ids = fused_route_ref(logits, cfg, bias, load_ref)
+    assert torch.equal(ids, ref_ids) and torch.equal(load, load_ref)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=0.0)
+
+
+def test_sum_partials_order(device):
+    """Left to right: (1 + 2^-24) + 2^-24 rounds to 1 twice; summed the other way round it would not."""
+    tiny = 2.0 ** -24
+    partials = torch.tensor([1.0, tiny, tiny], device=device).reshape(3, 1, 1)
+    assert sum_partials(partials).item() == 1.0
+    assert sum_partials(partials.flip(0)).item() > 1.0
+
+
+def test_router_splits(device, h200_splits):
+    """Powers of two (a route kernel each), at most 16 and at most the K steps (32 wide), 2 programs an SM, and
+    none once the 16 x 16 tiles alone give that."""
+    dev = torch.device(device)
+    assert router_splits(17, 64, 2048, dev) == 16                  # 8 tiles
+    assert router_splits(128, 64, 2048, dev) == 16                 # 32 tiles: 9 wanted
+    assert router_splits(256, 64, 2048, dev) == 8                  # 64 tiles: 5 wanted
+    assert router_splits(512, 128, 2048, dev) == 2                 # 256 tiles, just short of 264
+    assert router_splits(512, 256, 7168, dev) == 1                 # 512 tiles
+    assert router_splits(17, 64, 40, dev) == 2                     # 2 K steps (the second partial)
+    assert router_splits(17, 64, 96, dev) == 2                     # 3 K steps: a power of two
+    assert router_splits(17, 64, 100, dev) == 4                    # 4 K steps
+
+
+def test_router_logit_partials_sizes():
+    """A float32 gate: the two gate kernels split 1..ROUTER_TILED_MAX_TOKENS tokens between them; beyond, cuBLAS.
+    A bf16 gate takes the split-K kernel at no size (cuBLAS in its dtype, logits rounded as HF rounds them)."""
+    w32, w16 = torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16)
+    for t in range(1, ROUTER_TILED_MAX_TOKENS + 2):
+        x = torch.zeros(t, 8)
+        assert router_logits_supported(x) + router_logit_partials_supported(x, w32) == (t <= ROUTER_TILED_MAX_TOKENS)
+        assert not router_logit_partials_supported(x, w16)
+    assert router_logit_partials_supported(torch.zeros(ROUTER_GEMV_MAX_TOKENS + 1, 8), w32)
+    assert not router_logit_partials_supported(torch.zeros(ROUTER_TILED_MAX_TOKENS + 1, 8), w32)
+    assert not router_logit_partials_supported(torch.zeros(2, 32, 8), w32)
+
+
+def test_router_routes_the_partials(device, monkeypatch):
+    """Router on the kernel path at 17..64 tokens: the partials go to fused_route as they are (no [T, E] logits),
+    and `logits` sums them; the results = the torch path's (F.linear + route() + index_add_)."""
+    e, cfg = MODELS["deepseek_v3"]
+    layer = FusedMoE(96, 16, e, cfg, gate_dtype=torch.float32).to(device)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.2)
+    gate = layer.gate
+    x = torch.randn(20, 96, device=device)
+    with torch.inference_mode():
+        monkeypatch.setattr(moe_module, "use_triton", lambda _: False)
+        ref_w, ref_ids = gate(x, layer.expert_load)
+        ref_load = layer.expert_load.clone()
+        ref_logits = gate.logits(x)
+        layer.reset_expert_load()
+        monkeypatch.setattr(moe_module, "use_triton", lambda _: True)
+        shapes = []
+
+        def spy(logits, *args):
+            shapes.append(logits.shape)
+            return fused_route(logits, *args)
+        monkeypatch.setattr(routing, "fused_route", spy)
+        weights, ids = gate(x, layer.expert_load)
+        logits = gate.logits(x)
+    assert len(shapes) == 1 and len(shapes[0]) == 3
+    assert torch.equal(logits, sum_partials(router_logit_partials(x, gate.weight)))
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+    assert torch.equal(ids, ref_ids) and torch.equal(layer.expert_load, ref_load)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=0.0)

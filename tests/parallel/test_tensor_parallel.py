@@ -122,9 +122,9 @@ class ExpertsOfThisRank:
         from deepserve.layers.moe import TorchMoE
         self.rank, self.size, self.inner = rank, size, TorchMoE()
 
-    def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, shared_out=None):
+    def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, shared_out=None, shared_experts=None):
         mine = (topk_ids % self.size == self.rank).to(topk_weights.dtype)
-        return self.inner.forward(x, w13, w2, topk_weights * mine, topk_ids, swiglu_limit, shared_out)
+        return self.inner.forward(x, w13, w2, topk_weights * mine, topk_ids, swiglu_limit, shared_out, shared_experts)
 
 
 def _shapes(model) -> dict:
