@@ -6,6 +6,7 @@
   serve_vs_offline_cpu_xeon_amx.json  the server against offline LLM.generate on the CPU, three runs
   router_gate_ab_h200.json      the MoE gate GEMM + routing: split-K Triton kernel against cuBLAS, by tokens
   moe_shared_fusion_ab_h200.json  a MoE layer's experts with the shared experts fused into the grouped GEMMs or not
+  moe_fused_align_ab_h200.json  V2-Lite decode steps with the MoE align inside the gate/up GEMM, without, and before
 
 Run:  python benchmarks/plot_ab.py      (writes <name>.png beside each JSON; needs matplotlib)
 """
@@ -105,8 +106,22 @@ def per_tokens(path: Path, series: dict[str, str], title: str) -> plt.Figure:
     return fig
 
 
+def steps_by_batch(path: Path, title: str) -> plt.Figure:
+    """Grouped bars: step ms per batch, a bar per series (results: series -> rows of batch, step_ms)."""
+    results = json.loads(path.read_text())["results"]
+    groups: dict[str, dict[str, float]] = {}
+    for series, rows in results.items():
+        for r in rows:
+            groups.setdefault(f"batch {r['batch']}", {})[series] = r["step_ms"]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    grouped_bars(ax, groups, "decode step, ms", title)
+    return fig
+
+
 def main() -> None:
     figures = {
+        "moe_fused_align_ab_h200": lambda p: steps_by_batch(p, "DeepSeek-V2-Lite decode step (H200): MoE align fused "
+                                                               "into the gate/up GEMM or not"),
         "router_gate_ab_h200": lambda p: per_tokens(p, {"triton_us": "split-K Triton + routing",
                                                         "cublas_us": "cuBLAS + routing"}, "gate GEMM + routing"),
         "moe_shared_fusion_ab_h200": lambda p: per_tokens(p, {"fused_us": "shared experts in the grouped GEMMs",

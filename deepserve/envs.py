@@ -115,8 +115,8 @@ _DECLARED = [
            "GPU decode GEMMs of 2-16 rows through the skinny Triton GEMM (kernels/skinny_gemm.py), the SwiGLU in "
            "the gate/up one's epilogue; 0: cuBLAS and the SiLU-and-mul kernel (read at import)"),
     EnvVar("DEEPSERVE_MOE_FUSED_SHARED", "bool", True,
-           "GPU MoE layers in the aligned (grouped GEMM) mode run the shared experts as extra blocks of the routed "
-           "experts' GEMMs; 0: their own launches, before the routed experts"),
+           "GPU MoE layers in the aligned (grouped GEMM) mode, up to 64 tokens, run the shared experts as extra blocks "
+           "of the routed experts' GEMMs; 0: their own launches, before the routed experts"),
     EnvVar("DEEPSERVE_PDL", "bool", True,
            "programmatic dependent launch for the decode-path Triton kernels on Hopper and later"),
     EnvVar("DEEPSERVE_GEMV_PREFETCH", "int", 1,

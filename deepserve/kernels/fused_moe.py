@@ -16,7 +16,8 @@ Aligned mode (grouped GEMMs, `MoEConfig`): four launches at decode sizes.
             blocks of both GEMMs' grids: dense blocks of BLOCK_M tokens, cut into chunks of I columns on the gate/up
             side so every program has the routed ones' N tiles; the down side runs its whole intermediate size in
             the K loop and writes shared_out. No launches of their own (two cuBLAS/skinny GEMMs before), and their
-            weight reads start in the first wave beside the routed experts'.
+            weight reads start in the first wave beside the routed experts'. (An align computed inside every
+            gate/up program instead of its own launch was tried and lost: moe_fused_align_ab_h200.json.)
 
 Pair mode (small decode batches, `MoEPairConfig`): no align, three launches. Grid axis 0 is the pair
 p = token * top_k + slot (its expert read from topk_ids in the kernel), axis 1 a tile of output columns; each

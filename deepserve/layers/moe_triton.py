@@ -18,6 +18,14 @@ from deepserve.layers.linear import Linear
 from deepserve.layers.mlp import GatedMLP
 
 
+# Above this many tokens the shared experts keep their own GEMMs: every BLOCK_M tokens re-read the shared weights in
+# the grouped GEMM (from L2 while they fit), where cuBLAS reads them about once. Measured on an H200
+# (benchmarks/moe_shared_fusion_ab.py, moe_shared_fusion_ab_h200.json, us per MoE layer fused / apart): V2-Lite
+# 151.7 / 155.9 at 8 tokens, 284.8 / 293.2 at 64, 295.7 / 299.1 at 128, 316.9 / 316.5 at 256; DeepSeek-V3 (58.7 MB
+# of shared gate/up weights, more than the L2) 4333 / 4344 at 64, 5148 / 5117 at 128.
+FUSED_SHARED_MAX_TOKENS = 64
+
+
 class TritonMoE:
     def __init__(self, config: Optional[MoEConfig | MoEPairConfig] = None) -> None:
         # Force a mode and its tiles (tests, tuning): MoEConfig the aligned grouped GEMMs, MoEPairConfig the
@@ -31,9 +39,10 @@ class TritonMoE:
         shared_weights = None
         if shared_experts is not None:
             # The aligned mode runs plain shared weights as extra blocks of its grouped GEMMs (two launches fewer,
-            # their weight reads beside the routed experts'); the pair mode (batches of a few tokens) has no such
-            # blocks, and the shared experts run as their own module (batch-1 GEMV kernels).
-            if isinstance(config, MoEConfig) and envs.DEEPSERVE_MOE_FUSED_SHARED:
+            # their weight reads beside the routed experts') up to FUSED_SHARED_MAX_TOKENS; the pair mode (batches
+            # of a few tokens) has no such blocks, and the shared experts run as their own module (GEMV kernels).
+            fuse = isinstance(config, MoEConfig) and x.shape[0] <= FUSED_SHARED_MAX_TOKENS
+            if fuse and envs.DEEPSERVE_MOE_FUSED_SHARED:
                 shared_weights = plain_shared_weights(shared_experts, x, swiglu_limit)
             if shared_weights is None:
                 shared_out = shared_experts(x)
@@ -79,4 +88,4 @@ def select_moe_and_mla_backends(model, device) -> None:
             layer.backend = mla
 
 
-__all__ = ["TritonMoE", "plain_shared_weights", "select_moe_and_mla_backends"]
+__all__ = ["FUSED_SHARED_MAX_TOKENS", "TritonMoE", "plain_shared_weights", "select_moe_and_mla_backends"]

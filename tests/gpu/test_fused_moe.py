@@ -9,7 +9,7 @@ import deepserve.kernels.fused_moe as fused_moe_module
 from deepserve.kernels.fused_moe import (MoEConfig, MoEPairConfig, align_max_rows, fused_moe, fused_moe_ref,
                                          moe_align, moe_align_ref, moe_combine, pick_pair_config, use_pair_mode)
 import deepserve.layers.moe_triton as moe_triton_module
-from deepserve.layers.moe_triton import TritonMoE, plain_shared_weights
+from deepserve.layers.moe_triton import FUSED_SHARED_MAX_TOKENS, TritonMoE, plain_shared_weights
 from deepserve.layers.moe import FusedMoE, RoutingConfig
 from kernel_testing import skip_bf16_in_interpreter
 
@@ -293,13 +293,17 @@ def test_decode_touches_only_the_routed_experts(device):
 # --- backend --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [None, SMALL_PAIR_TILES], ids=["picked", "pair-mode"])
+@pytest.mark.parametrize("config,tokens", [(None, 13), (SMALL_PAIR_TILES, 13), (None, FUSED_SHARED_MAX_TOKENS + 1)],
+                         ids=["picked", "pair-mode", "picked-past-the-fusion"])
 @pytest.mark.parametrize("fuse_shared", [True, False], ids=["fused-shared", "shared-module"])
-def test_backend_in_moe_layer(device, dtype, config, fuse_shared, monkeypatch):
-    """A whole FusedMoE layer (router, shared experts) with TritonMoE equals the same layer on TorchMoE; 52 pairs on
-    16 experts: the aligned mode when picked (the shared experts' weights in its grouped GEMMs, unless
-    DEEPSERVE_MOE_FUSED_SHARED=0), and the pair mode forced (the shared experts as their own module)."""
+def test_backend_in_moe_layer(device, dtype, config, tokens, fuse_shared, monkeypatch):
+    """A whole FusedMoE layer (router, shared experts) with TritonMoE equals the same layer on TorchMoE, on 16
+    experts: the aligned mode when picked (the shared experts' weights in its grouped GEMMs up to
+    FUSED_SHARED_MAX_TOKENS tokens, unless DEEPSERVE_MOE_FUSED_SHARED=0), and the pair mode forced (the shared
+    experts as their own module)."""
     skip_bf16_in_interpreter(dtype)
+    if tokens > 13 and (INTERPRET or dtype != torch.bfloat16):
+        pytest.skip("the threshold's side: once, on the GPU")
     monkeypatch.setenv("DEEPSERVE_MOE_FUSED_SHARED", "1" if fuse_shared else "0")
     calls = []
     real_fused_moe = fused_moe_module.fused_moe
@@ -315,7 +319,7 @@ def test_backend_in_moe_layer(device, dtype, config, fuse_shared, monkeypatch):
         for p in layer.parameters():
             p.normal_(0.0, 0.2)
     layer = layer.to(dtype)
-    x = torch.randn(13, 64, device=device).to(dtype)
+    x = torch.randn(tokens, 64, device=device).to(dtype)
     with torch.inference_mode():
         ref = layer(x)
         load_ref = layer.expert_load.clone()
@@ -323,7 +327,7 @@ def test_backend_in_moe_layer(device, dtype, config, fuse_shared, monkeypatch):
         out = layer(x)
     _check(out, ref, dtype)
     assert torch.equal(layer.expert_load, 2 * load_ref)
-    assert calls == [fuse_shared and config is None]
+    assert calls == [fuse_shared and config is None and tokens <= FUSED_SHARED_MAX_TOKENS]
 
 
 def test_only_plain_shared_experts_are_fused():
