@@ -266,17 +266,20 @@ def router_logits_supported(x: torch.Tensor) -> bool:
     return x.dim() == 2 and 0 < x.shape[0] <= ROUTER_GEMV_MAX_TOKENS
 
 
+def _gate_inputs(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (T > 0) and weight [E, H], checked and made row-contiguous for the gate kernels."""
+    require_triton(x)
+    assert x.dim() == 2 and x.shape[0] > 0, f"x {tuple(x.shape)}: [T, H] with T > 0"
+    assert weight.dim() == 2 and weight.shape[1] == x.shape[1], f"weight {tuple(weight.shape)} for x {tuple(x.shape)}"
+    return (x if x.stride(-1) == 1 else x.contiguous()), weight.contiguous()
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, H] (any float dtype), weight [E, H] (DeepSeek keeps it float32) -> [T, E] float32 logits,
     F.linear(x.float(), weight.float()) up to summation order. One launch at decode sizes, where the torch path is
     three (x cast to float32, cuBLAS's dot and reduce kernels) for a 0.5 MB weight."""
-    require_triton(x)
-    t, hidden = x.shape
-    num_experts = weight.shape[0]
-    assert weight.shape == (num_experts, hidden)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    weight = weight.contiguous()
+    x, weight = _gate_inputs(x, weight)
+    (t, hidden), num_experts = x.shape, weight.shape[0]
     out = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)
     # One expert's row a program, in one or two K steps: E programs per token pull the weight (measured on an H200:
     # 4 rows x 512 columns per program, E / 4 programs, took 5 us for V2-Lite's 64 x 2048 fp32 gate).
@@ -287,7 +290,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# The tiled kernel's tile: BLOCK_T tokens x BLOCK_E experts, BLOCK_K of the hidden dim per step. Not tuned on a GPU.
+# The split-K kernel's tile: BLOCK_T tokens x BLOCK_E experts, BLOCK_K of the hidden dim per step. Not tuned (it
+# loses to cuBLAS from 128 tokens, where ROUTER_TILED_MAX_TOKENS hands over).
 _TILE_T, _TILE_E, _TILE_K, _TILE_WARPS = 16, 16, 32, 4
 _MAX_SPLITS = 16
 
@@ -351,14 +355,8 @@ def router_logit_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     `sum_partials` of them = F.linear(x.float(), weight.float()) up to summation order. Deterministic: every
     output written once by one program, the same S and summation order for the same T on the same GPU.
     `fused_route` takes them as they are (the sum is in its row loads: no [T, E] round trip, no reduce launch)."""
-    require_triton(x)
-    assert x.dim() == 2 and x.shape[0] > 0, f"x {tuple(x.shape)}: [T, H] with T > 0"
-    t, hidden = x.shape
-    num_experts = weight.shape[0]
-    assert weight.shape == (num_experts, hidden)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    weight = weight.contiguous()
+    x, weight = _gate_inputs(x, weight)
+    (t, hidden), num_experts = x.shape, weight.shape[0]
     splits = router_splits(t, num_experts, hidden, x.device)
     # Slices 16 floats apart at any T: fused_route's stride over them stays a multiple of 16, which Triton
     # specializes on (no second route kernel for odd T x E).
