@@ -72,42 +72,49 @@ class Router(nn.Module):
         bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32)) if cfg.uses_bias else None
         self.register_parameter("e_score_correction_bias", bias)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> [T, E] float32, the gate GEMM in the gate's dtype (float32 products of float32 inputs on
-        the Triton path up to 512 tokens)."""
+    def gate_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> the gate GEMM in the gate's dtype: [T, E] float32 logits, or, on the Triton path with a
+        float32 gate at 17..ROUTER_TILED_MAX_TOKENS tokens, [S, T, E] split-K partial sums (float32 products of
+        float32 inputs), which `fused_route` adds as it loads a row and `sum_partials` adds in the same order."""
         if self.batch_invariant:
             return invariant_linear(x.to(self.weight.dtype), self.weight).float()
         if use_triton(x) and not torch.is_grad_enabled():
             from deepserve.kernels.moe_routing import (router_logit_partials, router_logit_partials_supported,
-                                                       router_logits, router_logits_supported, sum_partials)
+                                                       router_logits, router_logits_supported)
             if router_logits_supported(x):
                 # One GEMV launch at decode sizes instead of a cast and cuBLAS's two GEMV kernels.
                 return router_logits(x, self.weight)
             if router_logit_partials_supported(x, self.weight):
-                return sum_partials(router_logit_partials(x, self.weight))
+                # One launch for cuBLAS's cast, GEMM and split-K reduce; the routing kernel does the reduce.
+                return router_logit_partials(x, self.weight)
         return F.linear(x.to(self.weight.dtype), self.weight).float()
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, E] float32, the gate GEMM in the gate's dtype."""
+        return _summed(self.gate_gemm(x))
 
     def forward(self, x: torch.Tensor, expert_load: torch.Tensor | None = None):
         """x: [T, H] -> (weights [T, k] float32, ids [T, k] int64); with `expert_load` ([E] int64), each expert's
         count among the ids is added to it."""
-        if use_triton(x) and not torch.is_grad_enabled() and not self.batch_invariant:
-            from deepserve.kernels.moe_routing import (fused_route, fused_route_supported, router_logit_partials,
-                                                       router_logit_partials_supported)
-            if router_logit_partials_supported(x, self.weight) and fused_route_supported(self.cfg, self.weight.shape[0]):
-                # 17..512 tokens: the split-K gate's partial sums go to the routing kernel, which adds them as it
-                # loads its row: two launches, no [T, E] logits (cuBLAS took a cast, a GEMM and a reduce).
-                partials = router_logit_partials(x, self.weight)
-                return fused_route(partials, self.cfg, self.e_score_correction_bias, expert_load)
-        logits = self.logits(x)
-        if use_triton(logits) and not logits.requires_grad:
+        gate = self.gate_gemm(x)
+        if use_triton(gate) and not gate.requires_grad:
             from deepserve.kernels.moe_routing import fused_route, fused_route_supported
-            if fused_route_supported(self.cfg, logits.shape[1]):
+            if fused_route_supported(self.cfg, self.weight.shape[0]):
                 # One launch (load count included) instead of ~10 small, launch-bound torch ops at decode sizes.
-                return fused_route(logits, self.cfg, self.e_score_correction_bias, expert_load)
+                return fused_route(gate, self.cfg, self.e_score_correction_bias, expert_load)
+        logits = _summed(gate)
         weights, ids = route(logits, self.cfg, self.e_score_correction_bias)
         if expert_load is not None:
             count_expert_load(expert_load, ids)
         return weights, ids
+
+
+def _summed(gate: torch.Tensor) -> torch.Tensor:
+    """[T, E] logits from a gate GEMM's result (split-K partials [S, T, E] added in order)."""
+    if gate.dim() == 2:
+        return gate
+    from deepserve.kernels.moe_routing import sum_partials
+    return sum_partials(gate)
 
 
 # Checkpoint names of one expert's projections -> (stacked parameter, shard: 0 gate, 1 up, None down).
