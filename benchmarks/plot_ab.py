@@ -7,6 +7,7 @@
   router_gate_ab_h200.json      the MoE gate GEMM + routing: split-K Triton kernel against cuBLAS, by tokens
   moe_shared_fusion_ab_h200.json  a MoE layer's experts with the shared experts fused into the grouped GEMMs or not
   moe_fused_align_ab_h200.json  V2-Lite decode steps with the MoE align inside the gate/up GEMM, without, and before
+  mla_decode_layouts_ab_h200.json  MLA decode: block ids loaded in-loop and the tokens-as-M products, vs before
 
 Run:  python benchmarks/plot_ab.py      (writes <name>.png beside each JSON; needs matplotlib)
 """
@@ -118,8 +119,24 @@ def steps_by_batch(path: Path, title: str) -> plt.Figure:
     return fig
 
 
+def mla_decode_ab(path: Path, title: str) -> plt.Figure:
+    """Grouped bars: KV TB/s per batch of the MLA decode kernel before, as the engine picks it now, and the best
+    variant measured (mla_decode_ab.py's rows)."""
+    groups: dict[str, dict[str, float]] = {}
+    for r in json.loads(path.read_text())["results"]:
+        g = groups.setdefault(f"batch {r['batch']}", {})
+        for key, label in (("before_TBps", "before"), ("engine_TBps", "engine pick"), ("best_TBps", "best variant")):
+            if key in r:
+                g[label] = r[key]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    grouped_bars(ax, groups, "KV bytes / time, TB/s", title)
+    return fig
+
+
 def main() -> None:
     figures = {
+        "mla_decode_layouts_ab_h200": lambda p: mla_decode_ab(p, "MLA decode (V2-Lite, 1k context, H200): "
+                                                                 "in-loop block ids / tokens-as-M vs before"),
         "moe_fused_align_ab_h200": lambda p: steps_by_batch(p, "DeepSeek-V2-Lite decode step (H200): MoE align fused "
                                                                "into the gate/up GEMM or not"),
         "router_gate_ab_h200": lambda p: per_tokens(p, {"triton_us": "split-K Triton + routing",
