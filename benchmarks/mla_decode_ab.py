@@ -4,7 +4,7 @@ the kernel as it was before (`--before`, a copy of an older deepserve/kernels/ml
 For each batch and context: every sequence at `context` tokens, shuffled blocks; each setting runs inside a CUDA
 graph of 20 calls that cycle over enough cache copies to exceed the 50 MB L2 (a decode step's attention reads its
 layer's cache cold). Reported: microseconds per call and KV TB/s (latent bytes the call must read / time) for the
-engine's pick (before and now), then every variant (layout x tile x split count), and the best.
+engine's pick (before and now), then every variant (tile x split count), and the best.
 
 Run (GPU machine):
   git show <rev>:deepserve/kernels/mla_decode.py > /tmp/mla_decode_before.py
@@ -30,21 +30,20 @@ from tune_gemv import graph_time  # noqa: E402
 
 HEADS, RANK, ROPE = 16, 512, 64
 L2_BYTES = 60e6
-# (tokens_as_m, block_n, warps, stages)
-VARIANTS = [(False, 32, 4, 3), (False, 32, 4, 2), (False, 16, 4, 4), (False, 64, 8, 2), (False, 32, 8, 2),
-            (True, 32, 4, 3), (True, 32, 4, 2), (True, 64, 4, 2), (True, 64, 4, 3), (True, 64, 8, 2),
-            (True, 16, 4, 4), (True, 32, 8, 2)]
+# (block_n, warps, stages); mla_decode_layouts_ab_h200.json also has the tokens-as-M layout, since dropped.
+VARIANTS = [(32, 4, 3), (32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 8, 2), (64, 8, 3), (16, 4, 3)]
 SPLITS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 
 
 def load_before(path: str):
     spec = importlib.util.spec_from_file_location("mla_decode_before", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod             # its dataclasses (if any) look their module up there
     spec.loader.exec_module(mod)
     return mod
 
 
-def case(batch: int, context: int, before, splits_grid: list) -> dict:
+def case(batch: int, context: int, before, splits_grid: list, variants: list) -> dict:
     gen = torch.Generator().manual_seed(batch + context)
     num_blocks, table, seq_lens = paged_inputs(batch, context, gen)
     kv_bytes = batch * context * (RANK + ROPE) * 2
@@ -63,25 +62,26 @@ def case(batch: int, context: int, before, splits_grid: list) -> dict:
     if before is not None:
         res["before_us"] = round(time_us(before.mla_decode), 2)
     res["engine_us"] = round(time_us(mla_decode), 2)
-    variants = {}
-    for tam, bn, warps, stages in VARIANTS:
+    timings = {}
+    for bn, warps, stages in variants:
         for splits in splits_grid:
             if splits > 1 and -(-context // splits) < bn:
                 continue
-            key = f"tam={int(tam)} bn={bn} w={warps} st={stages} splits={splits}"
+            key = f"bn={bn} w={warps} st={stages} splits={splits}"
             try:
-                variants[key] = round(time_us(mla_decode, num_splits=splits, block_n=bn, num_warps=warps,
-                                              num_stages=stages, tokens_as_m=tam), 2)
+                timings[key] = round(time_us(mla_decode, num_splits=splits, block_n=bn, num_warps=warps,
+                                              num_stages=stages), 2)
             except Exception as exc:     # a setting that does not fit (shared memory) is reported, not fatal
-                variants[key] = f"error: {str(exc)[:120]}"
-    res["variants_us"] = variants
-    timed = {k: v for k, v in variants.items() if isinstance(v, float)}
-    best = min(timed, key=timed.get)
-    res["best"] = (timed[best], best)
+                timings[key] = f"error: {str(exc)[:120]}"
+    res["variants_us"] = timings
     for name in ("before_us", "engine_us"):
         if name in res:
             res[name.replace("_us", "_TBps")] = round(kv_bytes / res[name] / 1e6, 3)
-    res["best_TBps"] = round(kv_bytes / timed[best] / 1e6, 3)
+    timed = {k: v for k, v in timings.items() if isinstance(v, float)}
+    if timed:
+        best = min(timed, key=timed.get)
+        res["best"] = (timed[best], best)
+        res["best_TBps"] = round(kv_bytes / timed[best] / 1e6, 3)
     return res
 
 
@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--batches", default="8,16,32,64,128,256")
     ap.add_argument("--contexts", default="1024")
     ap.add_argument("--splits", default=",".join(map(str, SPLITS)))
+    ap.add_argument("--no-variants", action="store_true", help="only the engine's pick, before and now")
     ap.add_argument("--before", default=None, help="path of an older mla_decode.py to time in the same run")
     ap.add_argument("--output", default="mla_decode_ab.json")
     args = ap.parse_args()
@@ -99,7 +100,7 @@ def main() -> None:
     splits_grid = [int(s) for s in args.splits.split(",")]
     for context in [int(c) for c in args.contexts.split(",")]:
         for batch in [int(b) for b in args.batches.split(",")]:
-            r = case(batch, context, before, splits_grid)
+            r = case(batch, context, before, splits_grid, [] if args.no_variants else VARIANTS)
             out["results"].append(r)
             print(batch, context, {k: r.get(k) for k in ("engine_splits", "before_us", "engine_us", "best",
                                                          "before_TBps", "best_TBps")}, flush=True)

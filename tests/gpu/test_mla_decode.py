@@ -44,14 +44,9 @@ def _decode_case(device, dtype, heads, rank, rope, lens, block_size):
     return batch, cache, q_lat, q_pe
 
 
-# The two layouts of the kernel's products (heads as the M side, or tokens and latent columns as M).
-LAYOUTS = pytest.mark.parametrize("tokens_as_m", [False, True], ids=["heads_m", "tokens_m"])
-
-
-@LAYOUTS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-R{}-P{}".format(*s))
-def test_decode_matches_reference(device, dtype, shape, tokens_as_m):
+def test_decode_matches_reference(device, dtype, shape):
     """Contexts inside one block, on block edges and across many; the heuristic split and forced ones."""
     skip_bf16_in_interpreter(dtype)
     heads, rank, rope = shape
@@ -60,25 +55,22 @@ def test_decode_matches_reference(device, dtype, shape, tokens_as_m):
     ref = mla_decode_ref(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, scale)
     for splits in (None, 1, 3, 7):
         out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, scale, max_seq_len=max(LENS),
-                         num_splits=splits, tokens_as_m=tokens_as_m)
+                         num_splits=splits)
         assert_close_rel(out, ref, KERNEL_TOL[dtype])
 
 
-@LAYOUTS
 @pytest.mark.parametrize("block_size", [1, 8, 64])
-def test_decode_other_block_sizes(device, block_size, tokens_as_m):
+def test_decode_other_block_sizes(device, block_size):
     lens = [3, 31, 64, 65, 250]
     batch, cache, q_lat, q_pe = _decode_case(device, torch.float32, 16, 64, 16, lens, block_size)
     ref = mla_decode_ref(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 0.1)
     for splits in (1, 4):
-        out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 0.1, num_splits=splits,
-                         tokens_as_m=tokens_as_m)
+        out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 0.1, num_splits=splits)
         assert_close_rel(out, ref, KERNEL_TOL[torch.float32])
 
 
-@LAYOUTS
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_long_context_uses_split_k(device, dtype, tokens_as_m):
+def test_decode_long_context_uses_split_k(device, dtype):
     """Few sequences with long contexts (DeepSeek's 512 + 64): the heuristic splits, the reduce merges, and
     split boundaries fall inside blocks (partitions are multiples of 32 tokens, blocks of 48)."""
     skip_bf16_in_interpreter(dtype)
@@ -89,7 +81,7 @@ def test_decode_long_context_uses_split_k(device, dtype, tokens_as_m):
     # Sharper than 1/sqrt(d) so long contexts are not a near-uniform average.
     scale = 4 / math.sqrt(rank + rope)
     ref = mla_decode_ref(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, scale)
-    out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, scale, tokens_as_m=tokens_as_m)
+    out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, scale)
     assert_close_rel(out, ref, KERNEL_TOL[dtype])
 
 
@@ -112,10 +104,9 @@ def test_reduce_reads_only_active_splits(device, num_splits):
     assert single.any() and torch.equal(out[single], part_out[single, :, 0])
 
 
-@LAYOUTS
 @pytest.mark.parametrize("inputs_ready", [False, True])
 @pytest.mark.parametrize("num_splits", [None, 128])
-def test_decode_graph_grid_short_contexts(device, num_splits, inputs_ready, tokens_as_m):
+def test_decode_graph_grid_short_contexts(device, num_splits, inputs_ready):
     """A launch sized as a CUDA graph's (max_seq_len far above every context): most splits are empty, their programs
     exit without storing, and the reduce merges only the used ones. inputs_ready: lengths and block ids read before
     the PDL wait, as the backend launches it."""
@@ -123,7 +114,7 @@ def test_decode_graph_grid_short_contexts(device, num_splits, inputs_ready, toke
     batch, cache, q_lat, q_pe = _decode_case(device, torch.float32, 16, 64, 16, lens, 16)
     ref = mla_decode_ref(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 0.1)
     out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 0.1, max_seq_len=4096,
-                     num_splits=num_splits, inputs_ready=inputs_ready, tokens_as_m=tokens_as_m)
+                     num_splits=num_splits, inputs_ready=inputs_ready)
     assert_close_rel(out, ref, KERNEL_TOL[torch.float32])
 
 
