@@ -7,7 +7,12 @@
   router_gate_ab_h200.json      the MoE gate GEMM + routing: split-K Triton kernel against cuBLAS, by tokens
   moe_shared_fusion_ab_h200.json  a MoE layer's experts with the shared experts fused into the grouped GEMMs or not
   moe_fused_align_ab_h200.json  V2-Lite decode steps with the MoE align inside the gate/up GEMM, without, and before
+  moe_align_ab_h200.json        the MoE align with its one-program tile sized to the pairs, against before
+  mla_absorb_cap_sweep_h200.json  V2-Lite steps with the absorb cap at 4 and at 16
+  mla_absorb_ab_h200.json       MLA's W_UK / W_UV products: the Triton GEMV pair against cuBLAS, by batch
   mla_decode_layouts_ab_h200.json  MLA decode: block ids loaded in-loop and the tokens-as-M products, vs before
+  mla_decode_reduce_ab_h200.json   MLA decode: a column-chunked split reduce, vs before
+  mla_decode_few_rows_ab_h200.json MLA decode: one-tile 64-token splits at a few rows, vs before
 
 Run:  python benchmarks/plot_ab.py      (writes <name>.png beside each JSON; needs matplotlib)
 """
@@ -92,17 +97,20 @@ def serve_vs_offline(path: Path) -> plt.Figure:
     return fig
 
 
-def per_tokens(path: Path, series: dict[str, str], title: str) -> plt.Figure:
-    """One panel per shape: microseconds per call against tokens, a line per series (JSON key -> label)."""
+def per_tokens(path: Path, series: dict[str, str], title: str, x: str = "tokens") -> plt.Figure:
+    """One panel per shape: microseconds per call against tokens (or another row key `x`), a line per series (JSON
+    key -> label). Results: shape -> rows, or one list of rows."""
     results = json.loads(path.read_text())["results"]
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.6))
-    for ax, (shape, rows) in zip(axes, results.items()):
+    if isinstance(results, list):
+        results = {"": results}
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.6), squeeze=False)
+    for ax, (shape, rows) in zip(axes[0], results.items()):
         for key, label in series.items():
-            ax.plot([r["tokens"] for r in rows], [r[key] for r in rows], marker="o", label=label)
+            ax.plot([r[x] for r in rows], [r[key] for r in rows], marker="o", label=label)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens")
+        ax.set_xlabel(x)
         ax.set_ylabel("us per call")
-        ax.set_title(f"{shape}: {title}", fontsize=9)
+        ax.set_title(f"{shape}: {title}" if shape else title, fontsize=9)
         ax.legend(fontsize=7)
     return fig
 
@@ -123,8 +131,11 @@ def mla_decode_ab(path: Path, title: str) -> plt.Figure:
     """Grouped bars: KV TB/s per batch of the MLA decode kernel before, as the engine picks it now, and the best
     variant measured (mla_decode_ab.py's rows)."""
     groups: dict[str, dict[str, float]] = {}
-    for r in json.loads(path.read_text())["results"]:
-        g = groups.setdefault(f"batch {r['batch']}", {})
+    rows = json.loads(path.read_text())["results"]
+    contexts = {r["context"] for r in rows}
+    for r in rows:
+        label = f"batch {r['batch']}" + (f", {r['context'] // 1024}k" if len(contexts) > 1 else "")
+        g = groups.setdefault(label, {})
         for key, label in (("before_TBps", "before"), ("engine_TBps", "engine pick"), ("best_TBps", "best variant")):
             if key in r:
                 g[label] = r[key]
@@ -135,8 +146,18 @@ def mla_decode_ab(path: Path, title: str) -> plt.Figure:
 
 def main() -> None:
     figures = {
+        "moe_align_ab_h200": lambda p: per_tokens(p, {"before_us": "before", "after_us": "one-program tile sized "
+                                                                                   "to its pairs"}, "MoE align (H200)"),
+        "mla_absorb_cap_sweep_h200": lambda p: steps_by_batch(p, "DeepSeek-V2-Lite decode step (H200): W_UK/W_UV "
+                                                                  "as Triton GEMVs up to 4 or 16 rows"),
+        "mla_absorb_ab_h200": lambda p: per_tokens(p, {"triton_us": "Triton GEMV pair", "cublas_us": "cuBLAS bmm pair"},
+                                                   "V2-Lite W_UK + W_UV products per layer (H200)", x="batch"),
         "mla_decode_layouts_ab_h200": lambda p: mla_decode_ab(p, "MLA decode (V2-Lite, 1k context, H200): "
                                                                  "in-loop block ids / tokens-as-M vs before"),
+        "mla_decode_reduce_ab_h200": lambda p: mla_decode_ab(p, "MLA decode (V2-Lite, 1k, H200): column-chunked "
+                                                                "reduce vs before"),
+        "mla_decode_few_rows_ab_h200": lambda p: mla_decode_ab(p, "MLA decode (V2-Lite, H200): one-tile 64-token "
+                                                                  "splits at few rows vs before"),
         "moe_fused_align_ab_h200": lambda p: steps_by_batch(p, "DeepSeek-V2-Lite decode step (H200): MoE align fused "
                                                                "into the gate/up GEMM or not"),
         "router_gate_ab_h200": lambda p: per_tokens(p, {"triton_us": "split-K Triton + routing",

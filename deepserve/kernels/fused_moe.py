@@ -141,6 +141,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     chunk = max(16, min(128, _ALIGN_CELLS // block_e))
     one_program = num_pairs <= chunk and num_blocks <= chunk
     if one_program:
+        # The one program's one-hot tiles sized to what it holds (V2-Lite at 8 tokens: 48 pairs and blocks, 64
+        # rows instead of 128): a latency-bound launch, whose scans over the tile's rows are most of its time.
+        chunk = max(16, next_pow2(max(num_pairs, num_blocks)))
+    if one_program:
         counts = rank = sorted_pairs     # unused
     else:
         counts = torch.zeros(num_experts, dtype=torch.int32, device=device)

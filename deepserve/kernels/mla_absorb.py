@@ -41,9 +41,11 @@ from deepserve.kernels import next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_config
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
-# Tiles and the batch limit were chosen by reasoning, not swept on a GPU (only batch 1 is measured, above): a sweep
-# (batch 1..8, CUDA-graph replays, L2-cold weights, against the bmm pair) may find better ones.
-MAX_ABSORB_BATCH = 4      # rows per head handled in-program; above, the backend keeps cuBLAS's bmm
+# The tiles were chosen by reasoning, not swept. The batch limit is measured (benchmarks/mla_absorb_ab.py,
+# mla_absorb_ab_h200.json: both products per layer, CUDA-graph replays, L2-cold weights, V2-Lite's kv_b): the
+# kernels' serial per-row work grows by ~1.6 us a row, cuBLAS's bmm pair stays at ~6.9 us: 3.4 / 6.2 us at batch 1,
+# 5.1 / 6.9 at 2, 8.2 / 6.9 at 4, 14.5 / 6.9 at 8.
+MAX_ABSORB_BATCH = 2      # rows per head handled in-program; above, the backend keeps cuBLAS's bmm
 ABSORB_BLOCK_R = 32       # W_UK columns per program: 64-byte row segments (4 x 16-byte loads in bf16);
                           # H = 16, R = 512 -> 16 x 16 = 256 programs (~2 per SM on 132 SMs)
 ABSORB_BLOCK_N = 128      # W_UK rows per step: N = 128 in one step, i.e. an 8 KB (bf16) slab per program, all of it
@@ -116,10 +118,10 @@ def _expand_values_kernel(x_ptr, w_ptr, out_ptr, batch, v_len, r_len,
 
 
 def absorb_supported(batch: int) -> bool:
-    """Whether `absorb_query` / `expand_values` should replace the bmm pair for `batch` decode rows: 1..4. Each
+    """Whether `absorb_query` / `expand_values` should replace the bmm pair for `batch` decode rows: 1..2. Each
     program reads its weights once for all rows, but does per-row work serially (see the module docstring); at
-    larger batches cuBLAS's bmm amortizes the same weight read over all rows with tensor cores. Not measured: the
-    crossover on the H200 may well be higher."""
+    larger batches cuBLAS's bmm amortizes the same weight read over all rows with tensor cores (on an H200 the
+    crossover lies between 2 and 4 rows: MAX_ABSORB_BATCH)."""
     return 1 <= batch <= MAX_ABSORB_BATCH
 
 
