@@ -1,5 +1,6 @@
-"""Paged attention kernels (KV write, alone or fused with the rotary embedding; decode with split-K and its reduce;
-varlen prefill over a cached prefix) and the TritonPagedAttention backend against the PyTorch reference backend."""
+"""Paged attention kernels (KV write, alone or fused with the rotary embedding; decode with split-K and its reduce)
+and the TritonPagedAttention backend (with the prefill kernel of test_paged_prefill.py) against the PyTorch
+reference backend."""
 
 import math
 
@@ -10,8 +11,7 @@ from deepserve.kernels import INTERPRET
 from deepserve.layers.attention_triton import TritonPagedAttention
 from deepserve.kernels.paged_attention import (DECODE_BLOCK_N, active_splits_ref, decode_attention,
                                                DecodeTiles, decode_attention_ref, decode_num_splits, decode_reduce,
-                                               decode_reduce_ref, prefill_attention, prefill_attention_ref,
-                                               prefill_tiles, rotary_write_kv, rotary_write_kv_ref, write_kv,
+                                               decode_reduce_ref, rotary_write_kv, rotary_write_kv_ref, write_kv,
                                                write_kv_ref)
 from deepserve.kernels.rotary import apply_rotary
 from deepserve.layers.attention import TorchPagedAttention
@@ -316,32 +316,6 @@ def test_decode_rows_subset(device, inputs_ready):
                          seq_ids=seq_ids, num_splits=splits, max_seq_len=4096, inputs_ready=inputs_ready)
         assert_attention_close(out[rows], ref[rows], dtype)
         assert torch.isnan(out[others]).all()
-
-
-PREFILL_SEQS = [(0, 2), (0, 37), (0, 64), (17, 50), (100, 129), (256, 3), (1000, 200), (31, 1), (0, 1)]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("group", GROUPS)
-def test_prefill_matches_reference(device, dtype, head_dim, group):
-    """Whole prompts, prompts over a cached prefix and chunks, with odd lengths, in one launch."""
-    skip_bf16_in_interpreter(dtype)
-    seqs = PREFILL_SEQS if not INTERPRET else [(0, 37), (17, 50), (100, 70), (0, 1)]
-    bs = 16
-    nb = cdiv_total([c + n for c, n in seqs], bs) + 10
-    batch = make_batch(seqs, bs, nb, device)
-    h = NUM_KV_HEADS * group
-    cache = random_cache(nb, bs, NUM_KV_HEADS, head_dim, dtype, device)
-    q = torch.randn(batch.num_tokens, h, head_dim, device=device).to(dtype)
-    scale = 1 / math.sqrt(head_dim)
-    tile_seq, tile_m0 = prefill_tiles(batch.query_lens_cpu, list(range(len(seqs))), device)
-    out = torch.full_like(q, float("nan"))
-    prefill_attention(q, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale, tile_seq, tile_m0,
-                      out=out)
-    ref = prefill_attention_ref(q, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale,
-                                seqs=list(range(len(seqs))))
-    assert_attention_close(out, ref, dtype)
 
 
 MIXED_SEQS = [(0, 23), (40, 1), (7, 1), (130, 70), (0, 1), (1500, 1), (64, 64), (5, 2)]

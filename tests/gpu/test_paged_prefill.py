@@ -1,0 +1,40 @@
+"""The varlen paged prefill kernel (kernels/paged_prefill.py) against its PyTorch twin: whole prompts, prompts over a
+cached prefix and chunks, odd lengths, in one launch."""
+
+import math
+
+import pytest
+import torch
+
+from deepserve.kernels import INTERPRET
+from deepserve.kernels.paged_prefill import prefill_attention, prefill_attention_ref, prefill_tiles
+from kernel_testing import DTYPES, assert_attention_close, make_batch, random_cache, skip_bf16_in_interpreter
+from test_paged_attention import GROUPS, HEAD_DIMS, NUM_KV_HEADS, cdiv_total
+
+pytestmark = pytest.mark.gpu
+
+
+PREFILL_SEQS = [(0, 2), (0, 37), (0, 64), (17, 50), (100, 129), (256, 3), (1000, 200), (31, 1), (0, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("group", GROUPS)
+def test_prefill_matches_reference(device, dtype, head_dim, group):
+    """Whole prompts, prompts over a cached prefix and chunks, with odd lengths, in one launch."""
+    skip_bf16_in_interpreter(dtype)
+    seqs = PREFILL_SEQS if not INTERPRET else [(0, 37), (17, 50), (100, 70), (0, 1)]
+    bs = 16
+    nb = cdiv_total([c + n for c, n in seqs], bs) + 10
+    batch = make_batch(seqs, bs, nb, device)
+    h = NUM_KV_HEADS * group
+    cache = random_cache(nb, bs, NUM_KV_HEADS, head_dim, dtype, device)
+    q = torch.randn(batch.num_tokens, h, head_dim, device=device).to(dtype)
+    scale = 1 / math.sqrt(head_dim)
+    tile_seq, tile_m0 = prefill_tiles(batch.query_lens_cpu, list(range(len(seqs))), device)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(q, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale, tile_seq, tile_m0,
+                      out=out)
+    ref = prefill_attention_ref(q, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale,
+                                seqs=list(range(len(seqs))))
+    assert_attention_close(out, ref, dtype)
