@@ -37,8 +37,6 @@ MLA_BLOCK_N = 32         # cached tokens per inner step
 MLA_BLOCK_H = 16         # heads per program (tl.dot needs >= 16 rows; padded heads are masked)
 _MIN_PARTITION = 48      # tokens (54 KiB of bf16 latents): shorter splits cost more in the reduce than they gain
 _MAX_SPLITS = 128
-_REDUCE_COLUMNS = 128    # latent columns per reduce program
-_REDUCE_SPLIT_ROWS = 32  # split rows per reduce load ([32, 128] float32: 32 registers a thread at 4 warps)
 
 
 @triton.jit
@@ -171,17 +169,17 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
                        num_heads, block_size,
                        RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       PRECISION: tl.constexpr, TOKENS_AS_M: tl.constexpr, INPUTS_READY: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       PRECISION: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     head_tile = tl.program_id(1)
     split = tl.program_id(2)
     table = block_tables_ptr + b * stride_bt
-    # With INPUTS_READY (the step's inputs were in place before its first kernel) the length loads while the
-    # previous kernel finishes; else after the wait (kernels/pdl.py, rule 1).
+    # With INPUTS_READY (the step's inputs were in place before its first kernel) the length and the first tile's
+    # block ids load while the previous kernel finishes; else after the wait (kernels/pdl.py, rule 1).
     pdl_wait_for_inputs(INPUTS_READY, USE_PDL)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
+    blk = tile_blocks(table, start + tl.arange(0, BLOCK_N), end, block_size)
     pdl_wait_after_inputs(INPUTS_READY, USE_PDL)
     if SPLIT:
         if start >= end:        # an empty split: the reduce does not read it, so nothing to load or store
@@ -200,54 +198,25 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    if TOKENS_AS_M:
-        # The products transposed (scores [tokens, heads], accumulator [latent, heads]): the token tile and the
-        # latent dimension are the M side of the MMAs, so on Hopper they run as warpgroup MMAs with the cache tile
-        # read straight from shared memory, and the 16 heads are the narrow N side.
-        q_lat_t = tl.trans(q_lat)
-        q_pe_t = tl.trans(q_pe)
-        acc_t = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            tok = n0 + tl.arange(0, BLOCK_N)
-            t_ok = tok < end
-            blk = tile_blocks(table, tok, end, block_size)
-            slot = cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
-            latent = tl.load(slot[:, None] + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
-            k_pe = tl.load(slot[:, None] + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
-            s_t = tl.dot(latent, q_lat_t, input_precision=PRECISION)             # [BLOCK_N, BLOCK_H]
-            s_t = tl.dot(k_pe, q_pe_t, s_t, input_precision=PRECISION)
-            s_t = tl.where(t_ok[:, None], s_t * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s_t, 0))
-            alpha = tl.math.exp2(m_i - m_new)
-            prob_t = tl.math.exp2(s_t - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(prob_t, 0)
-            acc_t = tl.dot(tl.trans(latent), prob_t.to(latent.dtype), acc_t * alpha[None, :],
-                           input_precision=PRECISION)
-            m_i = m_new
-        acc = tl.trans(acc_t)
-    else:
-        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-        # Every tile holds at least one real token (the loop stops at `end`), so m_i is finite after the first.
-        for n0 in range(start, end, BLOCK_N):
-            tok = n0 + tl.arange(0, BLOCK_N)
-            t_ok = tok < end
-            # The tile's block ids load in the same iteration as the tile: the software pipeliner then issues
-            # both ahead (ids a stage before their tile), where an id carried over from the previous iteration
-            # would be a synchronous load on every tile's path.
-            blk = tile_blocks(table, tok, end, block_size)
-            slot = cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
-            latent = tl.load(slot[:, None] + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
-            k_pe = tl.load(slot[:, None] + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
-            s = tl.dot(q_lat, tl.trans(latent), input_precision=PRECISION)          # [BLOCK_H, BLOCK_N]
-            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
-            s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))               # log2 domain
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.math.exp2(m_i - m_new)
-            prob = tl.math.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(prob, 1)
-            # The latent tile doubles as the value tile: no second load.
-            acc = tl.dot(prob.to(latent.dtype), latent, acc * alpha[:, None], input_precision=PRECISION)
-            m_i = m_new
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    # Every tile holds at least one real token (the loop stops at `end`), so m_i is finite after the first.
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        t_ok = tok < end
+        slot = cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
+        blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
+        latent = tl.load(slot[:, None] + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
+        k_pe = tl.load(slot[:, None] + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
+        s = tl.dot(q_lat, tl.trans(latent), input_precision=PRECISION)          # [BLOCK_H, BLOCK_N]
+        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
+        s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))               # log2 domain
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        prob = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        # The latent tile doubles as the value tile: no second load.
+        acc = tl.dot(prob.to(latent.dtype), latent, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
 
     out_mask = h_ok[:, None] & r_ok[None, :]
     if SPLIT:
@@ -267,16 +236,13 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
 def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
                        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_ob, stride_oh,
                        num_splits,
-                       RANK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                       RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
                        CHUNK_S: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
-    """Merge the splits of one (sequence, head, BLOCK_C latent columns): weights 2^(lse_s - max lse), CHUNK_S
-    split rows per load, over this sequence's active splits only: the empty ones (most of a CUDA graph's grid at
-    short contexts) weigh 0 and their programs store nothing. Column chunks make four times the programs of one
-    per head, each with one [CHUNK_S, BLOCK_C] load in flight for up to CHUNK_S splits: the merge is a few L2
-    round trips, not one per four splits."""
+    """Merge the splits of one (sequence, head): weights 2^(lse_s - max lse), CHUNK_S split rows per load (a
+    [splits, 512] float32 tile would not fit in registers), over this sequence's active splits only: the empty
+    ones (most of a CUDA graph's grid at short contexts) weigh 0 and their programs store nothing."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    col = tl.program_id(2)
     pdl_wait_for_inputs(INPUTS_READY, USE_PDL)    # the previous kernel (the decode's) writes no seq_lens
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     pdl_wait_after_inputs(INPUTS_READY, USE_PDL)
@@ -286,10 +252,10 @@ def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
     lse = tl.load(lse_ptr + s, mask=s < used, other=float("-inf"))
     lse_max = tl.max(lse, 0)                                  # finite: split 0 always holds token 0
     total = tl.sum(tl.math.exp2(lse - lse_max), 0)
-    r = col * BLOCK_C + tl.arange(0, BLOCK_C)
+    r = tl.arange(0, BLOCK_R)
     r_ok = r < RANK
     c = tl.arange(0, CHUNK_S)
-    acc = tl.zeros([BLOCK_C], tl.float32)
+    acc = tl.zeros([BLOCK_R], tl.float32)
     for s0 in range(0, used, CHUNK_S):
         c_ok = s0 + c < used
         w = tl.math.exp2(tl.load(lse_ptr + s0 + c, mask=c_ok, other=float("-inf")) - lse_max)    # 0 past `used`
@@ -314,15 +280,14 @@ def mla_num_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.d
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None,
                max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, block_n: int = MLA_BLOCK_N,
-               num_warps: Optional[int] = None, num_stages: int = 3, inputs_ready: bool = False,
-               tokens_as_m: bool = False) -> torch.Tensor:
+               num_warps: Optional[int] = None, num_stages: int = 3, inputs_ready: bool = False) -> torch.Tensor:
     """One query token per sequence b (row b) over its paged latents.
 
     q_lat: [B, H, R] (q_nope with W_UK absorbed), q_pe: [B, H, P] (any batch/head strides, unit last stride);
     kv_cache: [num_blocks, block_size, R + P]; block_tables [B, max_blocks]; seq_lens [B] (>= 1, this step's
     latent already written) -> [B, H, R] attention-weighted latents (in `out` if given, else q_lat's dtype).
     `max_seq_len` (host int) sizes the split without a device sync; `num_splits` forces it; `block_n`,
-    `num_warps`, `num_stages` are the tile and launch settings (tuning), `tokens_as_m` the transposed products. `inputs_ready`: seq_lens and block_tables
+    `num_warps`, `num_stages` are the tile and launch settings (tuning). `inputs_ready`: seq_lens and block_tables
     were in place before the kernel launched just before this call (the backend's per-step metadata), so they
     may be read before the PDL wait.
     """
@@ -366,7 +331,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         *po, *pl, heads, kv_cache.shape[1],
         RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(rope)),
-        BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision, TOKENS_AS_M=tokens_as_m,
+        BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=warps, num_stages=num_stages,
         **pdl_launch_args(q_lat))
     if split:
@@ -383,12 +348,11 @@ def mla_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.T
     `mla_decode`."""
     bsz, heads, num_splits, rank = part_out.shape
     assert part_out.stride(-1) == 1 and part_lse.stride(-1) == 1 and out.stride(-1) == 1
-    block_c = min(_REDUCE_COLUMNS, max(16, next_pow2(rank)))
-    _mla_reduce_kernel[(bsz, heads, cdiv(rank, block_c))](
+    _mla_reduce_kernel[(bsz, heads)](
         part_out, part_lse, seq_lens, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), num_splits,
-        RANK=rank, BLOCK_C=block_c, BLOCK_S=max(64, next_pow2(num_splits)), BLOCK_N=block_n,
-        CHUNK_S=_REDUCE_SPLIT_ROWS, INPUTS_READY=inputs_ready, num_warps=4, **pdl_launch_args(out))
+        RANK=rank, BLOCK_R=max(16, next_pow2(rank)), BLOCK_S=max(64, next_pow2(num_splits)), BLOCK_N=block_n,
+        CHUNK_S=4, INPUTS_READY=inputs_ready, num_warps=4, **pdl_launch_args(out))
     return out
 
 
