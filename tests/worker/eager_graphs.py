@@ -43,6 +43,7 @@ def install_twin_triton_attention(llm):
     """Every attention layer's backend becomes TritonPagedAttention running the kernels' PyTorch twins (CPU): the GPU
     backend's metadata and dispatch (decode rows, prefill tiles, the mixed-step graph metadata) on the CPU."""
     from deepserve.kernels import paged_attention as kernels
+    from deepserve.kernels.paged_prefill import prefill_attention_ref
     from deepserve.layers.attention_triton import TritonPagedAttention
 
     class TwinTritonAttention(TritonPagedAttention):
@@ -61,8 +62,8 @@ def install_twin_triton_attention(llm):
                 kernels.decode_attention_ref(q, kv_cache, batch.block_tables, batch.seq_lens, scale, out=out,
                                              q_rows=meta.decode_rows, seq_ids=meta.decode_seqs)
             if meta.num_prefill_tiles:
-                kernels.prefill_attention_ref(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                                              scale, meta.tile_seq, meta.tile_m0, out=out)
+                prefill_attention_ref(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                                      scale, meta.tile_seq, meta.tile_m0, out=out)
             return out
 
     backend = TwinTritonAttention()
