@@ -158,6 +158,9 @@ def main() -> None:
                                                                 "reduce vs before"),
         "mla_decode_few_rows_ab_h200": lambda p: mla_decode_ab(p, "MLA decode (V2-Lite, H200): one-tile 64-token "
                                                                   "splits at few rows vs before"),
+        "decode_merge_ab_h200": lambda p: per_tokens(p, {"reduce_launch_us": "split kernel + reduce launch",
+                                                         "merge_in_kernel_us": "last split merges (dropped)"},
+                                                     "paged decode (H200)", x="batch"),
         "moe_fused_align_ab_h200": lambda p: steps_by_batch(p, "DeepSeek-V2-Lite decode step (H200): MoE align fused "
                                                                "into the gate/up GEMM or not"),
         "router_gate_ab_h200": lambda p: per_tokens(p, {"triton_us": "split-K Triton + routing",

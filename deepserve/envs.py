@@ -122,9 +122,6 @@ _DECLARED = [
     EnvVar("DEEPSERVE_GEMV_PREFETCH", "int", 1,
            "what a GEMV does before its PDL wait: 0 nothing, 1 L2 prefetch of its first K step, 2 of all its "
            "rows, 3 first K step into registers (read at import)", choices=(0, 1, 2, 3)),
-    EnvVar("DEEPSERVE_DECODE_MERGE_IN_KERNEL", "bool", True,
-           "GPU paged (GQA) decode split over the context: the last split program of a (row, KV head) merges the "
-           "splits, instead of a reduce launch (read at import)"),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
     EnvVar("DEEPSERVE_SO_COMPILE_TIMEOUT", "int", 20,

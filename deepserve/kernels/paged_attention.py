@@ -239,34 +239,9 @@ def decode_row_inputs(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, block_tables_ptr, s
 _PER_STEP_ARGS = ["stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "stride_pl_h"]
 
 
-@triton.jit
-def merge_splits(part_out_ptr, part_lse_ptr, out_ptr, i, row, h, used, d, dmask,
-                 stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_ot, stride_oh,
-                 BLOCK_S: tl.constexpr, LOAD_FROM_L2: tl.constexpr):
-    """out[row, h] = the log-sum-exp merge of decode row i's first `used` splits of head h, in one
-    [BLOCK_S, BLOCK_D] tile: weights 2^(lse_s - max lse), float32, rounded once. The other lanes take lse = -inf
-    and o = 0 (weight 0). LOAD_FROM_L2: the partials were written by other programs of the running kernel: loads
-    that skip the (incoherent) L1."""
-    s = tl.arange(0, BLOCK_S)
-    smask = s < used
-    if LOAD_FROM_L2:
-        lse = tl.load(part_lse_ptr + i * stride_pl_r + h * stride_pl_h + s, mask=smask, other=float("-inf"),
-                      cache_modifier=".cg")
-        o = tl.load(part_out_ptr + i * stride_po_r + h * stride_po_h + s[:, None] * stride_po_s + d[None, :],
-                    mask=smask[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
-    else:
-        lse = tl.load(part_lse_ptr + i * stride_pl_r + h * stride_pl_h + s, mask=smask, other=float("-inf"))
-        o = tl.load(part_out_ptr + i * stride_po_r + h * stride_po_h + s[:, None] * stride_po_s + d[None, :],
-                    mask=smask[:, None] & dmask[None, :], other=0.0)
-    lse_max = tl.max(lse, 0)                       # finite: split 0 always holds key 0
-    w = tl.math.exp2(lse - lse_max)                 # 0 for empty splits
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
-
-
 @triton.jit(do_not_specialize=_PER_STEP_ARGS)
 def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr, seq_ids_ptr,
-                   out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
+                   out_ptr, part_out_ptr, part_lse_ptr,
                    qk_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
@@ -274,8 +249,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
                    block_size, group,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, BLOCK_S: tl.constexpr, EARLY_V: tl.constexpr,
-                   INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
+                   SPLIT: tl.constexpr, EARLY_V: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
     i = tl.program_id(0)           # decode row
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -332,21 +306,6 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
         tl.store(part_out_ptr + i * stride_po_r + heads[:, None] * stride_po_h + split * stride_po_s + d[None, :],
                  o, mask=gmask[:, None] & dmask[None, :])
         tl.store(part_lse_ptr + i * stride_pl_r + heads * stride_pl_h + split, lse, mask=gmask)
-        if MERGE_HERE:
-            # No reduce launch: the last of the row's splits (for this KV head) to store its partials merges them.
-            # Each split counts itself in after its stores (the barrier orders every thread's stores before the
-            # release of the count); the one that finds used - 1 earlier arrivals reads them all after its acquire
-            # and resets the count to 0 for the next launch (a CUDA graph replays the same buffer).
-            tl.debug_barrier()
-            arrivals = arrivals_ptr + i * tl.num_programs(1) + kvh
-            earlier = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-            used = active_splits(seq_len, tl.num_programs(2), BLOCK_N)
-            if earlier == used - 1:
-                tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
-                for g_i in range(0, group):
-                    merge_splits(part_out_ptr, part_lse_ptr, out_ptr, i, row, kvh * group + g_i, used, d, dmask,
-                                 stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_ot,
-                                 stride_oh, BLOCK_S, True)
     else:
         o = acc / l_i[:, None]
         tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -367,31 +326,19 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, q_rows_ptr, seq_ids_ptr, s
     pdl_wait_for_inputs(INPUTS_READY, USE_PDL)    # the previous kernel (the decode's) writes none of them
     row, seq, seq_len = decode_row(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, i)
     pdl_wait_after_inputs(INPUTS_READY, USE_PDL)
+    s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    merge_splits(part_out_ptr, part_lse_ptr, out_ptr, i, row, h, active_splits(seq_len, num_splits, BLOCK_N), d,
-                 d < HEAD_DIM, stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_ot, stride_oh,
-                 BLOCK_S, False)
+    smask = s < active_splits(seq_len, num_splits, BLOCK_N)
+    lse = tl.load(part_lse_ptr + i * stride_pl_r + h * stride_pl_h + s, mask=smask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)                       # finite: split 0 always holds key 0
+    w = tl.math.exp2(lse - lse_max)                 # 0 for empty splits
+    o = tl.load(part_out_ptr + i * stride_po_r + h * stride_po_h + s[:, None] * stride_po_s + d[None, :],
+                mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 _NUM_SMS: dict = {}
-_ARRIVALS: dict = {}
-_MAX_ARRIVAL_COUNTERS = 1 << 16     # (decode row, KV head) pairs of a launch that merges in-kernel: 256 KB a GPU
-
-
-def split_arrival_counters(device: torch.device, count: int) -> Optional[torch.Tensor]:
-    """The zeroed int32 counters [>= count] a split decode launch that merges in-kernel counts its splits in
-    (each merging program resets its counter to 0), one buffer per GPU, allocated on first use; None (merge in a
-    reduce launch instead) when `count` exceeds the buffer, or when the buffer does not exist yet and a CUDA graph
-    is being captured (an allocation there would belong to the graph's memory pool). Launches on one GPU share the
-    buffer: they must not run concurrently (one stream, as the engine runs them)."""
-    cuda = device.type == "cuda"
-    key = (device.type, (device.index if device.index is not None else torch.cuda.current_device()) if cuda else 0)
-    counters = _ARRIVALS.get(key)
-    if counters is None:
-        if cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _ARRIVALS[key] = torch.zeros(_MAX_ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-    return counters if count <= counters.numel() else None
 
 
 def num_sms(device: torch.device) -> int:
@@ -418,7 +365,6 @@ class DecodeTiles:
 # DEEPSERVE_EARLY_INPUTS=0: decode, reduce and rotary-write programs load the step's inputs after the PDL wait
 # (an A/B switch, see benchmarks/ab_env.py; the inputs_ready arguments say where early loads are allowed at all).
 EARLY_INPUTS = envs.DEEPSERVE_EARLY_INPUTS
-MERGE_IN_KERNEL = envs.DEEPSERVE_DECODE_MERGE_IN_KERNEL
 _MIN_PARTITION = 128     # keys per split at least
 _FULL_WAVE = 1.9         # programs per SM (of 128-wide heads) that need no split: 250 on an H200's 132 SMs
 
@@ -446,7 +392,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      scale: float, out: Optional[torch.Tensor] = None, q_rows: Optional[torch.Tensor] = None,
                      seq_ids: Optional[torch.Tensor] = None, max_seq_len: Optional[int] = None,
                      num_splits: Optional[int] = None, inputs_ready: bool = False,
-                     tiles: Optional[DecodeTiles] = None, merge_in_kernel: Optional[bool] = None) -> torch.Tensor:
+                     tiles: Optional[DecodeTiles] = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys.
 
     q: [T, H, D]; the decode rows are `q_rows` (default: all T rows), row i belonging to sequence `seq_ids[i]`
@@ -454,9 +400,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     allocated when None) and returns it. `max_seq_len` (host int) sizes the split; `num_splits` forces it.
     `inputs_ready`: q_rows, seq_ids, seq_lens and block_tables were in place before the kernel launched just
     before this call (the attention backends' per-step metadata), so they may be read before the PDL wait.
-    `tiles` forces the launch settings (tuning); None: `DecodeTiles()`. `merge_in_kernel`: a split launch's
-    last program of each (row, KV head) merges the splits (`split_arrival_counters`) instead of a reduce launch;
-    None: DEEPSERVE_DECODE_MERGE_IN_KERNEL.
+    `tiles` forces the launch settings (tuning); None: `DecodeTiles()`.
     """
     require_triton(q)
     t, h, d = q.shape
@@ -493,31 +437,21 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         part_out = part_lse = out   # unused
     po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
     pl_strides = (part_lse.stride(0), part_lse.stride(1)) if split else (0, 0)
-    if merge_in_kernel is None:
-        merge_in_kernel = MERGE_IN_KERNEL
-    arrivals = split_arrival_counters(q.device, n * hkv) if split and merge_in_kernel else None
     _decode_kernel[(n, hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, q_rows, seq_ids, out, part_out, part_lse,
-        arrivals if arrivals is not None else out,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), *po_strides, *pl_strides,
         bs, group,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split,
-        MERGE_HERE=arrivals is not None, BLOCK_S=_reduce_rows(num_splits), EARLY_V=tiles.early_v,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split, EARLY_V=tiles.early_v,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **pdl_launch_args(q))
-    if split and arrivals is None:
+    if split:
         # The decode kernel, the reduce's predecessor, writes none of the inputs: they are ready for it.
         decode_reduce(part_out, part_lse, q_rows, seq_ids, seq_lens, out, inputs_ready=EARLY_INPUTS,
                       block_n=block_n)
     return out
-
-
-def _reduce_rows(num_splits: int) -> int:
-    """Split rows of the merge tile (the reduce kernel's and the in-kernel merge's: the same arithmetic)."""
-    return max(64, next_pow2(num_splits))
 
 
 def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, q_rows: torch.Tensor, seq_ids: torch.Tensor,
@@ -532,7 +466,7 @@ def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, q_rows: torch.
         part_out, part_lse, q_rows, seq_ids, seq_lens, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_S=_reduce_rows(num_splits), BLOCK_N=block_n,
+        HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_S=max(64, next_pow2(num_splits)), BLOCK_N=block_n,
         INPUTS_READY=inputs_ready, num_warps=4, **pdl_launch_args(out))
     return out
 
@@ -591,4 +525,4 @@ def decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, out=None, q
 __all__ = ["HAS_TRITON", "split_partition", "split_bounds", "active_splits", "write_kv", "write_kv_ref",
            "rotary_write_kv", "rotary_write_kv_ref", "copy_heads", "cache_slot",
            "decode_attention", "decode_attention_ref", "decode_num_splits", "decode_reduce", "decode_reduce_ref",
-           "active_splits_ref", "merge_splits_ref", "split_arrival_counters"]
+           "active_splits_ref", "merge_splits_ref"]

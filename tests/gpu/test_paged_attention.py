@@ -11,8 +11,8 @@ from deepserve.kernels import INTERPRET
 from deepserve.layers.attention_triton import TritonPagedAttention
 from deepserve.kernels.paged_attention import (DECODE_BLOCK_N, active_splits_ref, decode_attention,
                                                DecodeTiles, decode_attention_ref, decode_num_splits, decode_reduce,
-                                               decode_reduce_ref, rotary_write_kv, rotary_write_kv_ref,
-                                               split_arrival_counters, write_kv, write_kv_ref)
+                                               decode_reduce_ref, rotary_write_kv, rotary_write_kv_ref, write_kv,
+                                               write_kv_ref)
 from deepserve.kernels.rotary import apply_rotary
 from deepserve.layers.attention import TorchPagedAttention
 from deepserve.layers.forward_batch import ForwardBatch
@@ -199,15 +199,10 @@ def _decode_case(device, dtype, head_dim, group, lens, block_size, num_blocks):
     return batch, cache, q
 
 
-# Where a split launch merges its splits: a reduce launch, or the last split program of each (row, KV head).
-MERGES = pytest.mark.parametrize("merge_in_kernel", [False, True], ids=["reduce_launch", "merge_in_kernel"])
-
-
-@MERGES
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("group", GROUPS)
-def test_decode_matches_reference(device, dtype, head_dim, group, merge_in_kernel):
+def test_decode_matches_reference(device, dtype, head_dim, group):
     skip_bf16_in_interpreter(dtype)
     lens = [1, 15, 16, 17, 100, 333, 1000]
     batch, cache, q = _decode_case(device, dtype, head_dim, group, lens, 16, 200)
@@ -216,7 +211,7 @@ def test_decode_matches_reference(device, dtype, head_dim, group, merge_in_kerne
     for splits in (None, 1, 3, 7):
         out = torch.full_like(q, float("nan"))
         decode_attention(q, cache, batch.block_tables, batch.seq_lens, scale, out=out, max_seq_len=max(lens),
-                         num_splits=splits, merge_in_kernel=merge_in_kernel)
+                         num_splits=splits)
         assert_attention_close(out, ref, dtype)
 
 
@@ -251,10 +246,9 @@ def cdiv_total(lens, bs):
     return sum(-(-n // bs) for n in lens)
 
 
-@MERGES
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_decode_long_context_uses_split_k(device, dtype, head_dim, merge_in_kernel):
+def test_decode_long_context_uses_split_k(device, dtype, head_dim):
     """Contexts up to 8k with a small batch: the heuristic splits the context and the reduce merges it."""
     skip_bf16_in_interpreter(dtype)
     lens = [8192, 5000, 1, 777] if not INTERPRET else [2500, 1, 700]
@@ -264,7 +258,7 @@ def test_decode_long_context_uses_split_k(device, dtype, head_dim, merge_in_kern
     scale = 1 / math.sqrt(head_dim)
     # Sharper scores than 1/sqrt(d) so that long contexts are not a near-uniform average.
     ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 4 * scale)
-    out = decode_attention(q, cache, batch.block_tables, batch.seq_lens, 4 * scale, merge_in_kernel=merge_in_kernel)
+    out = decode_attention(q, cache, batch.block_tables, batch.seq_lens, 4 * scale)
     assert_attention_close(out, ref, dtype)
 
 
@@ -289,9 +283,8 @@ def test_decode_reduce_reads_only_active_splits(device, num_splits):
     assert single.any() and torch.equal(out[q_rows][single], part_out[single, :, 0])
 
 
-@MERGES
 @pytest.mark.parametrize("num_splits", [None, 64])
-def test_decode_graph_grid_short_contexts(device, num_splits, merge_in_kernel):
+def test_decode_graph_grid_short_contexts(device, num_splits):
     """A decode launch sized as a CUDA graph's (max_seq_len far above every context): most splits are empty, their
     programs exit without storing, and the reduce merges only the used ones."""
     dtype = torch.float16
@@ -299,13 +292,12 @@ def test_decode_graph_grid_short_contexts(device, num_splits, merge_in_kernel):
     batch, cache, q = _decode_case(device, dtype, 64, 4, lens, 16, 40)
     ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.125)
     out = decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.125, max_seq_len=8192,
-                           num_splits=num_splits, merge_in_kernel=merge_in_kernel)
+                           num_splits=num_splits)
     assert_attention_close(out, ref, dtype)
 
 
-@MERGES
 @pytest.mark.parametrize("inputs_ready", [False, True])
-def test_decode_rows_subset(device, inputs_ready, merge_in_kernel):
+def test_decode_rows_subset(device, inputs_ready):
     """Decode rows scattered among other rows: only those rows are written, each from its own sequence; the
     inputs read before or after the PDL wait (inputs_ready: the backends' metadata, copied in before the step), with
     and without a split."""
@@ -321,52 +313,9 @@ def test_decode_rows_subset(device, inputs_ready, merge_in_kernel):
     for splits in (1, 5):
         out = torch.full_like(q, float("nan"))
         decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.125, out=out, q_rows=rows,
-                         seq_ids=seq_ids, num_splits=splits, max_seq_len=4096, inputs_ready=inputs_ready,
-                         merge_in_kernel=merge_in_kernel)
+                         seq_ids=seq_ids, num_splits=splits, max_seq_len=4096, inputs_ready=inputs_ready)
         assert_attention_close(out[rows], ref[rows], dtype)
         assert torch.isnan(out[others]).all()
-
-
-def test_merge_in_kernel_equals_the_reduce_and_leaves_its_counters_at_zero(device):
-    """The in-kernel merge is the reduce's arithmetic (the same tile, weights and order) on the same partials:
-    the same output, every launch (a counter left non-zero would make a later launch merge early or never);
-    the counters of the launch's (row, KV head) pairs are back at 0 after it."""
-    dtype = torch.float16
-    lens = [1, 63, 64, 65, 300, 1000, 2048]
-    batch, cache, q = _decode_case(device, dtype, 128, 8, lens, 16, cdiv_total(lens, 16) + 8)
-    by_reduce = decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.1, max_seq_len=4096,
-                                 num_splits=16, merge_in_kernel=False)
-    for _ in range(3):
-        merged = decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.1, max_seq_len=4096,
-                                  num_splits=16, merge_in_kernel=True)
-        assert torch.equal(merged, by_reduce)
-    counters = split_arrival_counters(torch.device(device), len(lens) * NUM_KV_HEADS)
-    assert counters is not None and not counters[:len(lens) * NUM_KV_HEADS].any()
-
-
-@pytest.mark.skipif(INTERPRET, reason="CUDA graphs")
-def test_merge_in_kernel_inside_a_cuda_graph(device):
-    """Replays of a captured split decode that merges in-kernel (the counters reset by each launch itself, the
-    engine's case) give the eager result each time, also with new inputs copied in between replays."""
-    dtype = torch.bfloat16
-    lens = [5, 700, 130, 1500]
-    batch, cache, q = _decode_case(device, dtype, 128, 4, lens, 16, cdiv_total(lens, 16) + 8)
-    split_arrival_counters(torch.device(device), 1)       # the buffer exists before the capture, as after warm-up
-    out = torch.empty_like(q)
-    run = lambda: decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.1, out=out, max_seq_len=4096,  # noqa: E731
-                                   num_splits=32, merge_in_kernel=True)
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(2):
-        q.copy_(torch.randn_like(q))
-        ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.1)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_attention_close(out, ref, dtype)
 
 
 MIXED_SEQS = [(0, 23), (40, 1), (7, 1), (130, 70), (0, 1), (1500, 1), (64, 64), (5, 2)]
