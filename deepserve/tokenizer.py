@@ -76,8 +76,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_reader(cls, reader: Any) -> Tokenizer:
-        """Build from an already open `gguf.GGUFReader` (e.g. `GGUFCheckpoint.reader`),
-        saving the seconds it takes to parse the file's metadata again."""
+        """Build from an already open file: `GGUFCheckpoint.reader` (a `loader.gguf_file.GGUFFile`) or a
+        `gguf.GGUFReader`, saving the parse of the file's metadata."""
         return _tokenizer_from_gguf_reader(reader)
 
     @classmethod

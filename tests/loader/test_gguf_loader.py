@@ -88,6 +88,24 @@ def test_tensors_match_transformers_gguf_import(checkpoint, hf_params):
     assert "lm_head.weight" not in seen  # tied: the file has no output.weight
 
 
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+                                   gguf.GGMLQuantizationType.Q8_0])
+def test_whole_tensor_dequantization_is_the_gguf_packages_bit_for_bit(qtype):
+    """The loader's torch dequantization of Q4_0 / Q4_1 / Q8_0 against the gguf package's own (the reference):
+    equal bits, over rows of mixed scales, including all-equal blocks (d = 0) and tiny ones (subnormal d)."""
+    from deepserve.loader.gguf_loader import _dequantize_blocks
+
+    rng = np.random.default_rng(int(qtype))
+    values = rng.standard_normal((24, 256)).astype(np.float32) * rng.uniform(1e-6, 30, (24, 1)).astype(np.float32)
+    values[3, :32] = 0.5                # one constant block
+    values[5] *= np.float32(1e-6)       # scales near float16's subnormals
+    raw = gguf.quants.quantize(values, qtype)
+    ours = _dequantize_blocks(raw, qtype)
+    reference = gguf.quants.dequantize(raw, qtype).reshape(-1)
+    assert ours.dtype == np.float32 and ours.size == values.size
+    assert np.array_equal(ours.reshape(-1).view(np.uint32), reference.view(np.uint32))
+
+
 def test_tensor_names_need_no_data_and_match_iteration(checkpoint):
     names = checkpoint.tensor_names()
     assert len(names) == 30 * 9 + 2
