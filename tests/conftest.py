@@ -70,3 +70,13 @@ def smollm(default_model_path):
     """The default model in one shared engine (loading it is the slow part)."""
     from deepserve import LLM
     return LLM(default_model_path, max_model_len=2048, seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(default_model_path):
+    """HF transformers' own import of the default GGUF (float32, eval), the independent reference of the loader and
+    model tests: one import per session (it takes about 25 s on 2 cores)."""
+    transformers = pytest.importorskip("transformers")
+    d, name = os.path.split(default_model_path)
+    return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+

@@ -83,7 +83,7 @@ def _ep_rank(rank: int, world: int, tp: int, ep: int, extra: int, shared: bool, 
 @pytest.mark.parametrize("world,tp,ep,extra,shared,rows", [
     (2, 1, 2, 0, True, [6, 0]),         # ep 2, one idle rank (its placeholder forward still enters the collectives)
     (2, 1, 2, 2, False, [9, 4]),        # ep 2 with one redundant replica per rank
-    (4, 1, 4, 4, True, [5, 0, 7, 3]),   # ep 4 with replicas
+    pytest.param(4, 1, 4, 4, True, [5, 0, 7, 3], marks=pytest.mark.slow),   # ep 4 with replicas (the next has both)
     (4, 2, 4, 4, True, [7, 4]),         # tp 2 inside ep 4, shared experts TP-sharded
 ])
 def test_expert_parallel_matches_one_process(world, tp, ep, extra, shared, rows):

@@ -29,14 +29,10 @@ def checkpoint(smollm_path):
 
 
 @pytest.fixture(scope="module")
-def hf_params(smollm_path) -> dict[str, torch.Tensor]:
-    """HF transformers' own GGUF import of the same file: the reference."""
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
-    )
+def hf_params(hf_smollm) -> dict[str, torch.Tensor]:
+    """HF transformers' own GGUF import of the same file (tests/conftest.py): the reference."""
     # named_parameters() lists a tied lm_head once, as the embedding.
-    return {name: p.detach() for name, p in model.named_parameters()}
+    return {name: p.detach() for name, p in hf_smollm.named_parameters()}
 
 
 def test_default_model_path_is_the_packaged_gguf(smollm_path):

@@ -74,7 +74,13 @@ def test_logits_and_greedy_match_reference(tiny_v41, variant):
     assert out.outputs[0].token_ids == reference_greedy(ref, ids, 32)[0]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+# In the default run: the variants whose layers mix the attention kinds (mixed), share KV (shared) or add the engram
+# path; the single-kind ones (each also in the logits and greedy tests above) run with -m slow.
+SCHEDULING_VARIANTS = [v if v in ("mixed", "shared", "engram") else pytest.param(v, marks=pytest.mark.slow)
+                       for v in VARIANTS]
+
+
+@pytest.mark.parametrize("variant", SCHEDULING_VARIANTS)
 def test_batched_with_chunking_preemption_and_prefix_hits(tiny_v41, variant):
     """Six requests at once: chunked prefill, prefix-cache hits and preemption each happen (asserted inside), and
     every token and logprob matches the reference's greedy decoding. The budget: 16 main blocks (one max_model_len

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -29,14 +28,6 @@ def test_tiny_models_match_hf(kind, request):
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, ids, 32)[0]
-
-
-@pytest.fixture(scope="module")
-def hf_smollm(default_model_path):
-    import transformers
-
-    d, name = os.path.split(default_model_path)
-    return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=torch.float32).eval()
 
 
 def test_default_gguf_model_matches_hf(smollm, hf_smollm):

@@ -136,7 +136,7 @@ def test_openapi_schema_fuzzing_finds_no_5xx(server, tmp_path):
     """Schemathesis generates requests (valid and invalid) from the served schema: no 5xx, no hang."""
     cli = schemathesis_cli()
     command = [cli, "run", server.base_url + "/openapi.json", "--checks", "not_a_server_error",
-               "--max-examples", "12", "--request-timeout", "60", "--max-time", "30", "--workers", "1",
+               "--max-examples", "12", "--request-timeout", "60", "--max-time", "20", "--workers", "1",
                "--seed", "1", "--no-shrink", "--suppress-health-check", "all", "--phases", "coverage,fuzzing",
                "--report-dir", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=150, cwd=tmp_path, check=False)
