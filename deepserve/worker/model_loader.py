@@ -101,9 +101,10 @@ def _load_whole(config: ModelConfig, device: torch.device) -> nn.Module:
     return model
 
 
-# torch.nn.init's in-place initialisers that nn.Linear / nn.Embedding (and the models) call while they are built.
+# torch.nn.init's random initialisers, which nn.Linear / nn.Embedding call while they are built (the constant ones,
+# cheap, are left alone: a module may fill a buffer with them that no checkpoint writes).
 _INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
-                 "xavier_normal_", "constant_", "zeros_", "ones_")
+                 "xavier_normal_")
 _building = threading.local()
 
 
