@@ -27,6 +27,7 @@ import gguf
 import numpy as np
 import torch
 
+from deepserve.kernels.cpu.gguf_linear import DEQUANT_BLOCK_BYTES, dequantize_ref
 from deepserve.loader.gguf_file import GGUFFile
 
 # HF class and model_type for each llama.cpp architecture we can run.
@@ -283,24 +284,14 @@ def hf_tensor_name(gguf_name: str) -> str:
 
 
 def _dequantize_blocks(raw: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray | None:
-    """Q4_0 / Q4_1 / Q8_0 blocks as float32 values, bit for bit the gguf package's arithmetic (float32 d * q, then
-    + m), in whole-tensor torch ops; None for other types. The gguf package's numpy version loops over groups of 16
-    rows: 3.8 s of the default model's 10 s startup on a CPU, against 0.46 s here."""
-    if qtype not in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0):
+    """Q4_0 / Q4_1 / Q8_0 blocks as float32 values by the CPU kernels' PyTorch twin (bit for bit the gguf package's
+    arithmetic, in whole-tensor ops); None for other types. The gguf package's numpy version loops over groups of
+    16 rows: 3.8 s of the default model's 10 s startup on a CPU, against 0.46 s here."""
+    if int(qtype) not in DEQUANT_BLOCK_BYTES:
         return None
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1, type_size).copy())   # the map is read-only
-    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
-    if qtype == gguf.GGMLQuantizationType.Q8_0:
-        values = blocks[:, 2:].contiguous().view(torch.int8).float() * d
-    else:
-        qs = blocks[:, type_size - block_size // 2:]
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=1)         # a block's low nibbles are its first half
-        if qtype == gguf.GGMLQuantizationType.Q4_0:
-            values = d * (q.to(torch.int8) - 8).float()
-        else:
-            values = d * q.float() + blocks[:, 2:4].contiguous().view(torch.float16).float()
-    return values.numpy()
+    return dequantize_ref(blocks, int(qtype), block_size).numpy()        # a row per block
 
 
 def _dequantize(tensor: Any) -> torch.Tensor:

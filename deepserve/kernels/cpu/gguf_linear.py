@@ -26,8 +26,9 @@ _SOURCE = Path(__file__).with_name("gguf_linear.c")
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 # ggml's type ids -> (name, bytes per block of 32 weights).
-Q4_1, Q8_0 = 3, 8
-BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}        # the packed types the C kernels multiply by
+DEQUANT_BLOCK_BYTES = {Q4_0: 18, **BLOCK_BYTES}   # dequantize_ref also reads Q4_0 (the GGUF loader's)
 TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
 QK = 32                                   # weights per block
 
@@ -93,8 +94,11 @@ def check_blocks(blocks: torch.Tensor, qtype: int, in_features: int) -> None:
 def dequantize_ref(blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
     """blocks uint8 [N, row_bytes] -> float32 [N, in_features], as the gguf package computes it (d * q + m)."""
     n = blocks.shape[0]
-    b = blocks.reshape(n, in_features // QK, BLOCK_BYTES[qtype])
+    b = blocks.reshape(n, in_features // QK, DEQUANT_BLOCK_BYTES[qtype])
     d = b[..., 0:2].contiguous().view(torch.float16).float()                       # [N, nb, 1]
+    if qtype == Q4_0:
+        qs = b[..., 2:]
+        return (d * (torch.cat([qs & 15, qs >> 4], dim=-1).to(torch.int8) - 8).float()).reshape(n, in_features)
     if qtype == Q4_1:
         m = b[..., 2:4].contiguous().view(torch.float16).float()
         qs = b[..., 4:]
@@ -236,6 +240,6 @@ def _default_isa() -> str:
     return _cached_isa(envs.DEEPSERVE_CPU_ISA)
 
 
-__all__ = ["BLOCK_BYTES", "ISAS", "MANY_ROWS", "PackedGemm", "Q4_1", "Q8ACT_ISAS", "Q8_0", "QK", "TYPE_NAMES", "check_blocks",
+__all__ = ["BLOCK_BYTES", "DEQUANT_BLOCK_BYTES", "ISAS", "MANY_ROWS", "PackedGemm", "Q4_0", "Q4_1", "Q8ACT_ISAS", "Q8_0", "QK", "TYPE_NAMES", "check_blocks",
            "choose_isa", "choose_q8act_isa", "dequantize", "dequantize_ref", "gguf_linear", "gguf_linear_q8act",
            "gguf_linear_q8act_ref", "gguf_linear_ref", "library", "quantize_q8_1_ref", "resolved_isa", "supported"]
