@@ -1,8 +1,8 @@
 """A GGUF file's metadata and tensor table, parsed in one pass; the tensor data stays memory-mapped.
 
 Why not `gguf.GGUFReader`: it turns every metadata item into numpy views of the memory map, one at a time, and the
-default model's tokenizer arrays (49k tokens, 49k merges) took it about 5 s of every process's startup on a CPU. Here
-strings and numbers are decoded straight to Python values (about 0.1 s); the tensors are the same views of the map
+default model's tokenizer arrays (49k tokens, 49k merges) took it 6.0 s of every process's startup on a 2-core CPU.
+Here strings and numbers are decoded straight to Python values (0.39 s; benchmarks/gguf_startup.json); the tensors are the same views of the map
 GGUFReader gives (`data`: typed values for F32/F16/... tensors, uint8 [..., row bytes] for quantized ones), and the
 gguf package still does the type tables and the writing.
 

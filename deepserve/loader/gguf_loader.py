@@ -286,7 +286,7 @@ def hf_tensor_name(gguf_name: str) -> str:
 def _dequantize_blocks(raw: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray | None:
     """Q4_0 / Q4_1 / Q8_0 blocks as float32 values by the CPU kernels' PyTorch twin (bit for bit the gguf package's
     arithmetic, in whole-tensor ops); None for other types. The gguf package's numpy version loops over groups of
-    16 rows: 3.8 s of the default model's 10 s startup on a CPU, against 0.46 s here."""
+    16 rows: 1.96 s for the default model on a 2-core CPU, against 0.44 s here (benchmarks/gguf_startup.json)."""
     if int(qtype) not in DEQUANT_BLOCK_BYTES:
         return None
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]

@@ -112,7 +112,7 @@ _building = threading.local()
 def _parameters_left_at_zero():
     """Build modules with zero-filled parameters instead of PyTorch's random init: every parameter is then written
     by the checkpoint (a missing one is an error) or by init_dummy_weights. Drawing the random numbers cost the
-    default model 1.4 s of a 10 s startup on a CPU. Only this thread's modules are affected (the initialisers are
+    default model about 1 s of its startup on a 2-core CPU (benchmarks/gguf_startup.json). Only this thread's modules are affected (the initialisers are
     wrapped for the duration, and call through for other threads)."""
     originals = {name: getattr(nn.init, name) for name in _INITIALISERS}
 
