@@ -312,7 +312,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--output", default="benchmarks/h200_decode_sweep.json")
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG beside --output from its JSON")
+    ap.add_argument("--skinny-max-rows", type=int, default=None,
+                    help="A/B: decode GEMMs of up to this many rows on the skinny Triton GEMM, whatever their K "
+                         "(engine: kernels/skinny_gemm.skinny_max_rows; 16 is the rule before 32 rows at K <= 2048)")
     args = ap.parse_args()
+    if args.skinny_max_rows is not None:
+        import deepserve.kernels.skinny_gemm as skinny_gemm
+        skinny_gemm.SKINNY_MAX_ROWS = skinny_gemm.SKINNY_MAX_ROWS_SHORT_K = args.skinny_max_rows
     if args.plot_only:
         with open(args.output) as f:
             plot(json.load(f), args.output.removesuffix(".json") + ".png")

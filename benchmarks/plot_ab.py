@@ -10,6 +10,9 @@
   moe_align_ab_h200.json        the MoE align with its one-program tile sized to the pairs, against before
   mla_absorb_cap_sweep_h200.json  V2-Lite steps with the absorb cap at 4 and at 16
   mla_absorb_ab_h200.json       MLA's W_UK / W_UV products: the Triton GEMV pair against cuBLAS, by batch
+  mla_absorb_mma_ab_h200.json   the same with the tensor-core pair, by batch
+  mla_absorb_mma_steps_h200.json  V2-Lite steps with the tensor-core W_UK / W_UV pair or cuBLAS's, two runs
+  skinny_rows_ab_h200.json      steps at batch 24 / 32 with the skinny GEMM taking 16 or 32 rows
   mla_decode_layouts_ab_h200.json  MLA decode: block ids loaded in-loop and the tokens-as-M products, vs before
   mla_decode_reduce_ab_h200.json   MLA decode: a column-chunked split reduce, vs before
   mla_decode_few_rows_ab_h200.json MLA decode: one-tile 64-token splits at a few rows, vs before
@@ -106,7 +109,8 @@ def per_tokens(path: Path, series: dict[str, str], title: str, x: str = "tokens"
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.6), squeeze=False)
     for ax, (shape, rows) in zip(axes[0], results.items()):
         for key, label in series.items():
-            ax.plot([r[x] for r in rows], [r[key] for r in rows], marker="o", label=label)
+            have = [r for r in rows if key in r]        # a series may skip rows (e.g. a kernel out of its range)
+            ax.plot([r[x] for r in have], [r[key] for r in have], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel(x)
         ax.set_ylabel("us per call")
@@ -121,8 +125,8 @@ def steps_by_batch(path: Path, title: str) -> plt.Figure:
     groups: dict[str, dict[str, float]] = {}
     for series, rows in results.items():
         for r in rows:
-            groups.setdefault(f"batch {r['batch']}", {})[series] = r["step_ms"]
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+            groups.setdefault(r.get("label", f"batch {r['batch']}"), {})[series] = r["step_ms"]
+    fig, ax = plt.subplots(figsize=(max(8, len(groups) * 1.3), 3.6))
     grouped_bars(ax, groups, "decode step, ms", title)
     return fig
 
@@ -152,6 +156,12 @@ def main() -> None:
                                                                   "as Triton GEMVs up to 4 or 16 rows"),
         "mla_absorb_ab_h200": lambda p: per_tokens(p, {"triton_us": "Triton GEMV pair", "cublas_us": "cuBLAS bmm pair"},
                                                    "V2-Lite W_UK + W_UV products per layer (H200)", x="batch"),
+        "mla_absorb_mma_ab_h200": lambda p: per_tokens(p, {"gemv_us": "Triton GEMV pair", "mma_us": "Triton "
+                                                           "tensor-core pair", "cublas_us": "cuBLAS bmm pair"},
+                                                       "V2-Lite W_UK + W_UV products per layer (H200)", x="batch"),
+        "mla_absorb_mma_steps_h200": lambda p: steps_by_batch(p, "DeepSeek-V2-Lite decode step (H200): W_UK/W_UV "
+                                                                  "on the tensor-core Triton pair or cuBLAS"),
+        "skinny_rows_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200): skinny GEMM up to 16 or 32 rows"),
         "mla_decode_layouts_ab_h200": lambda p: mla_decode_ab(p, "MLA decode (V2-Lite, 1k context, H200): "
                                                                  "in-loop block ids / tokens-as-M vs before"),
         "mla_decode_reduce_ab_h200": lambda p: mla_decode_ab(p, "MLA decode (V2-Lite, 1k, H200): column-chunked "

@@ -1,5 +1,5 @@
-"""GEMM for a few activation rows on the GPU: y = x W^T (+ bias) for 2 <= M <= SKINNY_MAX_ROWS rows, optionally with
-the SwiGLU in the epilogue. The GPU twin of `F.linear` in decode steps of a small batch (deepserve/layers/linear.py
+"""GEMM for a few activation rows on the GPU: y = x W^T (+ bias) for 2 <= M <= skinny_max_rows(K) rows, optionally
+with the SwiGLU in the epilogue. The GPU twin of `F.linear` in decode steps of a small batch (deepserve/layers/linear.py
 dispatches to it; one row goes to the GEMV of kernels/gemv.py instead).
 
 Why: a decode step of 8 sequences reads each weight once and multiplies it by 8 rows, so it is a weight stream, as
@@ -30,7 +30,9 @@ from deepserve.kernels.activation import silu_mul
 from deepserve.kernels.gemv import prefetch_rows_to_l2
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
-SKINNY_MAX_ROWS = 16    # more rows stay on cuBLAS (whose larger tiles then do fill the tensor cores)
+SKINNY_MAX_ROWS = 16            # more rows stay on cuBLAS (whose larger tiles then do fill the tensor cores) ...
+SKINNY_MAX_ROWS_SHORT_K = 32    # ... except for rows of at most SHORT_K elements: up to 32 rows here
+SHORT_K = 2048
 
 
 class SkinnyTiles(NamedTuple):
@@ -132,10 +134,22 @@ def skinny_wins(n: int, k: int) -> bool:
     return not (n < 4096 and k > 4096)
 
 
+def skinny_max_rows(k: int) -> int:
+    """The most activation rows the skinny GEMM takes for weight rows of k elements: 32 up to SHORT_K, else 16.
+    Measured in decode steps on an H200 (benchmarks/h200_decode_sweep.py --skinny-max-rows, skinny_rows_ab_h200.json):
+    32 rows for every weight made Llama-3.2-1B's batch-32 step faster (1.48 against 1.60 ms) and Llama-3-8B's
+    slower (6.72 against 6.15; its rows are 4096 and 14336 long), Qwen3-MoE's too (5.46 against 5.38; its o_proj
+    rows are 4096 long). With 32 rows only up to 2048-long rows, the step was faster or the same in all 12
+    comparisons at batch 24 and 32 (1B b24 1.42-1.48 against 1.52 ms, V2-Lite b32 8.76-8.79 against 8.95, Qwen3-MoE
+    b32 5.26-5.28 against 5.30). The gain is the launch chain: at 17-32 rows the two are about as fast alone
+    (tune_skinny_gemm_grid.json), but this one starts under PDL and cuBLAS does not."""
+    return SKINNY_MAX_ROWS_SHORT_K if k <= SHORT_K else SKINNY_MAX_ROWS
+
+
 def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """x [M, K] with 2 <= M <= SKINNY_MAX_ROWS of weight's half-precision dtype, no autograd, a weight shape where
-    it beats cuBLAS (the caller checked the device)."""
-    return (x.dim() == 2 and 2 <= x.shape[0] <= SKINNY_MAX_ROWS and x.dtype == weight.dtype
+    """x [M, K] with 2 <= M <= skinny_max_rows(K) of weight's half-precision dtype, no autograd, a weight shape
+    where it beats cuBLAS (the caller checked the device)."""
+    return (x.dim() == 2 and 2 <= x.shape[0] <= skinny_max_rows(x.shape[1]) and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()
             and weight.dim() == 2 and skinny_wins(*weight.shape))
 
@@ -181,5 +195,5 @@ def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, li
         num_stages=tiles.stages, **pdl_launch_args(x))
 
 
-__all__ = ["SKINNY_MAX_ROWS", "SkinnyTiles", "skinny_applies", "skinny_linear", "skinny_swiglu", "skinny_tiles",
-           "skinny_wins"]
+__all__ = ["SKINNY_MAX_ROWS", "SKINNY_MAX_ROWS_SHORT_K", "SHORT_K", "SkinnyTiles", "skinny_applies", "skinny_linear",
+           "skinny_max_rows", "skinny_swiglu", "skinny_tiles", "skinny_wins"]

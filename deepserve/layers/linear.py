@@ -1,6 +1,7 @@
 """Linear layers: `F.linear`, except for one activation row on the GPU (batch-1 decode), where a Triton GEMV reads
-the weight faster than cuBLAS does (deepserve/kernels/gemv.py has the measurements), and for 2-16 rows (small-batch
-decode), where the skinny Triton GEMM takes the shapes it wins (deepserve/kernels/skinny_gemm.py).
+the weight faster than cuBLAS does (deepserve/kernels/gemv.py has the measurements), and for 2-32 rows (small-batch
+decode; 2-16 for rows longer than 2048), where the skinny Triton GEMM takes the shapes it wins
+(deepserve/kernels/skinny_gemm.py).
 
 Models build `Linear` (an nn.Linear: loading, quantization and `isinstance` checks see no difference) and call
 `linear()` where they multiply by a weight they do not own as a module (a tied LM head).
@@ -19,7 +20,7 @@ from torch import nn
 from deepserve import envs
 from deepserve.layers.kernel_dispatch import use_triton
 
-# A/B switch (DEEPSERVE_SKINNY_GEMM=0): GEMMs of 2-16 rows on the GPU stay on cuBLAS.
+# A/B switch (DEEPSERVE_SKINNY_GEMM=0): GEMMs of 2-32 rows on the GPU stay on cuBLAS.
 _SKINNY = envs.DEEPSERVE_SKINNY_GEMM
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -40,8 +41,8 @@ def _one_row_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _few_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """2-16 activation rows of weight's half-precision dtype on the GPU, no autograd: where the skinny GEMM applies
-    (a decode step of a small batch; kernels/skinny_gemm.py says why cuBLAS is slow there)."""
+    """2-32 (2-16) activation rows of weight's half-precision dtype on the GPU, no autograd: where the skinny GEMM
+    applies (a decode step of a small batch; kernels/skinny_gemm.py says why cuBLAS is slow there)."""
     if not (_SKINNY and use_triton(x)):
         return False
     from deepserve.kernels.skinny_gemm import skinny_applies
@@ -118,9 +119,9 @@ def linear_residual(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor) -
 def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None,
                         norm: nn.Module | None = None) -> torch.Tensor | None:
     """swiglu_activation(gate_up(x), limit) in one GEMV launch (the SwiGLU in its epilogue) for one row on the GPU
-    through a plain `Linear` without bias; of norm(x) with `norm` (an RMSNorm, run in the GEMV's prologue). For 2-16
-    rows without `norm`, the skinny GEMM with the SwiGLU in its epilogue. None otherwise (a quantized layer, more
-    rows, the CPU): the caller then runs the steps one by one."""
+    through a plain `Linear` without bias; of norm(x) with `norm` (an RMSNorm, run in the GEMV's prologue). For 2-32
+    rows (2-16 for long rows) without `norm`, the skinny GEMM with the SwiGLU in its epilogue. None otherwise (a
+    quantized layer, more rows, the CPU): the caller then runs the steps one by one."""
     if not (_plain(gate_up) and gate_up.bias is None):
         return None
     if _one_row_on_gpu(x, gate_up.weight) and _norm_fits(norm, x):

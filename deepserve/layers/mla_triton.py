@@ -23,11 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from deepserve.kernels.mla_absorb import absorb_query, absorb_supported, expand_values
+from deepserve import envs
+from deepserve.kernels.mla_absorb import absorb_query, absorb_supported, expand_values, use_mma
 from deepserve.kernels.mla_decode import mla_decode, rotary_write_latents, write_latents
 from deepserve.kernels.mla_prefill import MLAPrefillPlan, mla_prefill, plan_prefill
 from deepserve.layers.mla import MLAWeights, TorchMLA
 from deepserve.layers.forward_batch import upload_int64
+
+# A/B switch (DEEPSERVE_MLA_ABSORB_MMA=0): decode batches past the GEMVs' rows keep cuBLAS's bmm pair.
+_ABSORB_MMA = envs.DEEPSERVE_MLA_ABSORB_MMA
 
 
 @dataclass
@@ -105,10 +109,12 @@ class TritonMLA:
         / seq_lens -> [B, H, v], contiguous."""
         bsz, heads, _ = q_nope.shape
         rank = weights.w_uk.shape[-1]
-        # At a few rows the two per-head weight products are GEMVs: Triton kernels that stream W_UK / W_UV once
-        # (and start under PDL) instead of cuBLAS's batched GEMMs (kernels/mla_absorb.py has the numbers).
-        small = absorb_supported(bsz) and weights.w_uk.dtype == q_nope.dtype
-        if small:
+        # Up to MAX_MMA_BATCH rows the two per-head weight products are Triton kernels that read W_UK / W_UV once
+        # and start under PDL (GEMVs at one or two rows, tensor-core GEMMs above), not cuBLAS's batched GEMMs
+        # (kernels/mla_absorb.py has the numbers).
+        on_triton = (absorb_supported(bsz) and weights.w_uk.dtype == q_nope.dtype
+                     and (_ABSORB_MMA or not use_mma(bsz)))
+        if on_triton:
             q_lat = absorb_query(q_nope, weights.w_uk)                                  # [B, H, R]
         else:
             q_lat = torch.bmm(q_nope.transpose(0, 1), weights.w_uk).transpose(0, 1)   # [B, H, R] view
@@ -119,7 +125,7 @@ class TritonMLA:
         # The W_UV product writes [B, H, v] through a heads-major view (cuBLAS takes the row stride), so the layer's
         # reshape to [B, H * v] for o_proj is a view: a [H, B, v] result would be copied there, once per layer.
         out = torch.empty(bsz, heads, weights.w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
-        if small:
+        if on_triton:
             expand_values(out_lat.transpose(0, 1), weights.w_uv, out)
         else:
             torch.bmm(out_lat, weights.w_uv.transpose(1, 2), out=out.transpose(0, 1))

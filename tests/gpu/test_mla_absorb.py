@@ -10,15 +10,17 @@ import pytest
 import torch
 
 from deepserve.kernels import INTERPRET
-from deepserve.kernels.mla_absorb import (MAX_ABSORB_BATCH, absorb_query, absorb_query_ref, absorb_supported,
-                                          expand_values, expand_values_ref)
+from deepserve.kernels.mla_absorb import (MAX_ABSORB_BATCH, MAX_MMA_BATCH, absorb_query, absorb_query_ref,
+                                          absorb_supported, expand_values, expand_values_ref, use_mma)
 from deepserve.layers.mla import LatentUpProjection
 
 from kernel_testing import assert_within_ulps
 
 V2_LITE = (16, 128, 128, 512)                       # H, N (qk_nope_head_dim), V (v_head_dim), R (kv_lora_rank)
 SHAPES = [(1, 128, 128, 512), V2_LITE, (3, 32, 32, 64)]
-BATCHES = sorted({1, 2, 4, MAX_ABSORB_BATCH, 16})   # past the cap too: the kernels handle any B
+BATCHES = sorted({1, 2, 4, MAX_ABSORB_BATCH, 16, 100})   # past the caps too: every kernel handles any B (100: two
+                                                          # row blocks of the tensor-core kernels, the last ragged)
+KERNELS = [False, True]                                   # `mma`: the GEMVs, the tensor-core kernels
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16 elements bit-identical to the once-rounded float32 result: nearly all on a GPU; about half in the
 # interpreter (it truncates).
@@ -60,11 +62,12 @@ def _query(bsz, heads, nope, rope, dtype, device):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,nope,v_dim,rank", SHAPES)
 @pytest.mark.parametrize("bsz", BATCHES)
-def test_absorb_query(device, dtype, bsz, heads, nope, v_dim, rank):
+@pytest.mark.parametrize("mma", KERNELS)
+def test_absorb_query(device, dtype, bsz, heads, nope, v_dim, rank, mma):
     w_uk, _ = _kv_b(heads, nope, v_dim, rank, dtype, device)
     q_nope = _query(bsz, heads, nope, 64, dtype, device)
     assert q_nope.stride() == (heads * (nope + 64), nope + 64, 1)
-    out = absorb_query(q_nope, w_uk)
+    out = absorb_query(q_nope, w_uk, mma=mma)
     assert out.shape == (bsz, heads, rank) and out.is_contiguous()
     ref = absorb_query_ref(q_nope.double(), w_uk.double())
     abs_sum = absorb_query_ref(q_nope.double().abs(), w_uk.double().abs())
@@ -77,13 +80,14 @@ def test_absorb_query(device, dtype, bsz, heads, nope, v_dim, rank):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,nope,v_dim,rank", SHAPES)
 @pytest.mark.parametrize("bsz", BATCHES)
-def test_expand_values(device, dtype, bsz, heads, nope, v_dim, rank):
+@pytest.mark.parametrize("mma", KERNELS)
+def test_expand_values(device, dtype, bsz, heads, nope, v_dim, rank, mma):
     """out_lat as the backend passes it (a [B, H, R] view of a heads-major [H, B, R] tensor), written into a given
     contiguous out."""
     _, w_uv = _kv_b(heads, nope, v_dim, rank, dtype, device)
     out_lat = torch.randn(heads, bsz, rank, device=device).to(dtype).transpose(0, 1)
     out = torch.full((bsz, heads, v_dim), float("nan"), device=device, dtype=dtype)
-    assert expand_values(out_lat, w_uv, out) is out
+    assert expand_values(out_lat, w_uv, out, mma=mma) is out
     ref = expand_values_ref(out_lat.double(), w_uv.double(), torch.empty(bsz, heads, v_dim, device=device).double())
     abs_sum = expand_values_ref(out_lat.double().abs(), w_uv.double().abs(), torch.empty_like(ref))
     _check(out, ref, abs_sum, dtype)
@@ -92,7 +96,8 @@ def test_expand_values(device, dtype, bsz, heads, nope, v_dim, rank):
         assert_within_ulps(out, bmm, dtype, ulps=2, min_exact=MIN_EXACT / 2, atol=2.0 ** -20 * abs_sum.max().item())
 
 
-def test_expand_values_writes_only_its_view(device):
+@pytest.mark.parametrize("mma", KERNELS)
+def test_expand_values_writes_only_its_view(device, mma):
     """out a strided view (a heads-major [H, B, V] buffer seen as [B, H, V], inside a wider row): every element of
     the view written, nothing around it."""
     bsz, heads, v_dim, rank = 3, 5, 24, 40
@@ -100,24 +105,25 @@ def test_expand_values_writes_only_its_view(device):
     out_lat = torch.randn(bsz, heads, rank, device=device)
     buf = torch.full((heads, bsz, v_dim + 8), float("nan"), device=device)
     out = buf[..., 4:4 + v_dim].transpose(0, 1)
-    expand_values(out_lat, w_uv, out)
+    expand_values(out_lat, w_uv, out, mma=mma)
     ref = expand_values_ref(out_lat.double(), w_uv.double(), torch.empty(bsz, heads, v_dim, device=device).double())
     abs_sum = expand_values_ref(out_lat.double().abs(), w_uv.double().abs(), torch.empty_like(ref))
     _check(out, ref, abs_sum, torch.float32)
     assert buf[..., :4].isnan().all() and buf[..., 4 + v_dim:].isnan().all()
 
 
-def test_long_reductions(device):
+@pytest.mark.parametrize("mma", KERNELS)
+def test_long_reductions(device, mma):
     """N beyond one absorb step (128 rows) and R beyond one expand step (512 columns), with odd sizes."""
     bsz, heads = 3, 2
     w_uk = torch.randn(heads, 200, 40, device=device) / 200 ** 0.5
     q_nope = torch.randn(bsz, heads, 200, device=device)
     q64, w64 = q_nope.double(), w_uk.double()
-    _check(absorb_query(q_nope, w_uk), absorb_query_ref(q64, w64), absorb_query_ref(q64.abs(), w64.abs()),
+    _check(absorb_query(q_nope, w_uk, mma=mma), absorb_query_ref(q64, w64), absorb_query_ref(q64.abs(), w64.abs()),
            torch.float32)
     w_uv = torch.randn(heads, 9, 700, device=device) / 700 ** 0.5
     out_lat = torch.randn(bsz, heads, 700, device=device)
-    out = expand_values(out_lat, w_uv, torch.empty(bsz, heads, 9, device=device))
+    out = expand_values(out_lat, w_uv, torch.empty(bsz, heads, 9, device=device), mma=mma)
     x64, w64, out64 = out_lat.double(), w_uv.double(), torch.empty_like(out, dtype=torch.float64)
     _check(out, expand_values_ref(x64, w64, out64.clone()), expand_values_ref(x64.abs(), w64.abs(), out64),
            torch.float32)
@@ -132,5 +138,6 @@ def test_empty_batch(device):
 
 def test_absorb_supported():
     assert not absorb_supported(0)
-    assert absorb_supported(1) and absorb_supported(MAX_ABSORB_BATCH)
-    assert not absorb_supported(MAX_ABSORB_BATCH + 1) and not absorb_supported(64)
+    assert absorb_supported(1) and absorb_supported(MAX_ABSORB_BATCH) and absorb_supported(MAX_MMA_BATCH)
+    assert not absorb_supported(MAX_MMA_BATCH + 1)
+    assert not use_mma(1) and not use_mma(MAX_ABSORB_BATCH) and use_mma(MAX_ABSORB_BATCH + 1)

@@ -1,4 +1,4 @@
-"""The skinny GEMM (2-16 rows) against F.linear in float32 on the same values (exact products, another summation
+"""The skinny GEMM (2-32 rows) against F.linear in float32 on the same values (exact products, another summation
 order: within one rounding of the output dtype), its SwiGLU epilogue against the two-launch path, and the layers'
 dispatch to it."""
 
@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from deepserve.kernels.activation import silu_and_mul
-from deepserve.kernels.skinny_gemm import (SKINNY_MAX_ROWS, SkinnyTiles, skinny_linear, skinny_swiglu, skinny_tiles,
-                                           skinny_wins)
+from deepserve.kernels.skinny_gemm import (SHORT_K, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS_SHORT_K, SkinnyTiles,
+                                           skinny_linear, skinny_max_rows, skinny_swiglu, skinny_tiles, skinny_wins)
 from deepserve.layers import linear as linear_module
 from deepserve.layers.linear import Linear, fused_swiglu_linear
 from deepserve.layers.mlp import GatedMLP, swiglu_activation
@@ -21,7 +21,8 @@ def _scale(x, w):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k", [(2, 40, 64), (8, 100, 300), (16, 33, 1024), (5, 512, 520), (3, 7, 16)])
+@pytest.mark.parametrize("m,n,k", [(2, 40, 64), (8, 100, 300), (16, 33, 1024), (5, 512, 520), (3, 7, 16),
+                                   (32, 100, 300), (24, 64, 2048)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_linear_matches_linear(device, dtype, m, n, k, with_bias):
     skip_bf16_in_interpreter(dtype)
@@ -89,7 +90,7 @@ def test_linear_and_mlp_dispatch_few_rows(device, monkeypatch):
         x = torch.randn(8, 40, device=device).half()
         assert_within_ulps(layer(x), ref_layer(x), torch.float16, ulps=1, min_exact=0.9, atol=1e-4)
         layer(torch.randn(1, 40, device=device).half())                           # the GEMV
-        layer(torch.randn(SKINNY_MAX_ROWS + 1, 40, device=device).half())         # cuBLAS
+        layer(torch.randn(skinny_max_rows(40) + 1, 40, device=device).half())    # cuBLAS
         layer.float()(torch.randn(4, 40, device=device))                          # float32
     assert calls == [8]
     mlp = GatedMLP(40, 24).to(device).half()
@@ -97,10 +98,16 @@ def test_linear_and_mlp_dispatch_few_rows(device, monkeypatch):
     with torch.inference_mode():
         fused = fused_swiglu_linear(x, mlp.gate_up_proj, None)
         assert fused is not None and fused.shape == (4, 24)
-        assert fused_swiglu_linear(torch.randn(SKINNY_MAX_ROWS + 1, 40, device=device).half(), mlp.gate_up_proj,
-                                   None) is None
+        assert fused_swiglu_linear(torch.randn(skinny_max_rows(40) + 1, 40, device=device).half(),
+                                   mlp.gate_up_proj, None) is None
         ref = swiglu_activation(torch.nn.functional.linear(x, mlp.gate_up_proj.weight), None)
     assert_within_ulps(fused, ref, torch.float16, ulps=2, min_exact=0.8, atol=1e-4)
+
+
+def test_max_rows_follow_the_row_length():
+    """32 rows for weight rows up to SHORT_K long, 16 for longer ones (the measured rule)."""
+    assert skinny_max_rows(64) == skinny_max_rows(SHORT_K) == SKINNY_MAX_ROWS_SHORT_K == 32
+    assert skinny_max_rows(SHORT_K + 1) == skinny_max_rows(4096) == SKINNY_MAX_ROWS == 16
 
 
 def test_skinny_switch_off_keeps_cublas(device, monkeypatch):
