@@ -7,6 +7,7 @@ from torch import nn
 
 from deepserve.kernels.activation import silu_and_mul
 from deepserve.kernels.gemv import gemv, gemv_config, swiglu_gemv
+from deepserve.kernels.skinny_gemm import skinny_max_rows
 from deepserve.layers import linear as linear_module
 from deepserve.layers.linear import Linear, fused_swiglu_linear, linear
 from deepserve.layers.mlp import GatedMLP, swiglu_activation
@@ -95,8 +96,9 @@ def test_gated_mlp_fuses_only_one_row_through_a_plain_linear(device, monkeypatch
     with torch.inference_mode():
         fused = fused_swiglu_linear(x, mlp.gate_up_proj, None)
         assert fused is not None and fused.shape == (1, 24)
-        # More rows: the skinny GEMM's (tests/gpu/test_skinny_gemm.py) up to 16 rows, None beyond.
-        assert fused_swiglu_linear(torch.randn(17, 40, device=device).half(), mlp.gate_up_proj, None) is None
+        # More rows: the skinny GEMM's (tests/gpu/test_skinny_gemm.py) up to skinny_max_rows, None beyond.
+        too_many = skinny_max_rows(40) + 1
+        assert fused_swiglu_linear(torch.randn(too_many, 40, device=device).half(), mlp.gate_up_proj, None) is None
         plain = nn.Linear(40, 48, bias=False).to(device).half()
         assert fused_swiglu_linear(x, plain, None) is None                 # e.g. a quantized stand-in
         out = mlp(x)
