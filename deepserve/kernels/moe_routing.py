@@ -1,7 +1,8 @@
 """Fused MoE routing: everything after the gate GEMM in one launch. The GPU twin of `route()` (+ the expert-load
 `index_add_`) in deepserve/layers/moe.py, which stays the reference and the CPU path. The gate GEMM before it
 (float32 products of float32 inputs, never TF32) is one launch too, by batch size:
-  1..16 tokens    `router_logits`: a GEMV, [T, E] logits.
+  1..16 tokens    `router_logits`: a GEMV, [T, E] logits (a half-precision gate's rounded to its dtype, as cuBLAS's
+                  GEMM rounds them above 16 tokens and in HF).
   17..64          `router_logit_partials` (a float32 gate): a split-K GEMM on CUDA cores, [S, T, E] partial sums
                   (S splits of the hidden dim, each its own slice: no atomics, deterministic), which `fused_route`
                   sums itself.
@@ -253,12 +254,16 @@ ROUTER_TILED_MAX_TOKENS = 64
 
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, num_experts, hidden, stride_xt, stride_we, stride_ot,
-                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[t, e] = sum_k float32(x[t, k]) * float32(w[e, k]) for BLOCK_E experts of token t (exact float32 products)."""
+                          ROUND_TO_GATE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """out[t, e] = sum_k float32(x[t, k]) * float32(w[e, k]) for BLOCK_E experts of token t (exact float32 products),
+    with ROUND_TO_GATE rounded once to the gate's dtype (stored as float32)."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < num_experts
     logits = gemv_rows(x_ptr + t * stride_xt, w_ptr, e, e_ok, hidden, stride_we, BLOCK_K, USE_PDL)
+    if ROUND_TO_GATE:
+        logits = logits.to(w_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + e, logits, mask=e_ok)
 
 
@@ -275,9 +280,14 @@ def _gate_inputs(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, H] (any float dtype), weight [E, H] (DeepSeek keeps it float32) -> [T, E] float32 logits,
-    F.linear(x.float(), weight.float()) up to summation order. One launch at decode sizes, where the torch path is
-    three (x cast to float32, cuBLAS's dot and reduce kernels) for a 0.5 MB weight."""
+    """x [T, H] (any float dtype), weight [E, H] (DeepSeek keeps it float32) -> [T, E] float32 logits: the gate GEMM
+    in the gate's dtype, F.linear(x.to(weight.dtype), weight).float() up to summation order. A float32 gate's logits
+    stay float32; a half-precision gate's (Qwen3-MoE, Mixtral) are rounded to its dtype once, as cuBLAS's GEMM (the
+    path above ROUTER_GEMV_MAX_TOKENS tokens, the CPU path and HF) rounds them: otherwise a request's routing would
+    depend on how many tokens share its step. One launch at decode sizes, where the torch path is three (x cast to
+    float32, cuBLAS's dot and reduce kernels) for a 0.5 MB weight."""
+    if x.dtype != weight.dtype and weight.dtype != torch.float32:
+        x = x.to(weight.dtype)           # as F.linear(x.to(weight.dtype), weight): the input rounded first
     x, weight = _gate_inputs(x, weight)
     (t, hidden), num_experts = x.shape, weight.shape[0]
     out = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)
@@ -286,7 +296,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block_e, block_k = 1, min(4096, next_pow2(hidden))
     _router_logits_kernel[(t, triton.cdiv(num_experts, block_e))](
         x, weight, out, num_experts, hidden, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4, **pdl_launch_args(x))
+        ROUND_TO_GATE=weight.dtype != torch.float32, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
+        **pdl_launch_args(x))
     return out
 
 
