@@ -141,8 +141,8 @@ def skinny_max_rows(k: int) -> int:
     slower (6.72 against 6.15; its rows are 4096 and 14336 long), Qwen3-MoE's too (5.46 against 5.38; its o_proj
     rows are 4096 long). With 32 rows only up to 2048-long rows, the step was faster or the same in all 12
     comparisons at batch 24 and 32 (1B b24 1.42-1.48 against 1.52 ms, V2-Lite b32 8.76-8.79 against 8.95, Qwen3-MoE
-    b32 5.26-5.28 against 5.30). The gain is the launch chain: at 17-32 rows the two are about as fast alone
-    (tune_skinny_gemm_grid.json), but this one starts under PDL and cuBLAS does not."""
+    b32 5.26-5.28 against 5.30). Alone, at 17-32 rows, the two are about as fast (tune_skinny_gemm_grid.json); the
+    likely source of the gain (not measured apart) is the launch chain: this one starts under PDL, cuBLAS does not."""
     return SKINNY_MAX_ROWS_SHORT_K if k <= SHORT_K else SKINNY_MAX_ROWS
 
 
