@@ -49,18 +49,30 @@ class SkinnyTiles(NamedTuple):
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, m_rows, n_out, k_len, stride_xm, stride_wn, stride_ym, limit,
-                   HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                   w2_ptr, y2_ptr, n_out2, stride_w2n, stride_y2m, programs_first,
+                   HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, TWO: tl.constexpr,
                    ACCURATE_EXP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
-    """y[:m_rows, n] for this program's BLOCK_N weight rows (SWIGLU: BLOCK_N // 2 output columns, n_out = I)."""
+    """y[:m_rows, n] for this program's BLOCK_N weight rows (SWIGLU: BLOCK_N // 2 output columns, n_out = I).
+    TWO: the programs from `programs_first` on compute y2 = x w2^T (n_out2 rows) instead: two weights that share
+    their input (MLA's q and kv_a projections) in one launch."""
+    pid = tl.program_id(0)
+    if TWO:
+        if pid >= programs_first:
+            pid -= programs_first
+            w_ptr = w2_ptr
+            y_ptr = y2_ptr
+            n_out = n_out2
+            stride_wn = stride_w2n
+            stride_ym = stride_y2m
     dtype = y_ptr.dtype.element_ty
     r = tl.arange(0, BLOCK_N)
     if SWIGLU:                  # rows 2c and 2c + 1 of the tile: gate and up of column c
-        col = tl.program_id(0) * (BLOCK_N // 2) + r // 2
+        col = pid * (BLOCK_N // 2) + r // 2
         rows = col + (r % 2) * n_out
         rows_ok = col < n_out
     else:
-        rows = tl.program_id(0) * BLOCK_N + r
+        rows = pid * BLOCK_N + r
         rows_ok = rows < n_out
     m = tl.arange(0, BLOCK_M)
     m_ok = m < m_rows
@@ -96,7 +108,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, m_rows, n_out, k_len, stride_x
         if HAS_LIMIT:           # DeepSeek-V4.1's clamp (layers/mlp.py swiglu_activation)
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
-        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        c = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         out = silu_mul(gate, up, dtype, ACCURATE_EXP)
         tl.store(y_ptr + m[None, :].to(tl.int64) * stride_ym + c[:, None], out,
                  mask=(c < n_out)[:, None] & m_ok[None, :])
@@ -113,15 +125,19 @@ def skinny_tiles(n: int, k: int) -> SkinnyTiles:
       - up to 2048 rows (o_proj, MLA's kv_a, shared experts' down): 16 rows per program, K steps of 256
         (o_proj 2048x2048 5.24 us against 5.98; kv_a 576x2048 4.64 against 5.17);
       - up to 4095 rows (qkv, MLA's q): 64 rows, steps of 256 (3072x2048 6.07 against 6.43);
-      - more, with rows longer than 4096 (Llama-3-8B's o_proj and down): 32 rows, steps of 512 (4096x14336 29.6
-        against 31.7);
-      - more (gate/up, LM heads): 64 rows, steps of 128 (gate/up 16384x2048 18.1 against 20.0);
+      - rows longer than 4096, or 4096 x 4096 (Llama-3-8B's down and o_proj): 32 rows, steps of 512 (4096x14336
+        29.6 against 31.7);
+      - more (gate/up, qkv and LM heads of rows up to 4096 long): 64 rows, steps of 128 (gate/up 16384x2048 18.1
+        against 20.0; Llama-3-8B's 28672x4096 56.7 against 62.9 with 32 x 512, its qkv 6144x4096 14.9). Until
+        session 20 Llama-3-8B's gate/up, qkv and LM head took 32 x 512: its decode steps at batch 2 / 8 / 16 were
+        4.95 / 5.40 / 5.37 ms then, 4.36 / 4.68 / 5.09 ms with these (session20_steps_ab_h200.json). Wide weights
+        of rows longer than 4096 (DeepSeek-V3's LM head) keep 32 x 512: not measured;
     4 warps, 4 stages. Short rows get a K step of their own length at most."""
     if n <= 2048:
         block_n, block_k = 16, 256
     elif n < 4096:
         block_n, block_k = 64, 256
-    elif k >= 4096:
+    elif k > 4096 or (k == 4096 and n == 4096):
         block_n, block_k = 32, 512
     else:
         block_n, block_k = 64, 128
@@ -184,16 +200,37 @@ def _operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torc
     return (x if x.stride(-1) == 1 else x.contiguous()), (weight if weight.stride(-1) == 1 else weight.contiguous())
 
 
-def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, limit: Optional[float]) -> None:
+def skinny_linear_two(x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor,
+                      tiles: Optional[SkinnyTiles] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K], weights [Na, K] and [Nb, K] (x's dtype) -> (F.linear(x, weight_a), F.linear(x, weight_b)) in one
+    launch: the programs of weight_b follow weight_a's, with the tiling of their stacked [Na + Nb, K] shape. One
+    launch instead of two where two projections read the same rows (MLA's q and kv_a: the second, 576 x 2048 in
+    DeepSeek-V2-Lite, is a launch's fixed cost for 2.4 MB)."""
+    x, weight_a = _operands(x, weight_a)
+    x, weight_b = _operands(x, weight_b)
+    (n_a, k), n_b = weight_a.shape, weight_b.shape[0]
+    y_a = torch.empty(x.shape[0], n_a, dtype=x.dtype, device=x.device)
+    y_b = torch.empty(x.shape[0], n_b, dtype=x.dtype, device=x.device)
+    _launch(x, weight_a, None, y_a, n_a, tiles or skinny_tiles(n_a + n_b, k), swiglu=False, limit=None,
+            second=(weight_b, y_b))
+    return y_a, y_b
+
+
+def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, limit: Optional[float],
+            second: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     k = weight.shape[1]
     rows_per_program = tiles.block_n // 2 if swiglu else tiles.block_n
-    _skinny_kernel[(triton.cdiv(n_out, rows_per_program),)](
+    programs = triton.cdiv(n_out, rows_per_program)
+    w2, y2 = second if second is not None else (weight, y)
+    programs_second = triton.cdiv(w2.shape[0], rows_per_program) if second is not None else 0
+    _skinny_kernel[(programs + programs_second,)](
         x, weight, bias if bias is not None else y, y, x.shape[0], n_out, k, x.stride(0), weight.stride(0),
-        y.stride(0), float(limit or 0.0), HAS_BIAS=bias is not None, SWIGLU=swiglu, HAS_LIMIT=limit is not None,
+        y.stride(0), float(limit or 0.0), w2, y2, w2.shape[0], w2.stride(0), y2.stride(0), programs,
+        HAS_BIAS=bias is not None, SWIGLU=swiglu, HAS_LIMIT=limit is not None, TWO=second is not None,
         ACCURATE_EXP=USE_LIBDEVICE, EVEN_K=k % tiles.block_k == 0, BLOCK_M=max(16, next_pow2(x.shape[0])),
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PREFETCH=tiles.prefetch, num_warps=tiles.warps,
         num_stages=tiles.stages, **pdl_launch_args(x))
 
 
 __all__ = ["SKINNY_MAX_ROWS", "SKINNY_MAX_ROWS_SHORT_K", "SHORT_K", "SkinnyTiles", "skinny_applies", "skinny_linear",
-           "skinny_max_rows", "skinny_swiglu", "skinny_tiles", "skinny_wins"]
+           "skinny_linear_two", "skinny_max_rows", "skinny_swiglu", "skinny_tiles", "skinny_wins"]

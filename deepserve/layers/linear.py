@@ -134,12 +134,17 @@ def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None
 
 
 def fused_two_linear(x: torch.Tensor, a: nn.Module, b: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(a(x), b(x)) in one GEMV launch for one row on the GPU through two plain `Linear`s without bias (MLA's q and
-    kv_a projections); None otherwise: the caller applies them one by one."""
-    if _plain(a) and _plain(b) and a.bias is None and b.bias is None and \
-            _one_row_on_gpu(x, a.weight) and b.weight.dtype == a.weight.dtype:
+    """(a(x), b(x)) in one launch through two plain `Linear`s without bias (MLA's q and kv_a projections): the GEMV
+    for one row on the GPU, the skinny GEMM for a few rows where it takes both weights; None otherwise: the caller
+    applies them one by one."""
+    if not (_plain(a) and _plain(b) and a.bias is None and b.bias is None and b.weight.dtype == a.weight.dtype):
+        return None
+    if _one_row_on_gpu(x, a.weight):
         from deepserve.kernels.gemv import gemv_two
         return gemv_two(x, a.weight, b.weight)
+    if _few_rows_on_gpu(x, a.weight) and _few_rows_on_gpu(x, b.weight):
+        from deepserve.kernels.skinny_gemm import skinny_linear_two
+        return skinny_linear_two(x, a.weight, b.weight)
     return None
 
 

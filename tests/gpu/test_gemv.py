@@ -128,8 +128,8 @@ def test_gemv_two_matches_two_linears(device, dtype, n_a, n_b, k):
 
 
 def test_fused_two_linear_dispatch(device, monkeypatch):
-    """One launch for two plain bias-free Linears of one half-precision row on the GPU; None (the caller applies
-    them one by one) with a bias, more rows, or float32."""
+    """One launch for two plain bias-free Linears of half-precision rows on the GPU (the GEMV for one row, the
+    skinny GEMM for a few); None (the caller applies them one by one) with a bias, too many rows, or float32."""
     from deepserve.layers.linear import fused_two_linear
     monkeypatch.setattr(linear_module, "use_triton", lambda x: True)
     a, b = Linear(40, 24, bias=False).to(device).half(), Linear(40, 8, bias=False).to(device).half()
@@ -137,7 +137,9 @@ def test_fused_two_linear_dispatch(device, monkeypatch):
     with torch.inference_mode():
         both = fused_two_linear(x, a, b)
         assert both is not None and both[0].shape == (1, 24) and both[1].shape == (1, 8)
-        assert fused_two_linear(torch.randn(2, 40, device=device).half(), a, b) is None
+        few = fused_two_linear(torch.randn(2, 40, device=device).half(), a, b)
+        assert few is not None and few[0].shape == (2, 24) and few[1].shape == (2, 8)
+        assert fused_two_linear(torch.randn(40, 40, device=device).half(), a, b) is None
         assert fused_two_linear(x, a, Linear(40, 8, bias=True).to(device).half()) is None
         assert fused_two_linear(x.float(), a.float(), b.float()) is None
 

@@ -8,7 +8,8 @@ from torch import nn
 
 from deepserve.kernels.activation import silu_and_mul
 from deepserve.kernels.skinny_gemm import (SHORT_K, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS_SHORT_K, SkinnyTiles,
-                                           skinny_linear, skinny_max_rows, skinny_swiglu, skinny_tiles, skinny_wins)
+                                           skinny_linear, skinny_linear_two, skinny_max_rows, skinny_swiglu,
+                                           skinny_tiles, skinny_wins)
 from deepserve.layers import linear as linear_module
 from deepserve.layers.linear import Linear, fused_swiglu_linear
 from deepserve.layers.mlp import GatedMLP, swiglu_activation
@@ -46,6 +47,24 @@ def test_skinny_linear_tilings_agree(device, tiles):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n_a,n_b,k", [(2, 40, 24, 64), (8, 3072, 576, 2048), (32, 100, 9, 300), (5, 16, 16, 520)])
+def test_skinny_linear_two_is_two_products(device, dtype, m, n_a, n_b, k):
+    """Two weights in one launch: each output is F.linear's within one rounding, and bit for bit what the one-weight
+    launch computes with the same tiling (the programs of the second weight follow the first's)."""
+    skip_bf16_in_interpreter(dtype)
+    x = torch.randn(m, k, device=device).to(dtype)
+    w_a = (torch.randn(n_a, k, device=device) * k ** -0.5).to(dtype)
+    w_b = (torch.randn(n_b, k, device=device) * k ** -0.5).to(dtype)
+    y_a, y_b = skinny_linear_two(x, w_a, w_b)
+    tiles = skinny_tiles(n_a + n_b, k)
+    for y, w in ((y_a, w_a), (y_b, w_b)):
+        assert y.shape == (m, w.shape[0]) and y.dtype == dtype
+        ref = torch.nn.functional.linear(x.float(), w.float()).to(dtype)
+        assert_within_ulps(y, ref, dtype, ulps=1, min_exact=0.9, atol=2.0 ** -20 * _scale(x, w))
+        assert torch.equal(y, skinny_linear(x, w, tiles=tiles))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,inter,k", [(2, 5, 40), (8, 48, 1100), (16, 300, 64), (4, 1000, 512)])
 @pytest.mark.parametrize("limit", [None, 0.5])
 def test_skinny_swiglu_is_the_gemm_then_the_activation(device, dtype, m, inter, k, limit):
@@ -65,12 +84,15 @@ def test_skinny_swiglu_is_the_gemm_then_the_activation(device, dtype, m, inter, 
 
 def test_skinny_tiles():
     """The H200 sweep's picks (benchmarks/tune_skinny_gemm.json): 16 rows per program up to 2048 rows, 64 below
-    4096, then 32 rows with K steps of 512 for long rows, else 64 rows with steps of 128; short rows get a K step
-    of their own length; cuBLAS keeps few long rows (down projections of 2048 rows)."""
+    4096, 32 rows with K steps of 512 for rows longer than 4096 and 4096 x 4096, else 64 rows with steps of 128
+    (Llama-3-8B's gate/up, qkv, LM head); short rows get a K step of their own length; cuBLAS keeps few long rows
+    (down projections of 2048 rows)."""
     assert skinny_tiles(2048, 2048)[:4] == (16, 256, 4, 4)
     assert skinny_tiles(3072, 2048)[:2] == (64, 256)
-    assert skinny_tiles(4096, 14336)[:2] == (32, 512)
+    assert skinny_tiles(4096, 14336)[:2] == (32, 512) and skinny_tiles(4096, 4096)[:2] == (32, 512)
     assert skinny_tiles(16384, 2048)[:2] == (64, 128)
+    assert skinny_tiles(28672, 4096)[:2] == (64, 128) and skinny_tiles(6144, 4096)[:2] == (64, 128)
+    assert skinny_tiles(129280, 7168)[:2] == (32, 512)
     assert skinny_tiles(100, 40).block_k == 64
     assert not skinny_wins(2048, 8192) and skinny_wins(4096, 14336) and skinny_wins(2048, 2816)
 
