@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
-from deepserve.kernels.gemv import gemv_rows, swiglu, swiglu_rows
+from deepserve.kernels.gemv import gemv_rows, prefetch_rows_to_l2, swiglu, swiglu_rows
 from deepserve.kernels.paged_attention import num_sms
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from deepserve.kernels.reference.moe import expert_swiglu, moe_experts
@@ -67,6 +67,13 @@ class MoEAlignment:
         return int(self.block_expert.shape[0])
 
 
+def aligned_launch_args(tensor: torch.Tensor) -> dict:
+    """The PDL keywords of the aligned path's launches (align, grouped gate/up, grouped down): without PDL each of
+    them started only after its predecessor had finished, a launch latency each (benchmarks/ab_kernel_modes.py
+    `moe_aligned_nopdl` patches this to time that)."""
+    return pdl_launch_args(tensor)
+
+
 def align_max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     """A static bound on the padded rows (no host sync): each expert that got a pair pads < block_m rows, and at
     most min(pairs, experts) experts got one."""
@@ -75,9 +82,11 @@ def align_max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit(do_not_specialize=["num_pairs"])   # the batch size: no new variant per step
-def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, CHUNK: tl.constexpr):
+def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
     """counts[e] = pairs routed to e; rank[p] = pair p's place among them (an atomic's old value: the order
     inside an expert's run is arbitrary, which no result depends on, as GEMM rows are independent)."""
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     p = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     ok = p < num_pairs
     ids = tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int32)
@@ -89,11 +98,13 @@ def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, CHUNK: tl.cons
 def _align_place_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_pairs_ptr, block_expert_ptr,
                         num_pairs, num_experts, num_blocks,
                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                        COUNT_HERE: tl.constexpr):
+                        COUNT_HERE: tl.constexpr, USE_PDL: tl.constexpr):
     """Every program rebuilds the (tiny) run layout from the counts, then places its chunk of pairs and labels
     its chunk of blocks with their expert; program 0 also fills the padding rows. COUNT_HERE (one program
     holding every pair: small decode batches) counts and ranks in registers instead, so the whole align is
     one launch."""
+    pdl_wait(USE_PDL)              # the ids come from the routing kernel just before
+    pdl_launch_dependents(USE_PDL)
     pid = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     e_ok = e < num_experts
@@ -149,11 +160,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     else:
         counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
         rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
-        _align_count_kernel[(cdiv(num_pairs, chunk),)](flat, counts, rank, num_pairs, CHUNK=chunk, num_warps=4)
+        _align_count_kernel[(cdiv(num_pairs, chunk),)](flat, counts, rank, num_pairs, CHUNK=chunk, num_warps=4,
+                                                       **aligned_launch_args(flat))
     grid = max(cdiv(num_pairs, chunk), cdiv(num_blocks, chunk))
     _align_place_kernel[(grid,)](flat, counts, rank, sorted_pairs, block_expert, num_pairs, num_experts,
                                  num_blocks, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk,
-                                 COUNT_HERE=one_program, num_warps=4)
+                                 COUNT_HERE=one_program, num_warps=4, **aligned_launch_args(flat))
     return MoEAlignment(sorted_pairs, block_expert, block_m, num_pairs)
 
 
@@ -188,13 +200,17 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
                     num_pairs, num_tokens, top_k, inter, hidden, shared_inter, limit,
                     stride_xt, stride_we, stride_wn, stride_am, stride_wsn, stride_asm,
                     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_CHUNKS: tl.constexpr,
-                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     """act[row, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for one block of sorted rows.
 
     HAS_SHARED: the grid's first programs run the shared experts (ws: [2 * shared_inter, H], gate rows then up
     rows) as a dense block per BLOCK_M tokens, SHARED_CHUNKS programs per block along axis 0, each taking `inter`
     columns of the shared intermediate size (so every program has the same N tiles on axis 1), into act_s[token].
-    They come first, so the shared weights are read from the first wave on, beside the routed experts'."""
+    They come first, so the shared weights are read from the first wave on, beside the routed experts'.
+    Under PDL it waits first: its rows and experts come from the align just before."""
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     pid_m = tl.program_id(0)
     col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if HAS_SHARED:
@@ -255,11 +271,15 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, w
                  num_pairs, num_tokens, hidden, inter, shared_inter,
                  stride_am, stride_we, stride_wn, stride_op, stride_asm, stride_wsn, stride_so,
                  HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """out[pair, n] = router_weight[pair] * (act[row] . w2[e, n]) for one block of sorted rows.
 
     HAS_SHARED: the grid's first programs are the shared experts' token blocks, shared_out[token, n] =
-    act_s[token] . w2s[n] over the whole shared intermediate size (no router weight: the combine adds it as is)."""
+    act_s[token] . w2s[n] over the whole shared intermediate size (no router weight: the combine adds it as is).
+
+    Under PDL the block's expert is read before the wait, and its first K step of weights asked from L2: the align
+    wrote block_expert before the gate/up kernel (the previous one) let this one start (kernels/pdl.py, rule 1);
+    the activations come after the wait."""
     pid_m = tl.program_id(0)
     if HAS_SHARED:
         num_shared = tl.cdiv(num_tokens, BLOCK_M)
@@ -267,6 +287,15 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, w
         num_shared = 0
     block = pid_m - num_shared
     expert = tl.load(block_expert_ptr + tl.maximum(block, 0)).to(tl.int64)
+    if USE_PDL:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if block < 0:
+            prefetch_rows_to_l2(w2s_ptr, cols, cols < hidden, tl.minimum(shared_inter, BLOCK_K), stride_wsn, BLOCK_K)
+        elif expert >= 0:
+            prefetch_rows_to_l2(w2_ptr + expert * stride_we, cols, cols < hidden, tl.minimum(inter, BLOCK_K),
+                                stride_wn, BLOCK_K)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     if (block >= 0) & (expert < 0):        # an unused block of the sorted list
         return
     if block < 0:       # shared experts: token block pid_m
@@ -534,7 +563,7 @@ def _aligned_experts(x, w13, w2, weights, topk_ids, swiglu_limit, cfg: MoEConfig
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), ws13.stride(-2), act_s.stride(0),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=shared_out is not None, SHARED_CHUNKS=chunks,
         PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **aligned_launch_args(x))
     shared_dst = shared_out if shared_out is not None else pair_out
     _down_kernel[(token_blocks + align.num_blocks, cdiv(hidden, cfg.block_n_down))](
         act, w2, pair_out, align.sorted_pairs, align.block_expert, weights, act_s, ws2, shared_dst,
@@ -543,7 +572,7 @@ def _aligned_experts(x, w13, w2, weights, topk_ids, swiglu_limit, cfg: MoEConfig
         shared_dst.stride(0),
         HAS_SHARED=shared_out is not None, PRECISION=precision,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **aligned_launch_args(x))
     return pair_out, shared_out
 
 
