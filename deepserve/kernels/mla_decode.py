@@ -37,6 +37,12 @@ MLA_BLOCK_N = 32         # cached tokens per inner step
 MLA_BLOCK_H = 16         # heads per program (tl.dot needs >= 16 rows; padded heads are masked)
 _MIN_PARTITION = 48      # tokens (54 KiB of bf16 latents): shorter splits cost more in the reduce than they gain
 _MAX_SPLITS = 128
+# Split rows the reduce loads at once, at most: [16, 512] float32 is 64 registers a thread at 4 warps. Each chunk
+# is a dependent round trip to L2, so fewer, larger chunks shorten the reduce: on an H200 (V2-Lite, decode +
+# reduce, mla_reduce_chunk_ab_h200.json) 16 rows against 4 took batch 8 from 14.71 to 13.78 us at 1k context and
+# 27.53 to 26.62 at 4k, batch 16 from 18.69 to 18.13; at batch 64 (4 splits) a 16-row tile of 4 live rows lost
+# 0.6 us, so a launch's chunk is its split count's power of two up to this, 4 at least.
+REDUCE_CHUNK_S = 16
 
 
 @triton.jit
@@ -341,18 +347,20 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
 
 
 def mla_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
-               block_n: int = MLA_BLOCK_N, inputs_ready: bool = False) -> torch.Tensor:
+               block_n: int = MLA_BLOCK_N, inputs_ready: bool = False, chunk_s: Optional[int] = None) -> torch.Tensor:
     """Merge the split-K partials of sequence b (normalised latents part_out [B, H, S, R] float32, log2-sum-exps
     part_lse [B, H, S]) into out[b] ([B, H, R], any batch/head strides). Only the splits that hold tokens of
-    sequence b (partitions of `block_n`-token tiles, as the decode kernel's) are read. `inputs_ready` as in
-    `mla_decode`."""
+    sequence b (partitions of `block_n`-token tiles, as the decode kernel's) are read, `chunk_s` split rows per
+    load (None: by the split count, up to REDUCE_CHUNK_S). `inputs_ready` as in `mla_decode`."""
     bsz, heads, num_splits, rank = part_out.shape
     assert part_out.stride(-1) == 1 and part_lse.stride(-1) == 1 and out.stride(-1) == 1
+    if chunk_s is None:
+        chunk_s = min(REDUCE_CHUNK_S, max(4, next_pow2(num_splits)))
     _mla_reduce_kernel[(bsz, heads)](
         part_out, part_lse, seq_lens, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), num_splits,
         RANK=rank, BLOCK_R=max(16, next_pow2(rank)), BLOCK_S=max(64, next_pow2(num_splits)), BLOCK_N=block_n,
-        CHUNK_S=4, INPUTS_READY=inputs_ready, num_warps=4, **pdl_launch_args(out))
+        CHUNK_S=chunk_s, INPUTS_READY=inputs_ready, num_warps=4, **pdl_launch_args(out))
     return out
 
 

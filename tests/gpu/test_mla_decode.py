@@ -8,8 +8,8 @@ import torch
 
 from deepserve.kernels import INTERPRET
 from deepserve.layers.mla_triton import TritonMLA, TritonMLAMetadata
-from deepserve.kernels.mla_decode import (MLA_BLOCK_N, mla_decode, mla_decode_ref, mla_num_splits, mla_reduce,
-                                          mla_reduce_ref, write_latents, write_latents_ref)
+from deepserve.kernels.mla_decode import (MLA_BLOCK_N, REDUCE_CHUNK_S, mla_decode, mla_decode_ref, mla_num_splits,
+                                          mla_reduce, mla_reduce_ref, write_latents, write_latents_ref)
 from deepserve.kernels.paged_attention import active_splits_ref
 from deepserve.layers.moe_triton import TritonMoE, select_moe_and_mla_backends
 from deepserve.layers.attention import TorchPagedAttention
@@ -86,7 +86,8 @@ def test_decode_long_context_uses_split_k(device, dtype):
 
 
 @pytest.mark.parametrize("num_splits", [2, 37, 128])
-def test_reduce_reads_only_active_splits(device, num_splits):
+@pytest.mark.parametrize("chunk_s", [4, REDUCE_CHUNK_S])
+def test_reduce_reads_only_active_splits(device, num_splits, chunk_s):
     """The reduce over a CUDA graph's grid (up to 128 splits sized for a long context) at short and long contexts:
     a float32 merge of the same partials into a heads-major output view; the splits a sequence does not use hold NaN
     and are never read; a sequence within one split gets that split's latents bit for bit (weight exactly 1)."""
@@ -97,7 +98,7 @@ def test_reduce_reads_only_active_splits(device, num_splits):
     part_out, part_lse = poison_unused_splits(torch.randn(bsz, heads, num_splits, rank, device=device),
                                               4 * torch.randn(bsz, heads, num_splits, device=device), used)
     out = torch.full((heads, bsz, rank), float("nan"), device=device).transpose(0, 1)
-    mla_reduce(part_out, part_lse, seq_lens, out)
+    mla_reduce(part_out, part_lse, seq_lens, out, chunk_s=chunk_s)
     ref = mla_reduce_ref(part_out, part_lse, seq_lens, torch.empty(bsz, heads, rank, device=device))
     assert_close_rel(out, ref, (1e-6, 1e-5))
     single = used == 1
