@@ -284,8 +284,12 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     in the gate's dtype, F.linear(x.to(weight.dtype), weight).float() up to summation order. A float32 gate's logits
     stay float32; a half-precision gate's (Qwen3-MoE, Mixtral) are rounded to its dtype once, as cuBLAS's GEMM (the
     path above ROUTER_GEMV_MAX_TOKENS tokens, the CPU path and HF) rounds them: otherwise a request's routing would
-    depend on how many tokens share its step. One launch at decode sizes, where the torch path is three (x cast to
-    float32, cuBLAS's dot and reduce kernels) for a 0.5 MB weight."""
+    depend on how many tokens share its step. Within one bf16 ulp of cuBLAS's GEMM with full-precision reduction
+    (tests/gpu/test_moe_routing.py); with torch's default, allow_bf16_reduced_precision_reduction, cuBLAS may sum
+    split-K partials in bf16 and land further off the exact product (on an H200, 31 of 180 logits of a 60-expert
+    gate at 3 tokens beyond one ulp), so above 16 tokens the routing can still move by such a margin. One launch at
+    decode sizes, where the torch path is three (x cast to float32, cuBLAS's dot and reduce kernels) for a 0.5 MB
+    weight."""
     if x.dtype != weight.dtype and weight.dtype != torch.float32:
         x = x.to(weight.dtype)           # as F.linear(x.to(weight.dtype), weight): the input rounded first
     x, weight = _gate_inputs(x, weight)

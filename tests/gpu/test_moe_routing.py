@@ -245,7 +245,9 @@ def test_router_logits_match_the_gate_gemm(device, t, e, h, x_dtype, w_dtype):
     """The decode-size gate GEMV = the gate GEMM in the gate's dtype. A float32 gate: F.linear in float32 on the
     same values (exact products; only the summation order differs: within 1e-5 of the row's magnitude). A bf16
     gate: every logit a bf16 value (rounded once, as cuBLAS's bf16 GEMM and HF round it), within one bf16 ulp of
-    the exact product rounded, and of cuBLAS's / torch's own bf16 F.linear."""
+    the exact product rounded, and of torch's own bf16 F.linear with full-precision reduction. (With torch's
+    default, allow_bf16_reduced_precision_reduction, cuBLAS may sum split-K partials in bf16: on an H200, 31 of
+    180 logits of a 60-expert gate at 3 tokens were beyond one ulp of the exact product, up to 7% off.)"""
     if INTERPRET and torch.bfloat16 in (x_dtype, w_dtype) and e * h > 64 * 2048:
         pytest.skip("bf16 loads are slow in the interpreter")
     x = torch.randn(t, h, device=device).to(x_dtype)
@@ -263,8 +265,13 @@ def test_router_logits_match_the_gate_gemm(device, t, e, h, x_dtype, w_dtype):
     min_exact = 0.3 if INTERPRET else 0.9
     assert_within_ulps(out.to(w_dtype), exact.to(w_dtype), w_dtype, ulps=1, min_exact=min_exact,
                        atol=2.0 ** -20 * scale)
-    assert_within_ulps(out.to(w_dtype), torch.nn.functional.linear(x.to(w_dtype), w), w_dtype, ulps=1,
-                       min_exact=min_exact / 2, atol=2.0 ** -20 * scale)
+    reduced = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        cublas = torch.nn.functional.linear(x.to(w_dtype), w)
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
+    assert_within_ulps(out.to(w_dtype), cublas, w_dtype, ulps=1, min_exact=min_exact / 2, atol=2.0 ** -20 * scale)
 
 
 def test_router_logits_only_at_decode_sizes():
