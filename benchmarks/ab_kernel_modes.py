@@ -4,6 +4,11 @@
   skinny_noprefetch   the skinny GEMM with PDL but no L2 prefetch of its first K step before the wait
   router_cublas       the MoE gate GEMM of 17-512 tokens on cuBLAS (a cast, the GEMM, a reduce; then the routing
                       kernel on [T, E] logits) instead of the split-K Triton kernel feeding the routing kernel
+  moe_aligned_nopdl   the MoE aligned path's align, grouped gate/up and grouped down kernels launched without PDL
+                      (as before session 20), every other kernel keeps it
+  skinny_two_off      MLA's q and kv_a projections at 2-32 rows as two skinny launches, not one (skinny_linear_two)
+  skinny_tiles_s19    the skinny GEMM's tiling rule before session 20: 32 rows x K steps of 512 for every weight of
+                      4096+ rows and 4096+ long rows (Llama-3-8B's qkv, gate/up and LM head too, not 64 x 128)
 (The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0.)
 The switch patches deepserve/kernels in this process, then runs h200_decode_sweep.py with the remaining arguments.
 A diagnostic: skinny_pdl_ab_h200.json holds the numbers. (moe_fused_combine_ab_h200.json came from a third mode,
@@ -21,6 +26,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import deepserve.kernels.fused_moe as fused_moe  # noqa: E402
 import deepserve.kernels.moe_routing as moe_routing  # noqa: E402
 import deepserve.kernels.skinny_gemm as skinny  # noqa: E402
 
@@ -32,7 +38,16 @@ elif mode == "skinny_noprefetch":
     skinny.skinny_tiles = lambda n, k: _tiles(n, k)._replace(prefetch=0)
 elif mode == "router_cublas":
     moe_routing.router_logit_partials_supported = lambda x, w: False
+elif mode == "moe_aligned_nopdl":
+    fused_moe.aligned_launch_args = lambda tensor: {"USE_PDL": False}
+elif mode == "skinny_two_off":
+    skinny.skinny_linear_two = lambda x, a, b: (skinny.skinny_linear(x, a), skinny.skinny_linear(x, b))
+elif mode == "skinny_tiles_s19":
+    _tiles = skinny.skinny_tiles
+    skinny.skinny_tiles = lambda n, k: (skinny.SkinnyTiles(32, 512, 4, 4) if n >= 4096 and k >= 4096
+                                        else _tiles(n, k))
 elif mode != "default":
-    raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch or router_cublas")
+    raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
+                     "skinny_two_off or skinny_tiles_s19")
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -16,7 +16,8 @@ does when serving). Beside each step time, what the step must at least cost:
              and its ratio to this one (experts_ratio_floor) is the best the step could reach at full bandwidth
 
 Plus, for the MoE shapes (all shapes with --profile-dense), a kernel table of the batch-64 step (torch.profiler over
-graph replays; --profile-batch names other batch sizes): where it goes.
+graph replays; --profile-batch names other batch sizes): where it goes. --timeline-batch B: the idle time between the
+kernels of batch B's graph replay, by the kernels around it (profile_gpu_step.graph_timeline).
 
 Run (GPU machine):  python benchmarks/h200_decode_sweep.py --output benchmarks/h200_decode_sweep.json
 Smoke (CPU):        python benchmarks/h200_decode_sweep.py --device cpu --shapes tiny-dense,tiny-moe \
@@ -127,7 +128,7 @@ def touched_experts(engine) -> float:
 
 
 def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, device: str,
-                 probes: int = 3) -> dict:
+                 probes: int = 3, timeline: bool = False) -> dict:
     """Time `steps` decode steps of `batch` sequences at `context` tokens; count the experts of `probes` more."""
     eng = llm.engine
     prompts = random_prompts(batch, context, eng.vocab_size, seed=batch * 7 + context)
@@ -162,6 +163,9 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
         if name in MOE:
             touched = sum(touched_experts(eng) for _ in range(probes)) / probes
         replay = graph_replay_ms(eng, batch) if device == "cuda" else None
+        if timeline and device == "cuda":
+            import profile_gpu_step
+            gaps = profile_gpu_step.graph_timeline(eng, batch)
     finally:
         eng.abort_request(ids)
     step_ms = elapsed / steps * 1e3
@@ -174,6 +178,8 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
         # The captured forward alone, back to back: step_ms - this = what the step spends outside the forward
         # (scheduling, sampling, the host's wait).
         out["graph_replay_ms"] = replay
+    if timeline and device == "cuda":
+        out["graph_timeline"] = gaps
     if touched is not None:
         out["touched_experts_per_step"] = touched
         out["experts_roofline_ratio"] = round(step_ms / roof["experts_roofline_ms"], 3)
@@ -243,7 +249,8 @@ def run_shape(name: str, context: int, batches: list[int], args, result: dict) -
     entry["batches"] = []
     for b in fit:
         try:
-            entry["batches"].append(decode_batch(llm, name, b, context, args.steps, args.device))
+            entry["batches"].append(decode_batch(llm, name, b, context, args.steps, args.device,
+                                                 timeline=b in args.timeline_batch))
         except Exception:
             entry["batches"].append({"batch": b, "error": traceback.format_exc()[-1500:]})
         print(name, context, json.dumps(entry["batches"][-1]), flush=True)
@@ -309,6 +316,8 @@ def main() -> None:
     ap.add_argument("--profile-batch", type=lambda v: [int(b) for b in v.split(",")], default=[64],
                     help="comma-separated batch sizes with a kernel table")
     ap.add_argument("--profile-dense", action="store_true", help="kernel tables of the dense shapes too")
+    ap.add_argument("--timeline-batch", type=lambda v: [int(b) for b in v.split(",") if b], default=[],
+                    help="batch sizes whose graph replay gets an idle-time breakdown (profile_gpu_step.graph_timeline)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--output", default="benchmarks/h200_decode_sweep.json")
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG beside --output from its JSON")

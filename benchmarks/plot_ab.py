@@ -16,13 +16,17 @@
   mla_decode_layouts_ab_h200.json  MLA decode: block ids loaded in-loop and the tokens-as-M products, vs before
   mla_decode_reduce_ab_h200.json   MLA decode: a column-chunked split reduce, vs before
   mla_decode_few_rows_ab_h200.json MLA decode: one-tile 64-token splits at a few rows, vs before
+  mla_reduce_chunk_ab_h200.json MLA decode + split reduce: 16 split rows per reduce load, vs 4 before
+  session20_steps_ab_h200.json  decode steps with each of session 20's changes switched back (one run)
 
-Run:  python benchmarks/plot_ab.py      (writes <name>.png beside each JSON; needs matplotlib)
+Run:  python benchmarks/plot_ab.py [name ...]   (writes <name>.png beside each JSON, or the named ones; needs
+      matplotlib)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -168,6 +172,10 @@ def main() -> None:
                                                                 "reduce vs before"),
         "mla_decode_few_rows_ab_h200": lambda p: mla_decode_ab(p, "MLA decode (V2-Lite, H200): one-tile 64-token "
                                                                   "splits at few rows vs before"),
+        "mla_reduce_chunk_ab_h200": lambda p: mla_decode_ab(p, "MLA decode + reduce (V2-Lite, H200): 16 split rows "
+                                                               "per reduce load vs 4 before"),
+        "session20_steps_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): session 20's changes, each "
+                                                               "switched back"),
         "decode_merge_ab_h200": lambda p: per_tokens(p, {"reduce_launch_us": "split kernel + reduce launch",
                                                          "merge_in_kernel_us": "last split merges (dropped)"},
                                                      "paged decode (H200)", x="batch"),
@@ -184,7 +192,10 @@ def main() -> None:
         "h200_moe_step_profiles": lambda p: step_profiles(p),
         "serve_vs_offline_cpu_xeon_amx": lambda p: serve_vs_offline(p),
     }
+    only = set(sys.argv[1:])         # names to redraw (default: all)
     for name, draw in figures.items():
+        if only and name not in only:
+            continue
         path = HERE / f"{name}.json"
         if not path.exists():
             continue

@@ -99,6 +99,54 @@ def profile_steps(llm: LLM, batch: int, steps: int, input_len: int = 128) -> dic
     return kernel_table(prof, steps)
 
 
+def graph_timeline(engine, batch: int, reps: int = 3, top: int = 15) -> dict | None:
+    """Where a captured decode step's device time goes between kernels: the batch's graph replayed `reps` times on
+    the inputs the last step left (cache writes sent to slot -1) under torch.profiler, kernels sorted by start.
+    Per replay: span (first start to last end), busy (the union of kernel intervals; a PDL-launched kernel's
+    interval includes its wait for its predecessor), idle = span - busy (no kernel on the device: launch latency
+    after a kernel that does not trigger its successor early), and the largest idle totals by the pair of kernel
+    names around them (the pair of the step's last and first kernels holds the gaps between replays too)."""
+    graphs = engine.runner.cuda_graphs
+    if graphs is None or batch not in graphs.sizes:
+        return None
+    torch.cuda.synchronize()
+    graphs.inputs.slots[:batch].fill_(-1)
+    g = graphs.graph(batch)
+    g.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    return idle_breakdown(kernels, reps, top) if kernels else {"error": "no kernel events in the profile"}
+
+
+def idle_breakdown(kernels: list, reps: int, top: int = 15) -> dict:
+    """`graph_timeline`'s arithmetic on (start, end, name) kernel intervals (us) of `reps` replays."""
+    kernels = sorted(kernels, key=lambda k: k[0])
+    idle = 0.0
+    reach, prev = kernels[0][1], kernels[0][2]
+    busy = reach - kernels[0][0]
+    gaps: dict[str, list] = {}
+    for start, end, name in kernels[1:]:
+        if start > reach:
+            slot = gaps.setdefault(f"{prev[:45]} -> {name[:45]}", [0.0, 0])
+            slot[0] += start - reach
+            slot[1] += 1
+            idle += start - reach
+        busy += max(0.0, end - max(start, reach))
+        if end > reach:
+            reach, prev = end, name
+    span = reach - kernels[0][0]
+    rows = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"reps": reps, "kernels_per_replay": round(len(kernels) / reps, 1),
+            "span_us": round(span / reps, 1), "busy_us": round(busy / reps, 1), "idle_us": round(idle / reps, 1),
+            "kernel_us_sum": round(sum(e - s for s, e, _ in kernels) / reps, 1),
+            "top_idle": [(k, round(v[0] / reps, 1), round(v[1] / reps, 1)) for k, v in rows]}
+
+
 def graph_replay_ms(llm: LLM, size: int, seq_len: int, reps: int = 200) -> float | None:
     graphs = llm.engine.runner.cuda_graphs
     if DEVICE != "cuda" or graphs is None or size not in graphs.sizes:

@@ -42,7 +42,7 @@ SHAPES = {
     "v2lite_shared_gate_up": (5632, 2048, True), "v2lite_shared_down": (2048, 2816, False),
     "v2lite_dense_gate_up": (21888, 2048, True), "v2lite_dense_down": (2048, 10944, False),
     "qwen3moe_qkv": (5120, 2048, False), "qwen3moe_o": (2048, 4096, False),
-    "1b_lm_head": (128256, 2048, False), "v2lite_lm_head": (102400, 2048, False),
+    "1b_lm_head": (128256, 2048, False), "v2lite_lm_head": (102400, 2048, False), "8b_lm_head": (128256, 4096, False),
 }
 GRID = [SkinnyTiles(bn, bk, w, s) for bn, bk, (w, s) in
         itertools.product((16, 32, 64), (128, 256, 512), ((4, 3), (4, 4), (8, 4)))]
