@@ -209,6 +209,10 @@ def skinny_linear_two(x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.T
     x, weight_a = _operands(x, weight_a)
     x, weight_b = _operands(x, weight_b)
     (n_a, k), n_b = weight_a.shape, weight_b.shape[0]
+    if min(n_a, n_b, k) < 2:
+        # Triton compiles an int argument equal to 1 as a constant, which the kernel's switch to the second
+        # weight's sizes and strides cannot reassign: such shapes take a launch each.
+        return skinny_linear(x, weight_a, tiles=tiles), skinny_linear(x, weight_b, tiles=tiles)
     y_a = torch.empty(x.shape[0], n_a, dtype=x.dtype, device=x.device)
     y_b = torch.empty(x.shape[0], n_b, dtype=x.dtype, device=x.device)
     _launch(x, weight_a, None, y_a, n_a, tiles or skinny_tiles(n_a + n_b, k), swiglu=False, limit=None,
