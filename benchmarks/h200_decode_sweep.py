@@ -193,14 +193,10 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
 def graph_replay_ms(engine, batch: int, reps: int = 30) -> float | None:
     """The batch's captured graph replayed on the inputs the last step left (its sequences' real block tables and
     lengths), with every cache write sent to slot -1 (nowhere): the forward's device time alone."""
-    graphs = engine.runner.cuda_graphs
-    if graphs is None or batch not in graphs.sizes:
+    import profile_gpu_step
+    g = profile_gpu_step.ready_graph(engine, batch)
+    if g is None:
         return None
-    torch.cuda.synchronize()
-    graphs.inputs.slots[:batch].fill_(-1)
-    g = graphs.graph(batch)
-    g.replay()
-    torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(reps):
         g.replay()

@@ -99,13 +99,9 @@ def profile_steps(llm: LLM, batch: int, steps: int, input_len: int = 128) -> dic
     return kernel_table(prof, steps)
 
 
-def graph_timeline(engine, batch: int, reps: int = 3, top: int = 15) -> dict | None:
-    """Where a captured decode step's device time goes between kernels: the batch's graph replayed `reps` times on
-    the inputs the last step left (cache writes sent to slot -1) under torch.profiler, kernels sorted by start.
-    Per replay: span (first start to last end), busy (the union of kernel intervals; a PDL-launched kernel's
-    interval includes its wait for its predecessor), idle = span - busy (no kernel on the device: launch latency
-    after a kernel that does not trigger its successor early), and the largest idle totals by the pair of kernel
-    names around them (the pair of the step's last and first kernels holds the gaps between replays too)."""
+def ready_graph(engine, batch: int):
+    """The batch's captured decode graph, replayed once on the inputs the last step left with every cache write sent
+    to slot -1 (nowhere), so that more replays time or trace the forward alone; None without one."""
     graphs = engine.runner.cuda_graphs
     if graphs is None or batch not in graphs.sizes:
         return None
@@ -114,6 +110,19 @@ def graph_timeline(engine, batch: int, reps: int = 3, top: int = 15) -> dict | N
     g = graphs.graph(batch)
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def graph_timeline(engine, batch: int, reps: int = 3, top: int = 15) -> dict | None:
+    """Where a captured decode step's device time goes between kernels: the batch's graph replayed `reps` times on
+    the inputs the last step left (cache writes sent to slot -1) under torch.profiler, kernels sorted by start.
+    Per replay: span (first start to last end), busy (the union of kernel intervals; a PDL-launched kernel's
+    interval includes its wait for its predecessor), idle = span - busy (no kernel on the device: launch latency
+    after a kernel that does not trigger its successor early), and the largest idle totals by the pair of kernel
+    names around them (the pair of the step's last and first kernels holds the gaps between replays too)."""
+    g = ready_graph(engine, batch)
+    if g is None:
+        return None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             g.replay()
