@@ -128,7 +128,7 @@ def skinny_tiles(n: int, k: int) -> SkinnyTiles:
       - rows longer than 4096, or 4096 x 4096 (Llama-3-8B's down and o_proj): 32 rows, steps of 512 (4096x14336
         29.6 against 31.7);
       - more (gate/up, qkv and LM heads of rows up to 4096 long): 64 rows, steps of 128 (gate/up 16384x2048 18.1
-        against 20.0; Llama-3-8B's 28672x4096 56.7 against 62.9 with 32 x 512, its qkv 6144x4096 14.9). Until
+        against 20.0; Llama-3-8B's 28672x4096 56.7 against 61-63 with 32 x 512, its qkv 6144x4096 14.9). Until
         session 20 Llama-3-8B's gate/up, qkv and LM head took 32 x 512: its decode steps at batch 2 / 8 / 16 were
         4.95 / 5.40 / 5.37 ms then, 4.36 / 4.68 / 5.09 ms with these (session20_steps_ab_h200.json). Wide weights
         of rows longer than 4096 (DeepSeek-V3's LM head) keep 32 x 512: not measured;
