@@ -1,4 +1,4 @@
-"""GEMM for a few activation rows on the GPU: y = x W^T (+ bias) for 2 <= M <= skinny_max_rows(K) rows, optionally
+"""GEMM for a few activation rows on the GPU: y = x W^T (+ bias) for 2 <= M <= skinny_max_rows(N, K) rows, optionally
 with the SwiGLU in the epilogue. The GPU twin of `F.linear` in decode steps of a small batch (deepserve/layers/linear.py
 dispatches to it; one row goes to the GEMV of kernels/gemv.py instead).
 
@@ -31,8 +31,9 @@ from deepserve.kernels.gemv import prefetch_rows_to_l2
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 SKINNY_MAX_ROWS = 16            # more rows stay on cuBLAS (whose larger tiles then do fill the tensor cores) ...
-SKINNY_MAX_ROWS_SHORT_K = 32    # ... except for rows of at most SHORT_K elements: up to 32 rows here
-SHORT_K = 2048
+SKINNY_MAX_ROWS_SHORT_K = 32    # ... except for rows of at most SHORT_K elements and weights of at least WIDE_N
+SHORT_K = 2048                  # rows: up to 32 rows here
+WIDE_N = 4096
 
 
 class SkinnyTiles(NamedTuple):
@@ -150,24 +151,30 @@ def skinny_wins(n: int, k: int) -> bool:
     return not (n < 4096 and k > 4096)
 
 
-def skinny_max_rows(k: int) -> int:
-    """The most activation rows the skinny GEMM takes for weight rows of k elements: 32 up to SHORT_K, else 16.
-    Measured in decode steps on an H200 (benchmarks/h200_decode_sweep.py --skinny-max-rows, skinny_rows_ab_h200.json):
-    32 rows for every weight made Llama-3.2-1B's batch-32 step faster (1.48 against 1.60 ms) and Llama-3-8B's
-    slower (6.72 against 6.15; its rows are 4096 and 14336 long), Qwen3-MoE's too (5.46 against 5.38; its o_proj
-    rows are 4096 long). With 32 rows only up to 2048-long rows, the step was faster or the same in all 12
-    comparisons at batch 24 and 32 (1B b24 1.42-1.48 against 1.52 ms, V2-Lite b32 8.76-8.79 against 8.95, Qwen3-MoE
-    b32 5.26-5.28 against 5.30). Alone, at 17-32 rows, the two are about as fast (tune_skinny_gemm_grid.json); the
-    likely source of the gain (not measured apart) is the launch chain: this one starts under PDL, cuBLAS does not."""
-    return SKINNY_MAX_ROWS_SHORT_K if k <= SHORT_K else SKINNY_MAX_ROWS
+def skinny_max_rows(n: int, k: int) -> int:
+    """The most activation rows the skinny GEMM takes for an [n, k] weight: 32 for rows up to SHORT_K long and for
+    weights of at least WIDE_N rows, else 16 (narrow weights of long rows: Qwen3-MoE's o_proj, 2048 x 4096).
+    Measured in decode steps on an H200 (benchmarks/h200_decode_sweep.py --skinny-max-rows):
+      - session 19 (skinny_rows_ab_h200.json): 32 rows for every weight made Llama-3.2-1B's batch-32 step faster
+        (1.48 against 1.60 ms) and Llama-3-8B's slower (6.72 against 6.15), Qwen3-MoE's too (5.46 against 5.38).
+        With 32 rows only up to 2048-long rows, the step was faster or the same in all 12 comparisons at batch 24
+        and 32 (1B b24 1.42-1.48 against 1.52 ms, V2-Lite b32 8.76-8.79 against 8.95, Qwen3-MoE b32 5.26-5.28
+        against 5.30).
+      - session 21 (session21_steps_ab_h200.json), after session 20 gave Llama-3-8B's wide weights (gate/up,
+        qkv, LM head) 64 x 128 tiles in place of 32 x 512: 32 rows for every weight made Llama-3-8B's batch-32 step
+        faster, 5.93 against 6.06 ms (graph replay 5.61 against 5.96), batch 64 (cuBLAS either way) 7.61 / 7.60.
+        Every Llama-3-8B weight is at least 4096 rows; Qwen3-MoE's o_proj keeps the 16 of session 19.
+    Alone, at 17-32 rows, the two are about as fast (tune_skinny_gemm_grid.json); the likely source of the gain (not
+    measured apart) is the launch chain: this one starts under PDL, cuBLAS does not."""
+    return SKINNY_MAX_ROWS_SHORT_K if k <= SHORT_K or n >= WIDE_N else SKINNY_MAX_ROWS
 
 
 def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """x [M, K] with 2 <= M <= skinny_max_rows(K) of weight's half-precision dtype, no autograd, a weight shape
+    """x [M, K] with 2 <= M <= skinny_max_rows(N, K) of weight's half-precision dtype, no autograd, a weight shape
     where it beats cuBLAS (the caller checked the device)."""
-    return (x.dim() == 2 and 2 <= x.shape[0] <= skinny_max_rows(x.shape[1]) and x.dtype == weight.dtype
-            and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()
-            and weight.dim() == 2 and skinny_wins(*weight.shape))
+    return (x.dim() == 2 and weight.dim() == 2 and 2 <= x.shape[0] <= skinny_max_rows(*weight.shape)
+            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()
+            and skinny_wins(*weight.shape))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -236,5 +243,5 @@ def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, li
         num_stages=tiles.stages, **pdl_launch_args(x))
 
 
-__all__ = ["SKINNY_MAX_ROWS", "SKINNY_MAX_ROWS_SHORT_K", "SHORT_K", "SkinnyTiles", "skinny_applies", "skinny_linear",
+__all__ = ["SKINNY_MAX_ROWS", "SKINNY_MAX_ROWS_SHORT_K", "SHORT_K", "WIDE_N", "SkinnyTiles", "skinny_applies", "skinny_linear",
            "skinny_linear_two", "skinny_max_rows", "skinny_swiglu", "skinny_tiles", "skinny_wins"]

@@ -1,6 +1,6 @@
 """Linear layers: `F.linear`, except for one activation row on the GPU (batch-1 decode), where a Triton GEMV reads
 the weight faster than cuBLAS does (deepserve/kernels/gemv.py has the measurements), and for 2-32 rows (small-batch
-decode; 2-16 for rows longer than 2048), where the skinny Triton GEMM takes the shapes it wins
+decode; 2-16 for narrow weights of rows longer than 2048), where the skinny Triton GEMM takes the shapes it wins
 (deepserve/kernels/skinny_gemm.py).
 
 Models build `Linear` (an nn.Linear: loading, quantization and `isinstance` checks see no difference) and call
@@ -41,7 +41,7 @@ def _one_row_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _few_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """2-32 (2-16) activation rows of weight's half-precision dtype on the GPU, no autograd: where the skinny GEMM
+    """2-32 (2-16: skinny_max_rows) activation rows of weight's half-precision dtype on the GPU, no autograd: where the skinny GEMM
     applies (a decode step of a small batch; kernels/skinny_gemm.py says why cuBLAS is slow there)."""
     if not (_SKINNY and use_triton(x)):
         return False
@@ -120,7 +120,7 @@ def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None
                         norm: nn.Module | None = None) -> torch.Tensor | None:
     """swiglu_activation(gate_up(x), limit) in one GEMV launch (the SwiGLU in its epilogue) for one row on the GPU
     through a plain `Linear` without bias; of norm(x) with `norm` (an RMSNorm, run in the GEMV's prologue). For 2-32
-    rows (2-16 for long rows) without `norm`, the skinny GEMM with the SwiGLU in its epilogue. None otherwise (a
+    rows (skinny_max_rows) without `norm`, the skinny GEMM with the SwiGLU in its epilogue. None otherwise (a
     quantized layer, more rows, the CPU): the caller then runs the steps one by one."""
     if not (_plain(gate_up) and gate_up.bias is None):
         return None

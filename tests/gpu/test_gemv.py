@@ -97,7 +97,7 @@ def test_gated_mlp_fuses_only_one_row_through_a_plain_linear(device, monkeypatch
         fused = fused_swiglu_linear(x, mlp.gate_up_proj, None)
         assert fused is not None and fused.shape == (1, 24)
         # More rows: the skinny GEMM's (tests/gpu/test_skinny_gemm.py) up to skinny_max_rows, None beyond.
-        too_many = skinny_max_rows(40) + 1
+        too_many = skinny_max_rows(48, 40) + 1     # gate_up: 48 x 40
         assert fused_swiglu_linear(torch.randn(too_many, 40, device=device).half(), mlp.gate_up_proj, None) is None
         plain = nn.Linear(40, 48, bias=False).to(device).half()
         assert fused_swiglu_linear(x, plain, None) is None                 # e.g. a quantized stand-in

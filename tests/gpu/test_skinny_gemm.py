@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from deepserve.kernels.activation import silu_and_mul
-from deepserve.kernels.skinny_gemm import (SHORT_K, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS_SHORT_K, SkinnyTiles,
+from deepserve.kernels.skinny_gemm import (SHORT_K, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS_SHORT_K, WIDE_N, SkinnyTiles,
                                            skinny_linear, skinny_linear_two, skinny_max_rows, skinny_swiglu,
                                            skinny_tiles, skinny_wins)
 from deepserve.layers import linear as linear_module
@@ -113,7 +113,7 @@ def test_linear_and_mlp_dispatch_few_rows(device, monkeypatch):
         x = torch.randn(8, 40, device=device).half()
         assert_within_ulps(layer(x), ref_layer(x), torch.float16, ulps=1, min_exact=0.9, atol=1e-4)
         layer(torch.randn(1, 40, device=device).half())                           # the GEMV
-        layer(torch.randn(skinny_max_rows(40) + 1, 40, device=device).half())    # cuBLAS
+        layer(torch.randn(skinny_max_rows(24, 40) + 1, 40, device=device).half())    # cuBLAS
         layer.float()(torch.randn(4, 40, device=device))                          # float32
     assert calls == [8]
     mlp = GatedMLP(40, 24).to(device).half()
@@ -121,16 +121,18 @@ def test_linear_and_mlp_dispatch_few_rows(device, monkeypatch):
     with torch.inference_mode():
         fused = fused_swiglu_linear(x, mlp.gate_up_proj, None)
         assert fused is not None and fused.shape == (4, 24)
-        assert fused_swiglu_linear(torch.randn(skinny_max_rows(40) + 1, 40, device=device).half(),
+        assert fused_swiglu_linear(torch.randn(skinny_max_rows(24, 40) + 1, 40, device=device).half(),
                                    mlp.gate_up_proj, None) is None
         ref = swiglu_activation(torch.nn.functional.linear(x, mlp.gate_up_proj.weight), None)
     assert_within_ulps(fused, ref, torch.float16, ulps=2, min_exact=0.8, atol=1e-4)
 
 
-def test_max_rows_follow_the_row_length():
-    """32 rows for weight rows up to SHORT_K long, 16 for longer ones (the measured rule)."""
-    assert skinny_max_rows(64) == skinny_max_rows(SHORT_K) == SKINNY_MAX_ROWS_SHORT_K == 32
-    assert skinny_max_rows(SHORT_K + 1) == skinny_max_rows(4096) == SKINNY_MAX_ROWS == 16
+def test_max_rows_follow_the_weight_shape():
+    """32 rows for weight rows up to SHORT_K long or weights of at least WIDE_N rows, 16 for narrow weights of longer
+    rows (the measured rule)."""
+    assert skinny_max_rows(24, 64) == skinny_max_rows(2048, SHORT_K) == SKINNY_MAX_ROWS_SHORT_K == 32
+    assert skinny_max_rows(WIDE_N, 4096) == skinny_max_rows(28672, 4096) == skinny_max_rows(4096, 14336) == 32
+    assert skinny_max_rows(2048, SHORT_K + 1) == skinny_max_rows(WIDE_N - 1, 4096) == SKINNY_MAX_ROWS == 16
 
 
 def test_skinny_switch_off_keeps_cublas(device, monkeypatch):
