@@ -9,6 +9,8 @@
   skinny_two_off      MLA's q and kv_a projections at 2-32 rows as two skinny launches, not one (skinny_linear_two)
   skinny_tiles_s19    the skinny GEMM's tiling rule before session 20: 32 rows x K steps of 512 for every weight of
                       4096+ rows and 4096+ long rows (Llama-3-8B's qkv, gate/up and LM head too, not 64 x 128)
+  decode_tiles_s20    the paged decode kernel's launch setting before session 21: the default tiles for every launch
+                      (no three-stage tiles for a no-split launch of one wave: paged_attention.decode_tiles)
 (The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0.)
 The switch patches deepserve/kernels in this process, then runs h200_decode_sweep.py with the remaining arguments.
 A diagnostic: skinny_pdl_ab_h200.json holds the numbers. (moe_fused_combine_ab_h200.json came from a third mode,
@@ -28,6 +30,7 @@ sys.path.insert(0, ROOT)
 
 import deepserve.kernels.fused_moe as fused_moe  # noqa: E402
 import deepserve.kernels.moe_routing as moe_routing  # noqa: E402
+import deepserve.kernels.paged_attention as paged_attention  # noqa: E402
 import deepserve.kernels.skinny_gemm as skinny  # noqa: E402
 
 mode = os.environ.get("AB", "default")
@@ -46,8 +49,10 @@ elif mode == "skinny_tiles_s19":
     _tiles = skinny.skinny_tiles
     skinny.skinny_tiles = lambda n, k: (skinny.SkinnyTiles(32, 512, 4, 4) if n >= 4096 and k >= 4096
                                         else _tiles(n, k))
+elif mode == "decode_tiles_s20":
+    paged_attention.decode_tiles = lambda num_programs, head_dim, split, device: paged_attention.DecodeTiles()
 elif mode != "default":
     raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
-                     "skinny_two_off or skinny_tiles_s19")
+                     "skinny_two_off, skinny_tiles_s19 or decode_tiles_s20")
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

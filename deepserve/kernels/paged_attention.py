@@ -362,6 +362,27 @@ class DecodeTiles:
     num_stages: int = 2
     early_v: bool = False
 
+# A no-split launch whose programs fit on the SMs two at a time (in 128-wide heads): a third pipeline stage, the value
+# tile loaded with the key tile. Three stages of key + value tiles (64 x 128 bf16 each) are 96 KB of shared memory,
+# so two such programs fit an SM where the default's fit five (Nsight Compute: 39 KB a program, five an SM): measured on an H200 in a step's surroundings
+# (benchmarks/decode_attention_in_step.py, decode_attention_in_step_h200.json; us per layer, default -> these) at
+# 256 programs: Llama-3-8B batch 32 47.0 -> 38.5 (1k context), 165.5 -> 125.0 (4k); Qwen3-MoE batch 64 47.1 -> 40.1;
+# Llama-3.2-1B batch 64 (512 programs of 64-wide heads) 43.9 -> 38.2. At 512 programs of 128-wide heads they take
+# two waves and lose (Llama-3-8B batch 64 69.4 -> 87.3, Qwen3-MoE batch 128 70.5 -> 88.9): the default stays there.
+# Decode steps (session21_steps_ab_h200.json, ms): Llama-3-8B batch 32 9.29 -> 8.55 at 4k, 5.76 -> 5.63 at 1k;
+# Llama-3.2-1B batch 64 3.85 -> 3.66 at 4k; Qwen3-MoE batch 64 6.11 -> 6.03.
+DEEP_PIPELINE_TILES = DecodeTiles(num_stages=3, early_v=True)
+
+
+def decode_tiles(num_programs: int, head_dim: int, split: bool, device: torch.device) -> DecodeTiles:
+    """The decode kernel's launch setting for `num_programs` programs (rows x KV heads x splits) of `head_dim`-wide
+    heads: DEEP_PIPELINE_TILES for a launch without a split that fits the SMs at two 128-wide programs each, else the
+    default (split launches are sized for about four programs an SM)."""
+    if not split and num_programs * head_dim <= 2 * num_sms(device) * 128:
+        return DEEP_PIPELINE_TILES
+    return DecodeTiles()
+
+
 # DEEPSERVE_EARLY_INPUTS=0: decode, reduce and rotary-write programs load the step's inputs after the PDL wait
 # (an A/B switch, see benchmarks/ab_env.py; the inputs_ready arguments say where early loads are allowed at all).
 EARLY_INPUTS = envs.DEEPSERVE_EARLY_INPUTS
@@ -420,12 +441,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 1
-    tiles = tiles or DecodeTiles()
-    block_n = tiles.block_n
     if num_splits is None:
         num_splits = decode_num_splits(n, hkv, max_seq_len, q.device, d)
+    # Both tilings key on 64 keys per tile, so a forced split count means the same partition under either.
+    block_n = (tiles or DecodeTiles()).block_n
     partition = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_seq_len, partition))
+    tiles = tiles or decode_tiles(n * hkv * num_splits, d, num_splits > 1, q.device)
+    assert tiles.block_n == block_n
     bs = kv_cache.shape[2]
     block_d = next_pow2(d)
     block_g = max(16, next_pow2(group))
@@ -524,5 +547,5 @@ def decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, out=None, q
 
 __all__ = ["HAS_TRITON", "split_partition", "split_bounds", "active_splits", "write_kv", "write_kv_ref",
            "rotary_write_kv", "rotary_write_kv_ref", "copy_heads", "cache_slot",
-           "decode_attention", "decode_attention_ref", "decode_num_splits", "decode_reduce", "decode_reduce_ref",
+           "decode_attention", "decode_attention_ref", "decode_num_splits", "decode_tiles", "decode_reduce", "decode_reduce_ref",
            "active_splits_ref", "merge_splits_ref"]

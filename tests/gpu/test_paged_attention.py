@@ -9,8 +9,9 @@ import torch
 
 from deepserve.kernels import INTERPRET
 from deepserve.layers.attention_triton import TritonPagedAttention
-from deepserve.kernels.paged_attention import (DECODE_BLOCK_N, active_splits_ref, decode_attention,
-                                               DecodeTiles, decode_attention_ref, decode_num_splits, decode_reduce,
+from deepserve.kernels.paged_attention import (DECODE_BLOCK_N, DEEP_PIPELINE_TILES, active_splits_ref,
+                                               decode_attention, DecodeTiles, decode_attention_ref,
+                                               decode_num_splits, decode_reduce, decode_tiles, num_sms,
                                                decode_reduce_ref, rotary_write_kv, rotary_write_kv_ref, write_kv,
                                                write_kv_ref)
 from deepserve.kernels.rotary import apply_rotary
@@ -227,7 +228,7 @@ def test_decode_other_block_sizes(device, block_size):
 
 
 @pytest.mark.parametrize("tiles", [DecodeTiles(64, 4, 2, True), DecodeTiles(32, 4, 3, True),
-                                   DecodeTiles(128, 8, 2, False)], ids=str)
+                                   DecodeTiles(128, 8, 2, False), DEEP_PIPELINE_TILES], ids=str)
 def test_decode_tile_settings_match_reference(device, tiles):
     """Every launch setting the engine may pick (keys per tile, warps, stages, values loaded with the keys), with
     and without split-K: the same attention as the reference."""
@@ -240,6 +241,17 @@ def test_decode_tile_settings_match_reference(device, tiles):
         decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, out=out, max_seq_len=max(lens),
                          num_splits=splits, tiles=tiles)
         assert_attention_close(out, ref, dtype)
+
+
+def test_decode_tiles_deepen_the_pipeline_only_for_one_wave_without_split(device):
+    """A launch without split-K whose programs fit the SMs two 128-wide (four 64-wide) ones at a time gets the
+    three-stage tiles; more programs, or a split launch, the default (the measured rule)."""
+    dev = torch.device(device)
+    two_a_sm = 2 * num_sms(dev)
+    assert decode_tiles(two_a_sm, 128, False, dev) == decode_tiles(2 * two_a_sm, 64, False, dev) == DEEP_PIPELINE_TILES
+    assert decode_tiles(two_a_sm + 1, 128, False, dev) == decode_tiles(2 * two_a_sm + 1, 64, False, dev) == DecodeTiles()
+    assert decode_tiles(8, 128, True, dev) == DecodeTiles()
+    assert DEEP_PIPELINE_TILES.block_n == DecodeTiles().block_n      # the split partition does not depend on it
 
 
 def cdiv_total(lens, bs):
