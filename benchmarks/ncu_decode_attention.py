@@ -7,7 +7,7 @@ Run (GPU machine):
   ncu --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats \
       -k regex:'_decode_kernel|_mla_decode_kernel|_mla_reduce_kernel|_decode_reduce_kernel' \
-      python benchmarks/ncu_decode_attention.py
+      python benchmarks/ncu_decode_attention.py            (--large: Llama-3-8B batch 64, Qwen3-MoE batch 128 at 1k)
 """
 import os
 import sys
@@ -47,6 +47,10 @@ def gqa(batch, ctx, h, hkv, d, reps=4):
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--large"]:      # the no-split launches of 512 programs (decode_attention_in_step.py)
+        gqa(64, 1046, 32, 8, 128)      # Llama-3-8B batch 64
+        gqa(128, 1046, 32, 4, 128)     # Qwen3-30B-A3B batch 128
+        return
     mla(8, 1024)
     mla(1, 1024)
     gqa(8, 1024, 32, 4, 128)   # Qwen3-30B-A3B

@@ -132,9 +132,13 @@ def graph_timeline(engine, batch: int, reps: int = 3, top: int = 15) -> dict | N
     return idle_breakdown(kernels, reps, top) if kernels else {"error": "no kernel events in the profile"}
 
 
-def idle_breakdown(kernels: list, reps: int, top: int = 15) -> dict:
-    """`graph_timeline`'s arithmetic on (start, end, name) kernel intervals (us) of `reps` replays."""
+def idle_breakdown(kernels: list, reps: int, top: int = 15, sequence: int = 60) -> dict:
+    """`graph_timeline`'s arithmetic on (start, end, name) kernel intervals (us) of `reps` replays. Plus `sequence`:
+    the first kernels of the last replay in launch order with their durations (with DEEPSERVE_PDL=0 each its own):
+    which launch of a layer a kernel name in the totals is."""
     kernels = sorted(kernels, key=lambda k: k[0])
+    per_replay = len(kernels) // reps
+    last = kernels[(reps - 1) * per_replay:(reps - 1) * per_replay + sequence]
     idle = 0.0
     reach, prev = kernels[0][1], kernels[0][2]
     busy = reach - kernels[0][0]
@@ -153,7 +157,8 @@ def idle_breakdown(kernels: list, reps: int, top: int = 15) -> dict:
     return {"reps": reps, "kernels_per_replay": round(len(kernels) / reps, 1),
             "span_us": round(span / reps, 1), "busy_us": round(busy / reps, 1), "idle_us": round(idle / reps, 1),
             "kernel_us_sum": round(sum(e - s for s, e, _ in kernels) / reps, 1),
-            "top_idle": [(k, round(v[0] / reps, 1), round(v[1] / reps, 1)) for k, v in rows]}
+            "top_idle": [(k, round(v[0] / reps, 1), round(v[1] / reps, 1)) for k, v in rows],
+            "sequence": [(name[:70], round(end - start, 1)) for start, end, name in last]}
 
 
 def graph_replay_ms(llm: LLM, size: int, seq_len: int, reps: int = 200) -> float | None:
