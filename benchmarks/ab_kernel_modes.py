@@ -11,6 +11,8 @@
                       4096+ rows and 4096+ long rows (Llama-3-8B's qkv, gate/up and LM head too, not 64 x 128)
   decode_tiles_s20    the paged decode kernel's launch setting before session 21: the default tiles for every launch
                       (no three-stage tiles for a no-split launch of one wave: paged_attention.decode_tiles)
+  int64_decode_inputs the paged decode kernel on the step's int64 block tables, lengths and row indices, as before
+                      session 21 (no int32 copies: layers/attention_triton.INT32_DECODE_INPUTS_MIN_ROWS)
 (The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0.)
 The switch patches deepserve/kernels in this process, then runs h200_decode_sweep.py with the remaining arguments.
 A diagnostic: skinny_pdl_ab_h200.json holds the numbers. (moe_fused_combine_ab_h200.json came from a third mode,
@@ -32,6 +34,7 @@ import deepserve.kernels.fused_moe as fused_moe  # noqa: E402
 import deepserve.kernels.moe_routing as moe_routing  # noqa: E402
 import deepserve.kernels.paged_attention as paged_attention  # noqa: E402
 import deepserve.kernels.skinny_gemm as skinny  # noqa: E402
+import deepserve.layers.attention_triton as attention_triton  # noqa: E402
 
 mode = os.environ.get("AB", "default")
 if mode == "skinny_nopdl":
@@ -51,8 +54,17 @@ elif mode == "skinny_tiles_s19":
                                         else _tiles(n, k))
 elif mode == "decode_tiles_s20":
     paged_attention.decode_tiles = lambda num_programs, head_dim, split, device: paged_attention.DecodeTiles()
+elif mode == "int64_decode_inputs":
+    attention_triton.INT32_DECODE_INPUTS_MIN_ROWS = 1 << 30
+    _graph_metadata = attention_triton.TritonPagedAttention.build_graph_metadata
+
+    def _int64_rows(self, batch, max_seq_len):
+        meta = _graph_metadata(self, batch, max_seq_len)
+        meta.decode_rows = meta.decode_seqs = meta.decode_rows.long()
+        return meta
+    attention_triton.TritonPagedAttention.build_graph_metadata = _int64_rows
 elif mode != "default":
     raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
-                     "skinny_two_off, skinny_tiles_s19 or decode_tiles_s20")
+                     "skinny_two_off, skinny_tiles_s19, decode_tiles_s20 or int64_decode_inputs")
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -19,8 +19,8 @@ from deepserve.kernels.paged_prefill import PREFILL_BLOCK_M, prefill_attention, 
 
 @dataclass
 class TritonAttentionMetadata:
-    decode_rows: Optional[torch.Tensor]   # [Bd] int64 rows of q that are decodes (None: no decodes)
-    decode_seqs: Optional[torch.Tensor]   # [Bd] int64 their sequence index in the batch
+    decode_rows: Optional[torch.Tensor]   # [Bd] int32 (int64) rows of q that are decodes (None: no decodes)
+    decode_seqs: Optional[torch.Tensor]   # [Bd] int32 (int64) their sequence index in the batch
     decode_max_len: int                   # longest decode context (host int: sizes the split)
     tile_seq: Optional[torch.Tensor]      # [num_tiles] int32 prefill tiles: sequence index
     tile_m0: Optional[torch.Tensor]       # [num_tiles] int32 first query row of the tile within its sequence
@@ -29,6 +29,21 @@ class TritonAttentionMetadata:
     # Rows run as decodes of their own length (see `rows_as_decodes`): per-row tables and lengths (None: per sequence)
     row_block_tables: Optional[torch.Tensor] = None
     row_seq_lens: Optional[torch.Tensor] = None
+    # int32 copies of what the decode kernel reads per sequence (or per row), made once per forward by
+    # `TritonPagedAttention.begin_forward`; None: the batch's own (int64) tensors.
+    decode_tables: Optional[torch.Tensor] = None
+    decode_lens: Optional[torch.Tensor] = None
+    decode_rows_i32: Optional[torch.Tensor] = None     # of int64 decode_rows / decode_seqs (a mixed graph's buffers)
+    decode_seqs_i32: Optional[torch.Tensor] = None
+
+
+# From this many decode rows a forward reads int32 copies of the block tables and sequence lengths (two conversion
+# launches a step). With the int64 tensors a step's inputs come as, the paged decode kernel of Llama-3-8B at batch
+# 64 and 1k context took 91 us a layer against 70 with the same values in int32, on an H200, on the engine's own
+# cache and inputs (benchmarks/decode_attention_engine_inputs.py, decode_attention_engine_inputs_h200.json); at
+# batch 32 the kernel ran as fast in the step (int64) as alone (int32). Small batches keep the int64 tensors and
+# skip the launches.
+INT32_DECODE_INPUTS_MIN_ROWS = 16
 
 
 class TritonPagedAttention:
@@ -57,15 +72,40 @@ class TritonPagedAttention:
             for n in q_lens:
                 starts.append(acc)
                 acc += n
-            rows = torch.tensor([starts[b] for b in decode_b], dtype=torch.int64).to(device, non_blocking=True)
-            seqs = torch.tensor(decode_b, dtype=torch.int64).to(device, non_blocking=True)
+            rows = torch.tensor([starts[b] for b in decode_b], dtype=torch.int32).to(device, non_blocking=True)
+            seqs = torch.tensor(decode_b, dtype=torch.int32).to(device, non_blocking=True)
             max_len = max(batch.seq_lens_cpu[b] for b in decode_b)
         tile_seq = tile_m0 = None
         num_tiles = 0
         if prefill_b:
             tile_seq, tile_m0 = prefill_tiles(q_lens, prefill_b, device, PREFILL_BLOCK_M)
             num_tiles = int(tile_seq.shape[0])
-        return TritonAttentionMetadata(rows, seqs, max_len, tile_seq, tile_m0, len(decode_b), num_tiles)
+        meta = TritonAttentionMetadata(rows, seqs, max_len, tile_seq, tile_m0, len(decode_b), num_tiles)
+        self._int32_decode_inputs(meta, batch)
+        return meta
+
+    def begin_forward(self, batch) -> None:
+        """Per-forward work on the step's inputs, before the layers run: the int32 decode inputs. Eager steps get
+        them from `build_metadata`; a CUDA graph's captured forward calls this first (worker/cuda_graph.py), so each
+        replay converts its own step's inputs (the graph's metadata is built once, at capture)."""
+        meta = batch.attn_metadata
+        if isinstance(meta, TritonAttentionMetadata):
+            self._int32_decode_inputs(meta, batch)
+
+    @staticmethod
+    def _int32_decode_inputs(meta: TritonAttentionMetadata, batch) -> None:
+        """int32 copies of the decode kernel's per-sequence (per-row) block tables and lengths, and of its row
+        indices where they are int64 (a mixed graph's static buffers), from INT32_DECODE_INPUTS_MIN_ROWS rows. They
+        are written before the forward's first layer, so the decode kernels may still read them before their PDL
+        wait (kernels/pdl.py rule 1)."""
+        if meta.num_decodes < INT32_DECODE_INPUTS_MIN_ROWS:
+            return
+        per_row = meta.row_block_tables is not None
+        meta.decode_tables = (meta.row_block_tables if per_row else batch.block_tables).to(torch.int32)
+        meta.decode_lens = (meta.row_seq_lens if per_row else batch.seq_lens).to(torch.int32)
+        if meta.decode_rows.dtype != torch.int32:     # new tensors: the int64 ones are refilled every step
+            meta.decode_rows_i32 = meta.decode_rows.to(torch.int32)
+            meta.decode_seqs_i32 = meta.decode_seqs.to(torch.int32)
 
     def _row_decode_metadata(self, batch) -> TritonAttentionMetadata:
         """Sequences whose rows run as decodes (all, or those with drafts) get one decode row per query row, the
@@ -90,6 +130,7 @@ class TritonPagedAttention:
         if prefill_b:
             meta.tile_seq, meta.tile_m0 = prefill_tiles(q_lens, prefill_b, device, PREFILL_BLOCK_M)
             meta.num_prefill_tiles = int(meta.tile_seq.shape[0])
+        self._int32_decode_inputs(meta, batch)
         return meta
 
     # A mixed step's static inputs cut prompt chunks into tiles of this many rows (worker/mixed_graph.py).
@@ -109,7 +150,7 @@ class TritonPagedAttention:
     def build_graph_metadata(self, batch, max_seq_len: int) -> TritonAttentionMetadata:
         """Metadata of a decode-only batch captured in a CUDA graph: every row decodes, and the split-K grid is
         sized for `max_seq_len` (the longest context the engine allows), so one graph serves any context."""
-        rows = torch.arange(batch.num_seqs, dtype=torch.int64, device=batch.input_ids.device)
+        rows = torch.arange(batch.num_seqs, dtype=torch.int32, device=batch.input_ids.device)
         return TritonAttentionMetadata(rows, rows, max_seq_len, None, None, batch.num_seqs, 0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch,
@@ -141,15 +182,26 @@ class TritonPagedAttention:
     def _attend(self, q, kv_cache, batch, meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
-            per_row = meta.row_block_tables is not None
-            decode_attention(q, kv_cache, meta.row_block_tables if per_row else batch.block_tables,
-                             meta.row_seq_lens if per_row else batch.seq_lens, scale, out=out,
-                             q_rows=meta.decode_rows, seq_ids=meta.decode_seqs, max_seq_len=meta.decode_max_len,
-                             num_splits=self.num_splits, inputs_ready=True)
+            tables, lens, rows, seqs = decode_inputs(meta, batch)
+            decode_attention(q, kv_cache, tables, lens, scale, out=out, q_rows=rows, seq_ids=seqs,
+                             max_seq_len=meta.decode_max_len, num_splits=self.num_splits, inputs_ready=True)
         if meta.num_prefill_tiles:
             prefill_attention(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale,
                               meta.tile_seq, meta.tile_m0, out=out)
         return out
+
+
+def decode_inputs(meta: TritonAttentionMetadata, batch) -> tuple[torch.Tensor, ...]:
+    """(block tables, sequence lengths, q rows, sequence ids) of the step's decode rows, as the decode kernel reads
+    them: per row or per sequence, the int32 copies where `begin_forward` made them."""
+    per_row = meta.row_block_tables is not None
+    tables = meta.row_block_tables if per_row else batch.block_tables
+    lens = meta.row_seq_lens if per_row else batch.seq_lens
+    if meta.decode_tables is not None:
+        tables, lens = meta.decode_tables, meta.decode_lens
+    if meta.decode_rows_i32 is not None:
+        return tables, lens, meta.decode_rows_i32, meta.decode_seqs_i32
+    return tables, lens, meta.decode_rows, meta.decode_seqs
 
 
 def _fusable_qk_norm(qk_norm, q: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, float]]:

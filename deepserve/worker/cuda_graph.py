@@ -216,7 +216,11 @@ class CUDAGraphRunner:
         self.num_mixed_replays = 0
 
     def _forward(self, batch: ForwardBatch, size: int) -> None:
-        """The captured work: the forward, its outputs copied into the static buffers."""
+        """The captured work: the attention backend's per-forward input work (`begin_forward`, if it has one), the
+        forward, its outputs copied into the static buffers."""
+        begin_forward = getattr(self.attn_backend, "begin_forward", None)
+        if begin_forward is not None and batch.attn_metadata is not None:
+            begin_forward(batch)
         hidden = self.model(batch)
         if self.keep_hidden:
             if self.hidden is None:         # the largest size comes first: one buffer holds every size's rows

@@ -44,7 +44,7 @@ def install_twin_triton_attention(llm):
     backend's metadata and dispatch (decode rows, prefill tiles, the mixed-step graph metadata) on the CPU."""
     from deepserve.kernels import paged_attention as kernels
     from deepserve.kernels.paged_prefill import prefill_attention_ref
-    from deepserve.layers.attention_triton import TritonPagedAttention
+    from deepserve.layers.attention_triton import TritonPagedAttention, decode_inputs
 
     class TwinTritonAttention(TritonPagedAttention):
         def forward(self, q, k, v, kv_cache, batch, scale, rotary=None, qk_norm=None):
@@ -58,9 +58,9 @@ def install_twin_triton_attention(llm):
                 keep = batch.slot_mapping >= 0
                 kernels.write_kv_ref(kv_cache, k[keep], v[keep], batch.slot_mapping[keep])
             out = q.new_zeros(q.shape)
-            if meta.num_decodes:
-                kernels.decode_attention_ref(q, kv_cache, batch.block_tables, batch.seq_lens, scale, out=out,
-                                             q_rows=meta.decode_rows, seq_ids=meta.decode_seqs)
+            if meta.num_decodes:      # the int32 copies where the GPU backend reads them (decode_inputs)
+                tables, lens, rows, seqs = decode_inputs(meta, batch)
+                kernels.decode_attention_ref(q, kv_cache, tables, lens, scale, out=out, q_rows=rows, seq_ids=seqs)
             if meta.num_prefill_tiles:
                 prefill_attention_ref(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                                       scale, meta.tile_seq, meta.tile_m0, out=out)

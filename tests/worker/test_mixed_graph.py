@@ -91,3 +91,32 @@ def test_engine_steps_with_prompt_work_replay_mixed_graphs(tiny_llama):
     assert llm.engine.block_manager.prefix_hits > 0 and graphs.num_replays > 0
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_large_decode_batches_read_int32_copies_of_their_inputs(tiny_llama):
+    """From INT32_DECODE_INPUTS_MIN_ROWS decode rows, the captured forward first converts the step's block tables and
+    lengths (and a mixed graph's row indices) to int32 (`begin_forward`), and the decode attention reads those: 20
+    sequences through decode graphs of 32 rows and mixed graphs, greedy tokens equal a plain engine's. The copies
+    are made inside every replay, so a step never reads the tables of the step the graph was captured with."""
+    from deepserve.layers.attention_triton import INT32_DECODE_INPUTS_MIN_ROWS
+    g = torch.Generator().manual_seed(9)
+    prompts = [{"prompt_token_ids": torch.randint(0, 500, (n,), generator=g).tolist()}
+               for n in torch.randint(3, 30, (20,), generator=g).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(skip_tokenizer_init=True, dtype="float32", block_size=8, max_num_batched_tokens=64,
+              enable_chunked_prefill=True, max_num_seqs=32)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_llama, **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(tiny_llama, **kw)
+    install_twin_triton_attention(llm)
+    graphs = install_eager_replay_graphs(llm, [llm.engine.config.scheduler.max_model_len], sizes=(1, 8, 16, 32),
+                                         mixed_buckets=(64,))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert graphs.num_replays > 0 and graphs.num_mixed_replays > 0
+    big = graphs.batches[32, graphs.buckets[0]].attn_metadata
+    assert big.num_decodes >= INT32_DECODE_INPUTS_MIN_ROWS
+    assert big.decode_tables.dtype == big.decode_lens.dtype == big.decode_rows.dtype == torch.int32
+    mixed = graphs.mixed_batches[64].attn_metadata
+    assert mixed.decode_rows.dtype == torch.int64 and mixed.decode_rows_i32.dtype == torch.int32
+    small = graphs.batches[8, graphs.buckets[0]].attn_metadata
+    assert small.decode_tables is None           # below the threshold: the int64 inputs, no conversion launches
