@@ -3,14 +3,16 @@
 tune_decode_attention.py times 20 back-to-back calls over shuffled blocks. In a decode step the kernel runs once a
 layer between weight GEMMs, over the blocks the engine handed out (runs of consecutive ids), at a context that is
 rarely a multiple of the key tile, and there it took ~20% longer at 512 programs of 128-wide heads (Llama-3-8B
-batch 64 and Qwen3-MoE batch 128 at 1k: 91-92 us a layer in the step, 74.6 / 74.3 us in the tuning loop).
+batch 64 and Qwen3-MoE batch 128 at 1k: 91-92 us a layer in the step, 74.6 / 74.3 us in the tuning loop). The cause
+was none of those surroundings but the step's int64 inputs (decode_attention_engine_inputs.py); this script passes
+int32 ones, as the engine now does from 16 decode rows.
 
 This script recreates the step's surroundings: each call sits between two GEMMs of an MLP-sized weight (a 28672 x
 4096 bf16 weight, 235 MB: L2 flushed, the GPU as busy as in a step), blocks in consecutive runs per sequence (or
-shuffled: --layout), `context` + 22 keys per sequence; --layers L --pool-gb G --weights W: a cache per layer
-sized as the engine sizes them and W distinct weights, the step's memory footprint. Reported per case: the decode kernel's own time (torch
-profiler, kernel durations; run with DEEPSERVE_PDL=0 so that a duration is the kernel's alone) and the split
-reduce's, for each (splits, tiles) candidate, and the KV bandwidth of the best.
+shuffled: --layout), `context` + 22 keys per sequence. --layers L --pool-gb G --weights W: a cache per layer sized
+as the engine sizes them, and W distinct weights (the step's memory footprint). Reported per case: the decode
+kernel's own time (torch profiler, kernel durations; run with DEEPSERVE_PDL=0 so that a duration is the kernel's
+alone) and the split reduce's, for each (splits, tiles) candidate, and the KV bandwidth of the best.
 
 Run (GPU machine):  DEEPSERVE_PDL=0 python benchmarks/decode_attention_in_step.py --output decode_attention_in_step.json
 """

@@ -364,7 +364,8 @@ class DecodeTiles:
 
 # A no-split launch whose programs fit on the SMs two at a time (in 128-wide heads): a third pipeline stage, the value
 # tile loaded with the key tile. Three stages of key + value tiles (64 x 128 bf16 each) are 96 KB of shared memory,
-# so two such programs fit an SM where the default's fit five (Nsight Compute: 39 KB a program, five an SM): measured on an H200 in a step's surroundings
+# so two such programs fit an SM where the default's fit five (Nsight Compute: 39 KB a program, five an SM).
+# Measured on an H200 in a step's surroundings
 # (benchmarks/decode_attention_in_step.py, decode_attention_in_step_h200.json; us per layer, default -> these) at
 # 256 programs: Llama-3-8B batch 32 47.0 -> 38.5 (1k context), 165.5 -> 125.0 (4k); Qwen3-MoE batch 64 47.1 -> 40.1;
 # Llama-3.2-1B batch 64 (512 programs of 64-wide heads) 43.9 -> 38.2. At 512 programs of 128-wide heads they take
@@ -547,5 +548,5 @@ def decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, out=None, q
 
 __all__ = ["HAS_TRITON", "split_partition", "split_bounds", "active_splits", "write_kv", "write_kv_ref",
            "rotary_write_kv", "rotary_write_kv_ref", "copy_heads", "cache_slot",
-           "decode_attention", "decode_attention_ref", "decode_num_splits", "decode_tiles", "decode_reduce", "decode_reduce_ref",
-           "active_splits_ref", "merge_splits_ref"]
+           "decode_attention", "decode_attention_ref", "decode_num_splits", "decode_tiles", "decode_reduce",
+           "decode_reduce_ref", "active_splits_ref", "merge_splits_ref"]

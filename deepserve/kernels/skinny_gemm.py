@@ -243,5 +243,5 @@ def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, li
         num_stages=tiles.stages, **pdl_launch_args(x))
 
 
-__all__ = ["SKINNY_MAX_ROWS", "SKINNY_MAX_ROWS_SHORT_K", "SHORT_K", "WIDE_N", "SkinnyTiles", "skinny_applies", "skinny_linear",
-           "skinny_linear_two", "skinny_max_rows", "skinny_swiglu", "skinny_tiles", "skinny_wins"]
+__all__ = ["SKINNY_MAX_ROWS", "SKINNY_MAX_ROWS_SHORT_K", "SHORT_K", "WIDE_N", "SkinnyTiles", "skinny_applies",
+           "skinny_linear", "skinny_linear_two", "skinny_max_rows", "skinny_swiglu", "skinny_tiles", "skinny_wins"]

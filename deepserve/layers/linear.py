@@ -41,8 +41,8 @@ def _one_row_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _few_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """2-32 (2-16: skinny_max_rows) activation rows of weight's half-precision dtype on the GPU, no autograd: where the skinny GEMM
-    applies (a decode step of a small batch; kernels/skinny_gemm.py says why cuBLAS is slow there)."""
+    """2-32 (2-16: skinny_max_rows) activation rows of weight's half-precision dtype on the GPU, no autograd: where the
+    skinny GEMM applies (a decode step of a small batch; kernels/skinny_gemm.py says why cuBLAS is slow there)."""
     if not (_SKINNY and use_triton(x)):
         return False
     from deepserve.kernels.skinny_gemm import skinny_applies

@@ -249,7 +249,8 @@ def test_decode_tiles_deepen_the_pipeline_only_for_one_wave_without_split(device
     dev = torch.device(device)
     two_a_sm = 2 * num_sms(dev)
     assert decode_tiles(two_a_sm, 128, False, dev) == decode_tiles(2 * two_a_sm, 64, False, dev) == DEEP_PIPELINE_TILES
-    assert decode_tiles(two_a_sm + 1, 128, False, dev) == decode_tiles(2 * two_a_sm + 1, 64, False, dev) == DecodeTiles()
+    assert (decode_tiles(two_a_sm + 1, 128, False, dev) == decode_tiles(2 * two_a_sm + 1, 64, False, dev)
+            == DecodeTiles())
     assert decode_tiles(8, 128, True, dev) == DecodeTiles()
     assert DEEP_PIPELINE_TILES.block_n == DecodeTiles().block_n      # the split partition does not depend on it
 
