@@ -30,8 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import h200_decode_sweep as sweep  # noqa: E402
 import profile_gpu_step  # noqa: E402
 from decode_attention_in_step import kernel_us  # noqa: E402
-from deepserve import LLM, SamplingParams  # noqa: E402
-from deepserve.bench.throughput import random_prompts  # noqa: E402
+from deepserve import LLM  # noqa: E402
 from deepserve.kernels.paged_attention import decode_attention  # noqa: E402
 
 
@@ -41,16 +40,7 @@ def steady_engine(name: str, batch: int, context: int) -> LLM:
     llm = LLM(config, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", device="cuda",
               max_model_len=context + 128, max_num_seqs=batch, max_num_batched_tokens=sweep.MAX_BATCHED_TOKENS,
               gpu_memory_utilization=0.85)
-    eng = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    for i, prompt in enumerate(random_prompts(batch, context, eng.vocab_size, seed=5)):
-        eng.add_request(f"bisect-{i}", prompt, params, final_output_only=True)
-    seqs = [s for i in range(batch) for s in eng.requests[f"bisect-{i}"].seqs]
-    while not all(s.num_output_tokens >= 1 for s in seqs):
-        eng.step()
-    for _ in range(4):
-        eng.step()
-    torch.cuda.synchronize()
+    profile_gpu_step.start_decoding(llm.engine, batch, context, 64, "bisect", 5)
     return llm
 
 

@@ -73,12 +73,12 @@ def kernel_table(prof, divide: int, top: int = 25) -> dict:
             "top": [(k, round(v[0] / divide, 1), round(v[1] / divide, 2)) for k, v in rows[:top]]}
 
 
-def profile_steps(llm: LLM, batch: int, steps: int, input_len: int = 128) -> dict:
-    """Kernel table of `steps` decode steps at `batch` (prefill and warm-up steps outside the profile)."""
-    eng = llm.engine
-    prompts = random_prompts(batch, input_len, eng.vocab_size, 11)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    ids = [f"prof-{batch}-{i}" for i in range(batch)]
+def start_decoding(eng, batch: int, input_len: int, max_tokens: int, name: str, seed: int) -> None:
+    """`batch` random prompts of `input_len` tokens added to the engine and stepped until every one decodes (two
+    output tokens each), then three more steps: the batch in a steady decode."""
+    prompts = random_prompts(batch, input_len, eng.vocab_size, seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"{name}-{batch}-{i}" for i in range(batch)]
     for rid, p in zip(ids, prompts):
         eng.add_request(rid, p, params, final_output_only=True)
     seqs = [s for rid in ids for s in eng.requests[rid].seqs]
@@ -87,6 +87,12 @@ def profile_steps(llm: LLM, batch: int, steps: int, input_len: int = 128) -> dic
     for _ in range(3):
         eng.step()
     sync()
+
+
+def profile_steps(llm: LLM, batch: int, steps: int, input_len: int = 128) -> dict:
+    """Kernel table of `steps` decode steps at `batch` (prefill and warm-up steps outside the profile)."""
+    eng = llm.engine
+    start_decoding(eng, batch, input_len, steps + 8, "prof", 11)
     acts = [torch.profiler.ProfilerActivity.CPU]
     if DEVICE == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
