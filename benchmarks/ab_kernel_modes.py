@@ -13,6 +13,11 @@
                       (no three-stage tiles for a no-split launch of one wave: paged_attention.decode_tiles)
   int64_decode_inputs the paged decode kernel on the step's int64 block tables, lengths and row indices, as before
                       session 21 (no int32 copies: layers/attention_triton.INT32_DECODE_INPUTS_MIN_ROWS)
+  router_s21          the gate GEMM as before session 22: a float32 gate on the split-K kernel on CUDA cores at 17-64
+                      tokens, cuBLAS above; a bf16 gate on cuBLAS from 17 tokens (no tensor-core variants:
+                      moe_routing.router_tiles)
+  shared_fusion_s21   the shared experts folded into the MoE grouped GEMMs up to 64 tokens, as before session 22
+                      (layers/moe_triton.FUSED_SHARED_MAX_TOKENS)
 (The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0.)
 The switch patches deepserve/kernels in this process, then runs h200_decode_sweep.py with the remaining arguments.
 A diagnostic: skinny_pdl_ab_h200.json holds the numbers. (moe_fused_combine_ab_h200.json came from a third mode,
@@ -27,6 +32,8 @@ import os
 import runpy
 import sys
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -35,6 +42,7 @@ import deepserve.kernels.moe_routing as moe_routing  # noqa: E402
 import deepserve.kernels.paged_attention as paged_attention  # noqa: E402
 import deepserve.kernels.skinny_gemm as skinny  # noqa: E402
 import deepserve.layers.attention_triton as attention_triton  # noqa: E402
+import deepserve.layers.moe_triton as moe_triton  # noqa: E402
 
 mode = os.environ.get("AB", "default")
 if mode == "skinny_nopdl":
@@ -63,8 +71,13 @@ elif mode == "int64_decode_inputs":
         meta.decode_rows = meta.decode_seqs = meta.decode_rows.long()
         return meta
     attention_triton.TritonPagedAttention.build_graph_metadata = _int64_rows
+elif mode == "router_s21":
+    moe_routing.router_tiles = lambda x, w: moe_routing.FMA_TILES if w.dtype == torch.float32 else None
+elif mode == "shared_fusion_s21":
+    moe_triton.FUSED_SHARED_MAX_TOKENS = 64
 elif mode != "default":
     raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
-                     "skinny_two_off, skinny_tiles_s19, decode_tiles_s20 or int64_decode_inputs")
+                     "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21 or "
+                     "shared_fusion_s21")
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

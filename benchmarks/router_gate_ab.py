@@ -3,6 +3,8 @@ kernel (two launches) against cuBLAS (x cast to the gate's dtype, the GEMM, cuBL
 one, the float32 cast, then the routing kernel). Each path runs 20 times inside a CUDA graph (as a decode step
 runs it); microseconds per call. Shapes: DeepSeek-V2-Lite's gate (64 experts, float32 weight, softmax top-6)
 and Qwen3-MoE's (128 experts, bf16 weight, softmax top-8), hidden 2048, bf16 activations.
+Columns: triton_us (the engine's pick: for bf16 x on a float32 gate, the tensor-core tiles), fma_us (the split-K
+kernel on CUDA cores, the float32-x tiles, at every size: the path before session 22), cublas_us.
 
 Run (GPU machine):  python benchmarks/router_gate_ab.py --output benchmarks/router_gate_ab_h200.json
 """
@@ -36,6 +38,7 @@ def main() -> None:
     ap.add_argument("--output", default="benchmarks/router_gate_ab_h200.json")
     args = ap.parse_args()
     supported = moe_routing.router_logit_partials_supported
+    tiles = moe_routing.router_tiles
     results = {}
     for name, (experts, dtype, cfg) in SHAPES.items():
         router = Router(2048, experts, cfg, dtype).cuda()
@@ -45,11 +48,16 @@ def main() -> None:
         for t in map(int, args.tokens.split(",")):
             x = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16)
             row = {"tokens": t}
-            for label, on in (("triton_us", True), ("cublas_us", False)):
-                moe_routing.router_logit_partials_supported = supported if on else (lambda x, w: False)
+            fma = (lambda x, w: w.dtype == torch.float32 and x.shape[0] > moe_routing.ROUTER_GEMV_MAX_TOKENS)
+            for label, pick in (("triton_us", supported), ("fma_us", fma), ("cublas_us", lambda x, w: False)):
+                if label == "fma_us" and dtype != torch.float32:
+                    continue
+                moe_routing.router_logit_partials_supported = pick
+                moe_routing.router_tiles = tiles if label != "fma_us" else (lambda x, w: moe_routing.FMA_TILES)
                 with torch.inference_mode():
                     row[label] = round(graph_time(lambda _copy: router(x, load), 1) * 1e3, 2)
             moe_routing.router_logit_partials_supported = supported
+            moe_routing.router_tiles = tiles
             with torch.inference_mode():
                 ids_new = router(x)[1]
                 moe_routing.router_logit_partials_supported = lambda x, w: False

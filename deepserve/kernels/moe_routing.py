@@ -3,10 +3,13 @@
 (float32 products of float32 inputs, never TF32) is one launch too, by batch size:
   1..16 tokens    `router_logits`: a GEMV, [T, E] logits (a half-precision gate's rounded to its dtype, as cuBLAS's
                   GEMM rounds them above 16 tokens and in HF).
-  17..64          `router_logit_partials` (a float32 gate): a split-K GEMM on CUDA cores, [S, T, E] partial sums
-                  (S splits of the hidden dim, each its own slice: no atomics, deterministic), which `fused_route`
-                  sums itself.
-  above           cuBLAS (the caller's F.linear; from 17 tokens for a bf16 gate).
+  17..64          `router_logit_partials`: a split-K GEMM, [S, T, E] partial sums (S splits of the hidden dim, each
+  (..512 on       its own slice: no atomics, deterministic), which `fused_route` sums itself (and rounds to a
+  tensor cores)   half-precision gate's dtype, as the GEMM would). A float32 gate with float32 x: on CUDA cores, up
+                  to 64 tokens. With bf16 x (the usual decode step): on tensor cores, the float32 weight split in
+                  three bf16 parts whose products with x are exact; a bf16 or fp16 gate in x's dtype: on tensor
+                  cores as it is (`_router_partials_kernel`).
+  above           cuBLAS (the caller's F.linear).
 Both replace a cast + cuBLAS's split-K GEMM and reduce kernels (DeepSeek's gate is float32) for a 0.5 MB weight.
 
 logits [T, E] float32, or partials [S, T, E] summed in order s = 0..S-1 (`sum_partials`)
@@ -38,6 +41,7 @@ few ulps of torch's, still equal for equal logits.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -119,7 +123,7 @@ def _mask_groups(choice, valid, j, num_groups,
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, load_ptr,
                   num_groups, group_size, stride_p, stride_l, scaling, NUM_PARTIALS: tl.constexpr,
-                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_MODE: tl.constexpr,
+                  ROUND_SUM: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_MODE: tl.constexpr,
                   TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                   COUNT_LOAD: tl.constexpr, ACCURATE: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
@@ -136,6 +140,10 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, load_ptr,
     # Unrolled (a constexpr count): the S loads go out together. In order s = 1, 2, ...: sum_partials' sum.
     for s in tl.static_range(1, NUM_PARTIALS):
         x = x + tl.load(row_ptrs + s * stride_p, mask=valid, other=0.0).to(tl.float32)
+    if ROUND_SUM == 1:                  # a half-precision gate's logits, as its GEMM rounds them
+        x = x.to(tl.bfloat16).to(tl.float32)
+    elif ROUND_SUM == 2:
+        x = x.to(tl.float16).to(tl.float32)
     scores = _scores(x, valid, SCORING, ACCURATE)
     choice = scores
     if HAS_BIAS:
@@ -207,13 +215,18 @@ def _kernel_meta(cfg, num_experts: int):
         BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=max(2, next_pow2(cfg.top_k)), num_warps=num_warps, **_no_ftz())
 
 
+_ROUND_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}     # the route kernel's ROUND_SUM
+
+
 def fused_route(logits: torch.Tensor, cfg, bias: torch.Tensor | None = None,
-                expert_load: torch.Tensor | None = None):
+                expert_load: torch.Tensor | None = None, round_to: torch.dtype | None = None):
     """logits: [T, E] float32, or [S, T, E] float32 partial logits (`router_logit_partials`); cfg: RoutingConfig;
     bias: [E] (any float dtype) or None; expert_load: [E] int64 or None -> (weights [T, k] float32, ids [T, k]
-    int64), the results of `route(logits, cfg, bias)` (of `route(sum_partials(logits), cfg, bias)`); with
-    expert_load, each expert's count among the ids is added to it in the same launch. Each S compiles its own
-    kernel (the partials' loads unrolled): `router_logit_partials` keeps S to a few powers of two."""
+    int64), the results of `route(logits, cfg, bias)` (of `route(sum_partials(logits, round_to), cfg, bias)`);
+    with expert_load, each expert's count among the ids is added to it in the same launch. `round_to` (a
+    half-precision gate's dtype): the partials' sum rounded to it, as that gate's GEMM rounds its logits. Each S
+    compiles its own kernel (the partials' loads unrolled): `router_logit_partials` keeps S to a few powers of
+    two."""
     require_triton(logits)
     assert logits.dim() in (2, 3), f"logits [T, E] or partials [S, T, E], got {tuple(logits.shape)}"
     num_partials = logits.shape[0] if logits.dim() == 3 else 1
@@ -237,7 +250,8 @@ def fused_route(logits: torch.Tensor, cfg, bias: torch.Tensor | None = None,
         logits, bias if bias is not None else logits, weights, ids,
         expert_load if expert_load is not None else ids,
         num_groups, group_size, logits.stride(0) if num_partials > 1 else 0, logits.stride(-2),
-        float(cfg.scaling_factor), NUM_PARTIALS=num_partials, HAS_BIAS=bias is not None,
+        float(cfg.scaling_factor), NUM_PARTIALS=num_partials,
+        ROUND_SUM=_ROUND_CODES[round_to], HAS_BIAS=bias is not None,
         COUNT_LOAD=expert_load is not None, **meta, **pdl_launch_args(logits))
     return weights, ids
 
@@ -250,6 +264,11 @@ ROUTER_GEMV_MAX_TOKENS = 16     # above this, the split-K kernel (the gate is a 
 # in a CUDA graph, hidden 2048): V2-Lite's float32 gate 5.8 / 8.4 / 13.9 / 24.6 us at 17 / 64 / 128 / 256 tokens,
 # against cuBLAS's 11.7 / 12.8 / 13.1 / 13.8 (cast, SIMT sgemm, split-K reduce, routing).
 ROUTER_TILED_MAX_TOKENS = 64
+# The tensor-core variants of the split-K kernel (bf16 x on a float32 gate, a half-precision gate in x's dtype) take
+# up to this many tokens. Measured on an H200 (router_gate_ab.py, router_gate_ab_h200.json: gate GEMM + routing in a
+# CUDA graph, hidden 2048): V2-Lite's float32 gate 4.9 / 5.0 / 5.4 / 6.2 / 8.3 us at 17 / 64 / 128 / 256 / 512
+# tokens, against 5.8 / 8.4 / 13.9 / 24.5 / 45.8 on CUDA cores and 11.6 / 12.8 / 13.1 / 13.8 / 20.8 on cuBLAS.
+ROUTER_MMA_MAX_TOKENS = 512
 
 
 @triton.jit
@@ -305,9 +324,22 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# The split-K kernel's tile: BLOCK_T tokens x BLOCK_E experts, BLOCK_K of the hidden dim per step. Not tuned (it
-# loses to cuBLAS from 128 tokens, where ROUTER_TILED_MAX_TOKENS hands over).
-_TILE_T, _TILE_E, _TILE_K, _TILE_WARPS = 16, 16, 32, 4
+class RouterTiles(NamedTuple):
+    """The split-K kernel's tile: block_t tokens x block_e experts, block_k of the hidden dim per step; `mma`: on
+    tensor cores; `split`: bf16 x on a float32 weight, split in three bf16 parts."""
+    block_t: int
+    block_e: int
+    block_k: int
+    warps: int
+    mma: bool
+    split: bool = False
+
+
+# CUDA cores (float32 x): not tuned (it loses to cuBLAS from 128 tokens, where ROUTER_TILED_MAX_TOKENS hands over).
+FMA_TILES = RouterTiles(16, 16, 32, 4, mma=False)
+# Tensor cores: a tile takes 64 experts (DeepSeek-V2-Lite's whole gate) per 16 tokens.
+MMA_TILES = RouterTiles(16, 64, 64, 4, mma=True)
+MMA_SPLIT_TILES = MMA_TILES._replace(split=True)
 _MAX_SPLITS = 16
 
 
@@ -315,13 +347,20 @@ _MAX_SPLITS = 16
 def _router_partials_kernel(x_ptr, w_ptr, out_ptr, num_tokens, num_experts, hidden, num_splits,
                             stride_xt, stride_we, stride_os, stride_ot,
                             BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                            USE_PDL: tl.constexpr):
+                            MMA: tl.constexpr, SPLIT_BF16: tl.constexpr, USE_PDL: tl.constexpr):
     """out[s, t, e] = sum over split s's range of k of float32(x[t, k]) * float32(w[e, k]), for a BLOCK_T x BLOCK_E
     tile of (t, e).
 
-    tl.dot with input_precision="ieee" on float32 operands is Triton's CUDA-core path (no tensor cores, no TF32):
-    each thread runs FMA chains over k for its outputs, operands from shared memory, loads pipelined with cp.async.
-    (A broadcast product + tl.sum over k compiled for sm_90 to 5 warp shuffles a product: K lay across the lanes.)"""
+    Without MMA, tl.dot with input_precision="ieee" on float32 operands is Triton's CUDA-core path (no tensor cores,
+    no TF32): each thread runs FMA chains over k for its outputs, operands from shared memory, loads pipelined with
+    cp.async. (A broadcast product + tl.sum over k compiled for sm_90 to 5 warp shuffles a product: K lay across the
+    lanes.)
+
+    MMA: tensor-core dots with a float32 accumulator; x and w in one half-precision dtype go in as they are (a
+    product of two 8- or 11-bit significands is exact in float32). SPLIT_BF16 (x bf16, w float32): each weight tile
+    is split into bf16 parts hi + mid + lo = w exactly (each part takes the next 8 of float32's 24 significand bits;
+    the differences are exact in float32), and three dots add x . lo, x . mid, x . hi. Every product is exact, as in
+    the CUDA-core path; only the summation order differs."""
     pdl_wait(USE_PDL)                   # x is the previous kernel's output; the weight is not worth an early load
     pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -338,59 +377,89 @@ def _router_partials_kernel(x_ptr, w_ptr, out_ptr, num_tokens, num_experts, hidd
     acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_ok = k[None, :] < hidden - k0                     # only the last step of the last split is partial
-        xs = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok, other=0.0).to(tl.float32)
-        ws = tl.load(w_ptrs + k0, mask=e_ok[:, None] & k_ok, other=0.0).to(tl.float32)
-        acc = tl.dot(xs, tl.trans(ws), acc, input_precision="ieee")
+        xs = tl.load(x_ptrs + k0, mask=t_ok[:, None] & k_ok, other=0.0)
+        ws = tl.load(w_ptrs + k0, mask=e_ok[:, None] & k_ok, other=0.0)
+        if SPLIT_BF16:
+            hi = ws.to(tl.bfloat16)
+            rest = ws - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(xs, tl.trans(lo), acc)             # smallest parts first
+            acc = tl.dot(xs, tl.trans(mid), acc)
+            acc = tl.dot(xs, tl.trans(hi), acc)
+        elif MMA:
+            acc = tl.dot(xs, tl.trans(ws), acc)
+        else:
+            acc = tl.dot(xs.to(tl.float32), tl.trans(ws.to(tl.float32)), acc, input_precision="ieee")
     out_ptrs = out_ptr + split * stride_os + t[:, None].to(tl.int64) * stride_ot + e[None, :]
     tl.store(out_ptrs, acc, mask=t_ok[:, None] & e_ok[None, :])
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def router_tiles(x: torch.Tensor, weight: torch.Tensor) -> RouterTiles | None:
+    """The split-K kernel's tile for x on weight: tensor cores for bf16 x on a float32 gate (split weights) and for
+    a half-precision gate in x's dtype, CUDA cores for float32 x on a float32 gate; None for other pairs."""
+    if weight.dtype == torch.float32:
+        return MMA_SPLIT_TILES if x.dtype == torch.bfloat16 else FMA_TILES if x.dtype == torch.float32 else None
+    return MMA_TILES if weight.dtype in _HALF and x.dtype == weight.dtype else None
+
+
 def router_logit_partials_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the gate GEMM of x takes `router_logit_partials`: 17..ROUTER_TILED_MAX_TOKENS tokens and a float32
-    gate (DeepSeek's). A bf16 gate (Qwen3-MoE) keeps cuBLAS above the GEMV's sizes: its logits rounded to bf16,
-    as HF computes them (the split-K kernel's float32 sums would break bf16 ties differently), and cuBLAS's bf16
-    GEMM was as fast or faster from 17 tokens up (router_gate_ab_h200.json)."""
-    return (x.dim() == 2 and ROUTER_GEMV_MAX_TOKENS < x.shape[0] <= ROUTER_TILED_MAX_TOKENS
-            and weight.dtype == torch.float32)
+    """Whether the gate GEMM of x takes `router_logit_partials`: from 17 tokens up to ROUTER_MMA_MAX_TOKENS on the
+    tensor cores (bf16 x on DeepSeek's float32 gate, a bf16 gate as Qwen3-MoE's in x's dtype), up to
+    ROUTER_TILED_MAX_TOKENS on CUDA cores (float32 x and gate)."""
+    tiles = router_tiles(x, weight) if x.dim() == 2 else None
+    if tiles is None:
+        return False
+    most = ROUTER_MMA_MAX_TOKENS if tiles.mma else ROUTER_TILED_MAX_TOKENS
+    return ROUTER_GEMV_MAX_TOKENS < x.shape[0] <= most
 
 
-def router_splits(num_tokens: int, num_experts: int, hidden: int, device: torch.device) -> int:
+def router_splits(num_tokens: int, num_experts: int, hidden: int, device: torch.device,
+                  tiles: RouterTiles = FMA_TILES) -> int:
     """S for `router_logit_partials`: the smallest power of two that gives the grid 2 programs an SM (1 once the
     tiles alone do), at most _MAX_SPLITS and at most the K steps. Powers of two: `fused_route` compiles a kernel
     per S, so a model sees at most five (1, 2, 4, 8, 16) over all batch sizes."""
-    tiles = cdiv(num_tokens, _TILE_T) * cdiv(num_experts, _TILE_E)
-    steps = cdiv(hidden, _TILE_K)
-    wanted = next_pow2(cdiv(2 * num_sms(device), tiles))
+    num_tiles = cdiv(num_tokens, tiles.block_t) * cdiv(num_experts, tiles.block_e)
+    steps = cdiv(hidden, tiles.block_k)
+    wanted = next_pow2(cdiv(2 * num_sms(device), num_tiles))
     return min(wanted, _MAX_SPLITS, 1 << (steps.bit_length() - 1))
 
 
 def router_logit_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, H] (any float dtype), weight [E, H] (float32 or bf16) -> [S, T, E] float32 partial logits: slice s
-    holds the dot products over split s of the hidden dim, in float32 products of float32 inputs, so that
-    `sum_partials` of them = F.linear(x.float(), weight.float()) up to summation order. Deterministic: every
+    """x [T, H], weight [E, H] (a pair `router_tiles` takes) -> [S, T, E] float32 partial logits: slice s holds the
+    dot products over split s of the hidden dim, exact float32 products, so that `sum_partials` of them =
+    F.linear(x.float(), weight.float()) up to summation order (a half-precision gate's GEMM rounds that sum to its
+    dtype: `fused_route` and `sum_partials` take `round_to`). Deterministic: every
     output written once by one program, the same S and summation order for the same T on the same GPU.
     `fused_route` takes them as they are (the sum is in its row loads: no [T, E] round trip, no reduce launch)."""
     x, weight = _gate_inputs(x, weight)
     (t, hidden), num_experts = x.shape, weight.shape[0]
-    splits = router_splits(t, num_experts, hidden, x.device)
+    tiles = router_tiles(x, weight)
+    assert tiles is not None, f"x {x.dtype} on a {weight.dtype} gate: no split-K kernel"
+    splits = router_splits(t, num_experts, hidden, x.device, tiles)
     # Slices 16 floats apart at any T: fused_route's stride over them stays a multiple of 16, which Triton
     # specializes on (no second route kernel for odd T x E).
     size = t * num_experts
     out = torch.empty(splits, cdiv(size, 16) * 16, dtype=torch.float32, device=x.device)[:, :size]
     out = out.view(splits, t, num_experts)
-    grid = (cdiv(t, _TILE_T), cdiv(num_experts, _TILE_E), splits)
+    grid = (cdiv(t, tiles.block_t), cdiv(num_experts, tiles.block_e), splits)
     _router_partials_kernel[grid](
         x, weight, out, t, num_experts, hidden, splits, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
-        BLOCK_T=_TILE_T, BLOCK_E=_TILE_E, BLOCK_K=_TILE_K, num_warps=_TILE_WARPS, **pdl_launch_args(x))
+        BLOCK_T=tiles.block_t, BLOCK_E=tiles.block_e, BLOCK_K=tiles.block_k, MMA=tiles.mma, SPLIT_BF16=tiles.split,
+        num_warps=tiles.warps, **pdl_launch_args(x))
     return out
 
 
-def sum_partials(partials: torch.Tensor) -> torch.Tensor:
-    """[S, T, E] -> [T, E]: p[0] + p[1] + ... in that order, in float32, as `fused_route` sums them (bit for bit)."""
+def sum_partials(partials: torch.Tensor, round_to: torch.dtype | None = None) -> torch.Tensor:
+    """[S, T, E] -> [T, E]: p[0] + p[1] + ... in that order, in float32, as `fused_route` sums them (bit for bit);
+    with a half-precision `round_to`, the sum rounded to it once (stored as float32)."""
     out = partials[0].clone()
     for p in partials[1:]:
         out += p
-    return out
+    return out if round_to in (None, torch.float32) else out.to(round_to).float()
 
 
 def fused_route_ref(logits, cfg, bias=None, expert_load=None):
@@ -401,6 +470,7 @@ def fused_route_ref(logits, cfg, bias=None, expert_load=None):
     return weights, ids
 
 
-__all__ = ["MAX_EXPERTS", "ROUTER_GEMV_MAX_TOKENS", "ROUTER_TILED_MAX_TOKENS", "fused_route", "fused_route_ref",
-           "fused_route_supported", "router_logit_partials", "router_logit_partials_supported", "router_logits",
-           "router_logits_supported", "router_splits", "sum_partials"]
+__all__ = ["FMA_TILES", "MAX_EXPERTS", "MMA_TILES", "ROUTER_GEMV_MAX_TOKENS", "ROUTER_MMA_MAX_TOKENS",
+           "ROUTER_TILED_MAX_TOKENS", "RouterTiles", "fused_route", "fused_route_ref", "fused_route_supported",
+           "router_logit_partials", "router_logit_partials_supported", "router_logits", "router_logits_supported",
+           "router_splits", "router_tiles", "sum_partials"]

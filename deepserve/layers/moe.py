@@ -73,9 +73,11 @@ class Router(nn.Module):
         self.register_parameter("e_score_correction_bias", bias)
 
     def gate_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> the gate GEMM in the gate's dtype: [T, E] float32 logits, or, on the Triton path with a
-        float32 gate at 17..ROUTER_TILED_MAX_TOKENS tokens, [S, T, E] split-K partial sums (float32 products of
-        float32 inputs), which `fused_route` adds as it loads a row and `sum_partials` adds in the same order."""
+        """x: [T, H] -> the gate GEMM in the gate's dtype: [T, E] float32 logits, or, on the Triton path from 17
+        tokens (up to ROUTER_MMA_MAX_TOKENS on tensor cores, ROUTER_TILED_MAX_TOKENS on CUDA cores), [S, T, E]
+        split-K partial sums (exact float32 products, not yet rounded to a half-precision gate's dtype), which
+        `fused_route` adds as it loads a row and `sum_partials` adds in the same order, both rounding the sum to
+        the gate's dtype."""
         if self.batch_invariant:
             return invariant_linear(x.to(self.weight.dtype), self.weight).float()
         if use_triton(x) and not torch.is_grad_enabled():
@@ -91,7 +93,7 @@ class Router(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, E] float32, the gate GEMM in the gate's dtype."""
-        return _summed(self.gate_gemm(x))
+        return _summed(self.gate_gemm(x), self.weight.dtype)
 
     def forward(self, x: torch.Tensor, expert_load: torch.Tensor | None = None):
         """x: [T, H] -> (weights [T, k] float32, ids [T, k] int64); with `expert_load` ([E] int64), each expert's
@@ -101,20 +103,22 @@ class Router(nn.Module):
             from deepserve.kernels.moe_routing import fused_route, fused_route_supported
             if fused_route_supported(self.cfg, self.weight.shape[0]):
                 # One launch (load count included) instead of ~10 small, launch-bound torch ops at decode sizes.
-                return fused_route(gate, self.cfg, self.e_score_correction_bias, expert_load)
-        logits = _summed(gate)
+                return fused_route(gate, self.cfg, self.e_score_correction_bias, expert_load,
+                                   round_to=self.weight.dtype)
+        logits = _summed(gate, self.weight.dtype)
         weights, ids = route(logits, self.cfg, self.e_score_correction_bias)
         if expert_load is not None:
             count_expert_load(expert_load, ids)
         return weights, ids
 
 
-def _summed(gate: torch.Tensor) -> torch.Tensor:
-    """[T, E] logits from a gate GEMM's result (split-K partials [S, T, E] added in order)."""
+def _summed(gate: torch.Tensor, gate_dtype: torch.dtype) -> torch.Tensor:
+    """[T, E] logits from a gate GEMM's result (split-K partials [S, T, E] added in order, rounded to a
+    half-precision gate's dtype)."""
     if gate.dim() == 2:
         return gate
     from deepserve.kernels.moe_routing import sum_partials
-    return sum_partials(gate)
+    return sum_partials(gate, gate_dtype)
 
 
 # Checkpoint names of one expert's projections -> (stacked parameter, shard: 0 gate, 1 up, None down).

@@ -22,8 +22,9 @@ from deepserve.layers.mlp import GatedMLP
 # the grouped GEMM (from L2 while they fit), where cuBLAS reads them about once. Measured on an H200
 # (benchmarks/moe_shared_fusion_ab.py, moe_shared_fusion_ab_h200.json, us per MoE layer fused / apart): V2-Lite
 # 151.7 / 155.9 at 8 tokens, 284.8 / 293.2 at 64, 295.7 / 299.1 at 128, 316.9 / 316.5 at 256; DeepSeek-V3 (58.7 MB
-# of shared gate/up weights, more than the L2) 4333 / 4344 at 64, 5148 / 5117 at 128.
-FUSED_SHARED_MAX_TOKENS = 64
+# of shared gate/up weights, more than the L2) 4333 / 4344 at 64, 5148 / 5117 at 128. Until session 22 the bound
+# was 64; whole V2-Lite decode steps at batch 128 with 128: session22_steps_ab_h200.json (A/B mode shared_fusion_s21).
+FUSED_SHARED_MAX_TOKENS = 128
 
 
 class TritonMoE:

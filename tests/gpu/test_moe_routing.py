@@ -6,10 +6,12 @@ import torch
 
 from deepserve.kernels import INTERPRET
 from deepserve.kernels import moe_routing as routing
-from deepserve.kernels.moe_routing import (ROUTER_GEMV_MAX_TOKENS, ROUTER_TILED_MAX_TOKENS, fused_route,
-                                           fused_route_ref, fused_route_supported, router_logit_partials,
+from deepserve.kernels.moe_routing import (MMA_SPLIT_TILES, MMA_TILES, ROUTER_GEMV_MAX_TOKENS,
+                                           ROUTER_MMA_MAX_TOKENS, ROUTER_TILED_MAX_TOKENS, fused_route,
+                                           fused_route_ref,
+                                           fused_route_supported, router_logit_partials,
                                            router_logit_partials_supported, router_logits, router_logits_supported,
-                                           router_splits, sum_partials)
+                                           router_splits, router_tiles, sum_partials)
 from deepserve.layers import moe as moe_module
 from deepserve.layers.moe import FusedMoE, RoutingConfig
 
@@ -198,9 +200,9 @@ def test_layer_runs_the_kernel(device, monkeypatch):
         layer.reset_expert_load()
         calls = []
 
-        def spy(*args):
+        def spy(*args, **kwargs):
             calls.append(1)
-            return fused_route(*args)
+            return fused_route(*args, **kwargs)
         monkeypatch.setattr(moe_module, "use_triton", lambda _: True)
         monkeypatch.setattr(routing, "fused_route", spy)
         out = layer(x)
@@ -289,6 +291,9 @@ def h200_splits(monkeypatch):
     monkeypatch.setattr(routing, "num_sms", lambda device: H200_SMS)
 
 
+# The tensor-core variants (bf16 x on a float32 or bf16 gate): Triton 3.x's interpreter gets bf16 tl.dot wrong (off
+# by orders of magnitude on random 16 x 16 tiles), so they run on a GPU only.
+INTERPRETER_BF16_DOT = "bf16 tl.dot is wrong in the Triton interpreter"
 GATE_DTYPES = [(torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
 
 
@@ -301,37 +306,71 @@ def test_router_logit_partials_match_the_gate_gemm(device, h200_splits, t, e, h,
     unequal length."""
     if INTERPRET and t * e * h > 17 * 128 * 2048:
         pytest.skip("the interpreter takes ~1 ms a K step of a tile: the larger shapes run on a GPU")
+    if INTERPRET and x_dtype == torch.bfloat16:       # the tensor-core variants
+        pytest.skip(INTERPRETER_BF16_DOT)
     x = torch.randn(t, h, device=device).to(x_dtype)
     w = (torch.randn(e, h, device=device) * 0.05).to(w_dtype)
     partials = router_logit_partials(x, w)
-    assert partials.dtype == torch.float32 and partials.shape == (router_splits(t, e, h, x.device), t, e)
+    splits = router_splits(t, e, h, x.device, router_tiles(x, w))
+    assert partials.dtype == torch.float32 and partials.shape == (splits, t, e)
     ref = torch.nn.functional.linear(x.float(), w.float())
     scale = (x.float().abs() @ w.float().abs().t()).max().item()
     torch.testing.assert_close(sum_partials(partials), ref, rtol=0, atol=1e-5 * scale)
 
 
-def test_router_logit_partials_are_deterministic(device, h200_splits):
-    """No atomics: two calls give the same bits (16 splits of 22 K steps here)."""
-    x = torch.randn(40, 700, device=device).to(torch.bfloat16)
+@pytest.mark.parametrize("t", [17, 300])
+def test_router_mma_split_keeps_every_weight_bit(device, h200_splits, t):
+    """The tensor-core variant (bf16 x, float32 gate) splits each weight into three bf16 parts: with one non-zero
+    x per row, a power of two, every logit is x times one weight, exact in float32. The three parts' products add
+    up to it exactly; the tensor cores' accumulation may round a partial sum, so the test asks for one float32
+    rounding at most and most logits bit for bit. Weights with all 24 significand bits set at random: two parts (16
+    bits) would be off by up to 2^-17 relative, one part by 2^-9."""
+    if INTERPRET:
+        pytest.skip(INTERPRETER_BF16_DOT)
+    e, h = 64, 2048
+    assert router_tiles(torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1)) == MMA_SPLIT_TILES
+    gen = torch.Generator().manual_seed(t)
+    w = (torch.rand(e, h, generator=gen) + 0.5) * torch.randint(-3, 4, (e, h), generator=gen).float().exp2()
+    x = torch.zeros(t, h)
+    col = torch.randint(0, h, (t,), generator=gen)
+    x[torch.arange(t), col] = torch.randint(-4, 5, (t,), generator=gen).float().exp2()
+    x, w = x.to(torch.bfloat16).to(device), w.to(device)
+    logits = sum_partials(router_logit_partials(x, w))
+    expected = torch.stack([x[r, col[r]].float() * w[:, col[r]] for r in range(t)])       # [t, e]
+    assert_within_ulps(logits, expected, torch.float32, ulps=1, min_exact=0.9)
+
+
+@pytest.mark.parametrize("x_dtype,splits", [(torch.float32, 16), (torch.bfloat16, 8)])
+def test_router_logit_partials_are_deterministic(device, h200_splits, x_dtype, splits):
+    """No atomics: two calls give the same bits (16 splits of 22 K steps on CUDA cores, 8 of 11 on tensor cores)."""
+    if INTERPRET and x_dtype == torch.bfloat16:
+        pytest.skip(INTERPRETER_BF16_DOT)
+    x = torch.randn(40, 700, device=device).to(x_dtype)
     w = torch.randn(60, 700, device=device) * 0.05
     first = router_logit_partials(x, w)
-    assert first.shape[0] == 16
+    assert first.shape[0] == splits
     assert torch.equal(first, router_logit_partials(x, w))
 
 
+@pytest.mark.parametrize("round_to", [None, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("splits", [1, 3, 16])
 @pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3", "qwen3_moe"])
-def test_route_sums_the_partials(device, name, splits):
+def test_route_sums_the_partials(device, name, splits, round_to):
     """fused_route on [S, T, E] partials = fused_route on their `sum_partials` bit for bit (the kernel sums them in
-    the same order), load counter included; and = route() on that sum as the [T, E] tests check (ids and load
-    equal; weights within 1e-6: softmax's sum order, the interpreter's exp)."""
+    the same order, and with `round_to` rounds the sum to a half-precision gate's dtype as sum_partials does), load
+    counter included; and = route() on that sum as the [T, E] tests check (ids and load equal; weights within 1e-6:
+    softmax's sum order, the interpreter's exp)."""
+    if INTERPRET and round_to is not None:
+        pytest.skip("the interpreter truncates float32 -> bf16 / fp16 where torch and the GPU round to nearest")
     e, cfg = MODELS[name]
     gen = torch.Generator().manual_seed(splits)
     partials = (torch.randn(splits, 8, e, generator=gen) * 2 / splits ** 0.5).to(device)
     bias = _bias(e, device) if cfg.uses_bias else None
     load, load_summed, load_ref = (torch.zeros(e, dtype=torch.int64, device=device) for _ in range(3))
-    weights, ids = fused_route(partials, cfg, bias, load)
-    logits = sum_partials(partials)
+    weights, ids = fused_route(partials, cfg, bias, load, round_to=round_to)
+    logits = sum_partials(partials, round_to)
+    if round_to is not None:
+        assert torch.equal(logits, logits.to(round_to).float()) and not torch.equal(logits, sum_partials(partials))
     weights_summed, ids_summed = fused_route(logits, cfg, bias, load_summed)
     assert torch.equal(ids, ids_summed) and torch.equal(weights, weights_summed) and torch.equal(load, load_summed)
     ref_w, ref_ids = fused_route_ref(logits, cfg, bias, load_ref)
@@ -359,16 +398,28 @@ def test_router_splits(device, h200_splits):
     assert router_splits(17, 64, 40, dev) == 2                     # 2 K steps (the second partial)
     assert router_splits(17, 64, 96, dev) == 2                     # 3 K steps: a power of two
     assert router_splits(17, 64, 100, dev) == 4                    # 4 K steps
+    # The tensor-core tiles: 16 tokens x 64 experts x 64 of the hidden dim.
+    assert router_splits(128, 64, 2048, dev, MMA_TILES) == 16      # 8 tiles: 33 wanted
+    assert router_splits(512, 64, 2048, dev, MMA_TILES) == 16      # 32 tiles: 9 wanted
+    assert router_splits(512, 256, 7168, dev, MMA_TILES) == 4      # 128 tiles: 3 wanted
 
 
 def test_router_logit_partials_sizes():
-    """A float32 gate: the two gate kernels split 1..ROUTER_TILED_MAX_TOKENS tokens between them; beyond, cuBLAS.
-    A bf16 gate takes the split-K kernel at no size (cuBLAS in its dtype, logits rounded as HF rounds them)."""
-    w32, w16 = torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16)
-    for t in range(1, ROUTER_TILED_MAX_TOKENS + 2):
-        x = torch.zeros(t, 8)
-        assert router_logits_supported(x) + router_logit_partials_supported(x, w32) == (t <= ROUTER_TILED_MAX_TOKENS)
-        assert not router_logit_partials_supported(x, w16)
+    """The two gate kernels split 1..ROUTER_TILED_MAX_TOKENS tokens between them for float32 x on a float32 gate
+    (CUDA cores), 1..ROUTER_MMA_MAX_TOKENS for bf16 x on a float32 gate or a gate in x's half-precision dtype
+    (tensor cores); beyond, cuBLAS. Mixed half-precision pairs take cuBLAS above the GEMV's sizes."""
+    w32 = torch.zeros(4, 8)
+    for x_dtype, w, most in ((torch.float32, w32, ROUTER_TILED_MAX_TOKENS),
+                             (torch.bfloat16, w32, ROUTER_MMA_MAX_TOKENS),
+                             (torch.bfloat16, w32.bfloat16(), ROUTER_MMA_MAX_TOKENS),
+                             (torch.float16, w32.half(), ROUTER_MMA_MAX_TOKENS)):
+        for t in range(1, most + 2):
+            x = torch.zeros(t, 8, dtype=x_dtype)
+            assert router_logits_supported(x) + router_logit_partials_supported(x, w) == (t <= most)
+    for x_dtype, w_dtype in ((torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16),
+                             (torch.float16, torch.float32)):
+        x = torch.zeros(ROUTER_GEMV_MAX_TOKENS + 1, 8, dtype=x_dtype)
+        assert router_tiles(x, w32.to(w_dtype)) is None and not router_logit_partials_supported(x, w32.to(w_dtype))
     assert router_logit_partials_supported(torch.zeros(ROUTER_GEMV_MAX_TOKENS + 1, 8), w32)
     assert not router_logit_partials_supported(torch.zeros(ROUTER_TILED_MAX_TOKENS + 1, 8), w32)
     assert not router_logit_partials_supported(torch.zeros(2, 32, 8), w32)
@@ -393,9 +444,9 @@ def test_router_routes_the_partials(device, monkeypatch):
         monkeypatch.setattr(moe_module, "use_triton", lambda _: True)
         shapes = []
 
-        def spy(logits, *args):
+        def spy(logits, *args, **kwargs):
             shapes.append(logits.shape)
-            return fused_route(logits, *args)
+            return fused_route(logits, *args, **kwargs)
         monkeypatch.setattr(routing, "fused_route", spy)
         weights, ids = gate(x, layer.expert_load)
         logits = gate.logits(x)
@@ -404,3 +455,41 @@ def test_router_routes_the_partials(device, monkeypatch):
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
     assert torch.equal(ids, ref_ids) and torch.equal(layer.expert_load, ref_load)
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=0.0)
+
+
+def test_router_rounds_bf16_gate_partials(device, monkeypatch):
+    """A bf16 gate (Qwen3-MoE's) with bf16 x from 17 tokens: the tensor-core partials go to fused_route, which
+    rounds their sum to bf16; `logits` is that rounded sum, every logit within one bf16 ulp of cuBLAS's bf16 GEMM
+    (full-precision reduction), and the ids and weights are route()'s on those logits."""
+    if INTERPRET:
+        pytest.skip(INTERPRETER_BF16_DOT)
+    e, cfg = MODELS["qwen3_moe"]
+    layer = FusedMoE(512, 16, e, cfg, gate_dtype=torch.bfloat16).to(device)
+    gate = layer.gate
+    with torch.no_grad():
+        gate.weight.normal_(0.0, 0.05)
+    x = torch.randn(40, 512, device=device).to(torch.bfloat16)
+    calls = []
+
+    def spy(logits, *args, **kwargs):
+        calls.append((logits.dim(), kwargs.get("round_to")))
+        return fused_route(logits, *args, **kwargs)
+    monkeypatch.setattr(moe_module, "use_triton", lambda _: True)
+    monkeypatch.setattr(routing, "fused_route", spy)
+    with torch.inference_mode():
+        weights, ids = gate(x)
+        logits = gate.logits(x)
+    assert calls == [(3, torch.bfloat16)]
+    assert torch.equal(logits, sum_partials(router_logit_partials(x, gate.weight), torch.bfloat16))
+    ref_w, ref_ids = fused_route_ref(logits, cfg)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=0.0)
+    reduced = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        cublas = torch.nn.functional.linear(x, gate.weight)
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
+    scale = (x.float().abs() @ gate.weight.float().abs().t()).max().item()
+    assert_within_ulps(logits.to(torch.bfloat16), cublas, torch.bfloat16, ulps=1, min_exact=0.45,
+                       atol=2.0 ** -20 * scale)
