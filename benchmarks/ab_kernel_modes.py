@@ -17,7 +17,7 @@
                       tokens, cuBLAS above; a bf16 gate on cuBLAS from 17 tokens (no tensor-core variants:
                       moe_routing.router_tiles)
   shared_fusion_s21   the shared experts folded into the MoE grouped GEMMs up to 64 tokens, as before session 22
-                      (layers/moe_triton.FUSED_SHARED_MAX_TOKENS)
+                      (layers/moe_triton.fused_shared_max_tokens)
 (The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0.)
 The switch patches deepserve/kernels in this process, then runs h200_decode_sweep.py with the remaining arguments.
 A diagnostic: skinny_pdl_ab_h200.json holds the numbers. (moe_fused_combine_ab_h200.json came from a third mode,
@@ -74,7 +74,7 @@ elif mode == "int64_decode_inputs":
 elif mode == "router_s21":
     moe_routing.router_tiles = lambda x, w: moe_routing.FMA_TILES if w.dtype == torch.float32 else None
 elif mode == "shared_fusion_s21":
-    moe_triton.FUSED_SHARED_MAX_TOKENS = 64
+    moe_triton.fused_shared_max_tokens = lambda gate_up: 64
 elif mode != "default":
     raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
                      "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21 or "

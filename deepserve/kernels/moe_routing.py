@@ -1,14 +1,13 @@
 """Fused MoE routing: everything after the gate GEMM in one launch. The GPU twin of `route()` (+ the expert-load
 `index_add_`) in deepserve/layers/moe.py, which stays the reference and the CPU path. The gate GEMM before it
-(float32 products of float32 inputs, never TF32) is one launch too, by batch size:
+(exact float32 products, never TF32) is one launch too, by batch size:
   1..16 tokens    `router_logits`: a GEMV, [T, E] logits (a half-precision gate's rounded to its dtype, as cuBLAS's
                   GEMM rounds them above 16 tokens and in HF).
-  17..64          `router_logit_partials`: a split-K GEMM, [S, T, E] partial sums (S splits of the hidden dim, each
-  (..512 on       its own slice: no atomics, deterministic), which `fused_route` sums itself (and rounds to a
-  tensor cores)   half-precision gate's dtype, as the GEMM would). A float32 gate with float32 x: on CUDA cores, up
-                  to 64 tokens. With bf16 x (the usual decode step): on tensor cores, the float32 weight split in
-                  three bf16 parts whose products with x are exact; a bf16 or fp16 gate in x's dtype: on tensor
-                  cores as it is (`_router_partials_kernel`).
+  17..512         `router_logit_partials`: a split-K GEMM, [S, T, E] partial sums (S splits of the hidden dim, each
+                  its own slice: no atomics, deterministic), which `fused_route` sums itself (and rounds to a
+                  half-precision gate's dtype, as the GEMM would). On tensor cores for bf16 x on a float32 gate
+                  (the weight split in three bf16 parts whose products with x are exact) and for a bf16 / fp16 gate
+                  in x's dtype; float32 x on a float32 gate runs on CUDA cores, up to 64 tokens only.
   above           cuBLAS (the caller's F.linear).
 Both replace a cast + cuBLAS's split-K GEMM and reduce kernels (DeepSeek's gate is float32) for a 0.5 MB weight.
 
@@ -470,7 +469,7 @@ def fused_route_ref(logits, cfg, bias=None, expert_load=None):
     return weights, ids
 
 
-__all__ = ["FMA_TILES", "MAX_EXPERTS", "MMA_TILES", "ROUTER_GEMV_MAX_TOKENS", "ROUTER_MMA_MAX_TOKENS",
-           "ROUTER_TILED_MAX_TOKENS", "RouterTiles", "fused_route", "fused_route_ref", "fused_route_supported",
-           "router_logit_partials", "router_logit_partials_supported", "router_logits", "router_logits_supported",
-           "router_splits", "router_tiles", "sum_partials"]
+__all__ = ["FMA_TILES", "MAX_EXPERTS", "MMA_SPLIT_TILES", "MMA_TILES", "ROUTER_GEMV_MAX_TOKENS",
+           "ROUTER_MMA_MAX_TOKENS", "ROUTER_TILED_MAX_TOKENS", "RouterTiles", "fused_route", "fused_route_ref",
+           "fused_route_supported", "router_logit_partials", "router_logit_partials_supported", "router_logits",
+           "router_logits_supported", "router_splits", "router_tiles", "sum_partials"]

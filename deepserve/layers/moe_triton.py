@@ -21,10 +21,19 @@ from deepserve.layers.mlp import GatedMLP
 # Above this many tokens the shared experts keep their own GEMMs: every BLOCK_M tokens re-read the shared weights in
 # the grouped GEMM (from L2 while they fit), where cuBLAS reads them about once. Measured on an H200
 # (benchmarks/moe_shared_fusion_ab.py, moe_shared_fusion_ab_h200.json, us per MoE layer fused / apart): V2-Lite
-# 151.7 / 155.9 at 8 tokens, 284.8 / 293.2 at 64, 295.7 / 299.1 at 128, 316.9 / 316.5 at 256; DeepSeek-V3 (58.7 MB
-# of shared gate/up weights, more than the L2) 4333 / 4344 at 64, 5148 / 5117 at 128. Until session 22 the bound
-# was 64; whole V2-Lite decode steps at batch 128 with 128: session22_steps_ab_h200.json (A/B mode shared_fusion_s21).
+# (23 MB of shared gate/up weights) 151.7 / 155.9 at 8 tokens, 284.8 / 293.2 at 64, 295.7 / 299.1 at 128, 316.9 /
+# 316.5 at 256; DeepSeek-V3 (58.7 MB, more than the L2) 4333 / 4344 at 64, 5148 / 5117 at 128. So shared weights
+# that fit the L2 fuse up to 128 tokens (session 22: V2-Lite batch-128 decode steps 10.846 -> 10.794 ms,
+# session22_steps_ab_h200.json, A/B mode shared_fusion_s21), larger ones up to 64.
 FUSED_SHARED_MAX_TOKENS = 128
+FUSED_SHARED_MAX_TOKENS_LARGE = 64
+SHARED_FITS_L2_BYTES = 32 << 20
+
+
+def fused_shared_max_tokens(gate_up: torch.Tensor) -> int:
+    """The most tokens whose MoE step runs the shared experts with weight `gate_up` inside the grouped GEMMs."""
+    small = gate_up.numel() * gate_up.element_size() <= SHARED_FITS_L2_BYTES
+    return FUSED_SHARED_MAX_TOKENS if small else FUSED_SHARED_MAX_TOKENS_LARGE
 
 
 class TritonMoE:
@@ -40,11 +49,13 @@ class TritonMoE:
         shared_weights = None
         if shared_experts is not None:
             # The aligned mode runs plain shared weights as extra blocks of its grouped GEMMs (two launches fewer,
-            # their weight reads beside the routed experts') up to FUSED_SHARED_MAX_TOKENS; the pair mode (batches
+            # their weight reads beside the routed experts') up to fused_shared_max_tokens; the pair mode (batches
             # of a few tokens) has no such blocks, and the shared experts run as their own module (GEMV kernels).
             fuse = isinstance(config, MoEConfig) and x.shape[0] <= FUSED_SHARED_MAX_TOKENS
             if fuse and envs.DEEPSERVE_MOE_FUSED_SHARED:
                 shared_weights = plain_shared_weights(shared_experts, x, swiglu_limit)
+                if shared_weights is not None and x.shape[0] > fused_shared_max_tokens(shared_weights[0]):
+                    shared_weights = None
             if shared_weights is None:
                 shared_out = shared_experts(x)
         return fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit, config=config, shared_out=shared_out,
@@ -89,4 +100,5 @@ def select_moe_and_mla_backends(model, device) -> None:
             layer.backend = mla
 
 
-__all__ = ["FUSED_SHARED_MAX_TOKENS", "TritonMoE", "plain_shared_weights", "select_moe_and_mla_backends"]
+__all__ = ["FUSED_SHARED_MAX_TOKENS", "FUSED_SHARED_MAX_TOKENS_LARGE", "SHARED_FITS_L2_BYTES", "TritonMoE",
+           "fused_shared_max_tokens", "plain_shared_weights", "select_moe_and_mla_backends"]

@@ -9,7 +9,8 @@ import deepserve.kernels.fused_moe as fused_moe_module
 from deepserve.kernels.fused_moe import (MoEConfig, MoEPairConfig, align_max_rows, fused_moe, fused_moe_ref,
                                          moe_align, moe_align_ref, moe_combine, pick_pair_config, use_pair_mode)
 import deepserve.layers.moe_triton as moe_triton_module
-from deepserve.layers.moe_triton import FUSED_SHARED_MAX_TOKENS, TritonMoE, plain_shared_weights
+from deepserve.layers.moe_triton import (FUSED_SHARED_MAX_TOKENS, FUSED_SHARED_MAX_TOKENS_LARGE, TritonMoE,
+                                         fused_shared_max_tokens, plain_shared_weights)
 from deepserve.layers.moe import FusedMoE, RoutingConfig
 from kernel_testing import skip_bf16_in_interpreter
 
@@ -328,6 +329,15 @@ def test_backend_in_moe_layer(device, dtype, config, tokens, fuse_shared, monkey
     _check(out, ref, dtype)
     assert torch.equal(layer.expert_load, 2 * load_ref)
     assert calls == [fuse_shared and config is None and tokens <= FUSED_SHARED_MAX_TOKENS]
+
+
+def test_fused_shared_bound_follows_the_l2():
+    """Shared gate/up weights that fit the L2 (V2-Lite's 23 MB) fuse up to 128 tokens, larger ones (DeepSeek-V3's
+    58.7 MB) up to 64: the measured sides of moe_shared_fusion_ab_h200.json."""
+    v2_lite = torch.empty(2 * 2816, 2048, dtype=torch.bfloat16, device="meta")
+    v3 = torch.empty(2 * 2048, 7168, dtype=torch.bfloat16, device="meta")
+    assert fused_shared_max_tokens(v2_lite) == FUSED_SHARED_MAX_TOKENS == 128
+    assert fused_shared_max_tokens(v3) == FUSED_SHARED_MAX_TOKENS_LARGE == 64
 
 
 def test_only_plain_shared_experts_are_fused():
