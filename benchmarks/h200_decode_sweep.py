@@ -11,6 +11,8 @@ does when serving). Beside each step time, what the step must at least cost:
   flops      2 x active parameters per token + attention over the context, times the batch
   roofline   max(bytes / 4.24 TB/s, flops / 989 TFLOP/s)            -> fraction_of_roofline = roofline / step
   replay     the batch's captured CUDA graph replayed back to back: the forward's device time alone
+  host_wait  per timed step, the host's wait for the device's result (the runner's collect): near 0 when the host
+             sets the pace (its scheduling and batch building, not the device, then make the step time)
   experts    (MoE) max(distinct expert bytes / bandwidth, flops / peak): the issue's MoE target reads the
              step time against this one (within 1.5x); the full roofline above adds the KV and the other weights,
              and its ratio to this one (experts_ratio_floor) is the best the step could reach at full bandwidth
@@ -27,6 +29,7 @@ Smoke (CPU):        python benchmarks/h200_decode_sweep.py --device cpu --shapes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -149,11 +152,13 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
         sync(device)
         before = [s.num_output_tokens for s in seqs]
         preempted = eng.scheduler.num_preemptions
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        sync(device)
-        elapsed = time.perf_counter() - t0
+        waits = []
+        with waits_for_device(eng.runner, waits):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                eng.step()
+            sync(device)
+            elapsed = time.perf_counter() - t0
         grew = min(s.num_output_tokens - b for s, b in zip(seqs, before))
         context_mean = sum(s.num_tokens for s in seqs) / batch - steps / 2
         if eng.scheduler.num_preemptions != preempted or grew < steps - 1:
@@ -178,6 +183,8 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
         # The captured forward alone, back to back: step_ms - this = what the step spends outside the forward
         # (scheduling, sampling, the host's wait).
         out["graph_replay_ms"] = replay
+    # The host's wait for the device's result, per step: near 0 means the host, not the device, set the pace.
+    out["host_wait_ms"] = round(sum(waits) / steps * 1e3, 4)
     if timeline and device == "cuda":
         out["graph_timeline"] = gaps
     if touched is not None:
@@ -188,6 +195,25 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
         # KV there is 46% of its expert bytes).
         out["experts_ratio_floor"] = round(roof["roofline_ms"] / roof["experts_roofline_ms"], 3)
     return out
+
+
+@contextlib.contextmanager
+def waits_for_device(runner, waits: list):
+    """Within the block, each step's wait for the device's result (the runner's `collect`: the step's ready event)
+    is appended to `waits`, in seconds."""
+    collect = runner.collect
+
+    def timed_collect(step):
+        t0 = time.perf_counter()
+        if step.ready is not None:
+            step.ready.synchronize()
+        waits.append(time.perf_counter() - t0)
+        return collect(step)
+    runner.collect = timed_collect
+    try:
+        yield
+    finally:
+        runner.collect = collect
 
 
 def graph_replay_ms(engine, batch: int, reps: int = 30) -> float | None:
