@@ -29,7 +29,6 @@ Smoke (CPU):        python benchmarks/h200_decode_sweep.py --device cpu --shapes
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -152,8 +151,9 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
         sync(device)
         before = [s.num_output_tokens for s in seqs]
         preempted = eng.scheduler.num_preemptions
+        import profile_gpu_step
         waits = []
-        with waits_for_device(eng.runner, waits):
+        with profile_gpu_step.waits_for_device(eng.runner, waits):
             t0 = time.perf_counter()
             for _ in range(steps):
                 eng.step()
@@ -195,25 +195,6 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
         # KV there is 46% of its expert bytes).
         out["experts_ratio_floor"] = round(roof["roofline_ms"] / roof["experts_roofline_ms"], 3)
     return out
-
-
-@contextlib.contextmanager
-def waits_for_device(runner, waits: list):
-    """Within the block, each step's wait for the device's result (the runner's `collect`: the step's ready event)
-    is appended to `waits`, in seconds."""
-    collect = runner.collect
-
-    def timed_collect(step):
-        t0 = time.perf_counter()
-        if step.ready is not None:
-            step.ready.synchronize()
-        waits.append(time.perf_counter() - t0)
-        return collect(step)
-    runner.collect = timed_collect
-    try:
-        yield
-    finally:
-        runner.collect = collect
 
 
 def graph_replay_ms(engine, batch: int, reps: int = 30) -> float | None:

@@ -14,6 +14,7 @@ Run (GPU machine):  python benchmarks/profile_gpu_step.py --shapes llama-3.2-1b,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -193,11 +194,10 @@ def compiled_kernels() -> int:
     return len(os.listdir(path)) if os.path.isdir(path) else 0
 
 
-def offline_breakdown(llm: LLM, n: int = 256, ilen: int = 128, olen: int = 128, seed: int = 3) -> dict:
-    eng = llm.engine
-    runner = eng.runner
-    prompts = random_prompts(n, ilen, eng.vocab_size, seed)
-    waits = []
+@contextlib.contextmanager
+def waits_for_device(runner, waits: list):
+    """Within the block, each step's wait for the device's result (the runner's `collect`: the step's ready event)
+    is appended to `waits`, in seconds."""
     collect = runner.collect
 
     def timed_collect(step):
@@ -206,8 +206,17 @@ def offline_breakdown(llm: LLM, n: int = 256, ilen: int = 128, olen: int = 128, 
             step.ready.synchronize()
         waits.append(time.perf_counter() - t0)
         return collect(step)
-
     runner.collect = timed_collect
+    try:
+        yield
+    finally:
+        runner.collect = collect
+
+
+def offline_breakdown(llm: LLM, n: int = 256, ilen: int = 128, olen: int = 128, seed: int = 3) -> dict:
+    eng = llm.engine
+    prompts = random_prompts(n, ilen, eng.vocab_size, seed)
+    waits = []
     step = eng.step
     kinds: dict[str, list] = {"prefill_or_mixed": [], "decode": []}
 
@@ -236,16 +245,16 @@ def offline_breakdown(llm: LLM, n: int = 256, ilen: int = 128, olen: int = 128, 
     eng.scheduler.schedule = recorded_schedule
     eng.step = timed_step
     try:
-        llm.generate(random_prompts(4, ilen, eng.vocab_size, 99), SamplingParams(max_tokens=4, ignore_eos=True),
-                     use_tqdm=False)
-        waits.clear()
-        kinds["decode"].clear()
-        kinds["prefill_or_mixed"].clear()
-        t0 = time.perf_counter()
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=olen, ignore_eos=True), use_tqdm=False)
-        wall = time.perf_counter() - t0
+        with waits_for_device(eng.runner, waits):
+            llm.generate(random_prompts(4, ilen, eng.vocab_size, 99), SamplingParams(max_tokens=4, ignore_eos=True),
+                         use_tqdm=False)
+            waits.clear()
+            kinds["decode"].clear()
+            kinds["prefill_or_mixed"].clear()
+            t0 = time.perf_counter()
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=olen, ignore_eos=True), use_tqdm=False)
+            wall = time.perf_counter() - t0
     finally:
-        runner.collect = collect
         eng.step = step
         eng.scheduler.schedule = schedule
     return {"wall_s": round(wall, 3), "output_tok_s": round(n * olen / wall, 1),
