@@ -18,6 +18,8 @@
                       moe_routing.router_tiles)
   shared_fusion_s21   the shared experts folded into the MoE grouped GEMMs up to 64 tokens, as before session 22
                       (layers/moe_triton.fused_shared_max_tokens)
+  mla_decode_before   the MLA decode of an older kernels/mla_decode.py, whose path MLA_BEFORE names (git show
+                      <rev>:deepserve/kernels/mla_decode.py > FILE), in place of this one
 (The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0.)
 The switch patches deepserve/kernels in this process, then runs h200_decode_sweep.py with the remaining arguments.
 A diagnostic: skinny_pdl_ab_h200.json holds the numbers. (moe_fused_combine_ab_h200.json came from a third mode,
@@ -75,9 +77,16 @@ elif mode == "router_s21":
     moe_routing.router_tiles = lambda x, w: moe_routing.FMA_TILES if w.dtype == torch.float32 else None
 elif mode == "shared_fusion_s21":
     moe_triton.fused_shared_max_tokens = lambda gate_up: 64
+elif mode == "mla_decode_before":
+    import importlib.util
+    import deepserve.layers.mla_triton as mla_triton
+    spec = importlib.util.spec_from_file_location("mla_decode_before", os.environ["MLA_BEFORE"])
+    before = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(before)
+    mla_triton.mla_decode = before.mla_decode
 elif mode != "default":
     raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
-                     "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21 or "
-                     "shared_fusion_s21")
+                     "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21, "
+                     "shared_fusion_s21 or mla_decode_before")
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

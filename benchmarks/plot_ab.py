@@ -18,6 +18,8 @@
   mla_decode_few_rows_ab_h200.json MLA decode: one-tile 64-token splits at a few rows, vs before
   mla_reduce_chunk_ab_h200.json MLA decode + split reduce: 16 split rows per reduce load, vs 4 before
   session20_steps_ab_h200.json  decode steps with each of session 20's changes switched back (one run)
+  mla_decode_chunks_ab_h200.json MLA decode: the latent in four chunks (independent MMA chains), vs before
+  session23_steps_ab_h200.json  V2-Lite decode steps with the chunked MLA decode kernel, vs before
 
 Run:  python benchmarks/plot_ab.py [name ...]   (writes <name>.png beside each JSON, or the named ones; needs
       matplotlib)
@@ -174,6 +176,10 @@ def main() -> None:
                                                                   "splits at few rows vs before"),
         "mla_reduce_chunk_ab_h200": lambda p: mla_decode_ab(p, "MLA decode + reduce (V2-Lite, H200): 16 split rows "
                                                                "per reduce load vs 4 before"),
+        "mla_decode_chunks_ab_h200": lambda p: mla_decode_ab(p, "MLA decode (V2-Lite, H200): latent in four "
+                                                                "chunks vs before"),
+        "session23_steps_ab_h200": lambda p: steps_by_batch(p, "DeepSeek-V2-Lite decode step (H200, 1k): chunked "
+                                                               "MLA decode vs before"),
         "session20_steps_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): session 20's changes, each "
                                                                "switched back"),
         "decode_merge_ab_h200": lambda p: per_tokens(p, {"reduce_launch_us": "split kernel + reduce launch",

@@ -59,7 +59,9 @@ def main() -> None:
     ap.add_argument("--rows", default="2,4,8,16,32,64")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--grid-rows", default="", help="row counts that time the whole grid (others: engine only)")
+    ap.add_argument("--grid", default="", help="the grid's tilings instead of GRID: bn:bk:warps:stages,...")
     args = ap.parse_args()
+    grid = ([SkinnyTiles(*map(int, t.split(":"))) for t in args.grid.split(",")] if args.grid else GRID)
     rows_list = [int(r) for r in args.rows.split(",")]
     grid_rows = {int(r) for r in args.grid_rows.split(",") if r}
     out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -83,7 +85,7 @@ def main() -> None:
             configs = [("engine", tiles)] + [(f"engine_prefetch{p}", tiles._replace(prefetch=p))
                                              for p in (0, 1, 2) if p != tiles.prefetch]
             if m in grid_rows:
-                configs += [(str(tuple(t)), t) for t in GRID]
+                configs += [(str(tuple(t)), t) for t in grid]
             for label, tiles in configs:
                 try:
                     err = (run(x, ws[0], tiles=tiles).float() - ref).abs().max().item()

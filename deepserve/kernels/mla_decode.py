@@ -33,7 +33,7 @@ from deepserve.kernels.reference.norm import rms_norm
 from deepserve.kernels.rotary import rotary_constexprs, rotate_heads
 
 _LOG2E = 1.4426950408889634
-MLA_BLOCK_N = 32         # cached tokens per inner step
+MLA_BLOCK_N = 32         # cached tokens per inner step of a split launch (mla_decode_tiles)
 MLA_BLOCK_H = 16         # heads per program (tl.dot needs >= 16 rows; padded heads are masked)
 _MIN_PARTITION = 48      # tokens (54 KiB of bf16 latents): shorter splits cost more in the reduce than they gain
 _MAX_SPLITS = 128
@@ -165,6 +165,21 @@ def rotary_write_latents_ref(kv_cache, q_pe, latent, k_pe, slot_mapping, positio
 _PER_STEP_ARGS = ["stride_po_b", "stride_po_h", "stride_pl_b", "stride_pl_h"]
 
 
+@triton.jit
+def load_columns(row_ptrs, first: tl.constexpr, cols, rows_ok, width):
+    """Columns first + cols of the rows at row_ptrs ([rows, 1] pointers): 0 at and past `width` or on masked rows.
+    A column chunk of a wide row (also kernels/sparse_attention.py's)."""
+    return tl.load(row_ptrs + first + cols[None, :], mask=rows_ok[:, None] & (first + cols < width)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def store_columns(row_ptrs, first: tl.constexpr, cols, rows_ok, value, width):
+    """`load_columns`'s store: value [rows, chunk] rounded to the rows' dtype."""
+    tl.store(row_ptrs + first + cols[None, :], value.to(row_ptrs.dtype.element_ty),
+             mask=rows_ok[:, None] & (first + cols < width)[None, :])
+
+
 @triton.jit(do_not_specialize=_PER_STEP_ARGS + ["stride_bt"])
 def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
                        out_ptr, part_out_ptr, part_lse_ptr,
@@ -173,9 +188,15 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
                        stride_c_block, stride_c_slot, stride_bt, stride_ob, stride_oh,
                        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
                        num_heads, block_size,
-                       RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                       RANK: tl.constexpr, ROPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        PRECISION: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
+    """One (sequence, head tile, split). The latent is handled as four column chunks of CHUNK (a quarter of its
+    padded width): the score is five products (four chunks and the RoPE part) summed, and the output four
+    accumulators. Why: with one [BLOCK_H, 576] x [576, BLOCK_N] product every warp ran one chain of 36 dependent
+    MMAs per tile (the warps split BLOCK_N), and that chain's latency, not memory, bounded the kernel (Nsight
+    Compute's top stall, session 20: decode_attention_ncu_b8_h200.json); five independent chains of at most 8
+    can interleave."""
     b = tl.program_id(0).to(tl.int64)
     head_tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -193,49 +214,60 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
 
     heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < num_heads
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < RANK
+    c = tl.arange(0, CHUNK)
     p = tl.arange(0, BLOCK_P)
     p_ok = p < ROPE
-    q_lat = tl.load(q_lat_ptr + b * stride_qlb + heads[:, None] * stride_qlh + r[None, :],
-                    mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q_rows = q_lat_ptr + b * stride_qlb + heads[:, None] * stride_qlh
+    q0 = load_columns(q_rows, 0 * CHUNK, c, h_ok, RANK)
+    q1 = load_columns(q_rows, 1 * CHUNK, c, h_ok, RANK)
+    q2 = load_columns(q_rows, 2 * CHUNK, c, h_ok, RANK)
+    q3 = load_columns(q_rows, 3 * CHUNK, c, h_ok, RANK)
     q_pe = tl.load(q_pe_ptr + b * stride_qpb + heads[:, None] * stride_qph + p[None, :],
                    mask=h_ok[:, None] & p_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
     # Every tile holds at least one real token (the loop stops at `end`), so m_i is finite after the first.
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_ok = tok < end
-        slot = cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
+        slot = (cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot)[:, None]
         blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
-        latent = tl.load(slot[:, None] + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
-        k_pe = tl.load(slot[:, None] + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
-        s = tl.dot(q_lat, tl.trans(latent), input_precision=PRECISION)          # [BLOCK_H, BLOCK_N]
-        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
+        c0 = load_columns(slot, 0 * CHUNK, c, t_ok, RANK)
+        c1 = load_columns(slot, 1 * CHUNK, c, t_ok, RANK)
+        c2 = load_columns(slot, 2 * CHUNK, c, t_ok, RANK)
+        c3 = load_columns(slot, 3 * CHUNK, c, t_ok, RANK)
+        k_pe = tl.load(slot + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
+        s = ((tl.dot(q0, tl.trans(c0), input_precision=PRECISION) + tl.dot(q1, tl.trans(c1), input_precision=PRECISION))
+             + (tl.dot(q2, tl.trans(c2), input_precision=PRECISION) + tl.dot(q3, tl.trans(c3), input_precision=PRECISION))
+             + tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION))                       # [BLOCK_H, BLOCK_N]
         s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))               # log2 domain
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         prob = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(prob, 1)
-        # The latent tile doubles as the value tile: no second load.
-        acc = tl.dot(prob.to(latent.dtype), latent, acc * alpha[:, None], input_precision=PRECISION)
+        # The latent chunks double as the value tile: no second load.
+        prob = prob.to(c0.dtype)
+        acc0 = tl.dot(prob, c0, acc0 * alpha[:, None], input_precision=PRECISION)
+        acc1 = tl.dot(prob, c1, acc1 * alpha[:, None], input_precision=PRECISION)
+        acc2 = tl.dot(prob, c2, acc2 * alpha[:, None], input_precision=PRECISION)
+        acc3 = tl.dot(prob, c3, acc3 * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
-    out_mask = h_ok[:, None] & r_ok[None, :]
+    # SPLIT: this (non-empty) split's normalised output (float32) and log2-sum-exp; else the output, rounded once.
     if SPLIT:
-        # This (non-empty) split's normalised output and log2-sum-exp.
-        o = acc / l_i[:, None]
-        lse = m_i + tl.math.log2(l_i)
-        tl.store(part_out_ptr + b * stride_po_b + heads[:, None] * stride_po_h + split * stride_po_s + r[None, :],
-                 o, mask=out_mask)
-        tl.store(part_lse_ptr + b * stride_pl_b + heads * stride_pl_h + split, lse, mask=h_ok)
+        o_rows = part_out_ptr + b * stride_po_b + heads[:, None] * stride_po_h + split * stride_po_s
+        tl.store(part_lse_ptr + b * stride_pl_b + heads * stride_pl_h + split, m_i + tl.math.log2(l_i), mask=h_ok)
     else:
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + r[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=out_mask)
+        o_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh
+    store_columns(o_rows, 0 * CHUNK, c, h_ok, acc0 / l_i[:, None], RANK)
+    store_columns(o_rows, 1 * CHUNK, c, h_ok, acc1 / l_i[:, None], RANK)
+    store_columns(o_rows, 2 * CHUNK, c, h_ok, acc2 / l_i[:, None], RANK)
+    store_columns(o_rows, 3 * CHUNK, c, h_ok, acc3 / l_i[:, None], RANK)
 
 
 @triton.jit(do_not_specialize=_PER_STEP_ARGS + ["num_splits"])
@@ -283,17 +315,46 @@ def mla_num_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.d
     return max(1, min(target // programs, cdiv(max_seq_len, _MIN_PARTITION), _MAX_SPLITS))
 
 
+def mla_decode_tiles(num_splits: int, token_bytes: int, device: torch.device) -> tuple[int, int, int]:
+    """(tokens per tile, warps, stages) of a decode launch whose cache rows are `token_bytes` long. Measured on an H200
+    with the kernel's four latent chunks (V2-Lite's 16 heads, 512 + 64 bf16; mla_decode_chunks_ab_h200.json):
+      - a launch of one split (batch 256 at 1k and 4k: 256 programs, about two per SM) takes 64-token tiles, 4 warps,
+        2 stages: 86.8 us against 101.1 with 32 x 4 x 3 at 1k, 312 against 383 at 4k; at batch 128 forced to one
+        split 62 against 81. Its two stages of 64 rows need 147 KB of shared memory: where the device has less
+        (or a float32 cache), the 32-token tiles below;
+      - split launches (batch 8-128) keep 32-token tiles, 4 warps, 3 stages: the best or within 1% at batch 32-128,
+        and 11.4 us against the best 11.6 at batch 8, 1k (22 splits)."""
+    if num_splits == 1 and 64 * token_bytes * 2 <= _shared_memory_bytes(device):
+        return 64, 4, 2
+    return MLA_BLOCK_N, 4, 3
+
+
+_SHARED_MEMORY: dict = {}
+
+
+def _shared_memory_bytes(device: torch.device) -> int:
+    """Shared memory a program may opt into (the interpreter, off the GPU: no limit; unknown: 0)."""
+    if device.type != "cuda":
+        return 1 << 30
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SHARED_MEMORY:
+        props = torch.cuda.get_device_properties(idx)
+        _SHARED_MEMORY[idx] = int(getattr(props, "shared_memory_per_block_optin", 0))
+    return _SHARED_MEMORY[idx]
+
+
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None,
-               max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, block_n: int = MLA_BLOCK_N,
-               num_warps: Optional[int] = None, num_stages: int = 3, inputs_ready: bool = False) -> torch.Tensor:
+               max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, block_n: Optional[int] = None,
+               num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+               inputs_ready: bool = False) -> torch.Tensor:
     """One query token per sequence b (row b) over its paged latents.
 
     q_lat: [B, H, R] (q_nope with W_UK absorbed), q_pe: [B, H, P] (any batch/head strides, unit last stride);
     kv_cache: [num_blocks, block_size, R + P]; block_tables [B, max_blocks]; seq_lens [B] (>= 1, this step's
     latent already written) -> [B, H, R] attention-weighted latents (in `out` if given, else q_lat's dtype).
     `max_seq_len` (host int) sizes the split without a device sync; `num_splits` forces it; `block_n`,
-    `num_warps`, `num_stages` are the tile and launch settings (tuning). `inputs_ready`: seq_lens and block_tables
+    `num_warps`, `num_stages` override `mla_decode_tiles`'s launch setting (tuning). `inputs_ready`: seq_lens and block_tables
     were in place before the kernel launched just before this call (the backend's per-step metadata), so they
     may be read before the PDL wait.
     """
@@ -313,6 +374,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         max_seq_len = int(seq_lens.max().item())
     if num_splits is None:
         num_splits = mla_num_splits(bsz, heads, max_seq_len, q_lat.device)
+    tiles = mla_decode_tiles(num_splits, kv_cache.shape[-1] * kv_cache.element_size(), kv_cache.device)
+    block_n, warps, stages = block_n or tiles[0], num_warps or tiles[1], num_stages or tiles[2]
     partition = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_seq_len, partition))
     split = num_splits > 1
@@ -324,11 +387,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     else:
         part_out = part_lse = out      # unused
         po, pl = (0, 0, 0), (0, 0)
-    block_r = max(16, next_pow2(rank))
-    # 4 warps, 32-token tiles, 3 stages: the best or within 7% of it on an H200 from batch 8 to 256 at contexts 1k
-    # and 4k among 16/32/64-token tiles x 4/8 warps x 2/3/4 stages (bf16, 512 + 64, 16 heads; 3 stages beat 2 by
-    # up to 13% at batch >= 32: tune_decode_attention.json).
-    warps = num_warps or 4
+    chunk = max(16, next_pow2(rank) // 4)       # four chunks cover the rank (16 at least: a tl.dot's K)
     precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"      # fp32 inputs: no TF32 rounding
     _mla_decode_kernel[(bsz, cdiv(heads, MLA_BLOCK_H), num_splits)](
         q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse,
@@ -336,9 +395,9 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         *po, *pl, heads, kv_cache.shape[1],
-        RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(rope)),
+        RANK=rank, ROPE=rope, CHUNK=chunk, BLOCK_P=max(16, next_pow2(rope)),
         BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision,
-        INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=warps, num_stages=num_stages,
+        INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=warps, num_stages=stages,
         **pdl_launch_args(q_lat))
     if split:
         # The decode kernel, the reduce's predecessor, does not write seq_lens: ready for it.
@@ -390,5 +449,5 @@ def mla_decode_ref(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, out=Non
     return out
 
 
-__all__ = ["mla_decode", "mla_decode_ref", "mla_num_splits", "mla_reduce", "mla_reduce_ref", "write_latents",
+__all__ = ["mla_decode", "mla_decode_ref", "mla_decode_tiles", "mla_num_splits", "mla_reduce", "mla_reduce_ref", "write_latents",
            "write_latents_ref", "rotary_write_latents", "rotary_write_latents_ref", "MLA_BLOCK_H", "MLA_BLOCK_N"]
