@@ -20,6 +20,7 @@
   session20_steps_ab_h200.json  decode steps with each of session 20's changes switched back (one run)
   mla_decode_chunks_ab_h200.json MLA decode: the latent in four chunks (independent MMA chains), vs before
   session23_steps_ab_h200.json  V2-Lite decode steps with the chunked MLA decode kernel, vs before
+  sink_attention_chunks_ab_h200.json  DeepSeek-V4.1's sink attention with four column chunks, vs before
 
 Run:  python benchmarks/plot_ab.py [name ...]   (writes <name>.png beside each JSON, or the named ones; needs
       matplotlib)
@@ -180,6 +181,8 @@ def main() -> None:
                                                                 "chunks vs before"),
         "session23_steps_ab_h200": lambda p: steps_by_batch(p, "DeepSeek-V2-Lite decode step (H200, 1k): chunked "
                                                                "MLA decode vs before"),
+        "sink_attention_chunks_ab_h200": lambda p: per_tokens(p, {"before_us": "before", "now_us": "four column "
+                                                                   "chunks"}, "V4.1 sink attention (H200)", x="rows"),
         "session20_steps_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): session 20's changes, each "
                                                                "switched back"),
         "decode_merge_ab_h200": lambda p: per_tokens(p, {"reduce_launch_us": "split kernel + reduce launch",

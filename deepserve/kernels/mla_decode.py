@@ -33,7 +33,7 @@ from deepserve.kernels.reference.norm import rms_norm
 from deepserve.kernels.rotary import rotary_constexprs, rotate_heads
 
 _LOG2E = 1.4426950408889634
-MLA_BLOCK_N = 32         # cached tokens per inner step of a split launch (mla_decode_tiles)
+MLA_BLOCK_N = 32         # cached tokens per inner step
 MLA_BLOCK_H = 16         # heads per program (tl.dot needs >= 16 rows; padded heads are masked)
 _MIN_PARTITION = 48      # tokens (54 KiB of bf16 latents): shorter splits cost more in the reduce than they gain
 _MAX_SPLITS = 128
@@ -315,46 +315,17 @@ def mla_num_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.d
     return max(1, min(target // programs, cdiv(max_seq_len, _MIN_PARTITION), _MAX_SPLITS))
 
 
-def mla_decode_tiles(num_splits: int, token_bytes: int, device: torch.device) -> tuple[int, int, int]:
-    """(tokens per tile, warps, stages) of a decode launch whose cache rows are `token_bytes` long. Measured on an H200
-    with the kernel's four latent chunks (V2-Lite's 16 heads, 512 + 64 bf16; mla_decode_chunks_ab_h200.json):
-      - a launch of one split (batch 256 at 1k and 4k: 256 programs, about two per SM) takes 64-token tiles, 4 warps,
-        2 stages: 86.8 us against 101.1 with 32 x 4 x 3 at 1k, 312 against 383 at 4k; at batch 128 forced to one
-        split 62 against 81. Its two stages of 64 rows need 147 KB of shared memory: where the device has less
-        (or a float32 cache), the 32-token tiles below;
-      - split launches (batch 8-128) keep 32-token tiles, 4 warps, 3 stages: the best or within 1% at batch 32-128,
-        and 11.4 us against the best 11.6 at batch 8, 1k (22 splits)."""
-    if num_splits == 1 and 64 * token_bytes * 2 <= _shared_memory_bytes(device):
-        return 64, 4, 2
-    return MLA_BLOCK_N, 4, 3
-
-
-_SHARED_MEMORY: dict = {}
-
-
-def _shared_memory_bytes(device: torch.device) -> int:
-    """Shared memory a program may opt into (the interpreter, off the GPU: no limit; unknown: 0)."""
-    if device.type != "cuda":
-        return 1 << 30
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SHARED_MEMORY:
-        props = torch.cuda.get_device_properties(idx)
-        _SHARED_MEMORY[idx] = int(getattr(props, "shared_memory_per_block_optin", 0))
-    return _SHARED_MEMORY[idx]
-
-
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None,
-               max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, block_n: Optional[int] = None,
-               num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-               inputs_ready: bool = False) -> torch.Tensor:
+               max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, block_n: int = MLA_BLOCK_N,
+               num_warps: int = 4, num_stages: int = 3, inputs_ready: bool = False) -> torch.Tensor:
     """One query token per sequence b (row b) over its paged latents.
 
     q_lat: [B, H, R] (q_nope with W_UK absorbed), q_pe: [B, H, P] (any batch/head strides, unit last stride);
     kv_cache: [num_blocks, block_size, R + P]; block_tables [B, max_blocks]; seq_lens [B] (>= 1, this step's
     latent already written) -> [B, H, R] attention-weighted latents (in `out` if given, else q_lat's dtype).
     `max_seq_len` (host int) sizes the split without a device sync; `num_splits` forces it; `block_n`,
-    `num_warps`, `num_stages` override `mla_decode_tiles`'s launch setting (tuning). `inputs_ready`: seq_lens and block_tables
+    `num_warps`, `num_stages` are the tile and launch settings (tuning). `inputs_ready`: seq_lens and block_tables
     were in place before the kernel launched just before this call (the backend's per-step metadata), so they
     may be read before the PDL wait.
     """
@@ -374,8 +345,6 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         max_seq_len = int(seq_lens.max().item())
     if num_splits is None:
         num_splits = mla_num_splits(bsz, heads, max_seq_len, q_lat.device)
-    tiles = mla_decode_tiles(num_splits, kv_cache.shape[-1] * kv_cache.element_size(), kv_cache.device)
-    block_n, warps, stages = block_n or tiles[0], num_warps or tiles[1], num_stages or tiles[2]
     partition = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_seq_len, partition))
     split = num_splits > 1
@@ -388,6 +357,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         part_out = part_lse = out      # unused
         po, pl = (0, 0, 0), (0, 0)
     chunk = max(16, next_pow2(rank) // 4)       # four chunks cover the rank (16 at least: a tl.dot's K)
+    # 32-token tiles, 4 warps, 3 stages: the best or within 5% of it on an H200 at batch 8-128, 1k and 4k, among
+    # 16/32/64-token tiles x 4/8 warps x 2/3 stages (mla_decode_chunks_ab_h200.json). At batch 256 (one split)
+    # 64-token tiles on 2 stages took the kernel alone from 101 to 87 us, but V2-Lite's decode step from 12.10-12.24
+    # to 12.28-12.31 ms (two A/B pairs in one run, session23_steps_ab_h200.json): not taken.
     precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"      # fp32 inputs: no TF32 rounding
     _mla_decode_kernel[(bsz, cdiv(heads, MLA_BLOCK_H), num_splits)](
         q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse,
@@ -397,7 +370,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         *po, *pl, heads, kv_cache.shape[1],
         RANK=rank, ROPE=rope, CHUNK=chunk, BLOCK_P=max(16, next_pow2(rope)),
         BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision,
-        INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=warps, num_stages=stages,
+        INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=num_warps, num_stages=num_stages,
         **pdl_launch_args(q_lat))
     if split:
         # The decode kernel, the reduce's predecessor, does not write seq_lens: ready for it.
@@ -449,5 +422,5 @@ def mla_decode_ref(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, out=Non
     return out
 
 
-__all__ = ["mla_decode", "mla_decode_ref", "mla_decode_tiles", "mla_num_splits", "mla_reduce", "mla_reduce_ref", "write_latents",
+__all__ = ["mla_decode", "mla_decode_ref", "mla_num_splits", "mla_reduce", "mla_reduce_ref", "write_latents",
            "write_latents_ref", "rotary_write_latents", "rotary_write_latents_ref", "MLA_BLOCK_H", "MLA_BLOCK_N"]

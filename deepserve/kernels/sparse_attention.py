@@ -16,10 +16,14 @@ sink_attention_gathered
     Numerics: scores, softmax statistics and the accumulator in float32 (exp2 of log2-scaled scores); half-precision
     inputs give exact products with float32 sums in q k^T, and probabilities rounded to the input dtype for p k
     (flash-attention style); float32 inputs use IEEE float32 products (no TF32) in both.
-    H200, CUDA graphs, bf16, 64 heads x 512, 128 + 512 keys a row: 9.3 us at 1 row, 24 at 16, 53 at 64, 67 at 128,
-    129 at 256 (the twin: 50 / 125 / 344 / - / -). Far from the memory bound at large batches (256 rows gather
-    168 MB: about 40 us at 4 TB/s): the tl.dot tiles are small (M = 16-64 heads, N = 32-64 keys, K = 512) and
-    the [64, 512] float32 accumulator leaves little room; a FlashMLA-style kernel is the next step if it matters.
+    The query, each key tile and the accumulator are handled as four column chunks (kernels/mla_decode.py's
+    reason: one score product of K = 512 is a chain of 32 dependent MMAs per warp; four chunks make four short
+    independent chains).
+    H200, CUDA graphs, bf16, 64 heads x 512, 128 + 512 keys a row (sink_attention_chunks_ab_h200.json): 7.9 us at
+    1 row, 23 at 16, 45 at 64, 62 at 128, 119 at 256, 3-10% below the one-chunk kernel's 8.8 / 25 / 48 / 64 / 123
+    (the twin: 50 / 125 / 344 / - / -). Far from the memory bound at large batches (256 rows gather 168 MB: about
+    40 us at 4 TB/s): the tl.dot tiles are small (M = 16-64 heads, N = 32-64 keys) and the [64, 512] float32
+    accumulator leaves little room; a FlashMLA-style kernel is the next step if it matters.
 
 index_logits
     I(t, j) = sum_h w[t, h] relu(qi[t, h] . ki[j]). The (row, head) pairs of BLOCK_T rows are the M side of one
@@ -35,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from deepserve.kernels import HAS_TRITON, INTERPRET, cdiv, next_pow2, require_triton, tl, triton
+from deepserve.kernels.mla_decode import load_columns, store_columns
 from deepserve.kernels.paged_attention import num_sms
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from deepserve.kernels.reference import sparse_attention as reference
@@ -79,24 +84,37 @@ def sink_attention_supported(q: torch.Tensor, sources: list[tuple[torch.Tensor, 
 
 
 @triton.jit
-def _sink_attend_tiles(q, m_i, l_i, acc, cache_ptr, stride_c, slots_ptr, stride_sk, n_keys, tile_lo, tile_hi, d,
-                       d_ok, qk_scale, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+def _sink_attend_tiles(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, cache_ptr, stride_c, slots_ptr, stride_sk, n_keys,
+                       tile_lo, tile_hi, c, head_dim, qk_scale, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PRECISION: tl.constexpr):
     """Fold key tiles [tile_lo, tile_hi) of one source (slots of one row; -1 or past n_keys: no key) into the
-    online-softmax state (m_i, l_i [BLOCK_H], acc [BLOCK_H, BLOCK_D]), scores in the log2 domain."""
+    online-softmax state (m_i, l_i [BLOCK_H], the accumulator's four column chunks a0..a3 [BLOCK_H, CHUNK]), scores
+    in the log2 domain. The query and each key tile come in the same four chunks: the score is four independent
+    products summed (kernels/mla_decode.py's reason: one chain of 32 dependent MMAs per warp is latency-bound)."""
     for tile in range(tile_lo, tile_hi):
         j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         slot = tl.load(slots_ptr + j * stride_sk, mask=j < n_keys, other=-1).to(tl.int64)
         ok = slot >= 0
-        k = tl.load(cache_ptr + slot[:, None] * stride_c + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        rows = (cache_ptr + slot * stride_c)[:, None]
+        k0 = load_columns(rows, 0 * CHUNK, c, ok, head_dim)
+        k1 = load_columns(rows, 1 * CHUNK, c, ok, head_dim)
+        k2 = load_columns(rows, 2 * CHUNK, c, ok, head_dim)
+        k3 = load_columns(rows, 3 * CHUNK, c, ok, head_dim)
+        s = ((tl.dot(q0, tl.trans(k0), input_precision=PRECISION) + tl.dot(q1, tl.trans(k1), input_precision=PRECISION))
+             + (tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+                + tl.dot(q3, tl.trans(k3), input_precision=PRECISION))) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))          # >= the sink: finite even when the whole tile is masked
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PRECISION)
+        p = p.to(k0.dtype)
+        a0 = a0 * alpha[:, None] + tl.dot(p, k0, input_precision=PRECISION)
+        a1 = a1 * alpha[:, None] + tl.dot(p, k1, input_precision=PRECISION)
+        a2 = a2 * alpha[:, None] + tl.dot(p, k2, input_precision=PRECISION)
+        a3 = a3 * alpha[:, None] + tl.dot(p, k3, input_precision=PRECISION)
         m_i = m_new
-    return m_i, l_i, acc
+    return m_i, l_i, a0, a1, a2, a3
 
 
 @triton.jit
@@ -105,7 +123,7 @@ def _sink_attention_kernel(q_ptr, sink_ptr, cache0_ptr, slots0_ptr, cache1_ptr, 
                            stride_qt, stride_qh, stride_c0, stride_s0t, stride_s0k, stride_c1, stride_s1t, stride_s1k,
                            stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
                            num_heads, head_tiles, head_dim, k0, k1, tiles_per_split,
-                           TWO_SOURCES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                           TWO_SOURCES: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                            USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)                   # q and the slots are this step's (kernels/pdl.py)
@@ -116,17 +134,22 @@ def _sink_attention_kernel(q_ptr, sink_ptr, cache0_ptr, slots0_ptr, cache1_ptr, 
     t = (pid // head_tiles).to(tl.int64)
     split = tl.program_id(1)
     h_ok = heads < num_heads
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < head_dim
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    c = tl.arange(0, CHUNK)
+    q_rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+    q0 = load_columns(q_rows, 0 * CHUNK, c, h_ok, head_dim)
+    q1 = load_columns(q_rows, 1 * CHUNK, c, h_ok, head_dim)
+    q2 = load_columns(q_rows, 2 * CHUNK, c, h_ok, head_dim)
+    q3 = load_columns(q_rows, 3 * CHUNK, c, h_ok, head_dim)
     # The sink in the log2 domain; padded heads get 0 (their rows are never stored).
     m_i = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     if SPLIT:
         l_i = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)    # the sink counts once
     else:
         l_i = tl.full([BLOCK_H], 1.0, tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    a0 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
+    a1 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
+    a2 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
+    a3 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
 
     # Key tiles of the row: source 0's, then source 1's; split s takes tiles [lo, hi) of that sequence.
     tiles0 = tl.cdiv(k0, BLOCK_N)
@@ -137,25 +160,29 @@ def _sink_attention_kernel(q_ptr, sink_ptr, cache0_ptr, slots0_ptr, cache1_ptr, 
     else:
         lo = 0
         hi = tiles0 + tiles1
-    m_i, l_i, acc = _sink_attend_tiles(q, m_i, l_i, acc, cache0_ptr, stride_c0, slots0_ptr + t * stride_s0t,
-                                       stride_s0k, k0, lo, tl.minimum(hi, tiles0), d, d_ok, qk_scale, BLOCK_N,
-                                       PRECISION)
+    m_i, l_i, a0, a1, a2, a3 = _sink_attend_tiles(
+        q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, cache0_ptr, stride_c0, slots0_ptr + t * stride_s0t, stride_s0k,
+        k0, lo, tl.minimum(hi, tiles0), c, head_dim, qk_scale, CHUNK, BLOCK_N, PRECISION)
     if TWO_SOURCES:
-        m_i, l_i, acc = _sink_attend_tiles(q, m_i, l_i, acc, cache1_ptr, stride_c1, slots1_ptr + t * stride_s1t,
-                                           stride_s1k, k1, tl.maximum(lo - tiles0, 0),
-                                           tl.minimum(hi - tiles0, tiles1), d, d_ok, qk_scale, BLOCK_N, PRECISION)
+        m_i, l_i, a0, a1, a2, a3 = _sink_attend_tiles(
+            q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, cache1_ptr, stride_c1, slots1_ptr + t * stride_s1t,
+            stride_s1k, k1, tl.maximum(lo - tiles0, 0), tl.minimum(hi - tiles0, tiles1), c, head_dim, qk_scale,
+            CHUNK, BLOCK_N, PRECISION)
 
-    mask = h_ok[:, None] & d_ok[None, :]
     if SPLIT:
         # Normalised partial and its log2-sum-exp; a split without keys (l = 0) has weight 0 in the merge.
         has = l_i > 0
-        part = acc / tl.where(has, l_i, 1.0)[:, None]
+        norm = tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(part_out_ptr + t * stride_pt + heads[:, None] * stride_ph + split * stride_ps + d[None, :], part,
-                 mask=mask)
+        o_rows = part_out_ptr + t * stride_pt + heads[:, None] * stride_ph + split * stride_ps
         tl.store(part_lse_ptr + t * stride_lt + heads * stride_lh + split, lse, mask=h_ok)
     else:
-        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :], acc / l_i[:, None], mask=mask)
+        norm = l_i[:, None]
+        o_rows = out_ptr + t * stride_ot + heads[:, None] * stride_oh
+    store_columns(o_rows, 0 * CHUNK, c, h_ok, a0 / norm, head_dim)
+    store_columns(o_rows, 1 * CHUNK, c, h_ok, a1 / norm, head_dim)
+    store_columns(o_rows, 2 * CHUNK, c, h_ok, a2 / norm, head_dim)
+    store_columns(o_rows, 3 * CHUNK, c, h_ok, a3 / norm, head_dim)
 
 
 @triton.jit
@@ -264,7 +291,7 @@ def sink_attention_gathered(q: torch.Tensor, sources: list[tuple[torch.Tensor, t
         q.stride(0), q.stride(1), caches[0].stride(0), slots[0].stride(0), slots[0].stride(1),
         caches[1].stride(0), slots[1].stride(0), slots[1].stride(1), out.stride(0), out.stride(1), *po, *pl,
         nH, head_tiles, D, k0, k1, tiles_per_split,
-        TWO_SOURCES=two, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split,
+        TWO_SOURCES=two, BLOCK_H=block_h, CHUNK=max(16, block_d // 4), BLOCK_N=block_n, SPLIT=split,
         PRECISION=_precision(q.dtype), num_warps=warps, num_stages=num_stages, **pdl_launch_args(q))
     if split:
         _sink_reduce_kernel[(T, nH)](

@@ -8,9 +8,8 @@ import torch
 
 from deepserve.kernels import INTERPRET
 from deepserve.layers.mla_triton import TritonMLA, TritonMLAMetadata
-from deepserve.kernels.mla_decode import (MLA_BLOCK_N, REDUCE_CHUNK_S, mla_decode, mla_decode_ref, mla_decode_tiles,
-                                          mla_num_splits, mla_reduce, mla_reduce_ref, write_latents,
-                                          write_latents_ref)
+from deepserve.kernels.mla_decode import (MLA_BLOCK_N, REDUCE_CHUNK_S, mla_decode, mla_decode_ref, mla_num_splits,
+                                          mla_reduce, mla_reduce_ref, write_latents, write_latents_ref)
 from deepserve.kernels.paged_attention import active_splits_ref
 from deepserve.layers.moe_triton import TritonMoE, select_moe_and_mla_backends
 from deepserve.layers.attention import TorchPagedAttention
@@ -63,10 +62,11 @@ def test_decode_matches_reference(device, dtype, shape):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_n,warps,stages", [(64, 4, 2), (32, 4, 3), (16, 4, 2)])
 def test_decode_tiles_one_split(device, dtype, block_n, warps, stages):
-    """One split (batch 256's launch) at each tiling, V2-Lite's shape, contexts shorter and longer than a tile."""
+    """One split (batch 256's launch) at tilings the tuning benchmark times (mla_decode_ab.py), V2-Lite's shape,
+    contexts shorter and longer than a tile."""
     skip_bf16_in_interpreter(dtype)
     if torch.device(device).type == "cuda" and dtype == torch.float32 and block_n == 64:
-        pytest.skip("two 64-row float32 stages exceed the shared memory (mla_decode_tiles never picks them)")
+        pytest.skip("two 64-row float32 stages exceed the shared memory")
     lens = [1, 40, 64, 65, 130]
     batch, cache, q_lat, q_pe = _decode_case(device, dtype, 16, 512, 64, lens, 16)
     scale = 1 / math.sqrt(576)
@@ -74,20 +74,6 @@ def test_decode_tiles_one_split(device, dtype, block_n, warps, stages):
     out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, scale, max_seq_len=max(lens),
                      num_splits=1, block_n=block_n, num_warps=warps, num_stages=stages)
     assert_close_rel(out, ref, KERNEL_TOL[dtype])
-
-
-def test_decode_tiles_rule(device):
-    """64-token tiles for one-split launches where two stages of them fit the shared memory, else 32."""
-    bf16_row, fp32_row = 576 * 2, 576 * 4
-    device = torch.device(device)
-    assert mla_decode_tiles(4, bf16_row, device) == (MLA_BLOCK_N, 4, 3)
-    if device.type == "cuda":
-        fits = torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= 64 * bf16_row * 2
-        assert mla_decode_tiles(1, bf16_row, device) == ((64, 4, 2) if fits else (MLA_BLOCK_N, 4, 3))
-        if torch.cuda.get_device_properties(device).shared_memory_per_block_optin < 64 * fp32_row * 2:
-            assert mla_decode_tiles(1, fp32_row, device) == (MLA_BLOCK_N, 4, 3)
-    else:
-        assert mla_decode_tiles(1, fp32_row, device) == (64, 4, 2)
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 64])
