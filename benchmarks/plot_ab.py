@@ -21,6 +21,7 @@
   mla_decode_chunks_ab_h200.json MLA decode: the latent in four chunks (independent MMA chains), vs before
   session23_steps_ab_h200.json  V2-Lite decode steps with the chunked MLA decode kernel, vs before
   sink_attention_chunks_ab_h200.json  DeepSeek-V4.1's sink attention with four column chunks, vs before
+  h200_b256_kernel_sequences.json  where batch-256 (and 8B batch-128) replays go, kernel by kernel (PDL off)
 
 Run:  python benchmarks/plot_ab.py [name ...]   (writes <name>.png beside each JSON, or the named ones; needs
       matplotlib)
@@ -155,6 +156,32 @@ def mla_decode_ab(path: Path, title: str) -> plt.Figure:
     return fig
 
 
+def kernel_sequences(path: Path) -> plt.Figure:
+    """One panel per (shape, batch) with a graph timeline: the kernels of its first 60 launches summed by name,
+    microseconds (PDL off: each kernel's own time)."""
+    data = json.loads(path.read_text())
+    panels = []
+    for key in ("moe_b256_pdl_off", "llama_3_8b_pdl_off"):
+        for shape, contexts in data[key].items():
+            for entry in contexts.values():
+                for b in entry["batches"]:
+                    if "graph_timeline" in b:
+                        panels.append((f"{shape} batch {b['batch']}", b["graph_timeline"]["sequence"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
+    for ax, (title, sequence) in zip(axes[0], panels):
+        totals: dict[str, float] = {}
+        for name, us in sequence:
+            short = name.split("<")[0].replace("void ", "")[:28]
+            totals[short] = totals.get(short, 0.0) + us
+        names = sorted(totals, key=totals.get)[-10:]
+        ax.barh(names, [totals[n] for n in names])
+        ax.set_xlabel("us in the first 60 kernels of a replay")
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="y", labelsize=6)
+    fig.tight_layout()
+    return fig
+
+
 def main() -> None:
     figures = {
         "moe_align_ab_h200": lambda p: per_tokens(p, {"before_us": "before", "after_us": "one-program tile sized "
@@ -183,6 +210,7 @@ def main() -> None:
                                                                "MLA decode vs before"),
         "sink_attention_chunks_ab_h200": lambda p: per_tokens(p, {"before_us": "before", "now_us": "four column "
                                                                    "chunks"}, "V4.1 sink attention (H200)", x="rows"),
+        "h200_b256_kernel_sequences": lambda p: kernel_sequences(p),
         "session20_steps_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): session 20's changes, each "
                                                                "switched back"),
         "decode_merge_ab_h200": lambda p: per_tokens(p, {"reduce_launch_us": "split kernel + reduce launch",
