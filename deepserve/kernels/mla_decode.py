@@ -139,7 +139,8 @@ def rotary_write_latents(kv_cache: torch.Tensor, q_pe: torch.Tensor, latent: tor
         assert norm_weight.shape == (rank,) and norm_weight.is_contiguous()
     _rotary_write_latent_kernel[(t,)](
         positions, slot_mapping, q_pe, latent, k_pe, q_out, kv_cache, cos_cache, sin_cache,
-        norm_weight if norm_weight is not None else latent, float(norm_eps), q_pe.stride(0), q_pe.stride(1), q_out.stride(0), q_out.stride(1), latent.stride(0), k_pe.stride(0),
+        norm_weight if norm_weight is not None else latent, float(norm_eps), q_pe.stride(0), q_pe.stride(1),
+        q_out.stride(0), q_out.stride(1), latent.stride(0), k_pe.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), cos_cache.stride(0), kv_cache.shape[1], heads,
         RANK=rank, BLOCK_R=next_pow2(rank), **rotary_constexprs(rope, heads, cos_cache, sin_cache, interleaved),
         HAS_NORM=norm_weight is not None,
@@ -243,7 +244,8 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
         c3 = load_columns(slot, 3 * CHUNK, c, t_ok, RANK)
         k_pe = tl.load(slot + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
         s = ((tl.dot(q0, tl.trans(c0), input_precision=PRECISION) + tl.dot(q1, tl.trans(c1), input_precision=PRECISION))
-             + (tl.dot(q2, tl.trans(c2), input_precision=PRECISION) + tl.dot(q3, tl.trans(c3), input_precision=PRECISION))
+             + (tl.dot(q2, tl.trans(c2), input_precision=PRECISION)
+                + tl.dot(q3, tl.trans(c3), input_precision=PRECISION))
              + tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION))                       # [BLOCK_H, BLOCK_N]
         s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))               # log2 domain
         m_new = tl.maximum(m_i, tl.max(s, 1))
