@@ -78,12 +78,10 @@ elif mode == "router_s21":
 elif mode == "shared_fusion_s21":
     moe_triton.fused_shared_max_tokens = lambda gate_up: 64
 elif mode == "mla_decode_before":
-    import importlib.util
     import deepserve.layers.mla_triton as mla_triton
-    spec = importlib.util.spec_from_file_location("mla_decode_before", os.environ["MLA_BEFORE"])
-    before = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(before)
-    mla_triton.mla_decode = before.mla_decode
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from mla_decode_ab import load_before
+    mla_triton.mla_decode = load_before(os.environ["MLA_BEFORE"]).mla_decode
 elif mode != "default":
     raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
                      "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21, "

@@ -35,8 +35,10 @@ VARIANTS = [(32, 4, 3), (32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 8, 2), (64, 8, 
 SPLITS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 
 
-def load_before(path: str):
-    spec = importlib.util.spec_from_file_location("mla_decode_before", path)
+def load_before(path: str, name: str = "mla_decode_before"):
+    """An older copy of a kernel module, imported from its file under `name` (also sink_attention_ab.py's and
+    ab_kernel_modes.py's)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod             # its dataclasses (if any) look their module up there
     spec.loader.exec_module(mod)

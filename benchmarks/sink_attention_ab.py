@@ -13,7 +13,6 @@ Run (GPU machine):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -24,18 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from deepserve.kernels.sparse_attention import sink_attention_gathered  # noqa: E402
+from mla_decode_ab import load_before  # noqa: E402
 from tune_gemv import graph_time  # noqa: E402
 
 HEADS, DIM, WINDOW, SELECTED = 64, 512, 128, 512
 L2_BYTES = 60e6
-
-
-def load_module(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def case(rows: int, before) -> dict:
@@ -71,7 +63,7 @@ def main() -> None:
     ap.add_argument("--before", default=None, help="path of an older sparse_attention.py to time in the same run")
     ap.add_argument("--output", default="sink_attention_ab.json")
     args = ap.parse_args()
-    before = load_module(args.before, "sparse_attention_before") if args.before else None
+    before = load_before(args.before, "sparse_attention_before") if args.before else None
     out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
            "shape": {"heads": HEADS, "head_dim": DIM, "window": WINDOW, "selected": SELECTED}, "results": []}
     for rows in [int(r) for r in args.rows.split(",")]:
