@@ -20,8 +20,15 @@
                       (layers/moe_triton.fused_shared_max_tokens)
   mla_decode_before   the MLA decode of an older kernels/mla_decode.py, whose path MLA_BEFORE names (git show
                       <rev>:deepserve/kernels/mla_decode.py > FILE), in place of this one
+  align_s23           the MoE align of 129-4096 (token, expert) pairs in three launches (memset, count, place), as
+                      before session 24, not one (kernels/moe_align.SINGLE_ALIGN_MAX_PAIRS)
+  mla_inputs_apart    MLA's q and kv_a projections with a weight each, two GEMMs past 32 rows, as before session 24
+                      (what DEEPSERVE_MLA_STACKED_INPUTS=0 does, switched here after import)
+  logits_fp32         the CUDA graphs keep float32 logits, as before session 24 (a copy of the LM head's bf16
+                      output made in the graph, then copied into the static buffer), not the head's own dtype
 (The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0.)
-The switch patches deepserve/kernels in this process, then runs h200_decode_sweep.py with the remaining arguments.
+The switch (several, comma-separated, apply together) patches deepserve/kernels in this process, then runs
+h200_decode_sweep.py with the remaining arguments.
 A diagnostic: skinny_pdl_ab_h200.json holds the numbers. (moe_fused_combine_ab_h200.json came from a third mode,
 the MoE pair mode's down GEMVs and combine in one launch, removed with its kernel after it lost.)
 
@@ -40,51 +47,66 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import deepserve.kernels.fused_moe as fused_moe  # noqa: E402
+import deepserve.kernels.moe_align as moe_align  # noqa: E402
 import deepserve.kernels.moe_routing as moe_routing  # noqa: E402
 import deepserve.kernels.paged_attention as paged_attention  # noqa: E402
 import deepserve.kernels.skinny_gemm as skinny  # noqa: E402
 import deepserve.layers.attention_triton as attention_triton  # noqa: E402
 import deepserve.layers.moe_triton as moe_triton  # noqa: E402
 
-mode = os.environ.get("AB", "default")
-if mode == "skinny_nopdl":
-    skinny.pdl_launch_args = lambda tensor: {"USE_PDL": False}
-elif mode == "skinny_noprefetch":
-    _tiles = skinny.skinny_tiles
-    skinny.skinny_tiles = lambda n, k: _tiles(n, k)._replace(prefetch=0)
-elif mode == "router_cublas":
-    moe_routing.router_logit_partials_supported = lambda x, w: False
-elif mode == "moe_aligned_nopdl":
-    fused_moe.aligned_launch_args = lambda tensor: {"USE_PDL": False}
-elif mode == "skinny_two_off":
-    skinny.skinny_linear_two = lambda x, a, b: (skinny.skinny_linear(x, a), skinny.skinny_linear(x, b))
-elif mode == "skinny_tiles_s19":
-    _tiles = skinny.skinny_tiles
-    skinny.skinny_tiles = lambda n, k: (skinny.SkinnyTiles(32, 512, 4, 4) if n >= 4096 and k >= 4096
-                                        else _tiles(n, k))
-elif mode == "decode_tiles_s20":
-    paged_attention.decode_tiles = lambda num_programs, head_dim, split, device: paged_attention.DecodeTiles()
-elif mode == "int64_decode_inputs":
-    attention_triton.INT32_DECODE_INPUTS_MIN_ROWS = 1 << 30
-    _graph_metadata = attention_triton.TritonPagedAttention.build_graph_metadata
+for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switches at once
+    if mode == "skinny_nopdl":
+        skinny.pdl_launch_args = lambda tensor: {"USE_PDL": False}
+    elif mode == "skinny_noprefetch":
+        _tiles = skinny.skinny_tiles
+        skinny.skinny_tiles = lambda n, k: _tiles(n, k)._replace(prefetch=0)
+    elif mode == "router_cublas":
+        moe_routing.router_logit_partials_supported = lambda x, w: False
+    elif mode == "moe_aligned_nopdl":
+        fused_moe.aligned_launch_args = moe_align.aligned_launch_args = lambda tensor: {"USE_PDL": False}
+    elif mode == "skinny_two_off":
+        skinny.skinny_linear_two = lambda x, a, b: (skinny.skinny_linear(x, a), skinny.skinny_linear(x, b))
+    elif mode == "skinny_tiles_s19":
+        _tiles = skinny.skinny_tiles
+        skinny.skinny_tiles = lambda n, k: (skinny.SkinnyTiles(32, 512, 4, 4) if n >= 4096 and k >= 4096
+                                            else _tiles(n, k))
+    elif mode == "decode_tiles_s20":
+        paged_attention.decode_tiles = lambda num_programs, head_dim, split, device: paged_attention.DecodeTiles()
+    elif mode == "int64_decode_inputs":
+        attention_triton.INT32_DECODE_INPUTS_MIN_ROWS = 1 << 30
+        _graph_metadata = attention_triton.TritonPagedAttention.build_graph_metadata
 
-    def _int64_rows(self, batch, max_seq_len):
-        meta = _graph_metadata(self, batch, max_seq_len)
-        meta.decode_rows = meta.decode_seqs = meta.decode_rows.long()
-        return meta
-    attention_triton.TritonPagedAttention.build_graph_metadata = _int64_rows
-elif mode == "router_s21":
-    moe_routing.router_tiles = lambda x, w: moe_routing.FMA_TILES if w.dtype == torch.float32 else None
-elif mode == "shared_fusion_s21":
-    moe_triton.fused_shared_max_tokens = lambda gate_up: 64
-elif mode == "mla_decode_before":
-    import deepserve.layers.mla_triton as mla_triton
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from mla_decode_ab import load_before
-    mla_triton.mla_decode = load_before(os.environ["MLA_BEFORE"]).mla_decode
-elif mode != "default":
-    raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
-                     "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21, "
-                     "shared_fusion_s21 or mla_decode_before")
+        def _int64_rows(self, batch, max_seq_len):
+            meta = _graph_metadata(self, batch, max_seq_len)
+            meta.decode_rows = meta.decode_seqs = meta.decode_rows.long()
+            return meta
+        attention_triton.TritonPagedAttention.build_graph_metadata = _int64_rows
+    elif mode == "router_s21":
+        moe_routing.router_tiles = lambda x, w: moe_routing.FMA_TILES if w.dtype == torch.float32 else None
+    elif mode == "shared_fusion_s21":
+        moe_triton.fused_shared_max_tokens = lambda gate_up: 64
+    elif mode == "mla_decode_before":
+        import deepserve.layers.mla_triton as mla_triton
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        from mla_decode_ab import load_before
+        mla_triton.mla_decode = load_before(os.environ["MLA_BEFORE"]).mla_decode
+    elif mode == "align_s23":
+        moe_align.SINGLE_ALIGN_MAX_PAIRS = 0
+    elif mode == "mla_inputs_apart":
+        moe_triton._STACK_MLA_INPUTS = False
+    elif mode == "logits_fp32":
+        import deepserve.models.base as base
+        import deepserve.models.deepseek_v41 as deepseek_v41
+
+        def _float_head(cls):
+            head = cls.head_logits
+            cls.head_logits = lambda self, hidden: head(self, hidden).float()
+        _float_head(base.CausalLM)
+        _float_head(deepseek_v41.DeepseekV41ForCausalLM)
+    elif mode != "default":
+        raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
+                         "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21, "
+                         "shared_fusion_s21, mla_decode_before, align_s23, mla_inputs_apart or logits_fp32")
+
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

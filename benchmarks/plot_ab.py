@@ -22,6 +22,8 @@
   session23_steps_ab_h200.json  V2-Lite decode steps with the chunked MLA decode kernel, vs before
   sink_attention_chunks_ab_h200.json  DeepSeek-V4.1's sink attention with four column chunks, vs before
   h200_b256_kernel_sequences.json  where batch-256 (and 8B batch-128) replays go, kernel by kernel (PDL off)
+  moe_align_single_ab_h200.json the MoE align of up to 2048 pairs in one program with atomics, against three launches
+  session24_steps_ab_h200.json  V2-Lite / Qwen3-MoE steps with session 24's changes switched back, together and one by one
 
 Run:  python benchmarks/plot_ab.py [name ...]   (writes <name>.png beside each JSON, or the named ones; needs
       matplotlib)
@@ -211,6 +213,10 @@ def main() -> None:
         "sink_attention_chunks_ab_h200": lambda p: per_tokens(p, {"before_us": "before", "now_us": "four column "
                                                                    "chunks"}, "V4.1 sink attention (H200)", x="rows"),
         "h200_b256_kernel_sequences": lambda p: kernel_sequences(p),
+        "moe_align_single_ab_h200": lambda p: per_tokens(p, {"before_us": "three launches (memset, count, place)",
+                                                             "after_us": "one program, atomics"}, "MoE align (H200)"),
+        "session24_steps_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): session 24's changes, "
+                                                               "switched back together and one by one"),
         "session20_steps_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): session 20's changes, each "
                                                                "switched back"),
         "decode_merge_ab_h200": lambda p: per_tokens(p, {"reduce_launch_us": "split kernel + reduce launch",

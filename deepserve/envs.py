@@ -118,6 +118,9 @@ _DECLARED = [
     EnvVar("DEEPSERVE_MLA_ABSORB_MMA", "bool", True,
            "GPU MLA decode of 3-16 rows: the W_UK / W_UV products on the tensor-core Triton kernels "
            "(kernels/mla_absorb.py); 0: cuBLAS's bmm, as at more rows (read at import)"),
+    EnvVar("DEEPSERVE_MLA_STACKED_INPUTS", "bool", True,
+           "GPU multi-head latent attention: the q (or q_a) and kv_a projections' weights in one tensor, one GEMM "
+           "for both past the fused launches' 32 rows; 0: two weights, two GEMMs (read at import)"),
     EnvVar("DEEPSERVE_MOE_FUSED_SHARED", "bool", True,
            "GPU MoE layers in the aligned (grouped GEMM) mode, up to 64 tokens, run the shared experts as extra blocks "
            "of the routed experts' GEMMs; 0: their own launches, before the routed experts"),

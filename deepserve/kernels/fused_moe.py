@@ -5,9 +5,8 @@ Two modes, both with fixed shapes and no host sync (CUDA-graph friendly); `fused
 
 Aligned mode (grouped GEMMs, `MoEConfig`): four launches at decode sizes.
   align     (token, slot) pairs grouped by expert, each expert's run padded to a multiple of BLOCK_M rows, so
-            every BLOCK_M rows of the sorted list belong to one expert (`moe_align`: one program for small
-            batches; for big ones a counter memset, an atomic count and a place kernel; `moe_align_ref` is
-            its torch twin).
+            every BLOCK_M rows of the sorted list belong to one expert (kernels/moe_align.py: one launch for
+            decode batches, three for prefill).
   gate/up   grouped GEMM: block of sorted rows x w13[expert]^T, gate and up tiles in the same program, the
             SwiGLU (with DeepSeek-V4.1's clamp) in the epilogue -> one [rows, I] activation, never [rows, 2I].
   down      grouped GEMM with w2[expert]; the epilogue multiplies by the router weight and writes each pair's
@@ -45,151 +44,10 @@ import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_rows, prefetch_rows_to_l2, swiglu, swiglu_rows
+from deepserve.kernels.moe_align import align_max_rows, aligned_launch_args, moe_align
 from deepserve.kernels.paged_attention import num_sms
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from deepserve.kernels.reference.moe import expert_swiglu, moe_experts
-
-_ALIGN_CELLS = 8192      # one-hot cells [pairs, experts] per align program: bounds its registers
-
-
-# ------------------------------------------------------------------------------------------------
-# Align: sort pairs by expert, pad each expert's run to BLOCK_M
-# ------------------------------------------------------------------------------------------------
-@dataclass
-class MoEAlignment:
-    sorted_pairs: torch.Tensor   # [max_rows] int32: pair (token * top_k + slot) of each row; num_pairs = padding
-    block_expert: torch.Tensor   # [max_rows / block_m] int32: expert of each block of rows; -1 = unused block
-    block_m: int
-    num_pairs: int
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.block_expert.shape[0])
-
-
-def aligned_launch_args(tensor: torch.Tensor) -> dict:
-    """The PDL keywords of the aligned path's launches (align, grouped gate/up, grouped down): without PDL each of
-    them started only after its predecessor had finished, a launch latency each (benchmarks/ab_kernel_modes.py
-    `moe_aligned_nopdl` patches this to time that)."""
-    return pdl_launch_args(tensor)
-
-
-def align_max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """A static bound on the padded rows (no host sync): each expert that got a pair pads < block_m rows, and at
-    most min(pairs, experts) experts got one."""
-    rows = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
-    return cdiv(rows, block_m) * block_m
-
-
-@triton.jit(do_not_specialize=["num_pairs"])   # the batch size: no new variant per step
-def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
-    """counts[e] = pairs routed to e; rank[p] = pair p's place among them (an atomic's old value: the order
-    inside an expert's run is arbitrary, which no result depends on, as GEMM rows are independent)."""
-    pdl_wait(USE_PDL)
-    pdl_launch_dependents(USE_PDL)
-    p = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    ok = p < num_pairs
-    ids = tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int32)
-    rank = tl.atomic_add(counts_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=ok, sem="relaxed")
-    tl.store(rank_ptr + p, rank, mask=ok)
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])   # the batch size: no new variant per step
-def _align_place_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_pairs_ptr, block_expert_ptr,
-                        num_pairs, num_experts, num_blocks,
-                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                        COUNT_HERE: tl.constexpr, USE_PDL: tl.constexpr):
-    """Every program rebuilds the (tiny) run layout from the counts, then places its chunk of pairs and labels
-    its chunk of blocks with their expert; program 0 also fills the padding rows. COUNT_HERE (one program
-    holding every pair: small decode batches) counts and ranks in registers instead, so the whole align is
-    one launch."""
-    pdl_wait(USE_PDL)              # the ids come from the routing kernel just before
-    pdl_launch_dependents(USE_PDL)
-    pid = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    e_ok = e < num_experts
-    p = pid * CHUNK + tl.arange(0, CHUNK)
-    p_ok = p < num_pairs
-    ids = tl.load(ids_ptr + p, mask=p_ok, other=-1).to(tl.int32)
-    onehot = ids[:, None] == e[None, :]                          # [CHUNK, BLOCK_E]
-    if COUNT_HERE:
-        hits = onehot.to(tl.int32)
-        counts = tl.sum(hits, 0)
-        rank = tl.sum((tl.cumsum(hits, 0) - hits) * hits, 1)      # earlier pairs of the same expert
-    else:
-        counts = tl.load(counts_ptr + e, mask=e_ok, other=0)
-        rank = tl.load(rank_ptr + p, mask=p_ok, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    run_end = tl.cumsum(padded, 0)
-    run_start = run_end - padded
-    # Pairs: row = start of the expert's run + rank (a one-hot select stands in for a register gather).
-    start = tl.sum(tl.where(onehot, run_start[None, :], 0), 1)
-    tl.store(sorted_pairs_ptr + start + rank, p, mask=p_ok)
-    # Blocks: the expert is the number of runs that end at or before the block's first row.
-    b = pid * CHUNK + tl.arange(0, CHUNK)
-    owner = tl.sum(((run_end[None, :] <= b[:, None] * BLOCK_M) & e_ok[None, :]).to(tl.int32), 1)
-    tl.store(block_expert_ptr + b, tl.where(owner < num_experts, owner, -1), mask=b < num_blocks)
-    # Padding: the rows after each expert's pairs up to the end of its run (rows past every run stay
-    # unwritten: their blocks are marked -1 and never read).
-    if pid == 0:
-        pad = tl.full([BLOCK_E], 0, tl.int32) + num_pairs
-        for j in range(0, BLOCK_M - 1):
-            tl.store(sorted_pairs_ptr + run_start + counts + j, pad, mask=e_ok & (counts + j < padded))
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
-    """Pairs of `topk_ids` [T, k] grouped by expert, each expert's run padded to a multiple of block_m. Fixed
-    shapes, no host sync (CUDA-graph friendly): one launch when a single program holds every pair and block
-    (decode), else three (a counter memset, an atomic count, the place kernel)."""
-    flat = topk_ids.reshape(-1)
-    num_pairs = flat.numel()
-    device = flat.device
-    max_rows = align_max_rows(num_pairs, num_experts, block_m)
-    num_blocks = max_rows // block_m
-    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    block_e = max(16, next_pow2(num_experts))
-    chunk = max(16, min(128, _ALIGN_CELLS // block_e))
-    one_program = num_pairs <= chunk and num_blocks <= chunk
-    if one_program:
-        # The one program's one-hot tiles sized to what it holds (V2-Lite at 8 tokens: 48 pairs and blocks, 64
-        # rows instead of 128): a latency-bound launch, whose scans over the tile's rows are most of its time.
-        chunk = max(16, next_pow2(max(num_pairs, num_blocks)))
-    if one_program:
-        counts = rank = sorted_pairs     # unused
-    else:
-        counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-        rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
-        _align_count_kernel[(cdiv(num_pairs, chunk),)](flat, counts, rank, num_pairs, CHUNK=chunk, num_warps=4,
-                                                       **aligned_launch_args(flat))
-    grid = max(cdiv(num_pairs, chunk), cdiv(num_blocks, chunk))
-    _align_place_kernel[(grid,)](flat, counts, rank, sorted_pairs, block_expert, num_pairs, num_experts,
-                                 num_blocks, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk,
-                                 COUNT_HERE=one_program, num_warps=4, **aligned_launch_args(flat))
-    return MoEAlignment(sorted_pairs, block_expert, block_m, num_pairs)
-
-
-def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
-    """The torch twin (a stable sort): same runs and blocks; within a run, pairs in increasing order, and
-    rows past every run filled with padding."""
-    flat_ids = topk_ids.reshape(-1)
-    num_pairs = flat_ids.numel()
-    device = flat_ids.device
-    max_rows = align_max_rows(num_pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.index_add_(0, flat_ids, torch.ones_like(flat_ids))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    count_start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat_ids, stable=True)
-    expert = flat_ids[order]
-    rank = torch.arange(num_pairs, device=device) - count_start[expert]
-    sorted_pairs = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pairs[(padded_end - padded)[expert] + rank] = order.to(torch.int32)
-    block_start = torch.arange(0, max_rows, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return MoEAlignment(sorted_pairs, block_expert, block_m, num_pairs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -624,6 +482,5 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, config=
     return moe_experts(x, w13, w2, topk_weights, topk_ids, swiglu_limit, shared_out)
 
 
-__all__ = ["MoEAlignment", "MoEConfig", "MoEPairConfig", "PAIR_MODE_MAX_PAIRS", "moe_align", "moe_align_ref",
-           "align_max_rows", "pick_config", "pick_moe_config", "pick_pair_config", "use_pair_mode", "moe_combine",
-           "fused_moe", "fused_moe_ref"]
+__all__ = ["MoEConfig", "MoEPairConfig", "PAIR_MODE_MAX_PAIRS", "pick_config", "pick_moe_config", "pick_pair_config",
+           "use_pair_mode", "moe_combine", "fused_moe", "fused_moe_ref"]

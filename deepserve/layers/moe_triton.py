@@ -25,6 +25,9 @@ from deepserve.layers.mlp import GatedMLP
 # 316.5 at 256; DeepSeek-V3 (58.7 MB, more than the L2) 4333 / 4344 at 64, 5148 / 5117 at 128. So shared weights
 # that fit the L2 fuse up to 128 tokens (session 22: V2-Lite batch-128 decode steps 10.846 -> 10.794 ms,
 # session22_steps_ab_h200.json, A/B mode shared_fusion_s21), larger ones up to 64.
+# A/B switch (DEEPSERVE_MLA_STACKED_INPUTS=0): MLA's q and kv_a projections keep two weights (two GEMMs past 32 rows).
+_STACK_MLA_INPUTS = envs.DEEPSERVE_MLA_STACKED_INPUTS
+
 FUSED_SHARED_MAX_TOKENS = 128
 FUSED_SHARED_MAX_TOKENS_LARGE = 64
 SHARED_FITS_L2_BYTES = 32 << 20
@@ -78,7 +81,9 @@ def plain_shared_weights(shared: GatedMLP, x, swiglu_limit):
 
 
 def select_moe_and_mla_backends(model, device) -> None:
-    """Swap the reference expert/latent-attention backends of `model` for the Triton ones on CUDA + Triton."""
+    """Swap the reference expert/latent-attention backends of `model` for the Triton ones on CUDA + Triton, and stack
+    each latent attention's two input projections into one weight (MultiHeadLatentAttention.stack_input_projections:
+    one GEMM past the fused launches' rows)."""
     if torch.device(device).type != "cuda":
         return
     from deepserve.kernels import HAS_TRITON
@@ -98,6 +103,10 @@ def select_moe_and_mla_backends(model, device) -> None:
         mla = TritonMLA()
         for layer in mla_layers:
             layer.backend = mla
+    from deepserve.layers.mla import MultiHeadLatentAttention
+    for module in model.modules():
+        if isinstance(module, MultiHeadLatentAttention) and _STACK_MLA_INPUTS:
+            module.stack_input_projections()
 
 
 __all__ = ["FUSED_SHARED_MAX_TOKENS", "FUSED_SHARED_MAX_TOKENS_LARGE", "SHARED_FITS_L2_BYTES", "TritonMoE",

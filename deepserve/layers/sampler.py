@@ -168,7 +168,11 @@ class Sampler:
         return _gather_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs)
 
     def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Bans and penalties, as float32 logits. Never writes into the caller's tensor (it may be returned as is)."""
+        """Bans and penalties, as float32 logits. Never writes into the caller's tensor (it may be returned as is).
+        A greedy batch with nothing to apply keeps the logits' own dtype: its argmax picks the same token from a
+        CUDA graph's bf16 logits as from their float32 copy (each bf16 value is a float32 value), without it."""
+        if meta.all_greedy and meta.grammar_rows is None and meta.min_tokens_ban is None and not meta.any_penalty:
+            return logits
         logits = logits.float()
         if meta.grammar_rows is not None:
             logits = bitmask_ops.apply_bitmask(logits, meta.token_bitmask, meta.grammar_rows)

@@ -119,7 +119,12 @@ class CausalLM(nn.Module):
             return self.norm(x[idx])
         return self.norm(x[idx], residual[idx])[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's output in its own dtype (bf16 for a bf16 model): what a CUDA graph keeps (an argmax reads
+        it as is; float32 is twice the bytes to write and read back)."""
         if self.lm_head is None:
-            return linear(hidden, self.embed_tokens.weight, batch_invariant=self.batch_invariant).float()
-        return self.lm_head(hidden).float()
+            return linear(hidden, self.embed_tokens.weight, batch_invariant=self.batch_invariant)
+        return self.lm_head(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head_logits(hidden).float()

@@ -399,9 +399,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         out = torch.where(history >= 0, self.engram_vocab[ids], pad)
         return out
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's output in the activations' dtype (what a CUDA graph keeps; models/base.py says why)."""
         weight = self.embed.weight if self.head is None else self.head.weight
-        return linear(hidden, weight).float()
+        return linear(hidden, weight)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head_logits(hidden).float()
 
     # --- loading ------------------------------------------------------------------------------------------------
     def checkpoint_targets(self) -> dict[str, tuple[int, ...]]:

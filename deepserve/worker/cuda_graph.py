@@ -161,7 +161,7 @@ class StaticDecodeInputs:
 @dataclass
 class GraphReplay:
     """What one replay leaves for the rest of the step: views of the static buffers, valid until the next replay."""
-    logits: torch.Tensor                # [rows, vocab]: a row per scheduled position, in order
+    logits: torch.Tensor                # [rows, vocab] in the LM head's dtype: a row per scheduled position, in order
     hidden: torch.Tensor | None         # [rows, ...]: what model(batch) returned for those rows (keep_hidden only)
     batch: ForwardBatch                 # the static inputs the graph read (one decode row per position, padded)
     inflight: list[tuple[int, int]]     # (row, seq_id) of rows whose token was patched in on the device
@@ -197,9 +197,12 @@ class CUDAGraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.batches: dict[tuple[int, int], ForwardBatch] = {}
         # One logits buffer for every graph: each copies its logits in, so the graphs' own outputs die after
-        # capture and their memory is reused across sizes (one [size, vocab] fp32 tensor per graph would cost
-        # ~1 GB for a 128k vocabulary).
-        self.logits = torch.empty(self.sizes[-1], vocab_size, dtype=torch.float32, device=device)
+        # capture and their memory is reused across sizes (one [size, vocab] tensor per graph would cost ~1 GB for
+        # a 128k vocabulary). It holds the LM head's output in its own dtype (`head_logits`, bf16 for a bf16
+        # model), allocated at the first capture's warm-up: a float32 copy in the graph wrote and read twice the
+        # bytes (at Qwen3-MoE batch 128, ~230 MB more a step), for an argmax that gets the same answer from bf16.
+        self.vocab_size = vocab_size
+        self.logits: torch.Tensor | None = None
         self.keep_hidden = keep_hidden
         self.hidden: torch.Tensor | None = None     # allocated at the first capture, like the model's output
         self.capture_seconds = 0.0
@@ -226,7 +229,12 @@ class CUDAGraphRunner:
             if self.hidden is None:         # the largest size comes first: one buffer holds every size's rows
                 self.hidden = torch.empty(self.sizes[-1], *hidden.shape[1:], dtype=hidden.dtype, device=self.device)
             self.hidden[:size].copy_(hidden)
-        self.logits[:size].copy_(self.model.compute_logits(hidden))
+        head_logits = getattr(self.model, "head_logits", self.model.compute_logits)
+        logits = head_logits(hidden)
+        if self.logits is None:             # the first warm-up, outside any capture; the largest size comes first
+            rows = max(self.sizes[-1], self.mixed.max_seqs if self.mixed is not None else 0)
+            self.logits = torch.empty(rows, self.vocab_size, dtype=logits.dtype, device=self.device)
+        self.logits[:size].copy_(logits)
 
     @torch.inference_mode()
     def capture(self) -> float:

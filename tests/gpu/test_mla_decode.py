@@ -320,6 +320,11 @@ def test_select_backends_on_tiny_deepseek(device):
     select_moe_and_mla_backends(model, "cuda")
     assert all(isinstance(layer.backend, TritonMLA) for layer in model.attention_layers())
     assert len(model.moe_layers()) == 1 and all(isinstance(m.backend, TritonMoE) for m in model.moe_layers())
+    # ... and stacks each layer's q and kv_a weights into one tensor, which the 25-row prefill reads in one GEMM.
+    for layer in model.layers:
+        stacked = layer.self_attn.input_projections
+        assert stacked is not None and layer.self_attn.kv_a_proj_with_mqa.weight.data_ptr() == \
+            stacked[layer.self_attn.q_proj.weight.shape[0]:].data_ptr()
     out = run(3)
     for o, r in zip(out, ref):
         assert_close_rel(o, r, (1e-4, 1e-3))

@@ -61,6 +61,22 @@ def test_greedy_ties_take_lowest_index(device):
     assert sample(logits, [make_row(SamplingParams(temperature=0.0))]).token_ids.item() == 1
 
 
+@on_each_device
+def test_greedy_on_bf16_logits_matches_their_float32_copy(device):
+    """A CUDA graph hands the sampler the LM head's bf16 logits: the greedy pick of them (no float32 copy made) is
+    the pick of their float32 copy, ties included (bf16 has few values, so 50k logits of 4 rows hold many ties);
+    a batch that samples or bans tokens still gets float32 logits to shape."""
+    logits = random_logits(4, 50_000, seed=3, device=device).to(torch.bfloat16)
+    greedy = [make_row(SamplingParams(temperature=0.0)) for _ in range(4)]
+    meta = SamplingMetadata.build(greedy, logits.shape[-1], device)
+    assert Sampler().process_logits(logits, meta) is logits
+    assert torch.equal(sample(logits, greedy).token_ids, logits.float().argmax(-1))
+    banned = [make_row(SamplingParams(temperature=0.0, min_tokens=1), eos={int(i)}) for i in logits.argmax(-1)]
+    meta = SamplingMetadata.build(banned, logits.shape[-1], device)
+    assert Sampler().process_logits(logits, meta).dtype == torch.float32
+    assert not torch.equal(sample(logits, banned).token_ids, logits.float().argmax(-1))
+
+
 def test_all_greedy_batch_without_logprobs_is_only_argmax(monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("an all-greedy batch must not compute a sampling distribution")

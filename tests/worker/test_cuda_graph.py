@@ -119,3 +119,42 @@ def test_a_replay_hands_back_logits_and_the_kept_hidden_states(keep_hidden):
     assert replay.logits.shape[0] == 1
     if keep_hidden:
         assert torch.equal(replay.hidden, want[:1])
+
+
+class _HalfHeadModel(_ToyModel):
+    """A bf16 model: `head_logits` is the LM head's own output, `compute_logits` its float32 copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.to(torch.bfloat16)
+
+    def forward(self, batch):
+        return self.embed(batch.input_ids) + batch.positions[:, None].to(torch.bfloat16)
+
+    def head_logits(self, hidden):
+        return self.head(hidden)
+
+    def compute_logits(self, hidden):
+        return self.head_logits(hidden).float()
+
+
+def test_a_replay_keeps_the_heads_own_dtype():
+    """The static logits buffer takes the dtype of `head_logits` (bf16 here, half the bytes of a float32 copy), and
+    the replay's rows are the head's output bit for bit, so an argmax of them is the argmax of the float32 logits."""
+    bs = 4
+    model = _HalfHeadModel()
+    graphs = CUDAGraphRunner(model, None, bs, max_model_len=16, vocab_size=10, capture_sizes=[2, 4],
+                             device=torch.device("cpu"))
+    assert graphs.logits is None                        # allocated by the first (largest) capture's warm-up
+    for size in reversed(graphs.sizes):
+        key = (size, 16)
+        batch = graphs.batches[key] = graphs.inputs.batch(size, bs, 16)
+        graphs.graphs[key] = _EagerGraph(lambda batch=batch, size=size: graphs._forward(batch, size))
+    seqs = [_decoding_sequence(1, 6, [7, 3]), _decoding_sequence(2, 9, [5, 1, 2]), _decoding_sequence(3, 4, [6])]
+    out = SchedulerOutput(scheduled=[ScheduledSequence(s, s.num_tokens - 1, 1) for s in seqs])
+    replay = graphs.run(out, graphs.size_for(out))
+    assert graphs.logits.dtype == torch.bfloat16 and graphs.logits.shape == (4, 10)
+    hidden = model.embed(torch.tensor([15, 18, 13])) + torch.tensor([5, 8, 3], dtype=torch.bfloat16)[:, None]
+    assert replay.logits.dtype == torch.bfloat16
+    assert torch.equal(replay.logits, model.head_logits(hidden))
+    assert torch.equal(replay.logits.argmax(-1), model.compute_logits(hidden).argmax(-1))
