@@ -24,9 +24,11 @@
                       before session 24, not one (kernels/moe_align.SINGLE_ALIGN_MAX_PAIRS)
   mla_inputs_apart    MLA's q and kv_a projections with a weight each, two GEMMs past 32 rows, as before session 24
                       (what DEEPSERVE_MLA_STACKED_INPUTS=0 does, switched here after import)
+  shared_fusion_256   the shared experts folded into the MoE grouped GEMMs up to 256 tokens (not 128)
   logits_fp32         the CUDA graphs keep float32 logits, as before session 24 (a copy of the LM head's bf16
                       output made in the graph, then copied into the static buffer), not the head's own dtype
-(The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0.)
+(The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0. Session 24's
+run of a since-removed mode, shared_blocks_s23, is in session24_steps_ab_h200.json.)
 The switch (several, comma-separated, apply together) patches deepserve/kernels in this process, then runs
 h200_decode_sweep.py with the remaining arguments.
 A diagnostic: skinny_pdl_ab_h200.json holds the numbers. (moe_fused_combine_ab_h200.json came from a third mode,
@@ -92,6 +94,8 @@ for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switch
         mla_triton.mla_decode = load_before(os.environ["MLA_BEFORE"]).mla_decode
     elif mode == "align_s23":
         moe_align.SINGLE_ALIGN_MAX_PAIRS = 0
+    elif mode == "shared_fusion_256":
+        moe_triton.fused_shared_max_tokens = lambda gate_up: 256
     elif mode == "mla_inputs_apart":
         moe_triton._STACK_MLA_INPUTS = False
     elif mode == "logits_fp32":
@@ -106,7 +110,8 @@ for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switch
     elif mode != "default":
         raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
                          "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21, "
-                         "shared_fusion_s21, mla_decode_before, align_s23, mla_inputs_apart or logits_fp32")
+                         "shared_fusion_s21, mla_decode_before, align_s23, mla_inputs_apart, logits_fp32 or "
+                         "shared_fusion_256")
 
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -5,8 +5,12 @@ inside a CUDA graph (20 calls per replay, as a decode step runs it) with DEEPSER
 experts as the first blocks of the aligned mode's two GEMMs) and off (their GatedMLP module first: skinny GEMMs up
 to 16 tokens, cuBLAS above, then the routed experts). Random bf16 weights, random routing. Batches in the pair
 mode (a few tokens) run the module either way and are left out. Reported: microseconds per call.
+--uncapped: the fused runs at every batch (the engine's cap, layers/moe_triton.fused_shared_max_tokens, lifted).
+(moe_shared_blocks_ab_h200.json came from session 24's variant with taller shared token blocks, up to 64 rows, as
+fused_us, against the engine's as fused_s23_us; the variant lost and was removed.)
 
 Run (GPU machine):  python benchmarks/moe_shared_fusion_ab.py --output benchmarks/moe_shared_fusion_ab_h200.json
+  python benchmarks/moe_shared_fusion_ab.py --uncapped --batches 32,64,128,256 --output /tmp/uncapped.json
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+import deepserve.layers.moe_triton as moe_triton  # noqa: E402
 from deepserve.kernels.fused_moe import use_pair_mode  # noqa: E402
 from deepserve.layers.mlp import GatedMLP  # noqa: E402
 from deepserve.layers.moe_triton import TritonMoE  # noqa: E402
@@ -37,7 +42,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="8,16,32,64,128,256")
     ap.add_argument("--output", default="benchmarks/moe_shared_fusion_ab_h200.json")
+    ap.add_argument("--uncapped", action="store_true", help="fuse at every batch, past the engine's cap")
     args = ap.parse_args()
+    if args.uncapped:
+        moe_triton.fused_shared_max_tokens = lambda gate_up: 1 << 30
     dev = "cuda"
     results = {}
     for name, (e, k, h, i, s) in SHAPES.items():

@@ -24,6 +24,10 @@
   h200_b256_kernel_sequences.json  where batch-256 (and 8B batch-128) replays go, kernel by kernel (PDL off)
   moe_align_single_ab_h200.json the MoE align of up to 2048 pairs in one program with atomics, against three launches
   session24_steps_ab_h200.json  V2-Lite / Qwen3-MoE steps with session 24's changes switched back, together and one by one
+  h200_b128_b8_kernel_sequences.json  V2-Lite batch-128 and Qwen3-MoE batch-8 replays, kernel by kernel (PDL off)
+  tune_moe_down_h200.json       the fused MoE with the down GEMM's tiles varied: the engine's pick against the best
+  mla_decode_splits_h200.json   MLA decode at batch 64-256: the engine's split and tiles against the best of a grid
+  moe_shared_blocks_ab_h200.json  a MoE layer with the shared experts in taller token blocks (dropped), as before, apart
 
 Run:  python benchmarks/plot_ab.py [name ...]   (writes <name>.png beside each JSON, or the named ones; needs
       matplotlib)
@@ -151,7 +155,7 @@ def mla_decode_ab(path: Path, title: str) -> plt.Figure:
         label = f"batch {r['batch']}" + (f", {r['context'] // 1024}k" if len(contexts) > 1 else "")
         g = groups.setdefault(label, {})
         for key, label in (("before_TBps", "before"), ("engine_TBps", "engine pick"), ("best_TBps", "best variant")):
-            if key in r:
+            if r.get(key) is not None:
                 g[label] = r[key]
     fig, ax = plt.subplots(figsize=(8, 3.6))
     grouped_bars(ax, groups, "KV bytes / time, TB/s", title)
@@ -163,8 +167,8 @@ def kernel_sequences(path: Path) -> plt.Figure:
     microseconds (PDL off: each kernel's own time)."""
     data = json.loads(path.read_text())
     panels = []
-    for key in ("moe_b256_pdl_off", "llama_3_8b_pdl_off"):
-        for shape, contexts in data[key].items():
+    for key in ("moe_b256_pdl_off", "llama_3_8b_pdl_off", "moe_pdl_off"):
+        for shape, contexts in data.get(key, {}).items():
             for entry in contexts.values():
                 for b in entry["batches"]:
                     if "graph_timeline" in b:
@@ -215,6 +219,15 @@ def main() -> None:
         "h200_b256_kernel_sequences": lambda p: kernel_sequences(p),
         "moe_align_single_ab_h200": lambda p: per_tokens(p, {"before_us": "three launches (memset, count, place)",
                                                              "after_us": "one program, atomics"}, "MoE align (H200)"),
+        "h200_b128_b8_kernel_sequences": lambda p: kernel_sequences(p),
+        "tune_moe_down_h200": lambda p: per_tokens(p, {"engine_pick_us": "engine pick", "best_us": "best down tiles"},
+                                                   "fused MoE, down tiles varied (H200)"),
+        "mla_decode_splits_h200": lambda p: mla_decode_ab(p, "MLA decode (V2-Lite, H200): engine pick vs the best "
+                                                             "split x tile"),
+        "moe_shared_blocks_ab_h200": lambda p: per_tokens(p, {"fused_us": "fused, shared blocks up to 64 rows (dropped)",
+                                                              "fused_s23_us": "fused, shared blocks as the routed",
+                                                              "module_us": "shared experts' own GEMMs"},
+                                                          "MoE experts (H200)"),
         "session24_steps_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): session 24's changes, "
                                                                "switched back together and one by one"),
         "session20_steps_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): session 20's changes, each "

@@ -6,10 +6,13 @@ microseconds per call and the bandwidth of the distinct experts' weights it reac
 the 4.24 TB/s copy bandwidth.
 
 Run (GPU machine):  python benchmarks/tune_moe_decode.py --output tune_moe_decode.json
+  --down: the engine's pick with only the down GEMM's tiles varied (DOWN_TILES), at 64 / 128 / 256 tokens:
+    python benchmarks/tune_moe_decode.py --down --shapes deepseek-v2-lite,qwen3-moe --output tune_moe_down.json
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -28,6 +31,19 @@ TILES = [(32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 4), (64, 128,
 CANDIDATES = [MoEConfig(bm, *t) for bm, t in itertools.product((16, 32, 64), TILES)]
 
 
+# --down: the engine's pick with the down GEMM's tiles replaced: (block_n_down, block_k_down, warps, stages).
+DOWN_TILES = list(itertools.product((64, 128), (128, 256), (4, 8), (3, 4)))
+
+
+def run_down(name: str, s: dict, tokens: int) -> dict:
+    pick = pick_config(tokens * s["top_k"], s["experts"], s["inter"], s["hidden"], torch.device("cuda"))
+    candidates = [dataclasses.replace(pick, block_n_down=n, block_k_down=k, num_warps_down=w, num_stages_down=st)
+                  for n, k, w, st in DOWN_TILES]
+    res = time_configs(name, s, tokens, [("engine pick", None)] + [(str(c), c) for c in candidates])
+    res["engine_pick"] = str(pick)
+    return res
+
+
 def run(name: str, s: dict, tokens: int) -> dict:
     pick = pick_config(tokens * s["top_k"], s["experts"], s["inter"], s["hidden"], torch.device("cuda"))
     res = time_configs(name, s, tokens, [("engine pick", None)] + [(str(c), c) for c in CANDIDATES])
@@ -36,4 +52,8 @@ def run(name: str, s: dict, tokens: int) -> dict:
 
 
 if __name__ == "__main__":
-    sweep(run, "64,256", "tune_moe_decode.json")
+    if "--down" in sys.argv:
+        sys.argv.remove("--down")
+        sweep(run_down, "64,128,256", "tune_moe_down.json")
+    else:
+        sweep(run, "64,256", "tune_moe_decode.json")

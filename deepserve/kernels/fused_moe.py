@@ -53,6 +53,43 @@ from deepserve.kernels.reference.moe import expert_swiglu, moe_experts
 # ------------------------------------------------------------------------------------------------
 # Aligned mode: grouped GEMMs over blocks of sorted rows
 # ------------------------------------------------------------------------------------------------
+@triton.jit
+def _swiglu_tile(x_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, hidden, limit, HAS_LIMIT: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32 silu(x . g) * (x . u): x rows at x_ptrs, gate / up weight columns at g_ptrs /
+    u_ptrs ([BLOCK_K, BLOCK_N] tiles of w^T), K = hidden."""
+    k = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = k < hidden - k0
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        acc_g = tl.dot(a, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    return swiglu(acc_g, acc_u, limit, HAS_LIMIT)
+
+
+@triton.jit
+def _product_tile(a_ptrs, w_ptrs, row_ok, n_ok, length, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32 a . w: rows at a_ptrs, weight columns at w_ptrs ([BLOCK_K, BLOCK_N] tiles of w^T),
+    K = length."""
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, length, BLOCK_K):
+        k_ok = k < length - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_tokens"])   # the batch size: no new variant per step
 def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr, ws_ptr, act_s_ptr,
                     num_pairs, num_tokens, top_k, inter, hidden, shared_inter, limit,
@@ -65,7 +102,9 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
     HAS_SHARED: the grid's first programs run the shared experts (ws: [2 * shared_inter, H], gate rows then up
     rows) as a dense block per BLOCK_M tokens, SHARED_CHUNKS programs per block along axis 0, each taking `inter`
     columns of the shared intermediate size (so every program has the same N tiles on axis 1), into act_s[token].
-    They come first, so the shared weights are read from the first wave on, beside the routed experts'.
+    They come first, so the shared weights are read from the first wave on, beside the routed experts'. (Token
+    blocks of up to 64 rows for them, each reading the shared weights once where 16-row blocks read them up to 8
+    times, were slower in V2-Lite's steps at batch 64 / 128 by 2.5 / 1.4%: moe_shared_blocks_ab_h200.json.)
     Under PDL it waits first: its rows and experts come from the align just before."""
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
@@ -76,50 +115,34 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
     else:
         num_shared = 0
     block = pid_m - num_shared
-    expert = tl.load(block_expert_ptr + tl.maximum(block, 0)).to(tl.int64)
-    if (block >= 0) & (expert < 0):        # an unused block of the sorted list
-        return
     if block < 0:       # shared experts: token block pid_m // SHARED_CHUNKS, chunk pid_m % SHARED_CHUNKS
         rows = (pid_m // SHARED_CHUNKS) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < num_tokens
-        tokens = rows
         n = (pid_m % SHARED_CHUNKS) * inter + col
         n_ok = (col < inter) & (n < shared_inter)
-        w_ptr = ws_ptr
-        stride_w = stride_wsn
-        up_rows = shared_inter
-        dst_ptr = act_s_ptr
-        stride_dst = stride_asm
-    else:
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pairs_ptr + rows)
-        row_ok = pairs < num_pairs
-        tokens = pairs // top_k
-        n = col
-        n_ok = col < inter
-        w_ptr = w13_ptr + expert * stride_we
-        stride_w = stride_wn
-        up_rows = inter
-        dst_ptr = act_ptr
-        stride_dst = stride_am
+        k = tl.arange(0, BLOCK_K)
+        g_ptrs = ws_ptr + n[None, :].to(tl.int64) * stride_wsn + k[:, None]
+        act = _swiglu_tile(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :], g_ptrs,
+                           g_ptrs + shared_inter * stride_wsn, row_ok, n_ok, hidden, limit, HAS_LIMIT, PRECISION,
+                           BLOCK_M, BLOCK_N, BLOCK_K)
+        dst = act_s_ptr + rows[:, None].to(tl.int64) * stride_asm + n[None, :]
+        tl.store(dst, act.to(act_s_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        return
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert < 0:        # an unused block of the sorted list
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_ok = pairs < num_pairs
+    tokens = pairs // top_k
+    n_ok = col < inter
     k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xt + k[None, :]
-    # [BLOCK_K, BLOCK_N] tiles of w^T: gate rows n, up rows up_rows + n.
-    g_ptrs = w_ptr + n[None, :].to(tl.int64) * stride_w + k[:, None]
-    u_ptrs = g_ptrs + up_rows * stride_w
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = k < hidden - k0
-        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        acc_g = tl.dot(a, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    act = swiglu(acc_g, acc_u, limit, HAS_LIMIT)
-    dst = dst_ptr + rows[:, None].to(tl.int64) * stride_dst + n[None, :]
+    # [BLOCK_K, BLOCK_N] tiles of w^T: gate rows n, up rows inter + n.
+    g_ptrs = w13_ptr + expert * stride_we + col[None, :].to(tl.int64) * stride_wn + k[:, None]
+    act = _swiglu_tile(x_ptr + tokens[:, None].to(tl.int64) * stride_xt + k[None, :], g_ptrs,
+                       g_ptrs + inter * stride_wn, row_ok, n_ok, hidden, limit, HAS_LIMIT, PRECISION,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
+    dst = act_ptr + rows[:, None].to(tl.int64) * stride_am + col[None, :]
     tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
@@ -132,8 +155,9 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, w
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """out[pair, n] = router_weight[pair] * (act[row] . w2[e, n]) for one block of sorted rows.
 
-    HAS_SHARED: the grid's first programs are the shared experts' token blocks, shared_out[token, n] =
-    act_s[token] . w2s[n] over the whole shared intermediate size (no router weight: the combine adds it as is).
+    HAS_SHARED: the grid's first programs are the shared experts' token blocks (BLOCK_M tokens each),
+    shared_out[token, n] = act_s[token] . w2s[n] over the whole shared intermediate size (no router weight: the
+    combine adds it as is).
 
     Under PDL the block's expert is read before the wait, and its first K step of weights asked from L2: the align
     wrote block_expert before the gate/up kernel (the previous one) let this one start (kernels/pdl.py, rule 1);
@@ -145,57 +169,37 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, w
         num_shared = 0
     block = pid_m - num_shared
     expert = tl.load(block_expert_ptr + tl.maximum(block, 0)).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
     if USE_PDL:
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         if block < 0:
-            prefetch_rows_to_l2(w2s_ptr, cols, cols < hidden, tl.minimum(shared_inter, BLOCK_K), stride_wsn, BLOCK_K)
+            prefetch_rows_to_l2(w2s_ptr, n, n_ok, tl.minimum(shared_inter, BLOCK_K), stride_wsn, BLOCK_K)
         elif expert >= 0:
-            prefetch_rows_to_l2(w2_ptr + expert * stride_we, cols, cols < hidden, tl.minimum(inter, BLOCK_K),
-                                stride_wn, BLOCK_K)
+            prefetch_rows_to_l2(w2_ptr + expert * stride_we, n, n_ok, tl.minimum(inter, BLOCK_K), stride_wn, BLOCK_K)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
-    if (block >= 0) & (expert < 0):        # an unused block of the sorted list
-        return
     if block < 0:       # shared experts: token block pid_m
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < num_tokens
-        out_rows = rows
-        scale = tl.full([BLOCK_M], 1.0, tl.float32)
-        a_ptr = act_s_ptr
-        stride_a = stride_asm
-        w_ptr = w2s_ptr
-        stride_w = stride_wsn
-        length = shared_inter
-        dst_ptr = shared_out_ptr
-        stride_dst = stride_so
-    else:
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pairs_ptr + rows)
-        row_ok = pairs < num_pairs
-        out_rows = pairs
-        scale = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
-        a_ptr = act_ptr
-        stride_a = stride_am
-        w_ptr = w2_ptr + expert * stride_we
-        stride_w = stride_wn
-        length = inter
-        dst_ptr = out_ptr
-        stride_dst = stride_op
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < hidden
+        k = tl.arange(0, BLOCK_K)
+        acc = _product_tile(act_s_ptr + rows[:, None].to(tl.int64) * stride_asm + k[None, :],
+                            w2s_ptr + n[None, :].to(tl.int64) * stride_wsn + k[:, None], row_ok, n_ok, shared_inter,
+                            PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        dst = shared_out_ptr + rows[:, None].to(tl.int64) * stride_so + n[None, :]
+        tl.store(dst, acc.to(shared_out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        return
+    if expert < 0:        # an unused block of the sorted list
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_ok = pairs < num_pairs
+    scale = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
     k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_a + k[None, :]
-    w_ptrs = w_ptr + n[None, :].to(tl.int64) * stride_w + k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, length, BLOCK_K):
-        k_ok = k < length - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = _product_tile(act_ptr + rows[:, None].to(tl.int64) * stride_am + k[None, :],
+                        w2_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None], row_ok, n_ok,
+                        inter, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = acc * scale[:, None]
-    dst = dst_ptr + out_rows[:, None].to(tl.int64) * stride_dst + n[None, :]
+    dst = out_ptr + pairs[:, None].to(tl.int64) * stride_op + n[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
@@ -269,6 +273,16 @@ class MoEConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    # The down GEMM's own K step, warps and stages (None: the gate/up GEMM's). Its K is the intermediate size, often
+    # shorter than the hidden size the gate/up GEMM runs over, so fewer K steps per program.
+    block_k_down: Optional[int] = None
+    num_warps_down: Optional[int] = None
+    num_stages_down: Optional[int] = None
+
+    def down_tiles(self) -> tuple[int, int, int]:
+        """(BLOCK_K, warps, stages) of the down GEMM."""
+        return (self.block_k_down or self.block_k, self.num_warps_down or self.num_warps,
+                self.num_stages_down or self.num_stages)
 
 
 @dataclass(frozen=True)
@@ -423,14 +437,15 @@ def _aligned_experts(x, w13, w2, weights, topk_ids, swiglu_limit, cfg: MoEConfig
         PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **aligned_launch_args(x))
     shared_dst = shared_out if shared_out is not None else pair_out
+    down_k, down_warps, down_stages = cfg.down_tiles()
     _down_kernel[(token_blocks + align.num_blocks, cdiv(hidden, cfg.block_n_down))](
         act, w2, pair_out, align.sorted_pairs, align.block_expert, weights, act_s, ws2, shared_dst,
         num_pairs, num_tokens, hidden, inter, shared_inter,
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), act_s.stride(0), ws2.stride(-2),
         shared_dst.stride(0),
         HAS_SHARED=shared_out is not None, PRECISION=precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **aligned_launch_args(x))
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=down_k,
+        num_warps=down_warps, num_stages=down_stages, **aligned_launch_args(x))
     return pair_out, shared_out
 
 

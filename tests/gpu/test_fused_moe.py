@@ -216,9 +216,10 @@ def test_aligned_mode_with_shared_out(device, dtype, shape):
 
 
 # (T, E, top_k, H, I, shared intermediate S, swiglu_limit): S = 2I (V2-Lite's two shared experts), S not a
-# multiple of I (a partial last chunk), S < I; T over several 16-row token blocks with a partial last one.
+# multiple of I (a partial last chunk), S < I; the shared token blocks (fused_moe.shared_tiles) one routed block
+# of 16 rows (T = 7, 5), one taller block (T = 20, 33: 32 and 64 rows), two of 64 with a partial last one (T = 100).
 SHARED_CASES = [(7, 16, 4, 96, 80, 160, None), (33, 4, 1, 64, 48, 80, 0.5), (5, 8, 2, 72, 44, 36, None),
-                (20, 8, 6, 72, 32, 96, 0.5)]
+                (20, 8, 6, 72, 32, 96, 0.5), (100, 8, 2, 72, 32, 96, None)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
