@@ -24,6 +24,9 @@
                       before session 24, not one (kernels/moe_align.SINGLE_ALIGN_MAX_PAIRS)
   mla_inputs_apart    MLA's q and kv_a projections with a weight each, two GEMMs past 32 rows, as before session 24
                       (what DEEPSERVE_MLA_STACKED_INPUTS=0 does, switched here after import)
+  absorb_mma_64       MLA's W_UK / W_UV products on the tensor-core Triton kernels up to 64 rows, not 16 (cuBLAS's bmm
+                      above; mla_absorb_rows_ab_h200.json's runs, where the code's cap was 256 / 64 and a mode
+                      absorb_mma_16 put it back to today's 16)
   shared_fusion_256   the shared experts folded into the MoE grouped GEMMs up to 256 tokens (not 128)
   logits_fp32         the CUDA graphs keep float32 logits, as before session 24 (a copy of the LM head's bf16
                       output made in the graph, then copied into the static buffer), not the head's own dtype
@@ -94,6 +97,9 @@ for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switch
         mla_triton.mla_decode = load_before(os.environ["MLA_BEFORE"]).mla_decode
     elif mode == "align_s23":
         moe_align.SINGLE_ALIGN_MAX_PAIRS = 0
+    elif mode == "absorb_mma_64":
+        import deepserve.kernels.mla_absorb as mla_absorb
+        mla_absorb.MAX_MMA_BATCH = 64
     elif mode == "shared_fusion_256":
         moe_triton.fused_shared_max_tokens = lambda gate_up: 256
     elif mode == "mla_inputs_apart":
@@ -110,7 +116,7 @@ for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switch
     elif mode != "default":
         raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
                          "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21, "
-                         "shared_fusion_s21, mla_decode_before, align_s23, mla_inputs_apart, logits_fp32 or "
+                         "shared_fusion_s21, mla_decode_before, align_s23, mla_inputs_apart, logits_fp32, absorb_mma_64 or "
                          "shared_fusion_256")
 
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]

@@ -25,6 +25,7 @@
   moe_align_single_ab_h200.json the MoE align of up to 2048 pairs in one program with atomics, against three launches
   session24_steps_ab_h200.json  V2-Lite / Qwen3-MoE steps with session 24's changes switched back, together and one by one
   h200_b128_b8_kernel_sequences.json  V2-Lite batch-128 and Qwen3-MoE batch-8 replays, kernel by kernel (PDL off)
+  mla_absorb_rows_ab_h200.json  MLA's W_UK / W_UV pair with row blocks on the grid against cuBLAS, by batch
   tune_moe_down_h200.json       the fused MoE with the down GEMM's tiles varied: the engine's pick against the best
   mla_decode_splits_h200.json   MLA decode at batch 64-256: the engine's split and tiles against the best of a grid
   moe_shared_blocks_ab_h200.json  a MoE layer with the shared experts in taller token blocks (dropped), as before, apart
@@ -220,6 +221,9 @@ def main() -> None:
         "moe_align_single_ab_h200": lambda p: per_tokens(p, {"before_us": "three launches (memset, count, place)",
                                                              "after_us": "one program, atomics"}, "MoE align (H200)"),
         "h200_b128_b8_kernel_sequences": lambda p: kernel_sequences(p),
+        "mla_absorb_rows_ab_h200": lambda p: per_tokens(p, {"mma_us": "tensor-core pair, row blocks on the grid",
+                                                            "cublas_us": "cuBLAS bmm pair"},
+                                                        "V2-Lite W_UK + W_UV products per layer (H200)", x="batch"),
         "tune_moe_down_h200": lambda p: per_tokens(p, {"engine_pick_us": "engine pick", "best_us": "best down tiles"},
                                                    "fused MoE, down tiles varied (H200)"),
         "mla_decode_splits_h200": lambda p: mla_decode_ab(p, "MLA decode (V2-Lite, H200): engine pick vs the best "

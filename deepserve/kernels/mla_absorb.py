@@ -29,13 +29,17 @@ stored. Putting b on a grid axis instead would stream the 2 MB weight once per r
 product) for no saving on the per-row latency. The price is serial per-row work in a program (a multiply over the
 tile, one cross-lane reduction, a store), ~1.6 us a row.
 
-More rows (the tensor-core kernels, `use_mma`): the same grid and the same weight tile loaded before the wait, but
-the batch rows, padded to tl.dot's 16, are the product's other operand: one tl.dot per block of up to 64 (32) rows
-instead of a pass per row, still one weight read for all of them. cuBLAS's bmm does the same arithmetic but
-launches outside the PDL chain and takes ~3.5 us a product at these sizes. Measured in DeepSeek-V2-Lite decode
-steps on an H200 (h200_decode_sweep.py with DEEPSERVE_MLA_ABSORB_MMA=1 / 0, in one run): batch 16 7.46 / 7.56 ms,
-batch 8 5.74 / 5.73 (within the noise), 32 9.02 / 9.06; at 128 and 256 they were 2-4% slower, hence
-MAX_MMA_BATCH.
+More rows (the tensor-core kernels, `use_mma`): the same weight tile loaded before the wait, but the batch rows,
+padded to tl.dot's 16, are the product's other operand: one tl.dot per block of up to 64 (32) rows instead of a
+pass per row; the row blocks are a third grid axis (each re-reads its weight tile, from L2 after the first). cuBLAS's
+bmm does the same arithmetic but launches outside the PDL chain and takes ~3.5 us a product at these sizes.
+Measured in DeepSeek-V2-Lite decode steps on an H200 (h200_decode_sweep.py with DEEPSERVE_MLA_ABSORB_MMA=1 / 0, in
+one run): batch 16 7.46 / 7.56 ms, batch 8 5.74 / 5.73 (within the noise), 32 9.02 / 9.06; at 128 and 256 they were
+2-4% slower, hence MAX_MMA_BATCH. Session 24 put the row blocks on the grid (they ran one after another in a program
+before): the pair per layer at 32 / 64 rows 7.3 / 9.9 -> 5.9 / 7.0 us against cuBLAS's 7.2 / 7.3, still behind at
+128 / 256 (12.8 / 24.4 against 7.7 / 8.6; mla_absorb_rows_ab_h200.json); V2-Lite steps with the cap at 64 against
+16 moved within the noise (batch 32 8.44 / 8.40, batch 64 9.14 / 9.19 ms; at 256 rows 1-4% slower), so the cap
+stays at 16.
 
 Programmatic dependent launch (deepserve/kernels/pdl.py): both kernels load their first (constant) weight tile
 before `pdl_wait`, read activations only after it, and let the next kernel start right after the wait.
@@ -53,8 +57,9 @@ from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wa
 # products per layer, CUDA-graph replays, L2-cold weights, V2-Lite's kv_b). The GEMVs' serial per-row work grows by
 # ~1.6 us a row (mla_absorb_ab_h200.json): 3.4 us at batch 1 against cuBLAS's bmm pair's 6.2, 5.1 / 6.9 at 2,
 # 8.2 / 6.9 at 4. The tensor-core kernels (mla_absorb_mma_ab_h200.json): 4.5 us at 1, 4.6 at 2-3, 5.0 at 8, 5.2
-# at 16 against cuBLAS's 6.3-7.2; 7.3 / 7.1 at 32, and behind from there (their row blocks run serially in a
-# program: 9.9 / 7.2 at 64, 32.5 / 8.7 at 256).
+# at 16 against cuBLAS's 6.3-7.2; 7.3 / 7.1 at 32, and behind from there while their row blocks ran serially in a
+# program (9.9 / 7.2 at 64, 32.5 / 8.7 at 256); with the row blocks on the grid (session 24,
+# mla_absorb_rows_ab_h200.json) 5.9 / 7.2 at 32, 7.0 / 7.3 at 64, 12.8 / 7.7 at 128.
 MAX_ABSORB_BATCH = 2      # rows per head handled by the GEMVs; above, the tensor-core kernels
 MAX_MMA_BATCH = 16        # rows the tensor-core kernels take; above, the backend keeps cuBLAS's bmm
 ABSORB_BLOCK_R = 32       # W_UK columns per program: 64-byte row segments (4 x 16-byte loads in bf16);
@@ -140,9 +145,8 @@ def _absorb_query_mma_kernel(q_ptr, w_ptr, out_ptr, batch, n_len, r_len,
                              stride_qb, stride_qh, stride_wh, stride_wn, stride_ob, stride_oh,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                              PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[m-block, h, r-block] = q[m-block, h, :] @ w[h, :, r-block] on the tensor cores, every row block of the
-    batch in turn; program (h, r-block). The first N step's weight tile loads before the PDL wait and serves every
-    row block (with N = 128 it is the whole slab)."""
+    """out[m-block, h, r-block] = q[m-block, h, :] @ w[h, :, r-block] on the tensor cores; program (h, r-block,
+    m-block). The first N step's weight tile (with N = 128 the whole slab) loads before the PDL wait."""
     h = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     n = tl.arange(0, BLOCK_N)
@@ -151,20 +155,18 @@ def _absorb_query_mma_kernel(q_ptr, w_ptr, out_ptr, batch, n_len, r_len,
     w_first = tl.load(w_ptrs, mask=(n < n_len)[:, None] & r_ok[None, :], other=0.0)     # constant: before the wait
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
-    q_head = q_ptr + h.to(tl.int64) * stride_qh
-    for m0 in range(0, batch, BLOCK_M):
-        m = m0 + tl.arange(0, BLOCK_M)
-        m_ok = m < batch
-        q_rows = q_head + m[:, None].to(tl.int64) * stride_qb
-        q = tl.load(q_rows + n[None, :], mask=m_ok[:, None] & (n < n_len)[None, :], other=0.0)
-        acc = tl.dot(q, w_first, input_precision=PRECISION)                       # [BLOCK_M, BLOCK_R]
-        for n0 in range(BLOCK_N, n_len, BLOCK_N):                                 # N > BLOCK_N only
-            step_ok = n < n_len - n0
-            w = tl.load(w_ptrs + n0 * stride_wn, mask=step_ok[:, None] & r_ok[None, :], other=0.0)
-            q = tl.load(q_rows + n0 + n[None, :], mask=m_ok[:, None] & step_ok[None, :], other=0.0)
-            acc = tl.dot(q, w, acc, input_precision=PRECISION)
-        tl.store(out_ptr + m[:, None].to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + r[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < batch
+    q_rows = q_ptr + h.to(tl.int64) * stride_qh + m[:, None].to(tl.int64) * stride_qb
+    q = tl.load(q_rows + n[None, :], mask=m_ok[:, None] & (n < n_len)[None, :], other=0.0)
+    acc = tl.dot(q, w_first, input_precision=PRECISION)                           # [BLOCK_M, BLOCK_R]
+    for n0 in range(BLOCK_N, n_len, BLOCK_N):                                     # N > BLOCK_N only
+        step_ok = n < n_len - n0
+        w = tl.load(w_ptrs + n0 * stride_wn, mask=step_ok[:, None] & r_ok[None, :], other=0.0)
+        q = tl.load(q_rows + n0 + n[None, :], mask=m_ok[:, None] & step_ok[None, :], other=0.0)
+        acc = tl.dot(q, w, acc, input_precision=PRECISION)
+    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + r[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
@@ -172,9 +174,8 @@ def _expand_values_mma_kernel(x_ptr, w_ptr, out_ptr, batch, v_len, r_len,
                               stride_xb, stride_xh, stride_wh, stride_wv, stride_ob, stride_oh,
                               BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                               PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[m-block, h, v-block] = x[m-block, h, :] @ w[h, v-block, :]^T on the tensor cores; program (h, v-block).
-    The first K step's weight tile (with R = 512 the whole slab) loads before the PDL wait and serves every row
-    block."""
+    """out[m-block, h, v-block] = x[m-block, h, :] @ w[h, v-block, :]^T on the tensor cores; program (h, v-block,
+    m-block). The first K step's weight tile (with R = 512 the whole slab) loads before the PDL wait."""
     h = tl.program_id(0)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     k = tl.arange(0, BLOCK_K)
@@ -183,20 +184,18 @@ def _expand_values_mma_kernel(x_ptr, w_ptr, out_ptr, batch, v_len, r_len,
     w_first = tl.load(w_ptrs, mask=v_ok[:, None] & (k < r_len)[None, :], other=0.0)     # constant: before the wait
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
-    x_head = x_ptr + h.to(tl.int64) * stride_xh
-    for m0 in range(0, batch, BLOCK_M):
-        m = m0 + tl.arange(0, BLOCK_M)
-        m_ok = m < batch
-        x_rows = x_head + m[:, None].to(tl.int64) * stride_xb
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < r_len)[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w_first), input_precision=PRECISION)              # [BLOCK_M, BLOCK_V]
-        for k0 in range(BLOCK_K, r_len, BLOCK_K):                                 # R > BLOCK_K only
-            step_ok = k < r_len - k0
-            w = tl.load(w_ptrs + k0, mask=v_ok[:, None] & step_ok[None, :], other=0.0)
-            x = tl.load(x_rows + k0 + k[None, :], mask=m_ok[:, None] & step_ok[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        tl.store(out_ptr + m[:, None].to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + v[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & v_ok[None, :])
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < batch
+    x_rows = x_ptr + h.to(tl.int64) * stride_xh + m[:, None].to(tl.int64) * stride_xb
+    x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < r_len)[None, :], other=0.0)
+    acc = tl.dot(x, tl.trans(w_first), input_precision=PRECISION)                  # [BLOCK_M, BLOCK_V]
+    for k0 in range(BLOCK_K, r_len, BLOCK_K):                                     # R > BLOCK_K only
+        step_ok = k < r_len - k0
+        w = tl.load(w_ptrs + k0, mask=v_ok[:, None] & step_ok[None, :], other=0.0)
+        x = tl.load(x_rows + k0 + k[None, :], mask=m_ok[:, None] & step_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + v[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & v_ok[None, :])
 
 def absorb_supported(batch: int) -> bool:
     """Whether `absorb_query` / `expand_values` should replace the bmm pair for `batch` decode rows: 1 to
@@ -247,9 +246,10 @@ def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor, mma: bool | None = No
             q_lat.stride(0), q_lat.stride(1))
     grid = (heads, triton.cdiv(rank, block_r))
     if use_mma(bsz) if mma is None else mma:
-        _absorb_query_mma_kernel[grid](*args, BLOCK_M=mma_rows(bsz, MMA_BLOCK_M), BLOCK_N=block_n, BLOCK_R=block_r,
-                                       PRECISION=_precision(q_nope.dtype), num_warps=warps,
-                                       **pdl_launch_args(q_nope))
+        block_m = mma_rows(bsz, MMA_BLOCK_M)
+        _absorb_query_mma_kernel[grid + (triton.cdiv(bsz, block_m),)](
+            *args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, PRECISION=_precision(q_nope.dtype),
+            num_warps=warps, **pdl_launch_args(q_nope))
     else:
         _absorb_query_kernel[grid](*args, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=warps,
                                    **pdl_launch_args(q_nope))
@@ -275,8 +275,9 @@ def expand_values(out_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor,
     args = (out_lat, w_uv, out, bsz, v_dim, rank, out_lat.stride(0), out_lat.stride(1), w_uv.stride(0),
             w_uv.stride(1), out.stride(0), out.stride(1))
     if use_mma(bsz) if mma is None else mma:
-        _expand_values_mma_kernel[(heads, triton.cdiv(v_dim, EXPAND_BLOCK_V))](
-            *args, BLOCK_M=mma_rows(bsz, EXPAND_BLOCK_M), BLOCK_V=EXPAND_BLOCK_V,
+        block_m = mma_rows(bsz, EXPAND_BLOCK_M)
+        _expand_values_mma_kernel[(heads, triton.cdiv(v_dim, EXPAND_BLOCK_V), triton.cdiv(bsz, block_m))](
+            *args, BLOCK_M=block_m, BLOCK_V=EXPAND_BLOCK_V,
             BLOCK_K=max(16, min(EXPAND_BLOCK_K, next_pow2(rank))), PRECISION=_precision(out.dtype),
             num_warps=ABSORB_WARPS, **pdl_launch_args(out_lat))
     else:
