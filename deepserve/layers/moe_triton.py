@@ -18,6 +18,9 @@ from deepserve.layers.linear import Linear
 from deepserve.layers.mlp import GatedMLP
 
 
+# A/B switch (DEEPSERVE_MLA_STACKED_INPUTS=0): MLA's q and kv_a projections keep two weights (two GEMMs past 32 rows).
+_STACK_MLA_INPUTS = envs.DEEPSERVE_MLA_STACKED_INPUTS
+
 # Above this many tokens the shared experts keep their own GEMMs: every BLOCK_M tokens re-read the shared weights in
 # the grouped GEMM (from L2 while they fit), where cuBLAS reads them about once. Measured on an H200
 # (benchmarks/moe_shared_fusion_ab.py, moe_shared_fusion_ab_h200.json, us per MoE layer fused / apart): V2-Lite
@@ -25,9 +28,6 @@ from deepserve.layers.mlp import GatedMLP
 # 316.5 at 256; DeepSeek-V3 (58.7 MB, more than the L2) 4333 / 4344 at 64, 5148 / 5117 at 128. So shared weights
 # that fit the L2 fuse up to 128 tokens (session 22: V2-Lite batch-128 decode steps 10.846 -> 10.794 ms,
 # session22_steps_ab_h200.json, A/B mode shared_fusion_s21), larger ones up to 64.
-# A/B switch (DEEPSERVE_MLA_STACKED_INPUTS=0): MLA's q and kv_a projections keep two weights (two GEMMs past 32 rows).
-_STACK_MLA_INPUTS = envs.DEEPSERVE_MLA_STACKED_INPUTS
-
 FUSED_SHARED_MAX_TOKENS = 128
 FUSED_SHARED_MAX_TOKENS_LARGE = 64
 SHARED_FITS_L2_BYTES = 32 << 20
@@ -103,10 +103,11 @@ def select_moe_and_mla_backends(model, device) -> None:
         mla = TritonMLA()
         for layer in mla_layers:
             layer.backend = mla
-    from deepserve.layers.mla import MultiHeadLatentAttention
-    for module in model.modules():
-        if isinstance(module, MultiHeadLatentAttention) and _STACK_MLA_INPUTS:
-            module.stack_input_projections()
+    if _STACK_MLA_INPUTS:
+        from deepserve.layers.mla import MultiHeadLatentAttention
+        for module in model.modules():
+            if isinstance(module, MultiHeadLatentAttention):
+                module.stack_input_projections()
 
 
 __all__ = ["FUSED_SHARED_MAX_TOKENS", "FUSED_SHARED_MAX_TOKENS_LARGE", "SHARED_FITS_L2_BYTES", "TritonMoE",
