@@ -1,9 +1,9 @@
 """MLA decode kernel variants on the GPU (DeepSeek-V2-Lite's 16 heads, 512 + 64 latent, block size 16), against
 the kernel as it was before (`--before`, a copy of an older deepserve/kernels/mla_decode.py) in the same run.
 
-For each batch and context: every sequence at `context` tokens, shuffled blocks; each setting runs inside a CUDA
-graph of 20 calls that cycle over enough cache copies to exceed the 50 MB L2 (a decode step's attention reads its
-layer's cache cold). Reported: microseconds per call and KV TB/s (latent bytes the call must read / time) for the
+For each batch and context: every sequence at `context` tokens, shuffled blocks (in order with
+--contiguous-blocks); each setting runs inside a CUDA graph of 20 calls that cycle over enough cache copies to
+exceed the 50 MB L2 (a decode step's attention reads its layer's cache cold). Reported: microseconds per call and KV TB/s (latent bytes the call must read / time) for the
 engine's pick (before and now), then every variant (tile x split count), and the best.
 
 Run (GPU machine):
@@ -45,9 +45,11 @@ def load_before(path: str, name: str = "mla_decode_before"):
     return mod
 
 
-def case(batch: int, context: int, before, splits_grid: list, variants: list) -> dict:
+def case(batch: int, context: int, before, splits_grid: list, variants: list, contiguous: bool = False) -> dict:
     gen = torch.Generator().manual_seed(batch + context)
     num_blocks, table, seq_lens = paged_inputs(batch, context, gen)
+    if contiguous:      # each sequence's blocks one after another, as a fresh engine allocates them
+        table = torch.arange(table.numel(), dtype=table.dtype, device=table.device).view_as(table)
     kv_bytes = batch * context * (RANK + ROPE) * 2
     copies = max(1, int(-(-L2_BYTES // kv_bytes)))
     caches = [torch.randn(num_blocks, BLOCK, RANK + ROPE, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
@@ -60,6 +62,7 @@ def case(batch: int, context: int, before, splits_grid: list, variants: list) ->
                                        **kw), copies) * 1e3
 
     res = {"batch": batch, "context": context, "kv_MB": round(kv_bytes / 1e6, 1), "cache_copies": copies,
+           "blocks": "contiguous" if contiguous else "shuffled",
            "engine_splits": mla_num_splits(batch, HEADS, context, q_lat.device)}
     if before is not None:
         res["before_us"] = round(time_us(before.mla_decode), 2)
@@ -95,6 +98,9 @@ def main() -> None:
     ap.add_argument("--no-variants", action="store_true", help="only the engine's pick, before and now")
     ap.add_argument("--before", default=None, help="path of an older mla_decode.py to time in the same run")
     ap.add_argument("--output", default="mla_decode_ab.json")
+    ap.add_argument("--contiguous-blocks", action="store_true",
+                    help="each sequence's cache blocks in order (the engine's layout after a fresh prefill), not "
+                         "shuffled: session 23 and 24 saw one-split 64-token tiles win alone and lose in the step")
     args = ap.parse_args()
     before = load_before(args.before) if args.before else None
     out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
@@ -102,7 +108,8 @@ def main() -> None:
     splits_grid = [int(s) for s in args.splits.split(",")]
     for context in [int(c) for c in args.contexts.split(",")]:
         for batch in [int(b) for b in args.batches.split(",")]:
-            r = case(batch, context, before, splits_grid, [] if args.no_variants else VARIANTS)
+            r = case(batch, context, before, splits_grid, [] if args.no_variants else VARIANTS,
+                     contiguous=args.contiguous_blocks)
             out["results"].append(r)
             print(batch, context, {k: r.get(k) for k in ("engine_splits", "before_us", "engine_us", "best",
                                                          "before_TBps", "best_TBps")}, flush=True)
