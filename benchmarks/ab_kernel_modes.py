@@ -116,8 +116,8 @@ for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switch
     elif mode != "default":
         raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
                          "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21, "
-                         "shared_fusion_s21, mla_decode_before, align_s23, mla_inputs_apart, logits_fp32, absorb_mma_64 or "
-                         "shared_fusion_256")
+                         "shared_fusion_s21, mla_decode_before, align_s23, mla_inputs_apart, logits_fp32, "
+                         "absorb_mma_64 or shared_fusion_256")
 
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -3,8 +3,9 @@ the kernel as it was before (`--before`, a copy of an older deepserve/kernels/ml
 
 For each batch and context: every sequence at `context` tokens, shuffled blocks (in order with
 --contiguous-blocks); each setting runs inside a CUDA graph of 20 calls that cycle over enough cache copies to
-exceed the 50 MB L2 (a decode step's attention reads its layer's cache cold). Reported: microseconds per call and KV TB/s (latent bytes the call must read / time) for the
-engine's pick (before and now), then every variant (tile x split count), and the best.
+exceed the 50 MB L2 (a decode step's attention reads its layer's cache cold). Reported: microseconds per call and KV
+TB/s (latent bytes the call must read / time) for the engine's pick (before and now), then every variant (tile x
+split count), and the best.
 
 Run (GPU machine):
   git show <rev>:deepserve/kernels/mla_decode.py > /tmp/mla_decode_before.py

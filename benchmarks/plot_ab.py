@@ -23,7 +23,8 @@
   sink_attention_chunks_ab_h200.json  DeepSeek-V4.1's sink attention with four column chunks, vs before
   h200_b256_kernel_sequences.json  where batch-256 (and 8B batch-128) replays go, kernel by kernel (PDL off)
   moe_align_single_ab_h200.json the MoE align of up to 2048 pairs in one program with atomics, against three launches
-  session24_steps_ab_h200.json  V2-Lite / Qwen3-MoE steps with session 24's changes switched back, together and one by one
+  session24_steps_ab_h200.json  V2-Lite / Qwen3-MoE steps with session 24's changes switched back, together and
+                                one by one
   h200_b128_b8_kernel_sequences.json  V2-Lite batch-128 and Qwen3-MoE batch-8 replays, kernel by kernel (PDL off)
   mla_absorb_rows_ab_h200.json  MLA's W_UK / W_UV pair with row blocks on the grid against cuBLAS, by batch
   tune_moe_down_h200.json       the fused MoE with the down GEMM's tiles varied: the engine's pick against the best
@@ -228,7 +229,8 @@ def main() -> None:
                                                    "fused MoE, down tiles varied (H200)"),
         "mla_decode_splits_h200": lambda p: mla_decode_ab(p, "MLA decode (V2-Lite, H200): engine pick vs the best "
                                                              "split x tile"),
-        "moe_shared_blocks_ab_h200": lambda p: per_tokens(p, {"fused_us": "fused, shared blocks up to 64 rows (dropped)",
+        "moe_shared_blocks_ab_h200": lambda p: per_tokens(p, {"fused_us": "fused, shared blocks up to 64 rows "
+                                                                          "(dropped)",
                                                               "fused_s23_us": "fused, shared blocks as the routed",
                                                               "module_us": "shared experts' own GEMMs"},
                                                           "MoE experts (H200)"),
