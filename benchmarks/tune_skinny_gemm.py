@@ -7,6 +7,8 @@ launches it replaces.
 `engine` is the tiling `skinny_tiles` picks (what the engine runs), `engine_prefetchP` the same with another PDL
 prefetch mode; --grid-rows M times a grid of tilings too (tune_skinny_gemm_grid.json: M = 8 and 32).
 
+--splits 1,2,4,8 times each tiling of the grid at those split-K part counts (tune_skinny_split_h200.json).
+
 Times are CUDA-graph replays of 20 back-to-back calls, L2-cold weights (the calls cycle over copies whose total is
 beyond L2); GB/s counts the weight bytes.
 
@@ -59,9 +61,12 @@ def main() -> None:
     ap.add_argument("--rows", default="2,4,8,16,32,64")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--grid-rows", default="", help="row counts that time the whole grid (others: engine only)")
-    ap.add_argument("--grid", default="", help="the grid's tilings instead of GRID: bn:bk:warps:stages,...")
+    ap.add_argument("--grid", default="",
+                    help="the grid's tilings instead of GRID: bn:bk:warps:stages[:prefetch[:split_k]],...")
+    ap.add_argument("--splits", default="1", help="split-K part counts; the grid is timed at each")
     args = ap.parse_args()
     grid = ([SkinnyTiles(*map(int, t.split(":"))) for t in args.grid.split(",")] if args.grid else GRID)
+    grid = [t._replace(split_k=int(s)) if int(s) > 1 else t for t in grid for s in args.splits.split(",")]
     rows_list = [int(r) for r in args.rows.split(",")]
     grid_rows = {int(r) for r in args.grid_rows.split(",") if r}
     out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -112,9 +112,9 @@ _DECLARED = [
     EnvVar("DEEPSERVE_FUSED_NORMS", "bool", True,
            "GPU batch-1 decode: RMSNorm in GEMV prologues, residual adds in GEMV epilogues (read at import)"),
     EnvVar("DEEPSERVE_SKINNY_GEMM", "bool", True,
-           "GPU decode GEMMs of 2-32 rows (2-16 for rows longer than 2048) through the skinny Triton GEMM "
-           "(kernels/skinny_gemm.py), the SwiGLU in the gate/up one's epilogue; 0: cuBLAS and the SiLU-and-mul kernel "
-           "(read at import)"),
+           "GPU decode GEMMs of 2-32 rows (2-16 for narrow weights of rows 2049-4095 long) through the skinny "
+           "Triton GEMM (kernels/skinny_gemm.py), the SwiGLU in the gate/up one's epilogue; 0: cuBLAS and the "
+           "SiLU-and-mul kernel (read at import)"),
     EnvVar("DEEPSERVE_MLA_ABSORB_MMA", "bool", True,
            "GPU MLA decode of 3-16 rows: the W_UK / W_UV products on the tensor-core Triton kernels "
            "(kernels/mla_absorb.py); 0: cuBLAS's bmm, as at more rows (read at import)"),

@@ -13,6 +13,11 @@ gaps. Measured on an H200 (benchmarks/tune_skinny_gemm_grid.json, skinny_ab_h200
 5.2 us against cuBLAS's 6.0; Llama-3.2-1B decode steps at batch 2-16 4-9% faster, DeepSeek-V2-Lite's at batch 8-16 2-3%;
 but Qwen3-30B-A3B's 1.5-3% slower, not yet understood (DEEPSERVE_SKINNY_GEMM=0 keeps cuBLAS).
 
+Split-K (narrow weights of long rows, `skinny_tiles`): a 2048-row weight gives 128 programs of 16-row tiles, each
+with 8 KB a K step in flight, or 32 programs of 64-row tiles; split in 4 parts along K it gives 128 programs of
+64-row tiles, four times the bytes in flight per SM. The tile's last part to finish sums the float32 partials in
+part order (`_split_k_sum`: one launch, no reduce kernel, the same result whichever part ends last).
+
 SwiGLU mode (a gate/up weight [2I, K], gate rows then up rows) interleaves each program's gate and up rows in one
 tile, as the GEMV does, so the activation is formed in registers: the gate/up output never goes through memory
 and the SiLU-and-mul launch disappears. Gate and up are rounded to the activation dtype first, as the GEMM's output
@@ -34,30 +39,65 @@ SKINNY_MAX_ROWS = 16            # more rows stay on cuBLAS (whose larger tiles t
 SKINNY_MAX_ROWS_SHORT_K = 32    # ... except for rows of at most SHORT_K elements and weights of at least WIDE_N
 SHORT_K = 2048                  # rows: up to 32 rows here
 WIDE_N = 4096
+SPLIT_K_MIN_K = 4096            # narrower weights of rows at least this long split K (skinny_tiles)
 
 
 class SkinnyTiles(NamedTuple):
-    """A launch setting: weight rows per program, K step, warps, pipeline stages, and what a program does with its
-    weights before the PDL wait: 0 nothing, 1 asks L2 for its first K step, 2 for all of its rows. The default, 1,
+    """A launch setting: weight rows per program, K step, warps, pipeline stages, what a program does with its
+    weights before the PDL wait (0 nothing, 1 asks L2 for its first K step, 2 for all of its rows; the default, 1,
     is the batch-1 GEMV's; an H200 sweep of the three modes on the engine's tilings saw differences within the
-    run-to-run noise (printed only: its JSON did not come back from the GPU machine)."""
+    run-to-run noise), and in how many parts K is split (`split_k`; see `_split_k_sum`)."""
     block_n: int
     block_k: int
     warps: int
     stages: int
     prefetch: int = 1
+    split_k: int = 1
+
+
+# Split-K launches count each output tile's finished parts on these int32 counters (one per tile, zero between
+# launches: the tile's last part sets it back). One buffer per device, made by the first split launch outside a
+# CUDA-graph capture (the engine's warm-up runs before it captures); a launch with more tiles does not split.
+SPLIT_COUNTERS = 8192
+_split_counters: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _split_k_sum(acc, part_ptr, counter_ptr, tile, split, num_tiles, r, m, m_ok, SPLIT_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(sum of the tile's SPLIT_K partial accumulators, whether this program is the tile's last part to finish).
+
+    Each part stores its float32 partial, then takes a ticket on the tile's counter; the part that draws the last
+    ticket sums all the partials (in split order, so the result does not depend on which part finished last) and
+    resets the counter for the next launch: one launch, no reduce kernel. Which parts finish first varies; the sum
+    does not."""
+    tile_offs = r[:, None] * BLOCK_M + m[None, :]
+    tl.store(part_ptr + (split * num_tiles + tile) * (BLOCK_N * BLOCK_M) + tile_offs, acc, mask=m_ok[None, :])
+    tl.debug_barrier()          # every thread's partial stored before the ticket (whose release publishes them)
+    ticket = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = ticket == SPLIT_K - 1
+    if last:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for s in tl.static_range(SPLIT_K):      # .cg: from L2, never a stale L1 line of an earlier launch
+            acc += tl.load(part_ptr + (s * num_tiles + tile) * (BLOCK_N * BLOCK_M) + tile_offs,
+                           mask=m_ok[None, :], other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed")
+    return acc, last
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, m_rows, n_out, k_len, stride_xm, stride_wn, stride_ym, limit,
                    w2_ptr, y2_ptr, n_out2, stride_w2n, stride_y2m, programs_first,
+                   part_ptr, counter_ptr, k_per_split,
                    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, TWO: tl.constexpr,
                    ACCURATE_EXP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
     """y[:m_rows, n] for this program's BLOCK_N weight rows (SWIGLU: BLOCK_N // 2 output columns, n_out = I).
     TWO: the programs from `programs_first` on compute y2 = x w2^T (n_out2 rows) instead: two weights that share
-    their input (MLA's q and kv_a projections) in one launch."""
-    pid = tl.program_id(0)
+    their input (MLA's q and kv_a projections) in one launch. SPLIT_K > 1: program (tile, s) of grid axis 1 sums
+    K range [s * k_per_split, (s + 1) * k_per_split) and the tile's last part writes y (`_split_k_sum`)."""
+    tile = tl.program_id(0)
+    pid = tile
     if TWO:
         if pid >= programs_first:
             pid -= programs_first
@@ -78,29 +118,39 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, m_rows, n_out, k_len, stride_x
     m = tl.arange(0, BLOCK_M)
     m_ok = m < m_rows
     k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + k[None, :]
-    x_ptrs = x_ptr + m[None, :].to(tl.int64) * stride_xm + k[:, None]          # x^T: [BLOCK_K, BLOCK_M]
+    k_start = 0
+    k_end = k_len
+    if SPLIT_K > 1:
+        k_start = tl.program_id(1) * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, k_len)
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + k_start + k[None, :]
+    x_ptrs = x_ptr + m[None, :].to(tl.int64) * stride_xm + k_start + k[:, None]          # x^T: [BLOCK_K, BLOCK_M]
     # x comes from the previous kernel (rule 1 of kernels/pdl.py). The weights are constant: while that kernel
     # drains, the program asks L2 for them (loading them into registers would take the first stage out of the K
     # loop's software pipeline), so the loop's first loads hit L2.
     if USE_PDL and PREFETCH == 1:
-        prefetch_rows_to_l2(w_ptr, rows, rows_ok, tl.minimum(k_len, BLOCK_K), stride_wn, BLOCK_K)
+        prefetch_rows_to_l2(w_ptr + k_start, rows, rows_ok, tl.minimum(k_end - k_start, BLOCK_K), stride_wn, BLOCK_K)
     if USE_PDL and PREFETCH == 2:
-        prefetch_rows_to_l2(w_ptr, rows, rows_ok, k_len, stride_wn, BLOCK_K)
+        prefetch_rows_to_l2(w_ptr + k_start, rows, rows_ok, k_end - k_start, stride_wn, BLOCK_K)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(0, k_len, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=rows_ok[:, None], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
         else:
-            k_ok = k < k_len - k0
+            k_ok = k < k_end - k0
             w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(w, x, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if SPLIT_K > 1:
+        acc, last = _split_k_sum(acc, part_ptr, counter_ptr, tile, tl.program_id(1), tl.num_programs(0), r, m, m_ok,
+                                 SPLIT_K, BLOCK_N, BLOCK_M)
+        if not last:
+            return
     if SWIGLU:
         # [BLOCK_N, M] -> [BLOCK_N // 2, M, 2] -> gate, up: each rounded as the GEMM's output would be.
         gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_N // 2, 2, BLOCK_M]), [0, 2, 1]))
@@ -121,8 +171,15 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, m_rows, n_out, k_len, stride_x
 
 
 def skinny_tiles(n: int, k: int) -> SkinnyTiles:
-    """The launch setting for a [N, K] weight, from an H200 sweep at M = 8 (benchmarks/tune_skinny_gemm_grid.json;
-    microseconds against cuBLAS's, SwiGLU shapes against cuBLAS + SiLU-and-mul):
+    """The launch setting for a [N, K] weight, from H200 sweeps at M = 8 and 32 (benchmarks/tune_skinny_gemm_grid.json,
+    tune_skinny_split_h200.json; microseconds against cuBLAS's, SwiGLU shapes against cuBLAS + SiLU-and-mul):
+      - narrow weights of long rows (fewer than WIDE_N rows of at least SPLIT_K_MIN_K: Llama-3.2-1B's down 2048x8192,
+        Qwen3-MoE's o_proj 2048x4096): 64 rows per tile, K steps of 256, K split in 4 parts (`_split_k_sum`): 32
+        tiles x 4 parts, each program streaming a 64-row slab of a quarter of K (1B down 11.5 us at M = 8 / 32
+        against cuBLAS's 13.6 / 14.0 and 14.3 / 13.0 unsplit; Qwen3-MoE o_proj 7.1 / 7.1 against 9.4 / 9.6 and 8.2 /
+        7.5 unsplit). No
+        other weight of the sweep gained from a split: with 128+ tiles the SMs are already busy and the partials'
+        round trip costs 0.5-4 us;
       - up to 2048 rows (o_proj, MLA's kv_a, shared experts' down): 16 rows per program, K steps of 256
         (o_proj 2048x2048 5.24 us against 5.98; kv_a 576x2048 4.64 against 5.17);
       - up to 4095 rows (qkv, MLA's q): 64 rows, steps of 256 (3072x2048 6.07 against 6.43);
@@ -134,6 +191,8 @@ def skinny_tiles(n: int, k: int) -> SkinnyTiles:
         4.95 / 5.40 / 5.37 ms then, 4.36 / 4.68 / 5.09 ms with these (session20_steps_ab_h200.json). Wide weights
         of rows longer than 4096 (DeepSeek-V3's LM head) keep 32 x 512: not measured;
     4 warps, 4 stages. Short rows get a K step of their own length at most."""
+    if n < WIDE_N and k >= SPLIT_K_MIN_K:
+        return SkinnyTiles(64, 256, 4, 4, split_k=4)
     if n <= 2048:
         block_n, block_k = 16, 256
     elif n < 4096:
@@ -145,15 +204,9 @@ def skinny_tiles(n: int, k: int) -> SkinnyTiles:
     return SkinnyTiles(block_n, min(block_k, max(16, next_pow2(k))), 4, 4)
 
 
-def skinny_wins(n: int, k: int) -> bool:
-    """Where the skinny GEMM beats cuBLAS: everywhere but few long rows (Llama-3.2-1B's down projection, 2048x8192:
-    14.8 us at best against 13.5), where cuBLAS splits K over more programs than 2048 rows give."""
-    return not (n < 4096 and k > 4096)
-
-
 def skinny_max_rows(n: int, k: int) -> int:
-    """The most activation rows the skinny GEMM takes for an [n, k] weight: 32 for rows up to SHORT_K long and for
-    weights of at least WIDE_N rows, else 16 (narrow weights of long rows: Qwen3-MoE's o_proj, 2048 x 4096).
+    """The most activation rows the skinny GEMM takes for an [n, k] weight: 32, except 16 for narrow weights of
+    rows longer than SHORT_K and shorter than SPLIT_K_MIN_K (DeepSeek-V2-Lite's shared experts' down, 2048 x 2816).
     Measured in decode steps on an H200 (benchmarks/h200_decode_sweep.py --skinny-max-rows):
       - session 19 (skinny_rows_ab_h200.json): 32 rows for every weight made Llama-3.2-1B's batch-32 step faster
         (1.48 against 1.60 ms) and Llama-3-8B's slower (6.72 against 6.15), Qwen3-MoE's too (5.46 against 5.38).
@@ -163,18 +216,19 @@ def skinny_max_rows(n: int, k: int) -> int:
       - session 21 (session21_steps_ab_h200.json), after session 20 gave Llama-3-8B's wide weights (gate/up,
         qkv, LM head) 64 x 128 tiles in place of 32 x 512: 32 rows for every weight made Llama-3-8B's batch-32 step
         faster, 5.93 against 6.06 ms (graph replay 5.61 against 5.96), batch 64 (cuBLAS either way) 7.61 / 7.60.
-        Every Llama-3-8B weight is at least 4096 rows; Qwen3-MoE's o_proj keeps the 16 of session 19.
-    Alone, at 17-32 rows, the two are about as fast (tune_skinny_gemm_grid.json); the likely source of the gain (not
-    measured apart) is the launch chain: this one starts under PDL, cuBLAS does not."""
-    return SKINNY_MAX_ROWS_SHORT_K if k <= SHORT_K or n >= WIDE_N else SKINNY_MAX_ROWS
+      - session 25 (session25_steps_ab_h200.json): the split-K weights (Qwen3-MoE's o_proj, Llama-3.2-1B's down)
+        take 32 rows too; alone at 32 rows they run 7.1 and 11.5 us against cuBLAS's 9.6 and 14.0.
+    Alone, at 17-32 rows, the unsplit kernel and cuBLAS are about as fast (tune_skinny_gemm_grid.json); the likely
+    source of the gain (not measured apart) is the launch chain: this one starts under PDL, cuBLAS does not."""
+    short_or_wide = k <= SHORT_K or n >= WIDE_N or k >= SPLIT_K_MIN_K
+    return SKINNY_MAX_ROWS_SHORT_K if short_or_wide else SKINNY_MAX_ROWS
 
 
 def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """x [M, K] with 2 <= M <= skinny_max_rows(N, K) of weight's half-precision dtype, no autograd, a weight shape
-    where it beats cuBLAS (the caller checked the device)."""
+    """x [M, K] with 2 <= M <= skinny_max_rows(N, K) of weight's half-precision dtype, no autograd (the caller
+    checked the device)."""
     return (x.dim() == 2 and weight.dim() == 2 and 2 <= x.shape[0] <= skinny_max_rows(*weight.shape)
-            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()
-            and skinny_wins(*weight.shape))
+            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled())
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -227,6 +281,26 @@ def skinny_linear_two(x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.T
     return y_a, y_b
 
 
+def split_counters(device: torch.device) -> Optional[torch.Tensor]:
+    """The device's split-K tile counters (SPLIT_COUNTERS int32 zeros), made on first use; None while a CUDA graph
+    is being captured and none exist yet (a captured zero fill would only run at replay)."""
+    counters = _split_counters.get(device)
+    if counters is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        counters = _split_counters[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return counters
+
+
+def _k_split(k: int, tiles: SkinnyTiles, num_tiles: int, device: torch.device):
+    """(parts, K elements per part, counters) of a launch: whole K steps per part, no empty part; one part when
+    the tiling asks for none, the tiles outnumber the counters, or the counters cannot be made now."""
+    parts = min(tiles.split_k, triton.cdiv(k, tiles.block_k))
+    counters = split_counters(device) if parts > 1 and num_tiles <= SPLIT_COUNTERS else None
+    if counters is None:
+        return 1, k, None
+    per_part = triton.cdiv(triton.cdiv(k, parts), tiles.block_k) * tiles.block_k
+    return triton.cdiv(k, per_part), per_part, counters
+
+
 def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, limit: Optional[float],
             second: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     k = weight.shape[1]
@@ -234,14 +308,23 @@ def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, li
     programs = triton.cdiv(n_out, rows_per_program)
     w2, y2 = second if second is not None else (weight, y)
     programs_second = triton.cdiv(w2.shape[0], rows_per_program) if second is not None else 0
-    _skinny_kernel[(programs + programs_second,)](
+    num_tiles = programs + programs_second
+    block_m = max(16, next_pow2(x.shape[0]))
+    parts, per_part, counters = _k_split(k, tiles, num_tiles, x.device)
+    if parts > 1:
+        partials = torch.empty(parts, num_tiles, tiles.block_n, block_m, dtype=torch.float32, device=x.device)
+    else:
+        partials, counters = y, y       # not read: SPLIT_K == 1
+    _skinny_kernel[(num_tiles, parts)](
         x, weight, bias if bias is not None else y, y, x.shape[0], n_out, k, x.stride(0), weight.stride(0),
         y.stride(0), float(limit or 0.0), w2, y2, w2.shape[0], w2.stride(0), y2.stride(0), programs,
+        partials, counters, per_part,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, HAS_LIMIT=limit is not None, TWO=second is not None,
-        ACCURATE_EXP=USE_LIBDEVICE, EVEN_K=k % tiles.block_k == 0, BLOCK_M=max(16, next_pow2(x.shape[0])),
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PREFETCH=tiles.prefetch, num_warps=tiles.warps,
+        ACCURATE_EXP=USE_LIBDEVICE, EVEN_K=k % tiles.block_k == 0, BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PREFETCH=tiles.prefetch, SPLIT_K=parts, num_warps=tiles.warps,
         num_stages=tiles.stages, **pdl_launch_args(x))
 
 
-__all__ = ["SKINNY_MAX_ROWS", "SKINNY_MAX_ROWS_SHORT_K", "SHORT_K", "WIDE_N", "SkinnyTiles", "skinny_applies",
-           "skinny_linear", "skinny_linear_two", "skinny_max_rows", "skinny_swiglu", "skinny_tiles", "skinny_wins"]
+__all__ = ["SKINNY_MAX_ROWS", "SKINNY_MAX_ROWS_SHORT_K", "SHORT_K", "SPLIT_COUNTERS", "SPLIT_K_MIN_K", "WIDE_N",
+           "SkinnyTiles", "skinny_applies", "skinny_linear", "skinny_linear_two", "skinny_max_rows", "skinny_swiglu",
+           "skinny_tiles", "split_counters"]

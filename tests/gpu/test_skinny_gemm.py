@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from deepserve.kernels.activation import silu_and_mul
-from deepserve.kernels.skinny_gemm import (SHORT_K, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS_SHORT_K, WIDE_N, SkinnyTiles,
-                                           skinny_linear, skinny_linear_two, skinny_max_rows, skinny_swiglu,
-                                           skinny_tiles, skinny_wins)
+from deepserve.kernels.skinny_gemm import (SHORT_K, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS_SHORT_K, SPLIT_K_MIN_K, WIDE_N,
+                                           SkinnyTiles, skinny_linear, skinny_linear_two, skinny_max_rows,
+                                           skinny_swiglu, skinny_tiles, split_counters)
 from deepserve.layers import linear as linear_module
 from deepserve.layers.linear import Linear, fused_swiglu_linear
 from deepserve.layers.mlp import GatedMLP, swiglu_activation
@@ -37,13 +37,41 @@ def test_skinny_linear_matches_linear(device, dtype, m, n, k, with_bias):
 
 
 @pytest.mark.parametrize("tiles", [SkinnyTiles(16, 128, 4, 3, 0), SkinnyTiles(32, 256, 8, 4, 1),
-                                   SkinnyTiles(64, 512, 4, 2, 2)])
+                                   SkinnyTiles(64, 512, 4, 2, 2), SkinnyTiles(16, 128, 4, 3, 1, split_k=3),
+                                   SkinnyTiles(32, 64, 4, 4, 2, split_k=8), SkinnyTiles(16, 512, 4, 4, 1, split_k=4)])
 def test_skinny_linear_tilings_agree(device, tiles):
     """Every tiling the tuning sweep tries computes the same product (K tails, row tails, strided rows of x)."""
     x = torch.randn(6, 2 * 700, device=device).half()[:, ::2]             # stride 2 along K
     w = (torch.randn(90, 700, device=device) * 700 ** -0.5).half()
     ref = torch.nn.functional.linear(x.float(), w.float()).half()
     assert_within_ulps(skinny_linear(x, w, tiles=tiles), ref, torch.float16, ulps=1, min_exact=0.9, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_split_k_sums_the_parts_in_order(device, dtype, split_k):
+    """A split-K launch: F.linear's product within one rounding, bit for bit the same over repeated launches
+    (the last part to finish sums the partials in split order, whichever part that is), the tile counters back at
+    zero after each launch, and its SwiGLU and two-weight modes as the unsplit launch's within one rounding."""
+    skip_bf16_in_interpreter(dtype)
+    m, n, k = 8, 200, 1024 + 64
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
+    tiles = SkinnyTiles(16, 128, 4, 4, 1, split_k=split_k)
+    first = skinny_linear(x, w, tiles=tiles)
+    ref = torch.nn.functional.linear(x.float(), w.float()).to(dtype)
+    assert_within_ulps(first, ref, dtype, ulps=1, min_exact=0.9, atol=2.0 ** -20 * _scale(x, w))
+    for _ in range(4):
+        assert torch.equal(skinny_linear(x, w, tiles=tiles), first)
+    assert not split_counters(torch.device(device)).any()
+    w_b = (torch.randn(40, k, device=device) * k ** -0.5).to(dtype)
+    y_a, y_b = skinny_linear_two(x, w, w_b, tiles=tiles)
+    assert torch.equal(y_a, first)
+    assert_within_ulps(y_b, torch.nn.functional.linear(x.float(), w_b.float()).to(dtype), dtype, ulps=1,
+                       min_exact=0.9, atol=2.0 ** -20 * _scale(x, w_b))
+    act = skinny_swiglu(x, w, tiles=tiles)
+    assert_within_ulps(act, silu_and_mul(first), dtype, ulps=1, min_exact=0.95, atol=2.0 ** -14)
+    assert not split_counters(torch.device(device)).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -86,8 +114,8 @@ def test_skinny_swiglu_is_the_gemm_then_the_activation(device, dtype, m, inter, 
 def test_skinny_tiles():
     """The H200 sweep's picks (benchmarks/tune_skinny_gemm.json): 16 rows per program up to 2048 rows, 64 below
     4096, 32 rows with K steps of 512 for rows longer than 4096 and 4096 x 4096, else 64 rows with steps of 128
-    (Llama-3-8B's gate/up, qkv, LM head); short rows get a K step of their own length; cuBLAS keeps few long rows
-    (down projections of 2048 rows)."""
+    (Llama-3-8B's gate/up, qkv, LM head); short rows get a K step of their own length; narrow weights of long rows
+    (Llama-3.2-1B's down, Qwen3-MoE's o_proj) split K in 4 parts of 64-row tiles."""
     assert skinny_tiles(2048, 2048)[:4] == (16, 256, 4, 4)
     assert skinny_tiles(3072, 2048)[:2] == (64, 256)
     assert skinny_tiles(4096, 14336)[:2] == (32, 512) and skinny_tiles(4096, 4096)[:2] == (32, 512)
@@ -95,7 +123,9 @@ def test_skinny_tiles():
     assert skinny_tiles(28672, 4096)[:2] == (64, 128) and skinny_tiles(6144, 4096)[:2] == (64, 128)
     assert skinny_tiles(129280, 7168)[:2] == (32, 512)
     assert skinny_tiles(100, 40).block_k == 64
-    assert not skinny_wins(2048, 8192) and skinny_wins(4096, 14336) and skinny_wins(2048, 2816)
+    assert skinny_tiles(2048, 8192) == skinny_tiles(2048, SPLIT_K_MIN_K) == SkinnyTiles(64, 256, 4, 4, 1, split_k=4)
+    assert skinny_tiles(WIDE_N - 1, 14336).split_k == 4
+    assert skinny_tiles(2048, SPLIT_K_MIN_K - 1).split_k == skinny_tiles(WIDE_N, 14336).split_k == 1
 
 
 def test_linear_and_mlp_dispatch_few_rows(device, monkeypatch):
@@ -128,11 +158,12 @@ def test_linear_and_mlp_dispatch_few_rows(device, monkeypatch):
 
 
 def test_max_rows_follow_the_weight_shape():
-    """32 rows for weight rows up to SHORT_K long or weights of at least WIDE_N rows, 16 for narrow weights of longer
-    rows (the measured rule)."""
+    """32 rows for weight rows up to SHORT_K long, weights of at least WIDE_N rows and the split-K weights (rows of
+    at least SPLIT_K_MIN_K), 16 for narrow weights of rows between (the measured rule)."""
     assert skinny_max_rows(24, 64) == skinny_max_rows(2048, SHORT_K) == SKINNY_MAX_ROWS_SHORT_K == 32
     assert skinny_max_rows(WIDE_N, 4096) == skinny_max_rows(28672, 4096) == skinny_max_rows(4096, 14336) == 32
-    assert skinny_max_rows(2048, SHORT_K + 1) == skinny_max_rows(WIDE_N - 1, 4096) == SKINNY_MAX_ROWS == 16
+    assert skinny_max_rows(WIDE_N - 1, SPLIT_K_MIN_K) == skinny_max_rows(2048, 8192) == 32
+    assert skinny_max_rows(2048, SHORT_K + 1) == skinny_max_rows(WIDE_N - 1, SPLIT_K_MIN_K - 1) == SKINNY_MAX_ROWS == 16
 
 
 def test_skinny_switch_off_keeps_cublas(device, monkeypatch):
