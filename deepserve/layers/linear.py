@@ -1,6 +1,6 @@
 """Linear layers: `F.linear`, except for one activation row on the GPU (batch-1 decode), where a Triton GEMV reads
 the weight faster than cuBLAS does (deepserve/kernels/gemv.py has the measurements), and for 2-32 rows (small-batch
-decode; 2-16 for narrow weights of rows longer than 2048), where the skinny Triton GEMM takes the shapes it wins
+decode; 2-16 for narrow weights of rows 2049-4095 long), where the skinny Triton GEMM takes them
 (deepserve/kernels/skinny_gemm.py).
 
 Models build `Linear` (an nn.Linear: loading, quantization and `isinstance` checks see no difference) and call
@@ -92,18 +92,32 @@ def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           batch_invariant: bool = False) -> torch.Tensor:
+           batch_invariant: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias; `batch_invariant`: through `invariant_linear` (a row's result is independent of its
-    batch)."""
+    batch). `out` ([rows, N], contiguous): the result is written there and returned; cuBLAS's product goes there
+    straight (a CUDA graph's LM head into its static logits: no [rows, vocab] copy), the other paths' is copied."""
     if batch_invariant:
-        return invariant_linear(x, weight, bias)
-    if _one_row_on_gpu(x, weight) and (bias is None or bias.dtype == weight.dtype):
+        y = invariant_linear(x, weight, bias)
+    elif _one_row_on_gpu(x, weight) and (bias is None or bias.dtype == weight.dtype):
         from deepserve.kernels.gemv import gemv
-        return gemv(x, weight, bias)
-    if _few_rows_on_gpu(x, weight) and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())):
+        y = gemv(x, weight, bias)
+    elif _few_rows_on_gpu(x, weight) and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())):
         from deepserve.kernels.skinny_gemm import skinny_linear
-        return skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+        y = skinny_linear(x, weight, bias)
+    elif out is not None and bias is None and x.dim() == 2 and out.dtype == x.dtype == weight.dtype:
+        return torch.mm(x, weight.t(), out=out)
+    else:
+        y = F.linear(x, weight, bias)
+    return y if out is None else out.copy_(y)
+
+
+def apply_linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """layer(x), written into `out` when given (`linear`'s: straight from cuBLAS for a plain Linear; copied from
+    any other layer, e.g. a quantized one)."""
+    if type(layer) is Linear:
+        return linear(x, layer.weight, layer.bias, layer.batch_invariant, out=out)
+    y = layer(x)
+    return y if out is None else out.copy_(y)
 
 
 def linear_residual(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor) -> torch.Tensor:

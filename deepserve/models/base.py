@@ -10,7 +10,7 @@ from torch import nn
 
 from deepserve import envs
 from deepserve.layers.cpu_decode import CpuDecodeStack
-from deepserve.layers.linear import Linear, linear, one_row_on_gpu
+from deepserve.layers.linear import Linear, apply_linear, linear, one_row_on_gpu
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rank_group import SINGLE, RankGroup
 from deepserve.layers.forward_batch import ForwardBatch
@@ -119,12 +119,13 @@ class CausalLM(nn.Module):
             return self.norm(x[idx])
         return self.norm(x[idx], residual[idx])[0]
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head's output in its own dtype (bf16 for a bf16 model): what a CUDA graph keeps (an argmax reads
-        it as is; float32 is twice the bytes to write and read back)."""
+        it as is; float32 is twice the bytes to write and read back). `out`: written there (the graph's static
+        logits; layers/linear.py `linear` says when straight from the GEMM)."""
         if self.lm_head is None:
-            return linear(hidden, self.embed_tokens.weight, batch_invariant=self.batch_invariant)
-        return self.lm_head(hidden)
+            return linear(hidden, self.embed_tokens.weight, batch_invariant=self.batch_invariant, out=out)
+        return apply_linear(self.lm_head, hidden, out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head_logits(hidden).float()

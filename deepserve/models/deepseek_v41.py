@@ -399,10 +399,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         out = torch.where(history >= 0, self.engram_vocab[ids], pad)
         return out
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head's output in the activations' dtype (what a CUDA graph keeps; models/base.py says why)."""
+    def head_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's output in the activations' dtype, into `out` if given (what a CUDA graph keeps; models/base.py
+        says why)."""
         weight = self.embed.weight if self.head is None else self.head.weight
-        return linear(hidden, weight)
+        return linear(hidden, weight, out=out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head_logits(hidden).float()

@@ -229,8 +229,11 @@ class CUDAGraphRunner:
             if self.hidden is None:         # the largest size comes first: one buffer holds every size's rows
                 self.hidden = torch.empty(self.sizes[-1], *hidden.shape[1:], dtype=hidden.dtype, device=self.device)
             self.hidden[:size].copy_(hidden)
-        head_logits = getattr(self.model, "head_logits", self.model.compute_logits)
-        logits = head_logits(hidden)
+        head_logits = getattr(self.model, "head_logits", None)
+        if head_logits is not None and self.logits is not None:
+            head_logits(hidden, out=self.logits[:size])     # past 32 rows straight from cuBLAS, no copy
+            return
+        logits = (head_logits or self.model.compute_logits)(hidden)
         if self.logits is None:             # the first warm-up, outside any capture; the largest size comes first
             rows = max(self.sizes[-1], self.mixed.max_seqs if self.mixed is not None else 0)
             self.logits = torch.empty(rows, self.vocab_size, dtype=logits.dtype, device=self.device)
