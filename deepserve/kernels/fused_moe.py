@@ -312,7 +312,7 @@ def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, devic
     return MoEConfig(block_m, n_up, n_down, block_k=128 if block_m <= 32 else 64)
 
 
-PAIR_MODE_MAX_PAIRS = 64
+PAIR_MODE_MAX_PAIRS = 32
 
 
 def use_pair_mode(num_pairs: int, num_experts: int) -> bool:
@@ -326,11 +326,15 @@ def use_pair_mode(num_pairs: int, num_experts: int) -> bool:
     grows with the duplicates. A static test on the pair count (no host sync, one mode per captured batch size)
     that keeps duplicates rare: batch 1 has none (a token's experts are distinct), 2 tokens x top-6 of 64 share
     0.56 experts on average (5% more reads), and at most one pair per two experts bounds the rest; the cap keeps
-    wide models (Qwen3-MoE, top-8 of 128) to batches <= 8. Measured at the bound's edge on an H200
+    wide models (Qwen3-MoE, top-8 of 128) to batches <= 4. Measured at the bound's edge on an H200
     (benchmarks/tune_moe_pair.py --tokens 8, tune_moe_pair_b8.json): V2-Lite at batch 8 (48 pairs on 64
     experts, 35 distinct) runs 13% faster aligned (139 us against 160 us per layer), Qwen3-MoE at batch 8 (64 of
-    128) the same in both modes (129 / 130 us). Time both modes by passing a MoEConfig or a MoEPairConfig as
-    fused_moe's `config`."""
+    128) the same in both modes alone (129 / 130 us) and DeepSeek-V4.1's experts 8% faster aligned (620 / 675 us,
+    tune_moe_pair_v41.json). In Qwen3-MoE decode steps, with session 24's one-launch align, batch 8 is faster
+    aligned (2.877 / 2.900 against 3.040 / 3.018 ms; graph replays 2.841 against 2.880), batch 4 (32 pairs) in pair
+    mode (1.918 / 1.922 against 1.935 / 1.937 ms): the cap went from 64 pairs to 32 in session 25
+    (session25_steps_ab_h200.json). Time both modes by passing a MoEConfig or a MoEPairConfig as fused_moe's
+    `config`."""
     return num_pairs <= min(PAIR_MODE_MAX_PAIRS, num_experts // 2)
 
 

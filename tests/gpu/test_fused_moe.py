@@ -6,8 +6,8 @@ import torch
 
 from deepserve.kernels import INTERPRET
 import deepserve.kernels.fused_moe as fused_moe_module
-from deepserve.kernels.fused_moe import (MoEConfig, MoEPairConfig, fused_moe, fused_moe_ref, moe_combine,
-                                         pick_pair_config, use_pair_mode)
+from deepserve.kernels.fused_moe import (PAIR_MODE_MAX_PAIRS, MoEConfig, MoEPairConfig, fused_moe, fused_moe_ref,
+                                         moe_combine, pick_pair_config, use_pair_mode)
 from deepserve.kernels.moe_align import SINGLE_ALIGN_MAX_PAIRS, align_max_rows, moe_align, moe_align_ref
 import deepserve.layers.moe_triton as moe_triton_module
 from deepserve.layers.moe_triton import (FUSED_SHARED_MAX_TOKENS, FUSED_SHARED_MAX_TOKENS_LARGE, TritonMoE,
@@ -171,8 +171,9 @@ def test_pair_mode_threshold():
     """Pair mode for at most one pair per two experts and at most PAIR_MODE_MAX_PAIRS pairs."""
     assert use_pair_mode(6, 64) and use_pair_mode(5 * 6, 64) and use_pair_mode(2, 8)
     assert not use_pair_mode(8 * 6, 64)                  # more pairs than half the experts (V2-Lite, batch 8)
-    assert not use_pair_mode(9 * 8, 128)                 # the cap
-    assert use_pair_mode(8 * 8, 128)
+    assert not use_pair_mode(5 * 8, 128)                 # the cap (Qwen3-MoE past batch 4)
+    assert use_pair_mode(4 * 8, 128) and use_pair_mode(PAIR_MODE_MAX_PAIRS, 1024)
+    assert not use_pair_mode(PAIR_MODE_MAX_PAIRS + 1, 1024)
 
 
 @pytest.mark.parametrize("top_k,inter,hidden", [(6, 1408, 2048), (8, 768, 2048), (2, 14336, 4096), (8, 2048, 7168)],
