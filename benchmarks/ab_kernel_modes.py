@@ -28,8 +28,14 @@
                       above; mla_absorb_rows_ab_h200.json's runs, where the code's cap was 256 / 64 and a mode
                       absorb_mma_16 put it back to today's 16)
   shared_fusion_256   the shared experts folded into the MoE grouped GEMMs up to 256 tokens (not 128)
+  skinny_s24          the skinny GEMM as before session 25: no split-K (every tiling's split_k 1), cuBLAS for narrow
+                      weights of rows longer than 4096 (Llama-3.2-1B's down), 16 rows at most for narrow weights of
+                      rows longer than 2048 (Qwen3-MoE's o_proj)
   logits_fp32         the CUDA graphs keep float32 logits, as before session 24 (a copy of the LM head's bf16
                       output made in the graph, then copied into the static buffer), not the head's own dtype
+  moe_no_pair         the MoE aligned path at every batch size (no pair mode: fused_moe.use_pair_mode false)
+  logits_copy         the LM head's output copied into the graph's static logits, as before session 25, not written
+                      there by the GEMM (layers/linear.linear's `out`)
 (The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0. Session 24's
 run of a since-removed mode, shared_blocks_s23, is in session24_steps_ab_h200.json.)
 The switch (several, comma-separated, apply together) patches deepserve/kernels in this process, then runs
@@ -104,20 +110,33 @@ for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switch
         moe_triton.fused_shared_max_tokens = lambda gate_up: 256
     elif mode == "mla_inputs_apart":
         moe_triton._STACK_MLA_INPUTS = False
-    elif mode == "logits_fp32":
+    elif mode == "skinny_s24":
+        _tiles, _applies = skinny.skinny_tiles, skinny.skinny_applies
+        skinny.skinny_tiles = lambda n, k: (skinny.SkinnyTiles(16 if n <= 2048 else 64, 256, 4, 4)
+                                            if n < 4096 and k >= 4096 else _tiles(n, k))
+        skinny.skinny_max_rows = lambda n, k: 32 if k <= 2048 or n >= 4096 else 16
+        skinny.skinny_applies = lambda x, w: _applies(x, w) and not (w.shape[0] < 4096 and w.shape[1] > 4096)
+    elif mode == "moe_no_pair":
+        fused_moe.use_pair_mode = lambda num_pairs, num_experts: False
+    elif mode in ("logits_fp32", "logits_copy"):
         import deepserve.models.base as base
         import deepserve.models.deepseek_v41 as deepseek_v41
 
-        def _float_head(cls):
+        def _head_then_copy(cls, to_float):
             head = cls.head_logits
-            cls.head_logits = lambda self, hidden: head(self, hidden).float()
-        _float_head(base.CausalLM)
-        _float_head(deepseek_v41.DeepseekV41ForCausalLM)
+
+            def head_logits(self, hidden, out=None):
+                y = head(self, hidden)
+                y = y.float() if to_float else y
+                return y if out is None else out.copy_(y)
+            cls.head_logits = head_logits
+        for cls in (base.CausalLM, deepseek_v41.DeepseekV41ForCausalLM):
+            _head_then_copy(cls, mode == "logits_fp32")
     elif mode != "default":
         raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
                          "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21, "
                          "shared_fusion_s21, mla_decode_before, align_s23, mla_inputs_apart, logits_fp32, "
-                         "absorb_mma_64 or shared_fusion_256")
+                         "absorb_mma_64, shared_fusion_256, skinny_s24, logits_copy or moe_no_pair")
 
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -30,6 +30,10 @@
   tune_moe_down_h200.json       the fused MoE with the down GEMM's tiles varied: the engine's pick against the best
   mla_decode_splits_h200.json   MLA decode at batch 64-256: the engine's split and tiles against the best of a grid
   moe_shared_blocks_ab_h200.json  a MoE layer with the shared experts in taller token blocks (dropped), as before, apart
+  session25_steps_ab_h200.json  steps with each of session 25's changes against the code before it
+  mla_decode_contiguous_h200.json  MLA decode with each sequence's blocks in order (and shuffled, not drawn)
+  tune_skinny_split_h200.json   the skinny GEMM's tilings with split-K: cuBLAS, the unsplit pick, the best
+  tune_moe_decode_b8_h200.json  the aligned fused MoE's tiles at 8 / 16 tokens: the engine's pick against the best
 
 Run:  python benchmarks/plot_ab.py [name ...]   (writes <name>.png beside each JSON, or the named ones; needs
       matplotlib)
@@ -164,6 +168,29 @@ def mla_decode_ab(path: Path, title: str) -> plt.Figure:
     return fig
 
 
+def tuning_best(path: Path, title: str) -> plt.Figure:
+    """Grouped bars per (shape, rows / tokens): cuBLAS where timed, the engine's pick, the best setting of the
+    sweep (tune_skinny_gemm.py's results: shape -> rows -> setting -> us; tune_moe_decode.py's: shape -> rows of
+    tokens and configs)."""
+    groups: dict[str, dict[str, float]] = {}
+    for shape, entry in json.loads(path.read_text())["results"].items():
+        if isinstance(entry, list):         # tune_moe_decode.py
+            cases = {str(r["tokens"]): r["configs"] for r in entry}
+        else:                               # tune_skinny_gemm.py: keep the rows that timed the grid
+            cases = {m: row for m, row in entry.items() if isinstance(row, dict) and len(row) > 8}
+        for rows, settings in cases.items():
+            timed = {k: v["us"] for k, v in settings.items() if isinstance(v, dict) and "us" in v}
+            g = groups.setdefault(f"{shape} {rows}", {})
+            if "cublas" in timed:
+                g["cuBLAS"] = timed["cublas"]
+            g["engine pick (then)"] = timed.get("engine", timed.get("engine pick"))
+            g["best of the sweep"] = min(v for k, v in timed.items() if k not in ("cublas", "cublas_silu"))
+    fig, ax = plt.subplots(figsize=(max(8, len(groups) * 0.9), 3.8))
+    grouped_bars(ax, groups, "us per call", title)
+    ax.tick_params(axis="x", labelrotation=60)
+    return fig
+
+
 def kernel_sequences(path: Path) -> plt.Figure:
     """One panel per (shape, batch) with a graph timeline: the kernels of its first 60 launches summed by name,
     microseconds (PDL off: each kernel's own time)."""
@@ -236,6 +263,14 @@ def main() -> None:
                                                           "MoE experts (H200)"),
         "session24_steps_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): session 24's changes, "
                                                                "switched back together and one by one"),
+        "session25_steps_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): session 25's changes "
+                                                               "against the code before each"),
+        "mla_decode_contiguous_h200": lambda p: mla_decode_ab(p, "MLA decode (V2-Lite, 1k, H200): each sequence's "
+                                                                 "blocks in order"),
+        "tune_skinny_split_h200": lambda p: tuning_best(p, "skinny GEMM at M = 8 / 32 (H200): cuBLAS, the unsplit "
+                                                           "pick, the best tiling of the sweep (split_k 1-8)"),
+        "tune_moe_decode_b8_h200": lambda p: tuning_best(p, "aligned fused MoE at 8 / 16 tokens (H200): engine pick "
+                                                            "against the best tiles"),
         "session20_steps_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): session 20's changes, each "
                                                                "switched back"),
         "decode_merge_ab_h200": lambda p: per_tokens(p, {"reduce_launch_us": "split kernel + reduce launch",
