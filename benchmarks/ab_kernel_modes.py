@@ -33,6 +33,8 @@
                       rows longer than 2048 (Qwen3-MoE's o_proj)
   logits_fp32         the CUDA graphs keep float32 logits, as before session 24 (a copy of the LM head's bf16
                       output made in the graph, then copied into the static buffer), not the head's own dtype
+  align_one_hot       the MoE align of up to 128 pairs in the one-hot program (counts in registers), as before session
+                      25, not the one-program align with atomics (moe_align.ONE_HOT_MAX_PAIRS)
   moe_no_pair         the MoE aligned path at every batch size (no pair mode: fused_moe.use_pair_mode false)
   logits_copy         the LM head's output copied into the graph's static logits, as before session 25, not written
                       there by the GEMM (layers/linear.linear's `out`)
@@ -116,6 +118,8 @@ for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switch
                                             if n < 4096 and k >= 4096 else _tiles(n, k))
         skinny.skinny_max_rows = lambda n, k: 32 if k <= 2048 or n >= 4096 else 16
         skinny.skinny_applies = lambda x, w: _applies(x, w) and not (w.shape[0] < 4096 and w.shape[1] > 4096)
+    elif mode == "align_one_hot":
+        moe_align.ONE_HOT_MAX_PAIRS = 1 << 30
     elif mode == "moe_no_pair":
         fused_moe.use_pair_mode = lambda num_pairs, num_experts: False
     elif mode in ("logits_fp32", "logits_copy"):
@@ -136,7 +140,7 @@ for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switch
         raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
                          "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21, "
                          "shared_fusion_s21, mla_decode_before, align_s23, mla_inputs_apart, logits_fp32, "
-                         "absorb_mma_64, shared_fusion_256, skinny_s24, logits_copy or moe_no_pair")
+                         "absorb_mma_64, shared_fusion_256, skinny_s24, logits_copy, moe_no_pair or align_one_hot")
 
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -33,6 +33,7 @@
   session25_steps_ab_h200.json  steps with each of session 25's changes against the code before it
   mla_decode_contiguous_h200.json  MLA decode with each sequence's blocks in order (and shuffled, not drawn)
   tune_skinny_split_h200.json   the skinny GEMM's tilings with split-K: cuBLAS, the unsplit pick, the best
+  moe_align_one_hot_ab_h200.json  the MoE align of small decode batches: one-hot program against atomics
   tune_moe_decode_b8_h200.json  the aligned fused MoE's tiles at 8 / 16 tokens: the engine's pick against the best
 
 Run:  python benchmarks/plot_ab.py [name ...]   (writes <name>.png beside each JSON, or the named ones; needs
@@ -265,6 +266,9 @@ def main() -> None:
                                                                "switched back together and one by one"),
         "session25_steps_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): session 25's changes "
                                                                "against the code before each"),
+        "moe_align_one_hot_ab_h200": lambda p: per_tokens(p, {"before_us": "one-hot program (small batches)",
+                                                               "after_us": "one program with atomics"},
+                                                           "MoE align (H200)"),
         "mla_decode_contiguous_h200": lambda p: mla_decode_ab(p, "MLA decode (V2-Lite, 1k, H200): each sequence's "
                                                                  "blocks in order"),
         "tune_skinny_split_h200": lambda p: tuning_best(p, "skinny GEMM at M = 8 / 32 (H200): cuBLAS, the unsplit "

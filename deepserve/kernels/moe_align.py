@@ -1,9 +1,10 @@
 """MoE align: the (token, slot) pairs of a step grouped by expert, each expert's run padded to a multiple of BLOCK_M
 rows, so that every BLOCK_M rows of the sorted list belong to one expert: what the aligned mode's grouped GEMMs
-(kernels/fused_moe.py) read. Fixed shapes, no host sync (CUDA-graph friendly). Three launch shapes by batch size:
-  one program in registers   small decode batches: one-hot [pairs, experts] tiles count and rank every pair;
+(kernels/fused_moe.py) read. Fixed shapes, no host sync (CUDA-graph friendly). Two launch shapes by batch size:
   one program with atomics   decode batches up to SINGLE_ALIGN_MAX_PAIRS pairs (`_align_single_kernel`);
   three launches             prefill: a counter memset, an atomic count over many programs, the place kernel.
+A third, one program counting in registers (one-hot [pairs, experts] tiles), served small decode batches until
+session 25 and stays behind ONE_HOT_MAX_PAIRS (0) for A/Bs.
 `moe_align_ref` is the torch twin (a stable sort) the tests hold them to.
 """
 
@@ -161,13 +162,19 @@ def _align_single_kernel(ids_ptr, scratch_ptr, sorted_pairs_ptr, block_expert_pt
 # (1024 / 2048 pairs) 4.4 / 7.1 against 6.7 / 8.0; at 512 tokens (3072 / 4096 pairs) the one program lost, 7.5 /
 # 10.1 against 7.2 / 8.2.
 SINGLE_ALIGN_MAX_PAIRS = 2048
+# The one-hot program (the place kernel counting in registers) for at most this many pairs (where its tiles hold
+# them): 0 since session 25, when the program with atomics won there too (moe_align_one_hot_ab_h200.json, us per
+# align in a CUDA graph): V2-Lite at 6 / 8 / 12 / 16 tokens 2.7 / 2.7 / 2.6 / 2.6 against 3.0 / 3.0 / 5.8 / 5.8,
+# Qwen3-MoE at 6 / 8 5.5 against 3.0 / 2.9; Qwen3-MoE batch-8 steps 2.879 / 2.890 -> 2.846 / 2.846 ms, V2-Lite
+# batch 16 graph replays 7.140 -> 7.052 ms (session25_steps_ab_h200.json).
+ONE_HOT_MAX_PAIRS = 0
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     """Pairs of `topk_ids` [T, k] grouped by expert, each expert's run padded to a multiple of block_m. Fixed
-    shapes, no host sync (CUDA-graph friendly): one launch up to SINGLE_ALIGN_MAX_PAIRS pairs (decode; in registers
-    when one program's one-hot tiles hold every pair and block, else with atomics on a scratch), else three (a
-    counter memset, an atomic count, the place kernel)."""
+    shapes, no host sync (CUDA-graph friendly): one launch up to SINGLE_ALIGN_MAX_PAIRS pairs (decode; with atomics
+    on a scratch, or counting in registers up to ONE_HOT_MAX_PAIRS where one program's one-hot tiles hold every pair
+    and block), else three (a counter memset, an atomic count, the place kernel)."""
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     device = flat.device
@@ -177,18 +184,18 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     block_e = max(16, next_pow2(num_experts))
     chunk = max(16, min(128, _ALIGN_CELLS // block_e))
-    one_program = num_pairs <= chunk and num_blocks <= chunk
+    one_program = num_pairs <= min(chunk, ONE_HOT_MAX_PAIRS) and num_blocks <= chunk
     if one_program:
         # The one program's one-hot tiles sized to what it holds (V2-Lite at 8 tokens: 48 pairs and blocks, 64
         # rows instead of 128): a latency-bound launch, whose scans over the tile's rows are most of its time.
         chunk = max(16, next_pow2(max(num_pairs, num_blocks)))
     if not one_program and num_pairs <= SINGLE_ALIGN_MAX_PAIRS:
-        block_e = next_pow2(num_experts)
+        # Tiles of at least 16 lanes (masked past the pairs, experts and blocks), as the other align kernels'.
         scratch = torch.empty(2 * block_e, dtype=torch.int32, device=device)
-        pairs = next_pow2(num_pairs)
+        pairs = max(16, next_pow2(num_pairs))
         _align_single_kernel[(1,)](flat, scratch, sorted_pairs, block_expert, num_pairs, num_experts, num_blocks,
                                    BLOCK_M=block_m, BLOCK_E=block_e, LOG_E=block_e.bit_length() - 1, PAIRS=pairs,
-                                   BLOCKS=next_pow2(num_blocks), num_warps=8,
+                                   BLOCKS=max(16, next_pow2(num_blocks)), num_warps=8,
                                    **aligned_launch_args(flat))
         return MoEAlignment(sorted_pairs, block_expert, block_m, num_pairs)
     if one_program:
