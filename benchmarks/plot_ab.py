@@ -33,6 +33,7 @@
   session25_steps_ab_h200.json  steps with each of session 25's changes against the code before it
   mla_decode_contiguous_h200.json  MLA decode with each sequence's blocks in order (and shuffled, not drawn)
   tune_skinny_split_h200.json   the skinny GEMM's tilings with split-K: cuBLAS, the unsplit pick, the best
+  h200_b8_kernel_sequences_s25.json  Qwen3-MoE and Llama-3.2-1B batch-8 replays, kernel by kernel (PDL off)
   moe_align_one_hot_ab_h200.json  the MoE align of small decode batches: one-hot program against atomics
   tune_moe_decode_b8_h200.json  the aligned fused MoE's tiles at 8 / 16 tokens: the engine's pick against the best
 
@@ -250,6 +251,7 @@ def main() -> None:
         "moe_align_single_ab_h200": lambda p: per_tokens(p, {"before_us": "three launches (memset, count, place)",
                                                              "after_us": "one program, atomics"}, "MoE align (H200)"),
         "h200_b128_b8_kernel_sequences": lambda p: kernel_sequences(p),
+        "h200_b8_kernel_sequences_s25": lambda p: kernel_sequences(p),
         "mla_absorb_rows_ab_h200": lambda p: per_tokens(p, {"mma_us": "tensor-core pair, row blocks on the grid",
                                                             "cublas_us": "cuBLAS bmm pair"},
                                                         "V2-Lite W_UK + W_UV products per layer (H200)", x="batch"),
