@@ -32,16 +32,14 @@ from deepserve.worker.batch_builder import build_forward_batch
 from deepserve.worker.host_memory import retain_freed_memory
 from deepserve.worker.kv_cache import KVCacheLayout
 from deepserve.worker.mixed_graph import mixed_buckets
-from deepserve.worker.memory_profile import (MAX_LOGPROBS, CudaMemory, costliest_sampling, fitting_budget,
-                                             largest_steps)
+from deepserve.worker.kv_budget import KVCacheBudget
+from deepserve.worker.memory_profile import MAX_LOGPROBS, CudaMemory, costliest_sampling
 from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 # Prompt-logprob logits are computed this many rows at a time (bounds the largest buffer of a step).
 PROMPT_LOGPROB_ROWS = 512
-
-_CUDA_GRAPH_RESERVE = 512 << 20   # graph pool (activations of the largest decode batch) and fragmentation
 
 # (token id, logprob, top-k ids, top-k logprobs): one position's log-probabilities, plain Python.
 TokenLogprobs = tuple[int, float, list[int], list[float]]
@@ -152,17 +150,15 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> float:
         return self.kv_bytes_per_block() / self.block_size
 
-    def _kv_budget_bytes(self) -> int:
-        cache = self.config.cache
-        if cache.kv_cache_memory_bytes is not None:
-            return cache.kv_cache_memory_bytes
-        if self.memory is not None:
-            return self._profiled_budget()
-        # CPU: enough for every sequence at full length, capped at 1 GiB (zeroing more costs start-up time).
-        return min(self.kv_layout.wanted_bytes(), 1 << 30)
+    @property
+    def profiled_peak_bytes(self) -> int | None:
+        """The start-up profile's peak (weights + the largest step; worker/kv_budget.py); None if none ran."""
+        return self.kv_budget.peak_bytes
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
-        num_blocks, num_window = self.kv_layout.split(int(self._kv_budget_bytes()))
+        self.kv_budget = KVCacheBudget(self.config, self.model, self.kv_layout, self.memory, self._memory_before,
+                                       self._dummy_forward)
+        num_blocks, num_window = self.kv_layout.split(int(self.kv_budget.budget_bytes()))
         # Every rank gets the same number of blocks (tensor-parallel ranks must schedule alike; DeepInfer takes the
         # world's minimum too).
         num_blocks = int(self.parallel.world.all_reduce_min(torch.tensor([num_blocks])).item())
@@ -181,54 +177,6 @@ class ModelRunner:
             logger.info("window states: %d blocks (%.1f MiB), %d positions kept behind each sequence's next",
                         num_window, num_window * self.window_bytes_per_block() / 2**20, self.model.window_reach())
         return caches
-
-    def _profiled_budget(self) -> int:
-        """gpu_memory_utilization x total, minus what is not ours (other processes, the CUDA context), the weights,
-        the peak of the largest step the scheduler can form (measured by running it), and room for CUDA graphs.
-
-        What start-up accepts must run: a setting whose largest step leaves too little KV cache for that step's own
-        tokens and one max_model_len sequence is refused here (naming max_num_batched_tokens and a value that fits),
-        not left to run out of memory at its first big step."""
-        util = self.config.cache.gpu_memory_utilization
-        weights = self.memory.allocated() - self._memory_before
-        peaks = self._profile_run()
-        free, total, reserved = self.memory.info()
-        not_torch = total - free - reserved
-        graphs = _CUDA_GRAPH_RESERVE if self.device.type == "cuda" and not self.config.device.enforce_eager else 0
-        room = int(total * util) - not_torch - graphs        # for the largest step and the KV cache
-        tokens = self.config.scheduler.max_num_batched_tokens
-        peak = peaks[tokens]
-        if peak is None or room - peak < self._kv_bytes_needed(tokens):
-            raise RuntimeError(self._refusal(peaks, weights, room))
-        self.profiled_peak_bytes = peak
-        logger.info("memory profile: peak %.2f GiB (weights + largest step), other %.2f GiB, KV budget %.2f GiB",
-                    peak / 2**30, not_torch / 2**30, (room - peak) / 2**30)
-        return room - peak
-
-    def _kv_bytes_needed(self, tokens: int) -> int:
-        """The least KV cache a token budget is served with: the blocks of its largest step's own keys and values
-        (chunks of fresh prompts, each rounded up to whole blocks), and at least those of one max_model_len sequence
-        (less could not serve every request start-up accepts)."""
-        sched, bs = self.config.scheduler, self.block_size
-        step = largest_steps(tokens, sched.max_num_seqs, sched.max_model_len)[0]
-        blocks = max(-(-sum(step) // bs) + len(step), -(-sched.max_model_len // bs))
-        return blocks * self.kv_bytes_per_block() + self.kv_layout.least_window_bytes()
-
-    def _refusal(self, peaks: dict[int, int | None], weights: int, room: int) -> str:
-        sched, util = self.config.scheduler, self.config.cache.gpu_memory_utilization
-        n = sched.max_num_batched_tokens
-        steps = largest_steps(n, sched.max_num_seqs, sched.max_model_len)
-        peak, need = peaks[n], self._kv_bytes_needed(n)
-        what = "runs out of memory" if peak is None else f"peaks at {peak / 2**30:.2f} GiB with the weights"
-        fits = fitting_budget(peaks, weights, room, self._kv_bytes_needed)
-        hint = (f"max_num_batched_tokens={fits} fits (estimated from the profile); or " if fits is not None
-                else "even a one-token step does not fit; ")
-        return (f"max_num_batched_tokens={n} does not fit in GPU memory: its largest step ({sum(steps[0])} tokens over "
-                f"{len(steps[0])} sequences, every row's hidden state as prompt logprobs may ask) {what}, and "
-                f"gpu_memory_utilization={util} leaves {room / 2**30:.2f} GiB for the weights, that step and a KV "
-                f"cache for its tokens and at least one max_model_len={sched.max_model_len} sequence "
-                f"({need / 2**30:.2f} GiB). {hint}"
-                "raise gpu_memory_utilization, or lower max_model_len or max_num_seqs")
 
     def _allocate_mtp_scratch(self) -> MTPScratch | None:
         """MTP drafting with k > 1: blocks appended to the MTP layer's cache (after whatever the runner allocated),
@@ -254,46 +202,6 @@ class ModelRunner:
                                                          device=self.device)
         logger.info("MTP chain scratch: %d blocks", num_seqs * per_seq)
         return MTPScratch(first, per_seq, num_seqs)
-
-    @torch.inference_mode()
-    def _profile_run(self) -> dict[int, int | None]:
-        """Peak memory (weights included) of the largest step under token budgets of max_num_batched_tokens, half,
-        a quarter, ... one; None where it ran out of memory. Caches are one dummy block (every block table points
-        at it; writes land in it).
-
-        The smaller sizes, and fresh prompts of each size, also compile, at start-up instead of in the middle of
-        serving (a Triton compile takes 1-4 s), the kernels whose launch configuration depends on the step size
-        (the fused MoE picks its mode and tiles by tokens per expert)."""
-        sched = self.config.scheduler
-        layers = self.model.attention_layers()
-        for layer in layers:
-            layer.kv_cache = torch.zeros(layer.kv_cache_shape(1, self.block_size),
-                                         dtype=self.kv_layout.cache_dtype(layer), device=self.device)
-        peaks = {}
-        n = sched.max_num_batched_tokens
-        while n >= 1:
-            peaks[n] = self._measure_largest_step(n)
-            n //= 2
-        # The largest steps are chunks over a long prefix; what serving meets first is fresh prompts. Compile their
-        # kernel variants here too (one prompt of each size), or the first prefills pay for it (an H200 run without
-        # this: 4 ms more on a 128-token prefill from the warm disk cache, ~1 s a variant from a cold one).
-        n = min(sched.max_num_batched_tokens, sched.max_model_len)
-        while n >= 1:
-            self._dummy_forward([n], n)
-            n //= 2
-        for layer in layers:
-            layer.kv_cache = None
-        return peaks
-
-    def _measure_largest_step(self, tokens: int) -> int | None:
-        sched = self.config.scheduler
-        self.memory.reset_peak()
-        try:
-            for query_lens in largest_steps(tokens, sched.max_num_seqs, sched.max_model_len):
-                self._dummy_forward(query_lens, sched.max_model_len)
-            return self.memory.peak_allocated() - self._memory_before
-        except torch.cuda.OutOfMemoryError:
-            return None      # refused by _profiled_budget when it is the configured size
 
     def _dummy_forward(self, query_lens: list[int], seq_len: int, sample: bool = True) -> None:
         """A step of one chunk per entry of `query_lens`, each ending at position `seq_len` (decodes at the longest

@@ -122,7 +122,7 @@ def test_a_step_that_does_not_fit_is_refused_with_a_value_that_fits(tiny_llama, 
     runner, config = start(tiny_llama, FakeMemory(oom_above=oom_above), max_num_batched_tokens=fits, max_num_seqs=32)
     assert config.cache.num_blocks * config.cache.block_size >= fits + 32 * 16    # the step's own KV fits too
     room = int(memory.total * 0.5) - memory.other
-    assert memory.cost(fits + 512, 32) + runner._kv_bytes_needed(fits + 512) > room   # not needlessly small
+    assert memory.cost(fits + 512, 32) + runner.kv_budget.bytes_needed(fits + 512) > room   # not needlessly small
 
 
 def test_weights_that_leave_no_room_are_refused_without_a_suggestion(tiny_llama):
