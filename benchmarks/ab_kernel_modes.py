@@ -38,6 +38,8 @@
   moe_no_pair         the MoE aligned path at every batch size (no pair mode: fused_moe.use_pair_mode false)
   logits_copy         the LM head's output copied into the graph's static logits, as before session 25, not written
                       there by the GEMM (layers/linear.linear's `out`)
+  ablate_rotary       a diagnostic, not a setting: the GQA attention's rotary + KV-cache write launch skipped (q left
+                      unrotated, the cache unwritten: wrong tokens), to time what that launch costs inside a step
 (The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0. Session 24's
 run of a since-removed mode, shared_blocks_s23, is in session24_steps_ab_h200.json.)
 The switch (several, comma-separated, apply together) patches deepserve/kernels in this process, then runs
@@ -136,11 +138,15 @@ for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switch
             cls.head_logits = head_logits
         for cls in (base.CausalLM, deepseek_v41.DeepseekV41ForCausalLM):
             _head_then_copy(cls, mode == "logits_fp32")
+    elif mode == "ablate_rotary":
+        import deepserve.layers.attention_triton as attention_triton
+        attention_triton.rotary_write_kv = lambda kv_cache, q, *args, **kwargs: q
     elif mode != "default":
         raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
                          "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21, "
                          "shared_fusion_s21, mla_decode_before, align_s23, mla_inputs_apart, logits_fp32, "
-                         "absorb_mma_64, shared_fusion_256, skinny_s24, logits_copy, moe_no_pair or align_one_hot")
+                         "absorb_mma_64, shared_fusion_256, skinny_s24, logits_copy, moe_no_pair, align_one_hot "
+                         "or ablate_rotary")
 
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

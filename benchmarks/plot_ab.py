@@ -36,6 +36,11 @@
   h200_b8_kernel_sequences_s25.json  Qwen3-MoE and Llama-3.2-1B batch-8 replays, kernel by kernel (PDL off)
   moe_align_one_hot_ab_h200.json  the MoE align of small decode batches: one-hot program against atomics
   tune_moe_decode_b8_h200.json  the aligned fused MoE's tiles at 8 / 16 tokens: the engine's pick against the best
+  fused_norm_rows_ab_h200.json  steps with the norms in the skinny GEMM at 2-32 rows (dropped) against main
+  ablate_rotary_ab_h200.json    steps with the rotary + KV-write launch skipped (a diagnostic) against the engine
+  decode_kv_prefetch_ab_h200.json  steps with the decode's KV tiles prefetched to L2 before the PDL wait (dropped)
+  decode_small_batch_in_step_h200.json  paged GQA decode at batch 8-32: the engine's launch against the best of a
+                                grid, and by context at batch 8
 
 Run:  python benchmarks/plot_ab.py [name ...]   (writes <name>.png beside each JSON, or the named ones; needs
       matplotlib)
@@ -193,6 +198,33 @@ def tuning_best(path: Path, title: str) -> plt.Figure:
     return fig
 
 
+def decode_in_step(path: Path, title: str) -> plt.Figure:
+    """decode_attention_in_step.py's results: per case the engine's launch against the best (splits, tiles) of the
+    grid (decode + reduce, us); and, from `contexts`, the engine's launch by context."""
+    data = json.loads(path.read_text())
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8))
+    groups = {}
+    for r in data["results"]:
+        timed = {k: v[0] for k, v in r["us"].items() if isinstance(v, list)}
+        groups[f"{r.get('shape', '')} b{r['batch']}"] = {"engine": timed["None None"],
+                                                              "best of the grid": min(timed.values())}
+    grouped_bars(left, groups, "decode + reduce, us", title)
+    left.tick_params(axis="x", labelrotation=30)
+    by_shape: dict[str, list] = {}
+    for r in data.get("contexts", []):
+        by_shape.setdefault(r.get("shape", ""), []).append((r["context"], r["us"]["None None"][0]))
+    for shape, points in by_shape.items():
+        points.sort()
+        right.plot([c for c, _ in points], [u for _, u in points], marker="o", label=f"{shape} batch 8")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("keys per sequence")
+    right.set_ylabel("decode + reduce, us")
+    right.set_title("the engine's launch by context (PDL off, after an L2-flushing GEMM)", fontsize=9)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def kernel_sequences(path: Path) -> plt.Figure:
     """One panel per (shape, batch) with a graph timeline: the kernels of its first 60 launches summed by name,
     microseconds (PDL off: each kernel's own time)."""
@@ -289,6 +321,14 @@ def main() -> None:
         "moe_shared_fusion_ab_h200": lambda p: per_tokens(p, {"fused_us": "shared experts in the grouped GEMMs",
                                                               "module_us": "shared experts' own GEMMs"},
                                                           "MoE experts (H200)"),
+        "fused_norm_rows_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): RMSNorms in the skinny "
+                                                               "GEMM's K loop at 2-32 rows (dropped) vs main"),
+        "ablate_rotary_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): the rotary + KV-write launch "
+                                                             "skipped (diagnostic) vs the engine"),
+        "decode_kv_prefetch_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): KV tiles prefetched to "
+                                                                  "L2 before the PDL wait (dropped) vs main"),
+        "decode_small_batch_in_step_h200": lambda p: decode_in_step(p, "paged GQA decode at small batch (H200, 1k, "
+                                                                       "PDL off)"),
         "qk_norm_fusion_h200": lambda p: qk_norm_fusion(p),
         "skinny_pdl_ab_h200": lambda p: mode_ab(p, "skinny GEMM launch modes (H200)"),
         "moe_fused_combine_ab_h200": lambda p: mode_ab(p, "MoE pair mode: down + combine fused or apart (H200)"),
