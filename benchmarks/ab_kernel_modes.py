@@ -38,6 +38,9 @@
   moe_no_pair         the MoE aligned path at every batch size (no pair mode: fused_moe.use_pair_mode false)
   logits_copy         the LM head's output copied into the graph's static logits, as before session 25, not written
                       there by the GEMM (layers/linear.linear's `out`)
+  inflight_index_s25  overlapped scheduling's in-flight tokens patched as before session 26 in every step: an index
+                      uploaded from pageable memory and two index kernels, not one device copy when the rows are the
+                      previous step's in order (model_runner._patch_inflight)
   ablate_rotary       a diagnostic, not a setting: the GQA attention's rotary + KV-cache write launch skipped (q left
                       unrotated, the cache unwritten: wrong tokens), to time what that launch costs inside a step
 (The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0. Session 24's
@@ -141,12 +144,23 @@ for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switch
     elif mode == "ablate_rotary":
         import deepserve.layers.attention_triton as attention_triton
         attention_triton.rotary_write_kv = lambda kv_cache, q, *args, **kwargs: q
+    elif mode == "inflight_index_s25":
+        import deepserve.worker.model_runner as model_runner
+
+        def _patch_by_index(input_ids, rows, previous):
+            if not rows:
+                return
+            index = torch.tensor([r for r, _ in rows] + [previous.row_of[s] for _, s in rows], dtype=torch.int64)
+            index = index.to(input_ids.device, non_blocking=True)
+            dst, src = index[:len(rows)], index[len(rows):]
+            input_ids.index_copy_(0, dst, previous.device_tokens.index_select(0, src))
+        model_runner._patch_inflight = _patch_by_index
     elif mode != "default":
         raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
                          "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21, "
                          "shared_fusion_s21, mla_decode_before, align_s23, mla_inputs_apart, logits_fp32, "
-                         "absorb_mma_64, shared_fusion_256, skinny_s24, logits_copy, moe_no_pair, align_one_hot "
-                         "or ablate_rotary")
+                         "absorb_mma_64, shared_fusion_256, skinny_s24, logits_copy, moe_no_pair, align_one_hot, "
+                         "inflight_index_s25 or ablate_rotary")
 
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -41,6 +41,8 @@
   decode_kv_prefetch_ab_h200.json  steps with the decode's KV tiles prefetched to L2 before the PDL wait (dropped)
   decode_small_batch_in_step_h200.json  paged GQA decode at batch 8-32: the engine's launch against the best of a
                                 grid, and by context at batch 8
+  inflight_patch_ab_h200.json   steps with the in-flight token patch as one device copy, against the index path
+  step_outside_graph_h200.json  the device operations between two graph replays of a steady decode, on a timeline
 
 Run:  python benchmarks/plot_ab.py [name ...]   (writes <name>.png beside each JSON, or the named ones; needs
       matplotlib)
@@ -225,6 +227,27 @@ def decode_in_step(path: Path, title: str) -> plt.Figure:
     return fig
 
 
+def outside_graph(path: Path) -> plt.Figure:
+    """step_outside_graph.py's last interval per (shape, batch): each operation as a bar at its offset from the end
+    of the previous graph replay."""
+    cases = [(f"{shape} batch {batch}", entry["between_graphs"][-1])
+             for shape, batches in json.loads(path.read_text())["results"].items()
+             for batch, entry in batches.items() if entry.get("between_graphs")]
+    fig, axes = plt.subplots(len(cases), 1, figsize=(9, 1.2 + 0.35 * max(len(g["ops"]) for _, g in cases) * len(cases)),
+                             squeeze=False)
+    for ax, (title, gap) in zip(axes[:, 0], cases):
+        names = [name[:45] for _, _, name in gap["ops"]]
+        ax.barh(range(len(names)), [d for _, d, _ in gap["ops"]], left=[o for o, _, _ in gap["ops"]])
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlim(0, gap["gap_us"])
+        ax.set_xlabel("us after the previous graph's last kernel (the next graph starts at the right edge)")
+        ax.set_title(f"{title}: between two graph replays", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def kernel_sequences(path: Path) -> plt.Figure:
     """One panel per (shape, batch) with a graph timeline: the kernels of its first 60 launches summed by name,
     microseconds (PDL off: each kernel's own time)."""
@@ -329,6 +352,9 @@ def main() -> None:
                                                                   "L2 before the PDL wait (dropped) vs main"),
         "decode_small_batch_in_step_h200": lambda p: decode_in_step(p, "paged GQA decode at small batch (H200, 1k, "
                                                                        "PDL off)"),
+        "inflight_patch_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): the in-flight token patch "
+                                                              "as one device copy vs the index path"),
+        "step_outside_graph_h200": lambda p: outside_graph(p),
         "qk_norm_fusion_h200": lambda p: qk_norm_fusion(p),
         "skinny_pdl_ab_h200": lambda p: mode_ab(p, "skinny GEMM launch modes (H200)"),
         "moe_fused_combine_ab_h200": lambda p: mode_ab(p, "MoE pair mode: down + combine fused or apart (H200)"),
