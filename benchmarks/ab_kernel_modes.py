@@ -40,7 +40,7 @@
                       there by the GEMM (layers/linear.linear's `out`)
   inflight_index_s25  overlapped scheduling's in-flight tokens patched as before session 26 in every step: an index
                       uploaded from pageable memory and two index kernels, not one device copy when the rows are the
-                      previous step's in order (model_runner._patch_inflight)
+                      previous step's in order (worker/launched_step.patch_inflight_tokens)
   ablate_rotary       a diagnostic, not a setting: the GQA attention's rotary + KV-cache write launch skipped (q left
                       unrotated, the cache unwritten: wrong tokens), to time what that launch costs inside a step
 (The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0. Session 24's
@@ -154,7 +154,7 @@ for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switch
             index = index.to(input_ids.device, non_blocking=True)
             dst, src = index[:len(rows)], index[len(rows):]
             input_ids.index_copy_(0, dst, previous.device_tokens.index_select(0, src))
-        model_runner._patch_inflight = _patch_by_index
+        model_runner.patch_inflight_tokens = _patch_by_index
     elif mode != "default":
         raise SystemExit(f"AB={mode!r}: default, skinny_nopdl, skinny_noprefetch, router_cublas, moe_aligned_nopdl, "
                          "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21, "

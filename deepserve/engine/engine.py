@@ -31,7 +31,8 @@ from deepserve.spec_decode.gate import SpeculationGate
 from deepserve.spec_decode.length_policy import StepCostModel
 from deepserve.spec_decode.speculator import Speculator
 from deepserve.structured.compiler import GrammarCompiler
-from deepserve.worker.model_runner import LaunchedStep, ModelRunner
+from deepserve.worker.launched_step import LaunchedStep
+from deepserve.worker.model_runner import ModelRunner
 from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)

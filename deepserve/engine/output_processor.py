@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from deepserve.outputs import CompletionOutput, Logprob, LogprobsEntry, RequestMetrics, RequestOutput
 from deepserve.sampling_params import SamplingParams
 from deepserve.sequence import Sequence, SequenceStatus
-from deepserve.worker.model_runner import ModelRunnerOutput, TokenLogprobs
+from deepserve.worker.launched_step import TokenLogprobs
+from deepserve.worker.model_runner import ModelRunnerOutput
 from deepserve.worker.scheduler_output import ScheduledSequence
 
 

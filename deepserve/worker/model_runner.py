@@ -26,13 +26,14 @@ from deepserve.layers.rank_group import ParallelContext
 from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SequenceSamplingRow
 from deepserve.spec_decode.dspark import DSparkDraft, draft_blocks, run_dspark
 from deepserve.spec_decode.mtp import MTPDraft, MTPScratch, mtp_rows, run_mtp
-from deepserve.spec_decode.verifier import VerifyGroup, VerifyResult, verify
+from deepserve.spec_decode.verifier import VerifyGroup, verify
 from deepserve.worker.model_loader import load_model
 from deepserve.worker.batch_builder import build_forward_batch
 from deepserve.worker.host_memory import retain_freed_memory
 from deepserve.worker.kv_cache import KVCacheLayout
 from deepserve.worker.mixed_graph import mixed_buckets
 from deepserve.worker.kv_budget import KVCacheBudget
+from deepserve.worker.launched_step import LaunchedStep, TokenLogprobs, patch_inflight_tokens, to_host
 from deepserve.worker.memory_profile import MAX_LOGPROBS, CudaMemory, costliest_sampling
 from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 
@@ -41,8 +42,6 @@ logger = logging.getLogger(__name__)
 # Prompt-logprob logits are computed this many rows at a time (bounds the largest buffer of a step).
 PROMPT_LOGPROB_ROWS = 512
 
-# (token id, logprob, top-k ids, top-k logprobs): one position's log-probabilities, plain Python.
-TokenLogprobs = tuple[int, float, list[int], list[float]]
 
 
 @dataclass
@@ -404,7 +403,7 @@ class ModelRunner:
         graph_size = self.cuda_graphs.size_for(out) if self.cuda_graphs is not None else None
         if graph_size is not None:
             # Decode-only: one logits row per sequence; rows of non-final 1-token prompt chunks are not sampled.
-            replay = self.cuda_graphs.run(out, graph_size, lambda ids, rows: _patch_inflight(ids, rows, previous))
+            replay = self.cuda_graphs.run(out, graph_size, lambda ids, rows: patch_inflight_tokens(ids, rows, previous))
             self._pick_tokens(replay.logits, out.scheduled, step)
             if _drafts_with_mtp(self.model):      # eagerly, from the hidden states the graph kept
                 self._draft_with_mtp(out.scheduled, replay.hidden, step)
@@ -417,7 +416,8 @@ class ModelRunner:
         mixed = self.cuda_graphs.mixed_bucket_for(out) if self.cuda_graphs is not None else None
         if mixed is not None:
             # Prompt work replayed from a graph: one logits row per sequence (its last row); those that sample.
-            replay = self.cuda_graphs.run_mixed(out, mixed, lambda ids, rows: _patch_inflight(ids, rows, previous))
+            replay = self.cuda_graphs.run_mixed(out, mixed,
+                                                lambda ids, rows: patch_inflight_tokens(ids, rows, previous))
             rows = [b for b, s in enumerate(out.scheduled) if s.samples]
             if rows:
                 logits = replay.logits if len(rows) == len(out.scheduled) else replay.logits[rows]
@@ -430,7 +430,7 @@ class ModelRunner:
         else:
             logits_rows = [p + _sampled_rows(s) for s, p in zip(out.scheduled, prompt_rows)]
         batch = build_forward_batch(out, self.block_size, self.device, logits_rows)
-        _patch_inflight(batch.input_ids, batch.inflight_rows, previous)
+        patch_inflight_tokens(batch.input_ids, batch.inflight_rows, previous)
         batch.attn_metadata = self._attention_metadata(batch)
         hidden = self.model(batch)             # one row per logits row
         offset = 0
@@ -558,7 +558,7 @@ class ModelRunner:
         step.row_of = {seq.seq_id: i for i, seq in enumerate(seqs)}
         step.device_tokens = sampled.token_ids
         # Start the copies to the host now, behind this step's work and ahead of the next step's.
-        step.host = SamplerOutput(*(_to_host(t) for t in (sampled.token_ids, sampled.logprobs,
+        step.host = SamplerOutput(*(to_host(t) for t in (sampled.token_ids, sampled.logprobs,
                                                             sampled.top_logprob_ids, sampled.top_logprobs)))
         if self.device.type == "cuda":
             step.ready = torch.cuda.Event()
@@ -610,49 +610,3 @@ def _prompt_logprob_rows(s: ScheduledSequence) -> list[int]:
         return []
     end = min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1)
     return list(range(0, max(end - s.start, 0)))
-
-
-@dataclass
-class LaunchedStep:
-    """A step queued on the device. Its sampled tokens stay on the device for the next step's inputs and are
-    copied to the host asynchronously; `ready` fires when that copy has landed."""
-    seqs: list = field(default_factory=list)                 # sequences that sample, in row order
-    row_of: dict[int, int] = field(default_factory=dict)     # seq_id -> row in device_tokens
-    device_tokens: torch.Tensor | None = None
-    host: SamplerOutput | None = None
-    ready: "torch.cuda.Event | None" = None
-    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
-    verified: "tuple[list[ScheduledSequence], VerifyResult] | None" = None   # sequences that verified drafts
-    mtp_drafts: "dict[int, MTPDraft | DSparkDraft]" = field(default_factory=dict)   # seq_id -> next step's
-
-
-def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None or t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
-
-
-def _patch_inflight(input_ids: torch.Tensor, rows: list[tuple[int, int]], previous: LaunchedStep | None) -> None:
-    """input_ids[row] = the token `previous` sampled for that row's sequence, copied on the device."""
-    if not rows:
-        return
-    if previous is None or previous.device_tokens is None:
-        raise RuntimeError("a step reads an in-flight token but no launched step holds it")
-    row_of = previous.row_of
-    n = len(rows)
-    if all(r == i and row_of[seq_id] == i for i, (r, seq_id) in enumerate(rows)):
-        # A steady decode: row i reads what the previous step sampled in its row i (the same sequences in the same
-        # order). One device copy; the general path below uploads an index from pageable memory and runs two index
-        # kernels, about 10 us of the GPU's time between two graph replays (benchmarks/step_outside_graph.py).
-        input_ids[:n].copy_(previous.device_tokens[:n])
-        return
-    # Destination rows, then source rows: one host-to-device copy for both, from pinned memory (a pageable source
-    # is staged first, a gap of several us on the device).
-    index = torch.tensor([r for r, _ in rows] + [row_of[seq_id] for _, seq_id in rows], dtype=torch.int64)
-    if input_ids.is_cuda:
-        index = index.pin_memory()
-    index = index.to(input_ids.device, non_blocking=True)
-    dst, src = index[:n], index[n:]
-    input_ids.index_copy_(0, dst, previous.device_tokens.index_select(0, src))

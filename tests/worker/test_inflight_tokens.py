@@ -1,4 +1,4 @@
-"""The in-flight token patch of overlapped scheduling (model_runner._patch_inflight): each row whose input token the
+"""The in-flight token patch of overlapped scheduling (worker/launched_step.patch_inflight_tokens): each row whose input token the
 previous step is still sampling reads it from that step's device tokens, through the one-copy path when the rows
 are the previous step's rows in order and through the index path otherwise."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepserve.worker.model_runner import LaunchedStep, _patch_inflight
+from deepserve.worker.launched_step import LaunchedStep, patch_inflight_tokens
 
 
 def _previous(seq_ids: list[int], tokens: list[int]) -> LaunchedStep:
@@ -23,13 +23,13 @@ def _previous(seq_ids: list[int], tokens: list[int]) -> LaunchedStep:
 ])
 def test_rows_read_their_sequences_tokens(rows, want):
     input_ids = torch.tensor([0, 0, 0, 7])
-    _patch_inflight(input_ids, rows, _previous([10, 11, 12], [100, 101, 102]))
+    patch_inflight_tokens(input_ids, rows, _previous([10, 11, 12], [100, 101, 102]))
     assert input_ids.tolist() == want
 
 
 def test_nothing_in_flight_is_a_no_op_and_a_missing_step_an_error():
     input_ids = torch.tensor([5, 6])
-    _patch_inflight(input_ids, [], None)
+    patch_inflight_tokens(input_ids, [], None)
     assert input_ids.tolist() == [5, 6]
     with pytest.raises(RuntimeError, match="no launched step"):
-        _patch_inflight(input_ids, [(0, 10)], None)
+        patch_inflight_tokens(input_ids, [(0, 10)], None)
