@@ -53,8 +53,8 @@ def patch_inflight_tokens(input_ids: torch.Tensor, rows: list[tuple[int, int]], 
     n = len(rows)
     if all(r == i and row_of[seq_id] == i for i, (r, seq_id) in enumerate(rows)):
         # A steady decode: row i reads what the previous step sampled in its row i (the same sequences in the same
-        # order). One device copy; the general path below uploads an index from pageable memory and runs two index
-        # kernels, about 10 us of the GPU's time between two graph replays (benchmarks/step_outside_graph.py).
+        # order). One device copy, where the general path below uploads an index and runs two index kernels
+        # (before session 26 from pageable memory: about 10 us between two graph replays, step_outside_graph.py).
         input_ids[:n].copy_(previous.device_tokens[:n])
         return
     # Destination rows, then source rows: one host-to-device copy for both, from pinned memory (a pageable source

@@ -43,7 +43,6 @@ logger = logging.getLogger(__name__)
 PROMPT_LOGPROB_ROWS = 512
 
 
-
 @dataclass
 class ModelRunnerOutput:
     sampled_token_ids: dict[int, int] = field(default_factory=dict)          # seq_id -> token
@@ -401,9 +400,13 @@ class ModelRunner:
         if out.is_empty:
             return step
         graph_size = self.cuda_graphs.size_for(out) if self.cuda_graphs is not None else None
+
+        def patch(input_ids: torch.Tensor, rows: list[tuple[int, int]]) -> None:
+            patch_inflight_tokens(input_ids, rows, previous)
+
         if graph_size is not None:
             # Decode-only: one logits row per sequence; rows of non-final 1-token prompt chunks are not sampled.
-            replay = self.cuda_graphs.run(out, graph_size, lambda ids, rows: patch_inflight_tokens(ids, rows, previous))
+            replay = self.cuda_graphs.run(out, graph_size, patch)
             self._pick_tokens(replay.logits, out.scheduled, step)
             if _drafts_with_mtp(self.model):      # eagerly, from the hidden states the graph kept
                 self._draft_with_mtp(out.scheduled, replay.hidden, step)
@@ -416,8 +419,7 @@ class ModelRunner:
         mixed = self.cuda_graphs.mixed_bucket_for(out) if self.cuda_graphs is not None else None
         if mixed is not None:
             # Prompt work replayed from a graph: one logits row per sequence (its last row); those that sample.
-            replay = self.cuda_graphs.run_mixed(out, mixed,
-                                                lambda ids, rows: patch_inflight_tokens(ids, rows, previous))
+            replay = self.cuda_graphs.run_mixed(out, mixed, patch)
             rows = [b for b, s in enumerate(out.scheduled) if s.samples]
             if rows:
                 logits = replay.logits if len(rows) == len(out.scheduled) else replay.logits[rows]

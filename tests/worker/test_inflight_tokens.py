@@ -1,6 +1,6 @@
-"""The in-flight token patch of overlapped scheduling (worker/launched_step.patch_inflight_tokens): each row whose input token the
-previous step is still sampling reads it from that step's device tokens, through the one-copy path when the rows
-are the previous step's rows in order and through the index path otherwise."""
+"""The in-flight token patch of overlapped scheduling (worker/launched_step.patch_inflight_tokens): each row whose
+input token the previous step is still sampling reads it from that step's device tokens, through the one-copy path
+when the rows are the previous step's rows in order and through the index path otherwise."""
 
 from __future__ import annotations
 
