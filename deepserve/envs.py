@@ -129,6 +129,12 @@ _DECLARED = [
     EnvVar("DEEPSERVE_GEMV_PREFETCH", "int", 1,
            "what a GEMV does before its PDL wait: 0 nothing, 1 L2 prefetch of its first K step, 2 of all its "
            "rows, 3 first K step into registers (read at import)", choices=(0, 1, 2, 3)),
+    EnvVar("DEEPSERVE_L2_PREFETCH", "str", "off",
+           "GPU decode steps of up to 64 rows: extra programs of an attention kernel ask L2 for the o_proj weight "
+           "while the attention runs (kernels/l2_prefetch.py; Hopper and later): off (the default until an H200 "
+           "A/B says otherwise); rotary: the GQA rotary + KV-write kernel's programs; reduce: the split decode's "
+           "reduce kernel's (batch 1 too); a _evict_last suffix tags the lines evict-last (read at first use)",
+           choices=("off", "rotary", "rotary_evict_last", "reduce", "reduce_evict_last")),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
     EnvVar("DEEPSERVE_SO_COMPILE_TIMEOUT", "int", 20,

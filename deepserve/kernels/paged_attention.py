@@ -18,6 +18,8 @@ import torch
 
 from deepserve import envs
 from deepserve.kernels import HAS_TRITON, cdiv, next_pow2, require_triton, tl, triton
+from deepserve.kernels.l2_prefetch import (L2_PREFETCH_PIECE, L2_PREFETCH_PIECES, l2_prefetch_plan,
+                                          prefetch_bytes_to_l2)
 from deepserve.kernels.pdl import (pdl_launch_args, pdl_launch_dependents, pdl_wait, pdl_wait_after_inputs,
                                   pdl_wait_for_inputs)
 from deepserve.kernels.reference import attention as reference
@@ -101,8 +103,9 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         bs, hkv, HEAD_DIM=d, BLOCK_HD=next_pow2(hkv * d), num_warps=4, **pdl_launch_args(k))
 
 
-# positions and slot_mapping are views into the step's packed index buffer: not specialised on (see rotary.py).
-@triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])
+# positions and slot_mapping are views into the step's packed index buffer: not specialised on (see rotary.py); nor
+# is the batch size (num_tokens).
+@triton.jit(do_not_specialize=["pos_ptr", "slot_ptr", "pf_bytes", "num_tokens"])
 def _rotary_write_kv_kernel(pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, cache_ptr, cos_ptr, sin_ptr,
                             q_norm_ptr, k_norm_ptr, norm_eps,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
@@ -111,9 +114,19 @@ def _rotary_write_kv_kernel(pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, c
                             HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr, HALF: tl.constexpr,
                             BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
                             HALF_CACHE: tl.constexpr, QK_NORM: tl.constexpr, INPUTS_READY: tl.constexpr,
-                            USE_PDL: tl.constexpr):
+                            pf_ptr, pf_bytes, num_tokens, PREFETCH: tl.constexpr, PF_PIECES: tl.constexpr,
+                            PF_PIECE: tl.constexpr, USE_PDL: tl.constexpr):
     """One token: q rotated into q_out (padding rows too: harmless, and the decode kernel reads them), k rotated
-    and v copied straight into the cache slot; with QK_NORM, q and k RMS-normalised per head first."""
+    and v copied straight into the cache slot; with QK_NORM, q and k RMS-normalised per head first.
+    PREFETCH (an L2Prefetch policy, 0 none): the programs past the tokens ask L2 for pf_bytes of pf_ptr
+    (kernels/l2_prefetch.py), then wait."""
+    if PREFETCH:
+        pid = tl.program_id(0)
+        if pid >= num_tokens:
+            prefetch_bytes_to_l2(pf_ptr, pid - num_tokens, pf_bytes, PREFETCH, PF_PIECES, PF_PIECE)
+            pdl_wait(USE_PDL)           # kernels/pdl.py, rule 2
+            pdl_launch_dependents(USE_PDL)
+            return
     t, dst, keep, cos1, sin1, cos2, sin2, j, jmask = rotary_write_prologue(
         pos_ptr, slot_ptr, cache_ptr, cos_ptr, sin_ptr, stride_c_block, stride_c_slot, stride_cos, block_size,
         HALF, BLOCK_HALF, HALF_CACHE, INPUTS_READY, USE_PDL)
@@ -128,7 +141,8 @@ def _rotary_write_kv_kernel(pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, c
 def rotary_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     slot_mapping: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
                     sin_cache: torch.Tensor, inputs_ready: bool = False,
-                    qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
+                    qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
+                    l2_prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rotary embedding of q and k at `positions` and the cache write of the rotated k and of v, in one launch:
     `q_rot, k_rot = apply_rotary(positions, q, k, cos_cache, sin_cache)` (NeoX halves; full- or half-width caches)
     then `write_kv(kv_cache, k_rot, v, slot_mapping)`, rows with a negative slot writing nothing.
@@ -136,7 +150,9 @@ def rotary_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     tensor; the rotated k lives only in the cache. `inputs_ready`: positions and slot_mapping were in place before
     the kernel launched just before this call (the step's input buffers): read before the PDL wait.
     `qk_norm` = (q weight [D], k weight [D], eps), in q's dtype: q and k are first `rms_norm`ed per head (Qwen3's
-    q_norm / k_norm), which saves their two launches and the copies their strided views would need."""
+    q_norm / k_norm), which saves their two launches and the copies their strided views would need.
+    `l2_prefetch`: a weight the kernel after the attention reads (o_proj's), asked into L2 by extra programs in a
+    small decode step (kernels/l2_prefetch.py); it changes no result."""
     require_triton(q)
     t, h, d = q.shape
     hkv = k.shape[1]
@@ -149,13 +165,16 @@ def rotary_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if qk_norm is not None:
         assert q_norm.shape == k_norm.shape == (d,) and q_norm.dtype == k_norm.dtype == q.dtype
         assert q_norm.is_contiguous() and k_norm.is_contiguous()
-    _rotary_write_kv_kernel[(t,)](
+    prefetch = l2_prefetch_plan(l2_prefetch, t, q, "rotary")
+    _rotary_write_kv_kernel[(t + prefetch.programs,)](
         positions, slot_mapping, q, k, v, q_out, kv_cache, cos_cache, sin_cache, q_norm, k_norm, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
         q_out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         cos_cache.stride(0), kv_cache.shape[2], h, hkv,
         HEAD_DIM=d, BLOCK_HD=next_pow2(hkv * d), **rotary_constexprs(d, h, cos_cache, sin_cache, False),
-        QK_NORM=qk_norm is not None, INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=4, **pdl_launch_args(q))
+        QK_NORM=qk_norm is not None, INPUTS_READY=inputs_ready and EARLY_INPUTS,
+        pf_ptr=prefetch.tensor, pf_bytes=prefetch.nbytes, num_tokens=t, PREFETCH=prefetch.policy,
+        PF_PIECES=L2_PREFETCH_PIECES, PF_PIECE=L2_PREFETCH_PIECE, num_warps=4, **pdl_launch_args(q))
     return q_out
 
 
@@ -312,17 +331,27 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                  o.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
 
 
-@triton.jit(do_not_specialize=_PER_STEP_ARGS[1:] + ["num_splits"])
+@triton.jit(do_not_specialize=_PER_STEP_ARGS[1:] + ["num_splits", "pf_bytes", "num_rows"])
 def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, q_rows_ptr, seq_ids_ptr, seq_lens_ptr, out_ptr,
                           stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
-                          stride_ot, stride_oh, num_splits,
+                          stride_ot, stride_oh, num_splits, pf_ptr, pf_bytes, num_rows,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                          BLOCK_N: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
+                          BLOCK_N: tl.constexpr, INPUTS_READY: tl.constexpr, PREFETCH: tl.constexpr,
+                          PF_PIECES: tl.constexpr, PF_PIECE: tl.constexpr, USE_PDL: tl.constexpr):
     """Merge the splits of one (decode row, head) by their log-sum-exp, in one [BLOCK_S, BLOCK_D] tile. Only the
     active splits are loaded: the empty ones' lanes take lse = -inf and o = 0 (weight 0), the values their
-    programs used to store, so the sum is the same, lane for lane."""
+    programs used to store, so the sum is the same, lane for lane.
+    PREFETCH (an L2Prefetch policy, 0 none): the programs of rows past num_rows ask L2 for pf_bytes of pf_ptr
+    (kernels/l2_prefetch.py), a piece each in (row, head) order, then wait."""
     i = tl.program_id(0)
     h = tl.program_id(1)
+    if PREFETCH:
+        if i >= num_rows:
+            prefetch_bytes_to_l2(pf_ptr, (i - num_rows) * tl.num_programs(1) + h, pf_bytes, PREFETCH, PF_PIECES,
+                                 PF_PIECE)
+            pdl_wait(USE_PDL)           # kernels/pdl.py, rule 2
+            pdl_launch_dependents(USE_PDL)
+            return
     pdl_wait_for_inputs(INPUTS_READY, USE_PDL)    # the previous kernel (the decode's) writes none of them
     row, seq, seq_len = decode_row(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, i)
     pdl_wait_after_inputs(INPUTS_READY, USE_PDL)
@@ -414,7 +443,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      scale: float, out: Optional[torch.Tensor] = None, q_rows: Optional[torch.Tensor] = None,
                      seq_ids: Optional[torch.Tensor] = None, max_seq_len: Optional[int] = None,
                      num_splits: Optional[int] = None, inputs_ready: bool = False,
-                     tiles: Optional[DecodeTiles] = None) -> torch.Tensor:
+                     tiles: Optional[DecodeTiles] = None, l2_prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys.
 
     q: [T, H, D]; the decode rows are `q_rows` (default: all T rows), row i belonging to sequence `seq_ids[i]`
@@ -422,7 +451,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     allocated when None) and returns it. `max_seq_len` (host int) sizes the split; `num_splits` forces it.
     `inputs_ready`: q_rows, seq_ids, seq_lens and block_tables were in place before the kernel launched just
     before this call (the attention backends' per-step metadata), so they may be read before the PDL wait.
-    `tiles` forces the launch settings (tuning); None: `DecodeTiles()`.
+    `tiles` forces the launch settings (tuning); None: `DecodeTiles()`. `l2_prefetch`: the weight read next
+    (o_proj's), which a split launch's reduce may ask into L2 (kernels/l2_prefetch.py); it changes no result.
     """
     require_triton(q)
     t, h, d = q.shape
@@ -474,24 +504,27 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     if split:
         # The decode kernel, the reduce's predecessor, writes none of the inputs: they are ready for it.
         decode_reduce(part_out, part_lse, q_rows, seq_ids, seq_lens, out, inputs_ready=EARLY_INPUTS,
-                      block_n=block_n)
+                      block_n=block_n, l2_prefetch=l2_prefetch)
     return out
 
 
 def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, q_rows: torch.Tensor, seq_ids: torch.Tensor,
                   seq_lens: torch.Tensor, out: torch.Tensor, inputs_ready: bool = False,
-                  block_n: int = DECODE_BLOCK_N) -> torch.Tensor:
+                  block_n: int = DECODE_BLOCK_N, l2_prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Merge the split-K partials of decode row i (normalised outputs part_out [n, H, S, D] float32 and their
     log2-sum-exps part_lse [n, H, S]) into out[q_rows[i]]. Only the splits that hold keys of sequence seq_ids[i]
-    (DECODE_BLOCK_N tiles, see `split_partition`) are read. `inputs_ready` as in `decode_attention`."""
+    (DECODE_BLOCK_N tiles, see `split_partition`) are read. `inputs_ready` and `l2_prefetch` as in
+    `decode_attention`."""
     n, h, num_splits, d = part_out.shape
     assert part_out.stride(-1) == 1 and part_lse.stride(-1) == 1
-    _decode_reduce_kernel[(n, h)](
+    prefetch = l2_prefetch_plan(l2_prefetch, n, out, "reduce")
+    _decode_reduce_kernel[(n + cdiv(prefetch.programs, h), h)](
         part_out, part_lse, q_rows, seq_ids, seq_lens, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), num_splits,
+        out.stride(0), out.stride(1), num_splits, prefetch.tensor, prefetch.nbytes, n,
         HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_S=max(64, next_pow2(num_splits)), BLOCK_N=block_n,
-        INPUTS_READY=inputs_ready, num_warps=4, **pdl_launch_args(out))
+        INPUTS_READY=inputs_ready, PREFETCH=prefetch.policy, PF_PIECES=L2_PREFETCH_PIECES,
+        PF_PIECE=L2_PREFETCH_PIECE, num_warps=4, **pdl_launch_args(out))
     return out
 
 

@@ -32,10 +32,12 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 batch: ForwardBatch, scale: float, rotary: RotaryEmbedding | None = None,
-                qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> torch.Tensor:
+                qk_norm: tuple[RMSNorm, RMSNorm] | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k, v [T, Hkv, D] -> [T, H, D]. With `rotary`, q and k are first rotated at
         batch.positions (`rotary(batch.positions, q, k)`), so that a backend may fuse that with its cache write;
-        with `qk_norm` (Qwen3's per-head q_norm, k_norm), q and k are normalised before that, fused there too."""
+        with `qk_norm` (Qwen3's per-head q_norm, k_norm), q and k are normalised before that, fused there too.
+        `prefetch`: the weight read right after the attention (o_proj's), which a backend may ask into the GPU's
+        L2 while it attends (kernels/l2_prefetch.py); a hint that changes no result."""
         ...
 
 
@@ -131,7 +133,7 @@ class TorchPagedAttention:
             meta.decode_plan = cpu_kernels.DecodePlan(meta.decode_rows, meta.decode_blocks, batch.seq_lens)
         return meta
 
-    def forward(self, q, k, v, kv_cache, batch, scale, rotary=None, qk_norm=None):
+    def forward(self, q, k, v, kv_cache, batch, scale, rotary=None, qk_norm=None, prefetch=None):
         meta: TorchAttentionMetadata = batch.attn_metadata
         if qk_norm is not None:
             q, k = qk_norm[0](q), qk_norm[1](k)
@@ -191,22 +193,26 @@ class Attention(nn.Module):
         return 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                rotary: RotaryEmbedding | None = None, qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> torch.Tensor:
+                rotary: RotaryEmbedding | None = None, qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+                prefetch: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of q over the cached keys after k, v are written; `rotary` (if given) rotates q and k first,
-        after `qk_norm` (if given) normalised them per head."""
+        after `qk_norm` (if given) normalised them per head; `prefetch`: the weight read next (a hint,
+        AttentionBackend.forward)."""
         assert self.kv_cache is not None, "the model runner binds a KV cache before the first forward"
-        return self.backend.forward(q, k, v, self.kv_cache, batch, self.scale, rotary=rotary, qk_norm=qk_norm)
+        return self.backend.forward(q, k, v, self.kv_cache, batch, self.scale, rotary=rotary, qk_norm=qk_norm,
+                                    prefetch=prefetch)
 
     def forward_from_hidden(self, x: torch.Tensor, qkv_proj: nn.Module, batch: ForwardBatch,
-                            rotary: RotaryEmbedding, norm: nn.Module | None = None) -> torch.Tensor | None:
+                            rotary: RotaryEmbedding, norm: nn.Module | None = None,
+                            prefetch: torch.Tensor | None = None) -> torch.Tensor | None:
         """`forward` of qkv_proj(x) (of qkv_proj(norm(x)) given an RMSNorm `norm`) split into q, k, v, when one
         launch can normalise, project, rotate and write the cache (one decode token on the GPU, a backend that can
         attend to an already written cache, a plain NeoX rotary embedding); None otherwise, and the caller takes
-        the usual path."""
+        the usual path. `prefetch` as in `forward`."""
         attend_cached = getattr(self.backend, "attend_cached", None)
         if attend_cached is None or x.shape[0] != 1 or type(rotary) is not RotaryEmbedding \
                 or not batch.is_decode_only:
             return None
         q = fused_qkv_rotary_write(x, qkv_proj, self.kv_cache, batch, rotary, self.num_heads, self.num_kv_heads,
                                    norm)
-        return None if q is None else attend_cached(q, self.kv_cache, batch, self.scale)
+        return None if q is None else attend_cached(q, self.kv_cache, batch, self.scale, prefetch=prefetch)

@@ -154,7 +154,7 @@ class TritonPagedAttention:
         return TritonAttentionMetadata(rows, rows, max_seq_len, None, None, batch.num_seqs, 0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch,
-                scale: float, rotary=None, qk_norm=None) -> torch.Tensor:
+                scale: float, rotary=None, qk_norm=None, prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
         meta = batch.attn_metadata
         if not isinstance(meta, TritonAttentionMetadata):
             meta = self.build_metadata(batch)
@@ -163,28 +163,31 @@ class TritonPagedAttention:
             q, k = qk_norm[0](q), qk_norm[1](k)
         if rotary is not None:
             # One launch (normalises q and k per head with qk_norm,) rotates q (into a new tensor) and k, and writes
-            # k and v: the rotated k is only read back from the cache.
+            # k and v: the rotated k is only read back from the cache. Its extra programs ask L2 for `prefetch`.
             q = rotary_write_kv(kv_cache, q, k, v, batch.slot_mapping, batch.positions, rotary.cos_cache,
-                                rotary.sin_cache, inputs_ready=True, qk_norm=norm_weights)
+                                rotary.sin_cache, inputs_ready=True, qk_norm=norm_weights, l2_prefetch=prefetch)
         else:
             if q.stride(-1) != 1:
                 q = q.contiguous()
             write_kv(kv_cache, k, v, batch.slot_mapping)
-        return self._attend(q, kv_cache, batch, meta, scale)
+        return self._attend(q, kv_cache, batch, meta, scale, prefetch)
 
-    def attend_cached(self, q: torch.Tensor, kv_cache: torch.Tensor, batch, scale: float) -> torch.Tensor:
+    def attend_cached(self, q: torch.Tensor, kv_cache: torch.Tensor, batch, scale: float,
+                      prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`forward` once this step's keys and values are in the cache already (the batch-1 fused qkv projection
         wrote them: kernels/qkv_rotary.py); q [T, H, D] is rotated."""
         meta = batch.attn_metadata
         return self._attend(q, kv_cache, batch, meta if isinstance(meta, TritonAttentionMetadata)
-                            else self.build_metadata(batch), scale)
+                            else self.build_metadata(batch), scale, prefetch)
 
-    def _attend(self, q, kv_cache, batch, meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+    def _attend(self, q, kv_cache, batch, meta: TritonAttentionMetadata, scale: float,
+                prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             tables, lens, rows, seqs = decode_inputs(meta, batch)
             decode_attention(q, kv_cache, tables, lens, scale, out=out, q_rows=rows, seq_ids=seqs,
-                             max_seq_len=meta.decode_max_len, num_splits=self.num_splits, inputs_ready=True)
+                             max_seq_len=meta.decode_max_len, num_splits=self.num_splits, inputs_ready=True,
+                             l2_prefetch=prefetch)
         if meta.num_prefill_tiles:
             prefill_attention(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale,
                               meta.tile_seq, meta.tile_m0, out=out)

@@ -74,9 +74,11 @@ class LlamaAttention(nn.Module):
     def attend(self, x: torch.Tensor, batch: ForwardBatch, norm: RMSNorm | None = None) -> torch.Tensor:
         """The attention's output before o_proj, [T, H * D], of x (of norm(x) given an RMSNorm)."""
         t = x.shape[0]
+        # o_proj's weight, which a GPU attention backend may ask into L2 while it attends (kernels/l2_prefetch.py).
+        prefetch = getattr(self.o_proj, "weight", None)
         if self.q_norm is None:
             # Batch-1 decode on the GPU: norm, projection, rotary and cache write in one launch (None elsewhere).
-            out = self.attn.forward_from_hidden(x, self.qkv_proj, batch, self.rotary, norm)
+            out = self.attn.forward_from_hidden(x, self.qkv_proj, batch, self.rotary, norm, prefetch=prefetch)
             if out is not None:
                 return out.reshape(t, self.q_size)
         if norm is not None:
@@ -89,7 +91,8 @@ class LlamaAttention(nn.Module):
         # KV-cache write (one launch); the reference rotates q and k as views side by side in qkv, in one pass (one
         # C call on the CPU).
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
-        return self.attn(q, k, v, batch, rotary=self.rotary, qk_norm=qk_norm).reshape(t, self.q_size)
+        return self.attn(q, k, v, batch, rotary=self.rotary, qk_norm=qk_norm,
+                         prefetch=prefetch).reshape(t, self.q_size)
 
 
 class LlamaForCausalLM(CausalLM):

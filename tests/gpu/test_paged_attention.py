@@ -14,6 +14,9 @@ from deepserve.kernels.paged_attention import (DECODE_BLOCK_N, DEEP_PIPELINE_TIL
                                                decode_num_splits, decode_reduce, decode_tiles, num_sms,
                                                decode_reduce_ref, rotary_write_kv, rotary_write_kv_ref, write_kv,
                                                write_kv_ref)
+from deepserve.kernels import l2_prefetch
+from deepserve.kernels.l2_prefetch import (L2_PREFETCH_MAX_ROWS, L2_PREFETCH_PIECE, L2_PREFETCH_PIECES,
+                                          l2_prefetch_plan)
 from deepserve.kernels.rotary import apply_rotary
 from deepserve.layers.attention import TorchPagedAttention
 from deepserve.layers.forward_batch import ForwardBatch
@@ -116,6 +119,52 @@ def test_rotary_write_kv_matches_reference(device, dtype, heads, kv_heads, head_
     written[slots[slots >= 0]] = True
     untouched = cache.view(2, nb * bs, kv_heads, head_dim)[:, ~written]
     assert torch.equal(fused.view(2, nb * bs, kv_heads, head_dim)[:, ~written], untouched)
+
+
+@pytest.fixture
+def l2_prefetch_setting(request, monkeypatch):
+    """DEEPSERVE_L2_PREFETCH set to the test's value for its duration (the setting is read once per device)."""
+    monkeypatch.setenv("DEEPSERVE_L2_PREFETCH", request.param)
+    l2_prefetch._setting.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    l2_prefetch._setting.cache_clear()
+
+
+def _assert_prefetch_plan(weight: torch.Tensor, rows: int, like: torch.Tensor, site: str, setting: str) -> None:
+    """On Hopper and later the setting's site has prefetch programs for the whole weight (an odd byte count rounded
+    down to 16 bytes) with the setting's policy, the other site none; elsewhere no site has any."""
+    plan = l2_prefetch_plan(weight, rows, like, site)
+    hopper = weight.is_cuda and not INTERPRET and torch.cuda.get_device_capability(weight.device)[0] >= 9
+    assert (plan.programs > 0) == hopper
+    if hopper:
+        assert plan.policy == (2 if setting.endswith("evict_last") else 1)
+        assert plan.nbytes == weight.numel() * weight.element_size() // 16 * 16
+        assert plan.programs == -(-plan.nbytes // (L2_PREFETCH_PIECE * L2_PREFETCH_PIECES))
+    other = "reduce" if site == "rotary" else "rotary"
+    assert l2_prefetch_plan(weight, rows, like, other).programs == 0
+    # Past L2_PREFETCH_MAX_ROWS rows there is nothing to prefetch for.
+    assert l2_prefetch_plan(weight, L2_PREFETCH_MAX_ROWS + 1, like, site).programs == 0
+
+
+@pytest.mark.parametrize("l2_prefetch_setting", ["rotary", "rotary_evict_last"], indirect=True)
+@pytest.mark.parametrize("weight_shape", [(2048, 2048), (1000, 3)])
+def test_rotary_write_kv_l2_prefetch_changes_nothing(device, weight_shape, l2_prefetch_setting):
+    """The rotary kernel's prefetch programs (kernels/l2_prefetch.py) ask L2 for o_proj's weight and nothing
+    else: q_rot, the cache and the weight are bitwise those of the launch without them."""
+    dtype = torch.bfloat16 if not INTERPRET else torch.float16
+    nb, bs, t, heads, kv_heads, head_dim = 12, 16, 8, 32, 8, 64
+    rope = RotaryEmbedding(head_dim, 4096, 500000.0).to(device)
+    q, k, v, slots, positions = _rotary_case(device, dtype, heads, kv_heads, head_dim, t, nb, bs)
+    weight = torch.randn(weight_shape, device=device).to(dtype)
+    weight_before = weight.clone()
+    _assert_prefetch_plan(weight, t, q, "rotary", l2_prefetch_setting)
+    cache = random_cache(nb, bs, kv_heads, head_dim, dtype, device)
+    plain, prefetching = cache.clone(), cache.clone()
+    q_plain = rotary_write_kv(plain, q, k, v, slots, positions, rope.cos_cache, rope.sin_cache, inputs_ready=True)
+    q_pref = rotary_write_kv(prefetching, q, k, v, slots, positions, rope.cos_cache, rope.sin_cache,
+                             inputs_ready=True, l2_prefetch=weight)
+    assert torch.equal(q_pref, q_plain) and torch.equal(prefetching, plain) and torch.equal(weight, weight_before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
@@ -329,6 +378,30 @@ def test_decode_rows_subset(device, inputs_ready):
                          seq_ids=seq_ids, num_splits=splits, max_seq_len=4096, inputs_ready=inputs_ready)
         assert_attention_close(out[rows], ref[rows], dtype)
         assert torch.isnan(out[others]).all()
+
+
+@pytest.mark.parametrize("l2_prefetch_setting", ["reduce", "reduce_evict_last"], indirect=True)
+@pytest.mark.parametrize("lens", [[1000], [40, 7, 300, 1, 64, 900, 5, 2048]])
+def test_decode_reduce_l2_prefetch_changes_nothing(device, lens, l2_prefetch_setting):
+    """The split reduce's prefetch programs (kernels/l2_prefetch.py; extra grid rows, a piece per (row, head))
+    ask L2 for o_proj's weight and nothing else: batch 1 and batch 8, split launches of a CUDA graph's grid, give
+    bitwise the output of the launch without them, and leave the weight as it was."""
+    dtype = torch.bfloat16 if not INTERPRET else torch.float16
+    batch, cache, q = _decode_case(device, dtype, 64, 4, lens, 16, 400)
+    n = len(lens)
+    rows, seq_ids = torch.arange(n, device=device), torch.arange(n, device=device)
+    weight = torch.randn(2048, 2048, device=device).to(dtype)
+    weight_before = weight.clone()
+    _assert_prefetch_plan(weight, n, q, "reduce", l2_prefetch_setting)
+    outs = []
+    for prefetch in (None, weight):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.125, out=out, q_rows=rows, seq_ids=seq_ids,
+                         num_splits=16, max_seq_len=4096, inputs_ready=True, l2_prefetch=prefetch)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(weight, weight_before)
+    ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.125)
+    assert_attention_close(outs[1], ref, dtype)
 
 
 MIXED_SEQS = [(0, 23), (40, 1), (7, 1), (130, 70), (0, 1), (1500, 1), (64, 64), (5, 2)]

@@ -47,7 +47,7 @@ def install_twin_triton_attention(llm):
     from deepserve.layers.attention_triton import TritonPagedAttention, decode_inputs
 
     class TwinTritonAttention(TritonPagedAttention):
-        def forward(self, q, k, v, kv_cache, batch, scale, rotary=None, qk_norm=None):
+        def forward(self, q, k, v, kv_cache, batch, scale, rotary=None, qk_norm=None, prefetch=None):
             meta = batch.attn_metadata if batch.attn_metadata is not None else self.build_metadata(batch)
             if qk_norm is not None:      # (Qwen3) the norms the GPU kernel applies before rotating
                 q, k = qk_norm[0](q), qk_norm[1](k)
