@@ -1,5 +1,6 @@
 """The KV cache's layout: which of the model's caches live in which pool, their bytes per block, how a byte budget
-splits between the pools, the allocation, and copy-on-write copies.
+splits between the pools, the allocation, copy-on-write copies, and blocks copied out to the host and back in (the
+KV store's, engine/kv_store_connector.py).
 
 Every layer cache (a standard attention layer's KV, MLA's latent cache, a DeepSeek-V4-family `PagedState`) lives in
 the main pool, on the block table, except per-position states that are read only a bounded way back (DeepSeek-V4 /
@@ -116,3 +117,29 @@ class KVCacheLayout:
                 if (id(layer) in self.window_ids) == in_window:
                     dim = layer.kv_block_dim
                     layer.kv_cache.index_copy_(dim, dst, layer.kv_cache.index_select(dim, src))
+
+    # --- blocks in and out (the KV store) ---------------------------------------------------------
+    def blocks_not_storable(self) -> str | None:
+        """Why this model's KV cannot go to a KV store (None: it can). A stored block is each layer's cache at one
+        block index; a layer with other paged state (sizes per block, not per token: DeepSeek-V4.1's compressed
+        and indexer states) is not covered by that."""
+        odd = [type(layer).__name__ for layer in self.model.attention_layers() if hasattr(layer, "kv_bytes_per_block")]
+        if odd:
+            return f"its layers keep paged states besides per-token KV ({', '.join(sorted(set(odd)))})"
+        return None
+
+    def read_blocks(self, block_ids: list[int], device: torch.device) -> list[list[torch.Tensor]]:
+        """Host copies of the blocks' caches: for each block, one tensor per layer (the block index taken out).
+        One gather per layer; the copies are the caller's (the blocks may be overwritten right after)."""
+        index = torch.tensor(block_ids, device=device)
+        layers = self.model.attention_layers()
+        per_layer = []
+        for layer in layers:
+            gathered = layer.kv_cache.index_select(layer.kv_block_dim, index)
+            per_layer.append(gathered.cpu() if gathered.device.type != "cpu" else gathered)
+        return [[t.select(layer.kv_block_dim, i) for t, layer in zip(per_layer, layers)] for i in range(len(block_ids))]
+
+    def write_block(self, block_id: int, tensors: list[torch.Tensor]) -> None:
+        """Fill one block of every layer's cache (the inverse of read_blocks for one block)."""
+        for layer, t in zip(self.model.attention_layers(), tensors, strict=True):
+            layer.kv_cache.select(layer.kv_block_dim, block_id).copy_(t, non_blocking=True)

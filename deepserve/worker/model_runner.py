@@ -351,31 +351,15 @@ class ModelRunner:
         """Copy-on-write copies (src, dst) of the main pool's blocks, and of the window pool's."""
         self.kv_layout.copy_blocks(copies, window_copies, self.device)
 
-    # --- KV blocks in and out (the KV store, engine/kv_store_connector.py) -------------------------
+    # --- KV blocks in and out (the KV store, engine/kv_store_connector.py; worker/kv_cache.py does the work) -----
     def blocks_not_storable(self) -> str | None:
-        """Why this model's KV cannot go to a KV store (None: it can). A stored block is each layer's cache at one
-        block index; a layer with other paged state (sizes per block, not per token: DeepSeek-V4.1's compressed
-        and indexer states) is not covered by that."""
-        odd = [type(layer).__name__ for layer in self.model.attention_layers() if hasattr(layer, "kv_bytes_per_block")]
-        if odd:
-            return f"its layers keep paged states besides per-token KV ({', '.join(sorted(set(odd)))})"
-        return None
+        return self.kv_layout.blocks_not_storable()
 
     def read_kv_blocks(self, block_ids: list[int]) -> list[list[torch.Tensor]]:
-        """Host copies of the blocks' caches: for each block, one tensor per layer (the block index taken out).
-        One gather per layer; the copies are the caller's (the blocks may be overwritten right after)."""
-        index = torch.tensor(block_ids, device=self.device)
-        per_layer = []
-        for layer in self.model.attention_layers():
-            gathered = layer.kv_cache.index_select(layer.kv_block_dim, index)
-            per_layer.append(gathered.cpu() if gathered.device.type != "cpu" else gathered)
-        return [[t.select(layer.kv_block_dim, i) for t, layer in zip(per_layer, self.model.attention_layers())]
-                for i in range(len(block_ids))]
+        return self.kv_layout.read_blocks(block_ids, self.device)
 
     def write_kv_block(self, block_id: int, tensors: list[torch.Tensor]) -> None:
-        """Fill one block of every layer's cache (the inverse of read_kv_blocks for one block)."""
-        for layer, t in zip(self.model.attention_layers(), tensors, strict=True):
-            layer.kv_cache.select(layer.kv_block_dim, block_id).copy_(t, non_blocking=True)
+        self.kv_layout.write_block(block_id, tensors)
 
     def _attention_metadata(self, batch: ForwardBatch):
         """The backend's per-step metadata, or None for a model whose layers read none (DeepSeek-V4 / V4.1 gather
