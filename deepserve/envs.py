@@ -96,6 +96,11 @@ _DECLARED = [
     EnvVar("DEEPSERVE_MIXED_CUDA_GRAPHS", "bool", True,
            "replay steps with prompt work (prompt chunks beside decodes, up to 2,048 tokens) from CUDA graphs too, "
            "per token bucket (worker/mixed_graph.py); 0: such steps run eagerly (read at start-up)"),
+    EnvVar("DEEPSERVE_GRAPH_TOKENS", "bool", False,
+           "decode CUDA graphs end with the greedy argmax into a token buffer they keep, and start by patching "
+           "the in-flight tokens the previous replay left there: a greedy decode step without logprobs then runs "
+           "neither the argmax nor the token patch between two replays (worker/cuda_graph.py); off until an H200 "
+           "A/B (read at start-up)"),
     EnvVar("DEEPSERVE_CPU_ISA", "str", "auto",
            "CPU kernel choice: act as if this CPU had only this feature set (never more than it has); "
            "auto: detect", choices=("auto", "avx2", "avx_vnni", "avx512", "avx512_vnni", "amx")),

@@ -48,12 +48,15 @@ def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_pieces, BLOCK_P: tl.conste
     tl.store(out_ptr + row, tl.min(tl.where(vals == best, idx, 2147483647), 0).to(tl.int64))
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x: [B, V] (unit stride along V) -> [B] int64, the first index of each row's maximum."""
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [B, V] (unit stride along V) -> [B] int64, the first index of each row's maximum (written into `out`, a
+    contiguous [B] int64 tensor, when given)."""
     require_triton(x)
     assert x.dim() == 2 and x.stride(1) == 1
     rows, n = x.shape
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    assert out.shape == (rows,) and out.dtype == torch.int64 and out.is_contiguous()
     if rows == 0:
         return out
     pieces = cdiv(n, _BLOCK)

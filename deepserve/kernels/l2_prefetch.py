@@ -20,10 +20,10 @@ Where (`DEEPSERVE_L2_PREFETCH`, a site and a policy):
 
 The prefetch programs follow kernels/pdl.py's rules: a weight is constant, so it may be touched before the PDL
 wait; the programs then wait (rule 2) and exit. Only Hopper and later (the bulk prefetch is sm_90 PTX), never in
-Triton's interpreter; tests/kernels/test_ptx_compile.py has ptxas accept the instructions without a GPU.
+Triton's interpreter; tests/kernels/test_l2_prefetch.py has ptxas accept the instructions without a GPU.
 
 Status: written in session 27 while no GPU was lent. Its GPU test (tests/gpu/test_paged_attention.py) and the A/B
-(benchmarks/README.md, "L2 prefetch of o_proj") have not run yet, so it is off by default; the A/B decides which
+(its command in the README's GPU section) have not run yet, so it is off by default; the A/B decides which
 site, if any, stays.
 """
 

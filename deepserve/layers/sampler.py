@@ -102,6 +102,12 @@ class SamplingMetadata:
     token_bitmask: torch.Tensor | None = None
     grammar_rows: torch.Tensor | None = None
 
+    @property
+    def argmax_of_raw_logits(self) -> bool:
+        """Every row's token is the argmax of its logits as the model computed them: greedy rows, nothing to ban,
+        mask or penalise."""
+        return self.all_greedy and self.grammar_rows is None and self.min_tokens_ban is None and not self.any_penalty
+
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> "SamplingMetadata":
         params = [r.params for r in rows]
@@ -171,7 +177,7 @@ class Sampler:
         """Bans and penalties, as float32 logits. Never writes into the caller's tensor (it may be returned as is).
         A greedy batch with nothing to apply keeps the logits' own dtype: its argmax picks the same token from a
         CUDA graph's bf16 logits as from their float32 copy (each bf16 value is a float32 value), without it."""
-        if meta.all_greedy and meta.grammar_rows is None and meta.min_tokens_ban is None and not meta.any_penalty:
+        if meta.argmax_of_raw_logits:
             return logits
         logits = logits.float()
         if meta.grammar_rows is not None:
@@ -193,19 +199,21 @@ class Sampler:
         return sampled if greedy is None else torch.where(meta.is_greedy, greedy, sampled)
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax, the first index on ties. A Triton kernel for CUDA tensors (torch's one-block-per-row
-    reduction takes ~28 us for one 128k-entry row on an H200), a C one for float32 CPU tensors (torch's CPU
-    argmax does not vectorize: 2.6 ms for 64 x 49k logits, 10x a plain max)."""
+def greedy_tokens(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Row-wise argmax, the first index on ties (into `out`, [B] int64, when given: a CUDA graph's static buffer).
+    A Triton kernel for CUDA tensors (torch's one-block-per-row reduction takes ~28 us for one 128k-entry row on an
+    H200), a C one for float32 CPU tensors (torch's CPU argmax does not vectorize: 2.6 ms for 64 x 49k logits, 10x
+    a plain max)."""
     if use_triton(logits):
         from deepserve.kernels.argmax import argmax_rows
-        return argmax_rows(logits)
+        return argmax_rows(logits, out=out)
+    picked = None
     if logits.is_cpu:
         from deepserve.kernels.cpu.argmax import argmax_rows as c_argmax_rows
         picked = c_argmax_rows(logits)         # None: no C library, or not float32 rows
-        if picked is not None:
-            return picked
-    return logits.argmax(dim=-1)
+    if picked is None:
+        picked = logits.argmax(dim=-1)
+    return picked if out is None else out.copy_(picked)
 
 
 # --- logits processing (the shaping and the inverse CDF are kernels/reference/sampling.py) ------------

@@ -9,7 +9,11 @@ replays the graph of the smallest size that holds its batch:
   - padding rows read one key of block 0 (a valid address) and write nothing (slot -1);
   - attention metadata is fixed per size: the split-K partition is sized for `max_model_len`, so a context
     of any length fits the same launch grid (splits past a sequence's end are empty and weigh nothing);
-  - logits land in a static output buffer; sampling runs outside the graph;
+  - logits land in a static output buffer; sampling runs outside the graph, unless `carry_tokens`
+    (DEEPSERVE_GRAPH_TOKENS): then every decode graph also ends with the greedy argmax of its rows into a token
+    buffer it keeps, and starts by patching in the in-flight tokens the previous replay left there (token_src among
+    the static inputs, kernels/token_patch.py). A greedy step without logprobs takes those tokens as its sample:
+    between two replays there is then only the inputs' copy in and the tokens' copy out;
   - with `keep_hidden`, so do the hidden states the model returns (every row's), for a drafter that runs eagerly
     after sampling (DeepSeek-V3's MTP layer reads the target's final hidden state of every position).
 
@@ -33,7 +37,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deepserve.kernels.token_patch import patch_tokens, patch_tokens_ref
 from deepserve.layers.forward_batch import ForwardBatch
+from deepserve.layers.kernel_dispatch import use_triton
+from deepserve.layers.sampler import greedy_tokens
 from deepserve.worker.batch_builder import padded_rows
 from deepserve.worker.mixed_graph import StaticMixedInputs
 from deepserve.worker.scheduler_output import SchedulerOutput
@@ -70,14 +77,18 @@ def padded_size(batch_size: int, sizes: list[int]) -> int | None:
     return None
 
 
+COLUMNS = 6      # per-row columns of StaticDecodeInputs before the tables
+
+
 class StaticDecodeInputs:
     """Host staging buffer and device buffer with a fixed layout: ids | positions | slots | seq_lens | window slots |
-    tables, a row per batch row: its block table, then (`window`: a model with a window pool) its window table."""
+    token sources | tables, a row per batch row: its block table, then (`window`: a model with a window pool) its
+    window table. A row's token source is -1, or the row of the graphs' token buffer its input token is in."""
 
     def __init__(self, max_batch: int, max_blocks: int, device: torch.device, window: bool = False) -> None:
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.tables_per_row = 2 if window else 1
-        n = 5 * max_batch + max_batch * max_blocks * self.tables_per_row
+        n = COLUMNS * max_batch + max_batch * max_blocks * self.tables_per_row
         pin = device.type == "cuda"
         # Two host buffers used in turn: with overlapped scheduling the copy out of one may still be queued
         # while the next step fills the other (a step is collected before the one after next is filled).
@@ -86,25 +97,29 @@ class StaticDecodeInputs:
         self.num_rows = 0       # rows (sequences and their drafts) of the last fill
         self.device = torch.zeros(n, dtype=torch.int64, device=device)
         mb = max_batch
-        self.input_ids, self.positions, self.slots, self.seq_lens, self.window_slots = \
-            (self.device[i * mb:(i + 1) * mb] for i in range(5))
-        tables = self.device[5 * mb:].view(mb, self.tables_per_row, max_blocks)
+        self.input_ids, self.positions, self.slots, self.seq_lens, self.window_slots, self.token_src = \
+            (self.device[i * mb:(i + 1) * mb] for i in range(COLUMNS))
+        tables = self.device[COLUMNS * mb:].view(mb, self.tables_per_row, max_blocks)
         self.block_tables = tables[:, 0]
         self.window_tables = tables[:, 1] if window else None
         self.query_start_loc = torch.arange(mb + 1, dtype=torch.int64, device=device)
         self.rows = torch.arange(mb, dtype=torch.int64, device=device)
 
-    def fill(self, out: SchedulerOutput, size: int, block_size: int) -> list[tuple[int, int]]:
+    def fill(self, out: SchedulerOutput, size: int, block_size: int,
+             carried: dict[int, int] | None = None) -> list[tuple[int, int]]:
         """Write the batch (padded to `size` rows) into a host buffer, then copy the used part over.
-        Returns (row, seq_id) of rows whose input token is in flight (left 0 for the caller to patch).
+        Returns (row, seq_id) of rows whose input token is in flight (left 0 for the caller to patch), except those
+        `carried` names (seq_id -> row of the graphs' token buffer): their token source is that row, and the replay
+        patches them itself.
 
         One pass over the sequences collects Python lists; the rows are then written a column at a time (numpy
         writes of single elements cost ~100 ns each, a dozen a row)."""
         self.turn ^= 1
         host = self.hosts[self.turn]
         mb, h, per_row = self.max_batch, host.numpy(), self.tables_per_row
-        ids, pos, slots, lens, wslots = (h[i * mb:(i + 1) * mb] for i in range(5))
-        all_tables = h[5 * mb:5 * mb + size * per_row * self.max_blocks].reshape(size, per_row, self.max_blocks)
+        ids, pos, slots, lens, wslots, src = (h[i * mb:(i + 1) * mb] for i in range(COLUMNS))
+        all_tables = h[COLUMNS * mb:COLUMNS * mb + size * per_row * self.max_blocks].reshape(size, per_row,
+                                                                                            self.max_blocks)
         row_ids, row_pos, tables = [], [], []
         inflight = []
         for s in out.scheduled:
@@ -142,7 +157,16 @@ class StaticDecodeInputs:
         # Padding rows: one key of block 0 to read (a valid address), nothing to write.
         ids[b:size], pos[b:size], slots[b:size], lens[b:size], wslots[b:size] = 0, 0, -1, 1, -1
         all_tables[b:size] = 0
-        used = 5 * mb + size * per_row * self.max_blocks
+        src[:size] = -1
+        if carried:
+            kept = []
+            for row, seq_id in inflight:
+                if seq_id in carried:
+                    src[row] = carried[seq_id]
+                else:
+                    kept.append((row, seq_id))
+            inflight = kept
+        used = COLUMNS * mb + size * per_row * self.max_blocks
         self.device[:used].copy_(host[:used], non_blocking=True)
         return inflight
 
@@ -165,6 +189,7 @@ class GraphReplay:
     hidden: torch.Tensor | None         # [rows, ...]: what model(batch) returned for those rows (keep_hidden only)
     batch: ForwardBatch                 # the static inputs the graph read (one decode row per position, padded)
     inflight: list[tuple[int, int]]     # (row, seq_id) of rows whose token was patched in on the device
+    tokens: torch.Tensor | None = None  # [rows] int64: the greedy argmax of each row (carry_tokens graphs)
 
 
 class CUDAGraphRunner:
@@ -181,11 +206,15 @@ class CUDAGraphRunner:
     V4.1's DSpark drafter needs no hidden buffer: the target's forward writes what the draft blocks read (the main
     keys, into the draft layers' paged states) in place, and a replay does the same writes. After the replay,
     `run_dspark` runs eagerly on `GraphReplay.batch`, whose block tables have a row per position, not per sequence
-    (a sequence's table is read at the row of its first position)."""
+    (a sequence's table is read at the row of its first position).
+
+    carry_tokens: each decode graph ends with the greedy argmax of its rows into `tokens` and starts by patching the
+    rows whose token_src names a row of it (the module docstring); `run` hands the argmax out as GraphReplay.tokens.
+    The buffer holds the last decode replay's argmax until the next decode replay: mixed graphs leave it alone."""
 
     def __init__(self, model, attn_backend, block_size: int, max_model_len: int, vocab_size: int,
                  capture_sizes: list[int], device: torch.device, keep_hidden: bool = False,
-                 window: bool = False, mixed_buckets: list[int] = ()) -> None:
+                 window: bool = False, mixed_buckets: list[int] = (), carry_tokens: bool = False) -> None:
         self.model, self.attn_backend = model, attn_backend
         self.block_size, self.max_model_len = block_size, max_model_len
         self.sizes = sorted(capture_sizes)
@@ -205,6 +234,7 @@ class CUDAGraphRunner:
         self.logits: torch.Tensor | None = None
         self.keep_hidden = keep_hidden
         self.hidden: torch.Tensor | None = None     # allocated at the first capture, like the model's output
+        self.tokens = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device) if carry_tokens else None
         self.capture_seconds = 0.0
         self.num_replays = 0
         self._pool = self._stream = None
@@ -218,9 +248,19 @@ class CUDAGraphRunner:
         self.mixed_batches: dict[int, ForwardBatch] = {}
         self.num_mixed_replays = 0
 
-    def _forward(self, batch: ForwardBatch, size: int) -> None:
-        """The captured work: the attention backend's per-forward input work (`begin_forward`, if it has one), the
-        forward, its outputs copied into the static buffers."""
+    def _forward(self, batch: ForwardBatch, size: int, decode: bool = False) -> None:
+        """The captured work: (a decode graph with carried tokens: the in-flight patch,) the attention backend's
+        per-forward input work (`begin_forward`, if it has one), the forward, its outputs copied into the static
+        buffers (and the greedy argmax into `tokens`)."""
+        carry = decode and self.tokens is not None
+        if carry:
+            ids = self.inputs.input_ids[:size]
+            (patch_tokens if use_triton(ids) else patch_tokens_ref)(ids, self.inputs.token_src[:size], self.tokens)
+        self._forward_logits(batch, size)
+        if carry:
+            greedy_tokens(self.logits[:size], out=self.tokens[:size])
+
+    def _forward_logits(self, batch: ForwardBatch, size: int) -> None:
         begin_forward = getattr(self.attn_backend, "begin_forward", None)
         if begin_forward is not None and batch.attn_metadata is not None:
             begin_forward(batch)
@@ -262,13 +302,14 @@ class CUDAGraphRunner:
         self.inputs.positions[:size].zero_()
         self.inputs.slots[:size].fill_(-1)
         self.inputs.window_slots[:size].fill_(-1)
+        self.inputs.token_src[:size].fill_(-1)
         self.inputs.seq_lens[:size].fill_(1)
         self.inputs.block_tables[:size].zero_()
         if self.inputs.window_tables is not None:
             self.inputs.window_tables[:size].zero_()
         if getattr(self.model, "reads_attention_metadata", True):
             batch.attn_metadata = self.attn_backend.build_graph_metadata(batch, bucket)
-        self.graphs[size, bucket], self.batches[size, bucket] = self._record(size, batch), batch
+        self.graphs[size, bucket], self.batches[size, bucket] = self._record(size, batch, decode=True), batch
 
     def _capture_mixed_buckets(self) -> None:
         try:
@@ -309,26 +350,31 @@ class CUDAGraphRunner:
         self.num_mixed_replays += 1
         return GraphReplay(self.logits[:len(out.scheduled)], None, self.mixed_batches[tokens], inflight)
 
-    def _record(self, size: int, batch: ForwardBatch) -> torch.cuda.CUDAGraph:
-        """The CUDA graph of one forward of `batch`, its outputs copied into the static buffers (_forward)."""
+    def _record(self, size: int, batch: ForwardBatch, decode: bool = False) -> torch.cuda.CUDAGraph:
+        """The CUDA graph of one forward of `batch`, its outputs copied into the static buffers (_forward; `decode`:
+        a decode graph, on the static decode inputs)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
         stream, current = self._stream, torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            self._forward(batch, size)      # warm-up: compiles Triton kernels outside the capture
+            self._forward(batch, size, decode)      # warm-up: compiles Triton kernels outside the capture
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-            self._forward(batch, size)
+            self._forward(batch, size, decode)
         current.wait_stream(stream)
         return graph
 
     @torch.inference_mode()
     def _capture_late(self, key: tuple[int, int]) -> None:
         t0 = time.perf_counter()
+        # The capture's warm-up runs the argmax into `tokens`, which may hold the in-flight tokens this step patches.
+        carried = self.tokens.clone() if self.tokens is not None else None
         self._capture(*key)
+        if carried is not None:
+            self.tokens.copy_(carried)
         logger.info("captured the CUDA graph of batch size %d, %d keys, in %.2f s (first step that needed it)",
                     key[0], key[1], time.perf_counter() - t0)
 
@@ -352,20 +398,22 @@ class CUDAGraphRunner:
         bucket = next((b for b in self.buckets if b >= longest), None)
         return None if bucket is None else (size, bucket)
 
-    def run(self, out: SchedulerOutput, key: tuple[int, int], patch_inflight=None) -> GraphReplay:
+    def run(self, out: SchedulerOutput, key: tuple[int, int], patch_inflight=None,
+            carried: dict[int, int] | None = None) -> GraphReplay:
         """A decode-only step (a row per sequence and per draft it verifies, in order) replayed from the graph of
         `key` (from size_for). `patch_inflight(input_ids, rows)` fills rows whose token is still on the device
-        before the replay."""
+        before the replay, except those of sequences in `carried` (seq_id -> row of `tokens`: the previous
+        decode replay's argmax, which was that step's sample), which the replay patches itself."""
         if key not in self.graphs:
             self._capture_late(key)         # before fill: capturing overwrites the static inputs
-        inflight = self.inputs.fill(out, key[0], self.block_size)
+        inflight = self.inputs.fill(out, key[0], self.block_size, carried if self.tokens is not None else None)
         if inflight and patch_inflight is not None:
             patch_inflight(self.inputs.input_ids, inflight)
         self.graphs[key].replay()
         self.num_replays += 1
         rows = self.inputs.num_rows
         return GraphReplay(self.logits[:rows], self.hidden[:rows] if self.hidden is not None else None,
-                           self.batches[key], inflight)
+                           self.batches[key], inflight, self.tokens[:rows] if self.tokens is not None else None)
 
 
 __all__ = ["CUDAGraphRunner", "GraphReplay", "StaticDecodeInputs", "context_buckets", "default_capture_sizes",

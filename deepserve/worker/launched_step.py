@@ -32,6 +32,9 @@ class LaunchedStep:
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     verified: "tuple[list[ScheduledSequence], VerifyResult] | None" = None   # sequences that verified drafts
     mtp_drafts: "dict[int, MTPDraft | DSparkDraft]" = field(default_factory=dict)   # seq_id -> next step's
+    # device_tokens are the decode graphs' token buffer (worker/cuda_graph.py, carry_tokens): valid until the next
+    # decode replay, which patches them in itself.
+    carried: bool = False
 
 
 def to_host(t: torch.Tensor | None) -> torch.Tensor | None:

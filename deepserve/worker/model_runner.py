@@ -34,14 +34,11 @@ from deepserve.worker.kv_cache import KVCacheLayout
 from deepserve.worker.mixed_graph import mixed_buckets
 from deepserve.worker.kv_budget import KVCacheBudget
 from deepserve.worker.launched_step import LaunchedStep, TokenLogprobs, patch_inflight_tokens, to_host
+from deepserve.worker import prompt_logprobs
 from deepserve.worker.memory_profile import MAX_LOGPROBS, CudaMemory, costliest_sampling
 from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-# Prompt-logprob logits are computed this many rows at a time (bounds the largest buffer of a step).
-PROMPT_LOGPROB_ROWS = 512
-
 
 @dataclass
 class ModelRunnerOutput:
@@ -225,7 +222,7 @@ class ModelRunner:
             self.model.compute_logits(hidden)
             return
         # launch's prompt logprobs: PROMPT_LOGPROB_ROWS rows at a time, their logits, float32 log-softmax, top-k.
-        slice_logits = self.model.compute_logits(hidden[:min(max(query_lens), PROMPT_LOGPROB_ROWS)])
+        slice_logits = self.model.compute_logits(hidden[:min(max(query_lens), prompt_logprobs.PROMPT_LOGPROB_ROWS)])
         torch.log_softmax(slice_logits.float(), dim=-1).topk(MAX_LOGPROBS, dim=-1)
         del slice_logits
         # The sampled rows' logits through the sampler's costliest path.
@@ -320,10 +317,14 @@ class ModelRunner:
         sizes = default_capture_sizes(min(rows, sched.max_num_batched_tokens),
                                       self.config.device.cuda_graph_max_batch_size)
         # The MTP drafter runs eagerly after sampling, from the final hidden states the graphs keep.
+        # Tokens carried from replay to replay (DEEPSERVE_GRAPH_TOKENS): one rank's own argmax (tensor-parallel
+        # ranks take rank 0's tokens), no drafter reading the sampled tokens.
+        carry = envs.DEEPSERVE_GRAPH_TOKENS and self.parallel.tp.size == 1 and not _drafts_with_mtp(self.model) \
+            and not _drafts_with_dspark(self.model)
         graphs = CUDAGraphRunner(self.model, self.attn_backend, self.block_size, sched.max_model_len,
                                  self.config.model.vocab_size, sizes, self.device,
                                  keep_hidden=_drafts_with_mtp(self.model), window=bool(self.window_states()),
-                                 mixed_buckets=self._mixed_graph_buckets())
+                                 mixed_buckets=self._mixed_graph_buckets(), carry_tokens=carry)
         try:
             graphs.capture()
         except Exception:   # a layer that cannot be captured must not stop the engine: run eagerly instead
@@ -390,8 +391,9 @@ class ModelRunner:
 
         if graph_size is not None:
             # Decode-only: one logits row per sequence; rows of non-final 1-token prompt chunks are not sampled.
-            replay = self.cuda_graphs.run(out, graph_size, patch)
-            self._pick_tokens(replay.logits, out.scheduled, step)
+            carried = previous.row_of if previous is not None and previous.carried else None
+            replay = self.cuda_graphs.run(out, graph_size, patch, carried)
+            self._pick_tokens(replay.logits, out.scheduled, step, replay.tokens)
             if _drafts_with_mtp(self.model):      # eagerly, from the hidden states the graph kept
                 self._draft_with_mtp(out.scheduled, replay.hidden, step)
             elif _drafts_with_dspark(self.model):  # eagerly; the replay wrote this step's main-cache keys
@@ -409,7 +411,7 @@ class ModelRunner:
                 logits = replay.logits if len(rows) == len(out.scheduled) else replay.logits[rows]
                 self._sample(logits, [out.scheduled[b].seq for b in rows], step)
             return step
-        prompt_rows = [_prompt_logprob_rows(s) for s in out.scheduled]
+        prompt_rows = [prompt_logprobs.prompt_logprob_rows(s) for s in out.scheduled]
         drafting_mtp = _drafts_with_mtp(self.model)
         if drafting_mtp:        # the MTP layer reads every row's final hidden state
             logits_rows = [list(range(s.num_new_tokens)) for s in out.scheduled]
@@ -423,7 +425,8 @@ class ModelRunner:
         sample_rows, samplers, verify_rows, verifiers = [], [], [], []
         for s, p, rows in zip(out.scheduled, prompt_rows, logits_rows):
             if p:
-                step.prompt_logprobs[s.seq.seq_id] = self._prompt_logprobs(s, hidden[offset:offset + len(p)])
+                step.prompt_logprobs[s.seq.seq_id] = prompt_logprobs.prompt_logprobs(self.model, s,
+                                                                                    hidden[offset:offset + len(p)])
             if s.draft_token_ids:
                 verify_rows.extend(range(offset + len(p), offset + len(rows)))
                 verifiers.append(s)
@@ -472,10 +475,13 @@ class ModelRunner:
                                   spec.num_speculative_tokens if spec is not None else 1,
                                   self.config.scheduler.max_model_len, self.block_size, self.mtp_scratch)
 
-    def _pick_tokens(self, logits: torch.Tensor, scheduled: list[ScheduledSequence], step: "LaunchedStep") -> None:
-        """Sampling and verification of a graph-replayed decode step: `logits` has one row per scheduled position."""
+    def _pick_tokens(self, logits: torch.Tensor, scheduled: list[ScheduledSequence], step: "LaunchedStep",
+                     argmax: torch.Tensor | None = None) -> None:
+        """Sampling and verification of a graph-replayed decode step: `logits` has one row per scheduled position,
+        `argmax` (carried-token graphs) their greedy argmax."""
         if all(s.samples and not s.draft_token_ids for s in scheduled):
-            self._sample(logits, [s.seq for s in scheduled], step)     # the common step: every row samples, in order
+            # The common step: every row samples, in order.
+            self._sample(logits, [s.seq for s in scheduled], step, argmax)
             return
         sample_rows, samplers, verify_rows, verifiers = [], [], [], []
         offset = 0
@@ -532,10 +538,18 @@ class ModelRunner:
                 result.logprobs[seq.seq_id] = (token_ids[i], lp[i], ids, vals)
         return result
 
-    def _sample(self, logits: torch.Tensor, seqs: list, step: "LaunchedStep") -> None:
+    def _sample(self, logits: torch.Tensor, seqs: list, step: "LaunchedStep",
+                argmax: torch.Tensor | None = None) -> None:
+        """The rows' tokens (and logprobs); `argmax`: the rows' greedy argmax, computed in the graph, which is their
+        sample when every row takes the argmax of its raw logits and none asks for logprobs."""
         rows = [SequenceSamplingRow(seq, self.eos_token_ids) for seq in seqs]
         meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
-        sampled = self.sampler(logits, meta)
+        if argmax is not None and meta.argmax_of_raw_logits and meta.max_num_logprobs is None:
+            # The graphs' buffer, which the next decode replay overwrites: the host reads a copy (to_host's below on
+            # a GPU; the CPU stand-in's here).
+            sampled, step.carried = SamplerOutput(argmax if argmax.is_cuda else argmax.clone(), None, None, None), True
+        else:
+            sampled = self.sampler(logits, meta)
         if self.parallel.tp.size > 1:
             # Tensor-parallel ranks keep identical engines: tp rank 0's tokens are everyone's, even where a reduction
             # order left the logits a rounding apart.
@@ -549,25 +563,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             step.ready = torch.cuda.Event()
             step.ready.record()
-
-    def _prompt_logprobs(self, s: ScheduledSequence, hidden: torch.Tensor) -> list[TokenLogprobs]:
-        """Log-probability of each next prompt token given its prefix (raw model distribution), from the hidden
-        states of the chunk's rows. Logits are computed PROMPT_LOGPROB_ROWS rows at a time: a whole chunk's
-        [rows, vocab] (0.75 MB a row for a Llama-3 vocabulary in bf16 + fp32) would be the largest buffer of a
-        big step, and the start-up profile would have to reserve it out of the KV cache."""
-        k = s.seq.params.prompt_logprobs
-        entries = []
-        for first in range(0, hidden.shape[0], PROMPT_LOGPROB_ROWS):
-            rows = hidden[first:first + PROMPT_LOGPROB_ROWS]
-            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-            start = s.start + 1 + first
-            targets = torch.tensor(s.seq.token_ids[start:start + rows.shape[0]], device=rows.device)
-            target_lp = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-            top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-            for i, tok in enumerate(targets.tolist()):
-                entries.append((tok, target_lp[i], top_ids[i].tolist() if k else [],
-                                top_vals[i].tolist() if k else []))
-        return entries
 
 
 def _drafts_with_mtp(model) -> bool:
@@ -587,12 +582,3 @@ def _sampled_rows(s: ScheduledSequence) -> list[int]:
     if s.draft_token_ids:
         return list(range(s.num_new_tokens - len(s.draft_token_ids) - 1, s.num_new_tokens))
     return [s.num_new_tokens - 1] if s.samples else []
-
-
-def _prompt_logprob_rows(s: ScheduledSequence) -> list[int]:
-    """Offsets of this chunk's rows whose logits score the next prompt token."""
-    seq = s.seq
-    if seq.params.prompt_logprobs is None:
-        return []
-    end = min(s.start + s.num_new_tokens, seq.num_prompt_tokens - 1)
-    return list(range(0, max(end - s.start, 0)))

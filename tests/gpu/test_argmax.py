@@ -26,3 +26,12 @@ def test_ties_take_the_lowest_index(device):
 def test_strided_rows(device):
     x = torch.randn(6, 2 * 5000, device=device)[:, :5000]   # rows not contiguous with each other
     assert torch.equal(argmax_rows(x), argmax_rows_ref(x))
+
+
+def test_into_a_given_buffer(device):
+    """`out`: a CUDA graph's static token buffer (a prefix of it) receives the argmax, and is what comes back."""
+    x = torch.randn(5, 30000, device=device)
+    buffer = torch.full((8,), -7, dtype=torch.int64, device=device)
+    got = argmax_rows(x, out=buffer[:5])
+    assert got.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:5], argmax_rows_ref(x))
+    assert buffer[5:].tolist() == [-7] * 3

@@ -73,3 +73,32 @@ def test_profiled_kv_budget_fits_the_gpu(tiny_llama):
     out = llm.generate({"prompt_token_ids": list(range(3, 40))}, SamplingParams(temperature=0, max_tokens=8),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_cuda_graphs_carrying_tokens_match_eager(tiny_llama, monkeypatch):
+    """DEEPSERVE_GRAPH_TOKENS: the decode graphs take the greedy argmax in the graph and patch the in-flight tokens
+    themselves (overlapped scheduling); the shrinking batch's tokens equal an eager engine's, and the steps took
+    the graphs' tokens."""
+    prompts, params = _mixed_workload()
+    eager = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32", enforce_eager=True,
+                kv_cache_memory_bytes=1 << 26)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    del eager
+    monkeypatch.setenv("DEEPSERVE_GRAPH_TOKENS", "1")
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32", max_num_seqs=32,
+              kv_cache_memory_bytes=1 << 26, async_scheduling=True)
+    graphs = llm.engine.runner.cuda_graphs
+    assert graphs is not None and graphs.tokens is not None
+    carried = []
+    launch = llm.engine.runner.launch
+
+    def recording(out, previous=None):
+        step = launch(out, previous)
+        carried.append(step.carried)
+        return step
+    llm.engine.runner.launch = recording
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert sum(carried) >= max(p.max_tokens for p in params) - 4
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

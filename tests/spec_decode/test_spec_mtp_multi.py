@@ -139,7 +139,7 @@ class EagerGraphs(CUDAGraphRunner):
         self.graphs = {(size, self.buckets[0]): None for size in self.sizes}
         self.mixed_graphs = {}          # none with an MTP drafter (it reads every row's hidden state)
 
-    def run(self, out, key: tuple[int, int], patch_inflight=None) -> GraphReplay:
+    def run(self, out, key: tuple[int, int], patch_inflight=None, carried=None) -> GraphReplay:
         r = self.runner
         batch = build_forward_batch(out, r.block_size, r.device, [list(range(s.num_new_tokens)) for s in out.scheduled])
         assert not batch.inflight_rows, "a speculating engine does not overlap steps"

@@ -1,5 +1,5 @@
-"""Prompt logprobs are computed a slice of rows at a time (ModelRunner.PROMPT_LOGPROB_ROWS bounds a big step's
-largest buffer): the values must still be HF transformers' log-softmax at every prompt position, across slice and
+"""Prompt logprobs are computed a slice of rows at a time (worker/prompt_logprobs.PROMPT_LOGPROB_ROWS bounds a
+step's largest buffer): the values must still be HF transformers' log-softmax at every prompt position, across slice and
 prefill-chunk boundaries."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from deepserve import LLM, SamplingParams
-from deepserve.worker import model_runner
+from deepserve.worker import prompt_logprobs
 
 
 @pytest.mark.parametrize("slice_rows", [7, 512])
 def test_prompt_logprobs_match_hf_across_slices_and_chunks(tiny_llama, monkeypatch, slice_rows):
     import transformers
 
-    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_ROWS", slice_rows)
+    monkeypatch.setattr(prompt_logprobs, "PROMPT_LOGPROB_ROWS", slice_rows)
     prompt = [(7 * i + 3) % 500 + 1 for i in range(40)]
     # 16-token steps: the prompt arrives in three chunks, and a 7-row slice crosses each chunk's end.
     llm = LLM(tiny_llama, skip_tokenizer_init=True, dtype="float32", max_num_batched_tokens=16,

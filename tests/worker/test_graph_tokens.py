@@ -1,0 +1,107 @@
+"""Tokens carried from one decode graph replay to the next (worker/cuda_graph.py, DEEPSERVE_GRAPH_TOKENS): the
+static inputs' token sources, the in-graph patch, and whole engines on the CPU through the graph runner's eager
+stand-in (tests/worker/eager_graphs.py) against a plain engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepserve import LLM, SamplingParams
+from deepserve.kernels.token_patch import patch_tokens_ref
+from deepserve.sampling_params import SamplingParams as Params
+from deepserve.sequence import Sequence
+from deepserve.worker.cuda_graph import StaticDecodeInputs
+from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
+
+from tests.worker.eager_graphs import install_eager_replay_graphs, install_twin_triton_attention
+
+BS = 4
+
+
+def _seq(seq_id: int, num_tokens: int, blocks: list[int]) -> Sequence:
+    seq = Sequence(seq_id, str(seq_id), 0, list(range(100, 100 + num_tokens)), Params(), seed=0)
+    seq.block_table = blocks
+    return seq
+
+
+def test_carried_rows_get_a_token_source_and_the_others_stay_for_the_caller():
+    """Three decodes whose tokens are in flight (position = len(token_ids)) and one known token: seq 7 and 9 are
+    carried (rows 2 and 0 of the token buffer), seq 8 is not (the caller patches it); padding rows and the known
+    row read the host's token."""
+    inputs = StaticDecodeInputs(max_batch=8, max_blocks=4, device=torch.device("cpu"))
+    seqs = [_seq(7, 5, [1, 2]), _seq(8, 6, [3, 4]), _seq(5, 9, [5, 6, 7]), _seq(9, 3, [8])]
+    out = SchedulerOutput(scheduled=[ScheduledSequence(seqs[0], 5, 1), ScheduledSequence(seqs[1], 6, 1),
+                                     ScheduledSequence(seqs[2], 8, 1), ScheduledSequence(seqs[3], 3, 1)])
+    inflight = inputs.fill(out, size=8, block_size=BS, carried={7: 2, 9: 0, 11: 1})
+    assert inflight == [(1, 8)]
+    assert inputs.token_src.tolist() == [2, -1, -1, 0, -1, -1, -1, -1]
+    assert inputs.input_ids.tolist()[:4] == [0, 0, 108, 0]
+    # Without carried tokens every in-flight row is the caller's and no row has a source.
+    assert inputs.fill(out, size=8, block_size=BS) == [(0, 7), (1, 8), (3, 9)]
+    assert set(inputs.token_src.tolist()) == {-1}
+
+
+def test_patch_takes_the_source_rows_and_leaves_the_others():
+    ids = torch.tensor([5, 6, 7, 8])
+    patch_tokens_ref(ids, torch.tensor([-1, 2, 0, -1]), torch.tensor([40, 41, 42]))
+    assert ids.tolist() == [5, 42, 40, 8]
+
+
+def _engine(tiny_llama, monkeypatch, carry: bool, **kw):
+    monkeypatch.setenv("DEEPSERVE_GRAPH_TOKENS", "1" if carry else "0")
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, dtype="float32", block_size=8, async_scheduling=True, **kw)
+    install_twin_triton_attention(llm)
+    runner = llm.engine.runner
+    graphs = install_eager_replay_graphs(llm, [llm.engine.config.scheduler.max_model_len], sizes=(1, 2, 4, 8),
+                                         carry_tokens=carry)
+    assert (graphs.tokens is not None) == carry
+    carried_steps = []
+    sample = runner._sample
+
+    def counting(logits, seqs, step, argmax=None):
+        sample(logits, seqs, step, argmax)
+        carried_steps.append(step.carried)
+    runner._sample = counting
+    sources = []            # each decode replay's token sources (rows whose token the replay patches in)
+    fill = graphs.inputs.fill
+
+    def recording(out, size, block_size, carried=None):
+        inflight = fill(out, size, block_size, carried)
+        sources.append([(r, src) for r, src in enumerate(graphs.inputs.token_src[:size].tolist()) if src >= 0])
+        return inflight
+    graphs.inputs.fill = recording
+    return llm, graphs, carried_steps, sources
+
+
+@pytest.mark.parametrize("carry", [True, False])
+def test_greedy_engine_with_carried_tokens_equals_a_plain_engine(tiny_llama, monkeypatch, carry):
+    """Greedy requests of different lengths (the batch shrinks and its rows move as sequences finish), one asking
+    for logprobs for its first steps' batches, and a sampled one: the tokens (and logprobs) equal a plain eager
+    engine's; steps without logprobs or sampled rows took the graph's argmax, the others the sampler; no block is
+    left allocated. Without DEEPSERVE_GRAPH_TOKENS the graphs carry nothing.""" 
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(0, 500, (n,), generator=g).tolist()} for n in (5, 17, 9, 30, 12)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 12, 16, 9, 3)]
+    params[3] = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2)
+    sampled = SamplingParams(temperature=0.8, seed=11, max_tokens=5, ignore_eos=True)
+    plain = LLM(tiny_llama, skip_tokenizer_init=True, dtype="float32", block_size=8)
+    want = plain.generate(prompts + prompts[:1], params + [sampled], use_tqdm=False)
+    llm, graphs, carried_steps, sources = _engine(tiny_llama, monkeypatch, carry)
+    got = llm.generate(prompts + prompts[:1], params + [sampled], use_tqdm=False)
+    for i, (w, o) in enumerate(zip(want, got)):
+        assert o.outputs[0].token_ids == w.outputs[0].token_ids, i
+    # (Logprobs of a row batched with other rows: equal up to float32 summation order.)
+    for got_lp, want_lp in zip(got[3].outputs[0].logprobs, want[3].outputs[0].logprobs):
+        assert got_lp.keys() == want_lp.keys()
+        assert all(abs(got_lp[t].logprob - want_lp[t].logprob) < 1e-4 for t in got_lp)
+    assert graphs.num_replays > 0
+    if carry:
+        # Steps with the logprobs or the sampled request took the sampler; once both finished, the argmax, and the
+        # next replays patched those tokens in themselves, from moved rows too once sequences finished.
+        assert True in carried_steps and False in carried_steps and carried_steps[-1]
+        assert any(sources) and any(r != src for rows in sources for r, src in rows)
+    else:
+        assert True not in carried_steps and not any(sources)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
