@@ -105,3 +105,42 @@ def test_greedy_engine_with_carried_tokens_equals_a_plain_engine(tiny_llama, mon
         assert True not in carried_steps and not any(sources)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"max_num_batched_tokens": 16, "max_num_seqs": 5, "enable_chunked_prefill": True},   # prompts beside decodes
+    {"kv_cache_memory_bytes": 24 * 1024 * 4, "block_size": 4},                          # preemption in flight
+], ids=["chunked", "preemption"])
+def test_carried_tokens_through_prompt_steps_and_preemption(tiny_llama, monkeypatch, engine_args):
+    """Greedy requests that arrive in turn (prompt chunks, eager or mixed-graph steps, right after steps that took
+    the graph's argmax: their tokens are patched from the graphs' buffer outside the graph) or get preempted while
+    a step is in flight, some stopping on a token: tokens and finish reasons equal the plain loop's."""
+    prompts = [{"prompt_token_ids": [(11 * i + 3 * j) % 200 + 5 for j in range(3 + 5 * i)]} for i in range(10)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, stop_token_ids=[57, 91] if i % 3 == 2 else None)
+              for i in range(10)]
+    kw = dict(skip_tokenizer_init=True, dtype="float32", **engine_args)
+    plain = LLM(tiny_llama, **kw).generate(prompts, params, use_tqdm=False)
+    monkeypatch.setenv("DEEPSERVE_GRAPH_TOKENS", "1")
+    llm = LLM(tiny_llama, async_scheduling=True, **kw)
+    install_twin_triton_attention(llm)
+    mixed = (16,) if "max_num_batched_tokens" in engine_args else ()
+    graphs = install_eager_replay_graphs(llm, [llm.engine.config.scheduler.max_model_len], sizes=(1, 2, 4, 8),
+                                         mixed_buckets=mixed, carry_tokens=True)
+    carried = []
+    launch = llm.engine.runner.launch
+
+    def recording(out, previous=None):
+        step = launch(out, previous)
+        carried.append(step.carried)
+        return step
+    llm.engine.runner.launch = recording
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in got] == \
+        [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in plain]
+    assert sum(carried) > 5 and graphs.num_replays > sum(carried) // 2
+    if mixed:
+        assert graphs.num_mixed_replays > 0
+    else:
+        assert llm.engine.scheduler.num_preemptions > 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
