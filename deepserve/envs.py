@@ -101,6 +101,10 @@ _DECLARED = [
            "the in-flight tokens the previous replay left there: a greedy decode step without logprobs then runs "
            "neither the argmax nor the token patch between two replays (worker/cuda_graph.py); off until an H200 "
            "A/B (read at start-up)"),
+    EnvVar("DEEPSERVE_COMPACT_BLOCK_TABLES", "bool", False,
+           "decode CUDA graphs: a step's block tables travel to the GPU packed at its longest table's width and the "
+           "graph spreads them to max_model_len's width (kernels/graph_inputs.py), not at max_model_len's width "
+           "(16 MB a step at batch 256 and a 128k context); off until the GPU tests run (read at start-up)"),
     EnvVar("DEEPSERVE_CPU_ISA", "str", "auto",
            "CPU kernel choice: act as if this CPU had only this feature set (never more than it has); "
            "auto: detect", choices=("auto", "avx2", "avx_vnni", "avx512", "avx512_vnni", "amx")),

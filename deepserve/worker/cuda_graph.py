@@ -12,7 +12,7 @@ replays the graph of the smallest size that holds its batch:
   - logits land in a static output buffer; sampling runs outside the graph, unless `carry_tokens`
     (DEEPSERVE_GRAPH_TOKENS): then every decode graph also ends with the greedy argmax of its rows into a token
     buffer it keeps, and starts by patching in the in-flight tokens the previous replay left there (token_src among
-    the static inputs, kernels/token_patch.py). A greedy step without logprobs takes those tokens as its sample:
+    the static inputs, kernels/graph_inputs.py). A greedy step without logprobs takes those tokens as its sample:
     between two replays there is then only the inputs' copy in and the tokens' copy out;
   - with `keep_hidden`, so do the hidden states the model returns (every row's), for a drafter that runs eagerly
     after sampling (DeepSeek-V3's MTP layer reads the target's final hidden state of every position).
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepserve.kernels.token_patch import patch_tokens, patch_tokens_ref
+from deepserve.kernels.graph_inputs import patch_tokens, patch_tokens_ref, unpack_tables, unpack_tables_ref
 from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.sampler import greedy_tokens
@@ -82,13 +82,20 @@ COLUMNS = 6      # per-row columns of StaticDecodeInputs before the tables
 
 class StaticDecodeInputs:
     """Host staging buffer and device buffer with a fixed layout: ids | positions | slots | seq_lens | window slots |
-    token sources | tables, a row per batch row: its block table, then (`window`: a model with a window pool) its
-    window table. A row's token source is -1, or the row of the graphs' token buffer its input token is in."""
+    token sources | tables' width | tables, a row per batch row: its block table, then (`window`: a model with a
+    window pool) its window table. A row's token source is -1, or the row of the graphs' token buffer its input
+    token is in.
 
-    def __init__(self, max_batch: int, max_blocks: int, device: torch.device, window: bool = False) -> None:
-        self.max_batch, self.max_blocks = max_batch, max_blocks
+    `compact`: the tables travel packed at the step's width (its longest table), and the graph spreads them into
+    `block_tables` / `window_tables` ([max_batch, max_blocks], a tensor of their own: kernels/graph_inputs.py)
+    with `unpack`. Otherwise they travel at max_blocks entries a row, straight into place."""
+
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device, window: bool = False,
+                 compact: bool = False) -> None:
+        self.max_batch, self.max_blocks, self.compact = max_batch, max_blocks, compact
         self.tables_per_row = 2 if window else 1
-        n = COLUMNS * max_batch + max_batch * max_blocks * self.tables_per_row
+        self.tables_start = COLUMNS * max_batch + 1
+        n = self.tables_start + max_batch * max_blocks * self.tables_per_row
         pin = device.type == "cuda"
         # Two host buffers used in turn: with overlapped scheduling the copy out of one may still be queued
         # while the next step fills the other (a step is collected before the one after next is filled).
@@ -99,7 +106,11 @@ class StaticDecodeInputs:
         mb = max_batch
         self.input_ids, self.positions, self.slots, self.seq_lens, self.window_slots, self.token_src = \
             (self.device[i * mb:(i + 1) * mb] for i in range(COLUMNS))
-        tables = self.device[COLUMNS * mb:].view(mb, self.tables_per_row, max_blocks)
+        self.width = self.device[COLUMNS * mb:self.tables_start]
+        self.packed = self.device[self.tables_start:]
+        tables = (torch.zeros(mb, self.tables_per_row, max_blocks, dtype=torch.int64, device=device) if compact
+                  else self.packed.view(mb, self.tables_per_row, max_blocks))
+        self.tables = tables
         self.block_tables = tables[:, 0]
         self.window_tables = tables[:, 1] if window else None
         self.query_start_loc = torch.arange(mb + 1, dtype=torch.int64, device=device)
@@ -118,8 +129,6 @@ class StaticDecodeInputs:
         host = self.hosts[self.turn]
         mb, h, per_row = self.max_batch, host.numpy(), self.tables_per_row
         ids, pos, slots, lens, wslots, src = (h[i * mb:(i + 1) * mb] for i in range(COLUMNS))
-        all_tables = h[COLUMNS * mb:COLUMNS * mb + size * per_row * self.max_blocks].reshape(size, per_row,
-                                                                                            self.max_blocks)
         row_ids, row_pos, tables = [], [], []
         inflight = []
         for s in out.scheduled:
@@ -143,6 +152,10 @@ class StaticDecodeInputs:
         row_seq = (np.arange(b) if b == len(tables) else
                    np.repeat(np.arange(len(tables)), [1 + len(s.draft_token_ids) for s in out.scheduled]))
         width = max(map(len, tables), default=0)
+        stride = max(width, 1) if self.compact else self.max_blocks     # entries a table row travels with
+        start = self.tables_start
+        all_tables = h[start:start + size * per_row * stride].reshape(size, per_row, stride)
+        h[start - 1] = stride
         seq_tables = padded_rows(tables, width)
         ids[:b] = row_ids
         pos[:b] = positions
@@ -166,9 +179,26 @@ class StaticDecodeInputs:
                 else:
                     kept.append((row, seq_id))
             inflight = kept
-        used = COLUMNS * mb + size * per_row * self.max_blocks
+        used = start + size * per_row * stride
         self.device[:used].copy_(host[:used], non_blocking=True)
         return inflight
+
+    def unpack(self, size: int) -> None:
+        """(compact) The step's packed tables into the tables the kernels read: a decode graph's first launch."""
+        out = self.tables[:size].view(size * self.tables_per_row, self.max_blocks)
+        (unpack_tables if use_triton(out) else unpack_tables_ref)(self.packed, self.width, out)
+
+    def clear(self, size: int) -> None:
+        """Padding-only inputs for a capture: every row reads block 0 and writes nothing (slot -1)."""
+        self.input_ids[:size].zero_()
+        self.positions[:size].zero_()
+        self.slots[:size].fill_(-1)
+        self.window_slots[:size].fill_(-1)
+        self.token_src[:size].fill_(-1)
+        self.seq_lens[:size].fill_(1)
+        self.tables[:size].zero_()
+        self.width.fill_(1)
+        self.packed[:size * self.tables_per_row].zero_()
 
     def batch(self, size: int, block_size: int, max_seq_len: int) -> ForwardBatch:
         """A ForwardBatch of views into the static buffers (the same tensors at every replay); rows see at most
@@ -210,11 +240,14 @@ class CUDAGraphRunner:
 
     carry_tokens: each decode graph ends with the greedy argmax of its rows into `tokens` and starts by patching the
     rows whose token_src names a row of it (the module docstring); `run` hands the argmax out as GraphReplay.tokens.
-    The buffer holds the last decode replay's argmax until the next decode replay: mixed graphs leave it alone."""
+    The buffer holds the last decode replay's argmax until the next decode replay: mixed graphs leave it alone.
+
+    compact_tables: the decode inputs' block tables travel packed at the step's width (StaticDecodeInputs)."""
 
     def __init__(self, model, attn_backend, block_size: int, max_model_len: int, vocab_size: int,
                  capture_sizes: list[int], device: torch.device, keep_hidden: bool = False,
-                 window: bool = False, mixed_buckets: list[int] = (), carry_tokens: bool = False) -> None:
+                 window: bool = False, mixed_buckets: list[int] = (), carry_tokens: bool = False,
+                 compact_tables: bool = False) -> None:
         self.model, self.attn_backend = model, attn_backend
         self.block_size, self.max_model_len = block_size, max_model_len
         self.sizes = sorted(capture_sizes)
@@ -222,7 +255,7 @@ class CUDAGraphRunner:
                         else [max_model_len])
         self.device = device
         max_blocks = -(-max_model_len // block_size)
-        self.inputs = StaticDecodeInputs(self.sizes[-1], max_blocks, device, window)
+        self.inputs = StaticDecodeInputs(self.sizes[-1], max_blocks, device, window, compact=compact_tables)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.batches: dict[tuple[int, int], ForwardBatch] = {}
         # One logits buffer for every graph: each copies its logits in, so the graphs' own outputs die after
@@ -249,9 +282,11 @@ class CUDAGraphRunner:
         self.num_mixed_replays = 0
 
     def _forward(self, batch: ForwardBatch, size: int, decode: bool = False) -> None:
-        """The captured work: (a decode graph with carried tokens: the in-flight patch,) the attention backend's
-        per-forward input work (`begin_forward`, if it has one), the forward, its outputs copied into the static
-        buffers (and the greedy argmax into `tokens`)."""
+        """The captured work: (a decode graph: the packed tables' unpacking and, with carried tokens, the in-flight
+        patch,) the attention backend's per-forward input work (`begin_forward`, if it has one), the forward, its
+        outputs copied into the static buffers (and the greedy argmax into `tokens`)."""
+        if decode and self.inputs.compact:
+            self.inputs.unpack(size)
         carry = decode and self.tokens is not None
         if carry:
             ids = self.inputs.input_ids[:size]
@@ -297,16 +332,7 @@ class CUDAGraphRunner:
 
     def _capture(self, size: int, bucket: int) -> None:
         batch = self.inputs.batch(size, self.block_size, bucket)
-        # Padding-only inputs: every row reads block 0 and writes nothing (slot -1).
-        self.inputs.input_ids[:size].zero_()
-        self.inputs.positions[:size].zero_()
-        self.inputs.slots[:size].fill_(-1)
-        self.inputs.window_slots[:size].fill_(-1)
-        self.inputs.token_src[:size].fill_(-1)
-        self.inputs.seq_lens[:size].fill_(1)
-        self.inputs.block_tables[:size].zero_()
-        if self.inputs.window_tables is not None:
-            self.inputs.window_tables[:size].zero_()
+        self.inputs.clear(size)
         if getattr(self.model, "reads_attention_metadata", True):
             batch.attn_metadata = self.attn_backend.build_graph_metadata(batch, bucket)
         self.graphs[size, bucket], self.batches[size, bucket] = self._record(size, batch, decode=True), batch

@@ -324,7 +324,8 @@ class ModelRunner:
         graphs = CUDAGraphRunner(self.model, self.attn_backend, self.block_size, sched.max_model_len,
                                  self.config.model.vocab_size, sizes, self.device,
                                  keep_hidden=_drafts_with_mtp(self.model), window=bool(self.window_states()),
-                                 mixed_buckets=self._mixed_graph_buckets(), carry_tokens=carry)
+                                 mixed_buckets=self._mixed_graph_buckets(), carry_tokens=carry,
+                                 compact_tables=envs.DEEPSERVE_COMPACT_BLOCK_TABLES)
         try:
             graphs.capture()
         except Exception:   # a layer that cannot be captured must not stop the engine: run eagerly instead

@@ -75,20 +75,26 @@ def test_profiled_kv_budget_fits_the_gpu(tiny_llama):
     assert len(out[0].outputs[0].token_ids) == 8
 
 
-def test_cuda_graphs_carrying_tokens_match_eager(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("switches", [{"DEEPSERVE_GRAPH_TOKENS": "1"}, {"DEEPSERVE_COMPACT_BLOCK_TABLES": "1"},
+                                      {"DEEPSERVE_GRAPH_TOKENS": "1", "DEEPSERVE_COMPACT_BLOCK_TABLES": "1"}])
+def test_cuda_graphs_with_graph_input_switches_match_eager(tiny_llama, monkeypatch, switches):
     """DEEPSERVE_GRAPH_TOKENS: the decode graphs take the greedy argmax in the graph and patch the in-flight tokens
-    themselves (overlapped scheduling); the shrinking batch's tokens equal an eager engine's, and the steps took
-    the graphs' tokens."""
+    themselves (overlapped scheduling), and the steps take the graphs' tokens; DEEPSERVE_COMPACT_BLOCK_TABLES: the
+    block tables travel packed at the step's width and the graph unpacks them. The shrinking batch's tokens equal
+    an eager engine's either way."""
+    carry = "DEEPSERVE_GRAPH_TOKENS" in switches
     prompts, params = _mixed_workload()
     eager = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32", enforce_eager=True,
                 kv_cache_memory_bytes=1 << 26)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     del eager
-    monkeypatch.setenv("DEEPSERVE_GRAPH_TOKENS", "1")
+    for name, value in switches.items():
+        monkeypatch.setenv(name, value)
     llm = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32", max_num_seqs=32,
               kv_cache_memory_bytes=1 << 26, async_scheduling=True)
     graphs = llm.engine.runner.cuda_graphs
-    assert graphs is not None and graphs.tokens is not None
+    assert graphs is not None and (graphs.tokens is not None) == carry
+    assert graphs.inputs.compact == ("DEEPSERVE_COMPACT_BLOCK_TABLES" in switches)
     carried = []
     launch = llm.engine.runner.launch
 
@@ -99,6 +105,6 @@ def test_cuda_graphs_carrying_tokens_match_eager(tiny_llama, monkeypatch):
     llm.engine.runner.launch = recording
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    assert sum(carried) >= max(p.max_tokens for p in params) - 4
+    assert sum(carried) >= max(p.max_tokens for p in params) - 4 if carry else not any(carried)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks

@@ -227,9 +227,24 @@ def test_captured_decode_path_matches_reference(tiny_v41, variant):
     padded to four rows, context buckets of 32 / 64 / 128 keys crossed while decoding (the later ones captured
     when first needed). Every greedy token equals the reference's, and the padding rows' writes (slot -1, the
     scratch block) leave every block free afterwards."""
+    _captured_decode_matches_reference(tiny_v41, variant)
+
+
+def test_captured_decode_with_compact_tables_and_carried_tokens(tiny_v41, monkeypatch):
+    """The same through graphs whose block and window tables travel packed at the step's width (unpacked by the
+    replay) and that carry their greedy argmax to the next replay under overlapped scheduling: the reference's
+    tokens (late captures of the wider buckets included)."""
+    monkeypatch.setenv("DEEPSERVE_GRAPH_TOKENS", "1")
+    _captured_decode_matches_reference(tiny_v41, "mixed", async_scheduling=True, compact_tables=True)
+
+
+def _captured_decode_matches_reference(tiny_v41, variant, async_scheduling=False, compact_tables=False):
     path, ref = tiny_v41(variant)
-    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8, max_model_len=128)
-    graphs = install_eager_replay_graphs(llm, [32, 64, 128])
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8, max_model_len=128,
+              async_scheduling=async_scheduling)
+    graphs = install_eager_replay_graphs(llm, [32, 64, 128], compact_tables=compact_tables,
+                                         carry_tokens=async_scheduling)
+    assert graphs.inputs.compact == compact_tables and graphs.inputs.window_tables is not None
     prompts = [random_prompt(n, seed=n, vocab=VOCAB) for n in (37, 9, 21)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)

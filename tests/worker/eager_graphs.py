@@ -18,10 +18,11 @@ class _EagerReplay:
 
 
 def install_eager_replay_graphs(llm, buckets: list[int], sizes: tuple[int, ...] = (1, 2, 4, 8),
-                                mixed_buckets: tuple[int, ...] = (), carry_tokens: bool = False):
+                                mixed_buckets: tuple[int, ...] = (), carry_tokens: bool = False,
+                                compact_tables: bool = False):
     """The engine's decode steps (and, with `mixed_buckets`, its steps with prompt work, which needs an attention
     backend with `build_mixed_graph_metadata`: install_twin_triton_attention) through a CUDAGraphRunner whose graphs
-    are `_EagerReplay`s (CPU); `carry_tokens` as CUDAGraphRunner's."""
+    are `_EagerReplay`s (CPU); `carry_tokens` and `compact_tables` as CUDAGraphRunner's."""
     from deepserve.worker.cuda_graph import CUDAGraphRunner
 
     class EagerReplayRunner(CUDAGraphRunner):
@@ -33,7 +34,7 @@ def install_eager_replay_graphs(llm, buckets: list[int], sizes: tuple[int, ...] 
     graphs = EagerReplayRunner(runner.model, runner.attn_backend, runner.block_size, sched.max_model_len,
                                llm.engine.config.model.vocab_size, list(sizes), runner.device,
                                window=bool(runner.window_states()), mixed_buckets=list(mixed_buckets),
-                               carry_tokens=carry_tokens)
+                               carry_tokens=carry_tokens, compact_tables=compact_tables)
     graphs.buckets = buckets
     graphs.capture()
     runner.cuda_graphs = graphs

@@ -49,6 +49,37 @@ def test_static_inputs_hold_the_batch_then_padding():
     assert inputs.batch(2, bs, 16).slot_mapping.tolist() == [3 * bs + 1, -1]
 
 
+@pytest.mark.parametrize("window", [False, True])
+def test_compact_tables_travel_at_the_step_width_and_unpack_to_the_full_tables(window):
+    """compact: the host copy holds each row's tables at the step's longest table's width (then padding rows), the
+    width rides along, and `unpack` (a graph's first launch) spreads them into the tables the kernels read, equal
+    to the full-width layout's where a row has blocks. A later, narrower step leaves wider entries behind, which
+    no kernel reads (they lie past every row's own blocks)."""
+    bs, max_blocks = 4, 16
+    seqs = [_decoding_sequence(1, 6, [7, 3]), _decoding_sequence(2, 9, [5, 1, 2])]
+    if window:
+        seqs[0].window_table, seqs[1].window_table = [-1, 4], [6, -1, 8]
+    out = SchedulerOutput(scheduled=[ScheduledSequence(s, s.num_tokens - 1, 1) for s in seqs])
+    full = StaticDecodeInputs(max_batch=8, max_blocks=max_blocks, device=torch.device("cpu"), window=window)
+    compact = StaticDecodeInputs(max_batch=8, max_blocks=max_blocks, device=torch.device("cpu"), window=window,
+                                 compact=True)
+    for inputs in (full, compact):
+        inputs.fill(out, size=4, block_size=bs)
+    per_row = 2 if window else 1
+    assert compact.width.item() == 3 and compact.packed[:4 * per_row * 3].view(4, per_row, 3)[:, 0].tolist() == \
+        [[7, 3, 0], [5, 1, 2], [0, 0, 0], [0, 0, 0]]
+    compact.unpack(4)
+    assert torch.equal(compact.tables[:4, :, :3], full.tables[:4, :, :3])
+    assert compact.batch(4, bs, 64).block_tables[:2, :3].tolist() == [[7, 3, 0], [5, 1, 2]]
+    if window:
+        assert compact.batch(4, bs, 64).window_block_tables[:2, :3].tolist() == [[0, 4, 0], [6, 0, 8]]
+    for name in ("input_ids", "positions", "slots", "seq_lens", "window_slots", "token_src"):
+        assert torch.equal(getattr(compact, name)[:4], getattr(full, name)[:4]), name
+    compact.fill(SchedulerOutput(scheduled=out.scheduled[:1]), size=2, block_size=bs)
+    compact.unpack(2)
+    assert compact.width.item() == 2 and compact.tables[:2, 0, :3].tolist() == [[7, 3, 0], [0, 0, 2]]
+
+
 def test_a_decode_with_drafts_fills_one_decode_row_per_position():
     """Speculative decoding in a graph: the known token then each draft, at consecutive positions, each row seeing
     the keys up to its own position (the rows before it included)."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepserve import LLM, SamplingParams
-from deepserve.kernels.token_patch import patch_tokens_ref
+from deepserve.kernels.graph_inputs import patch_tokens_ref
 from deepserve.sampling_params import SamplingParams as Params
 from deepserve.sequence import Sequence
 from deepserve.worker.cuda_graph import StaticDecodeInputs
@@ -54,8 +54,8 @@ def _engine(tiny_llama, monkeypatch, carry: bool, **kw):
     install_twin_triton_attention(llm)
     runner = llm.engine.runner
     graphs = install_eager_replay_graphs(llm, [llm.engine.config.scheduler.max_model_len], sizes=(1, 2, 4, 8),
-                                         carry_tokens=carry)
-    assert (graphs.tokens is not None) == carry
+                                         carry_tokens=carry, compact_tables=carry)
+    assert (graphs.tokens is not None) == carry == graphs.inputs.compact
     carried_steps = []
     sample = runner._sample
 
@@ -79,7 +79,8 @@ def test_greedy_engine_with_carried_tokens_equals_a_plain_engine(tiny_llama, mon
     """Greedy requests of different lengths (the batch shrinks and its rows move as sequences finish), one asking
     for logprobs for its first steps' batches, and a sampled one: the tokens (and logprobs) equal a plain eager
     engine's; steps without logprobs or sampled rows took the graph's argmax, the others the sampler; no block is
-    left allocated. Without DEEPSERVE_GRAPH_TOKENS the graphs carry nothing.""" 
+    left allocated. Without DEEPSERVE_GRAPH_TOKENS the graphs carry nothing. (The carrying graphs also take their
+    block tables packed at the step's width: DEEPSERVE_COMPACT_BLOCK_TABLES.)"""
     g = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(0, 500, (n,), generator=g).tolist()} for n in (5, 17, 9, 30, 12)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 12, 16, 9, 3)]
@@ -114,7 +115,8 @@ def test_greedy_engine_with_carried_tokens_equals_a_plain_engine(tiny_llama, mon
 def test_carried_tokens_through_prompt_steps_and_preemption(tiny_llama, monkeypatch, engine_args):
     """Greedy requests that arrive in turn (prompt chunks, eager or mixed-graph steps, right after steps that took
     the graph's argmax: their tokens are patched from the graphs' buffer outside the graph) or get preempted while
-    a step is in flight, some stopping on a token: tokens and finish reasons equal the plain loop's."""
+    a step is in flight, some stopping on a token: tokens and finish reasons equal the plain loop's (block tables
+    packed at each step's width, as the batch's longest table grows, then shrinks with preemption)."""
     prompts = [{"prompt_token_ids": [(11 * i + 3 * j) % 200 + 5 for j in range(3 + 5 * i)]} for i in range(10)]
     params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, stop_token_ids=[57, 91] if i % 3 == 2 else None)
               for i in range(10)]
@@ -125,7 +127,7 @@ def test_carried_tokens_through_prompt_steps_and_preemption(tiny_llama, monkeypa
     install_twin_triton_attention(llm)
     mixed = (16,) if "max_num_batched_tokens" in engine_args else ()
     graphs = install_eager_replay_graphs(llm, [llm.engine.config.scheduler.max_model_len], sizes=(1, 2, 4, 8),
-                                         mixed_buckets=mixed, carry_tokens=True)
+                                         mixed_buckets=mixed, carry_tokens=True, compact_tables=True)
     carried = []
     launch = llm.engine.runner.launch
 
