@@ -227,6 +227,9 @@ def kv_fits(name: str, batch: int, context: int, budget_bytes: float) -> bool:
 def run_shape(name: str, context: int, batches: list[int], args, result: dict) -> None:
     config = (h200_dense.write_config(DENSE[name]) if name in DENSE else h200_moe.write_config(MOE[name]))
     max_len = context + args.steps + 16 + prefill_steps(max(batches), context)
+    # --max-model-len: an engine sized for longer sequences than the sweep runs (a deployment's default is the
+    # model's context), whose per-step inputs (block tables) and graph grids follow max_model_len.
+    max_len = max(max_len, args.max_model_len or 0)
     with open(os.path.join(config, "config.json")) as f:
         cfg = json.load(f)
     cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), max_len)   # room for 4k prompts
@@ -321,6 +324,8 @@ def main() -> None:
     ap.add_argument("--profile-dense", action="store_true", help="kernel tables of the dense shapes too")
     ap.add_argument("--timeline-batch", type=lambda v: [int(b) for b in v.split(",") if b], default=[],
                     help="batch sizes whose graph replay gets an idle-time breakdown (profile_gpu_step.graph_timeline)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engine's max_model_len when larger than the sweep needs (e.g. 131072, Llama-3's context)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--output", default="benchmarks/h200_decode_sweep.json")
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG beside --output from its JSON")
