@@ -102,8 +102,9 @@ _DECLARED = [
            "neither the argmax nor the token patch between two replays (worker/cuda_graph.py); off until an H200 "
            "A/B (read at start-up)"),
     EnvVar("DEEPSERVE_COMPACT_BLOCK_TABLES", "bool", False,
-           "decode CUDA graphs: a step's block tables travel to the GPU packed at its longest table's width and the "
-           "graph spreads them to max_model_len's width (kernels/graph_inputs.py), not at max_model_len's width "
+           "CUDA graphs (decode and mixed steps): a step's block tables travel to the GPU packed at its longest "
+           "table's width and the graph spreads them to max_model_len's width (kernels/graph_inputs.py), not at "
+           "max_model_len's width "
            "(16 MB a step at batch 256 and a 128k context); off until the GPU tests run (read at start-up)"),
     EnvVar("DEEPSERVE_CPU_ISA", "str", "auto",
            "CPU kernel choice: act as if this CPU had only this feature set (never more than it has); "

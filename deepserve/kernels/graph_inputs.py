@@ -9,10 +9,11 @@ host's token stands). One launch of one program, where the patch outside the gra
 upload and two index kernels) queued between two replays.
 
 The block tables' unpacking: the host copies the step's tables packed at the step's width (its longest table:
-[rows, width], DEEPSERVE_COMPACT_BLOCK_TABLES), and this spreads them into the [rows, max_blocks] tables the
-kernels read, whose width is fixed by max_model_len (8,192 entries a row at a 128k context and 16-token blocks: 16
-MB a step at batch 256 over PCIe, for sequences that may hold a few dozen blocks). Entries past a row's width keep
-what earlier steps left there: no kernel reads past a sequence's own blocks.
+[rows, width], DEEPSERVE_COMPACT_BLOCK_TABLES; the shape rides along), and this spreads them into the [rows,
+max_blocks] tables the kernels read (a decode graph's rows, a mixed graph's scheduled sequences), whose width is
+fixed by max_model_len (8,192 entries a row at a 128k context and 16-token blocks: 16 MB a step at batch 256 over
+PCIe, for sequences that may hold a few dozen blocks). Entries past a row's width keep what earlier steps left
+there: no kernel reads past a sequence's own blocks.
 """
 
 from __future__ import annotations
@@ -51,27 +52,29 @@ def patch_tokens_ref(input_ids: torch.Tensor, token_src: torch.Tensor, tokens: t
 
 
 @triton.jit
-def _unpack_tables_kernel(packed_ptr, width_ptr, out_ptr, stride_out, BLOCK: tl.constexpr):
+def _unpack_tables_kernel(packed_ptr, shape_ptr, out_ptr, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    width = tl.load(width_ptr)
-    for c0 in range(0, width, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        ok = c < width
-        tl.store(out_ptr + row * stride_out + c, tl.load(packed_ptr + row * width + c, mask=ok), mask=ok)
+    rows = tl.load(shape_ptr)
+    width = tl.load(shape_ptr + 1)
+    if row < rows:
+        for c0 in range(0, width, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            ok = c < width
+            tl.store(out_ptr + row * stride_out + c, tl.load(packed_ptr + row * width + c, mask=ok), mask=ok)
 
 
-def unpack_tables(packed: torch.Tensor, width: torch.Tensor, out: torch.Tensor) -> None:
-    """out[r, :w] = packed[r * w:(r + 1) * w] for every row r of out ([R, max_blocks], unit stride along a row),
-    w = width[0] (a one-element int64 tensor on the device: the graph reads it at every replay)."""
+def unpack_tables(packed: torch.Tensor, shape: torch.Tensor, out: torch.Tensor) -> None:
+    """out[r, :w] = packed[r * w:(r + 1) * w] for the rows r < n of out ([R, max_blocks], unit stride along a row),
+    (n, w) = shape (a two-element int64 tensor on the device: the graph reads it at every replay; n <= R)."""
     require_triton(out)
-    assert out.dim() == 2 and out.stride(1) == 1 and packed.is_contiguous() and width.numel() == 1
+    assert out.dim() == 2 and out.stride(1) == 1 and packed.is_contiguous() and shape.numel() == 2
     if out.shape[0]:
-        _unpack_tables_kernel[(out.shape[0],)](packed, width, out, out.stride(0), BLOCK=UNPACK_BLOCK, num_warps=4)
+        _unpack_tables_kernel[(out.shape[0],)](packed, shape, out, out.stride(0), BLOCK=UNPACK_BLOCK, num_warps=4)
 
 
-def unpack_tables_ref(packed: torch.Tensor, width: torch.Tensor, out: torch.Tensor) -> None:
-    w, rows = int(width.item()), out.shape[0]
-    out[:, :w] = packed[:rows * w].view(rows, w)
+def unpack_tables_ref(packed: torch.Tensor, shape: torch.Tensor, out: torch.Tensor) -> None:
+    n, w = shape.tolist()
+    out[:n, :w] = packed[:n * w].view(n, w)
 
 
 __all__ = ["patch_tokens", "patch_tokens_ref", "unpack_tables", "unpack_tables_ref"]

@@ -82,7 +82,7 @@ COLUMNS = 6      # per-row columns of StaticDecodeInputs before the tables
 
 class StaticDecodeInputs:
     """Host staging buffer and device buffer with a fixed layout: ids | positions | slots | seq_lens | window slots |
-    token sources | tables' width | tables, a row per batch row: its block table, then (`window`: a model with a
+    token sources | tables' shape | tables, a row per batch row: its block table, then (`window`: a model with a
     window pool) its window table. A row's token source is -1, or the row of the graphs' token buffer its input
     token is in.
 
@@ -94,7 +94,7 @@ class StaticDecodeInputs:
                  compact: bool = False) -> None:
         self.max_batch, self.max_blocks, self.compact = max_batch, max_blocks, compact
         self.tables_per_row = 2 if window else 1
-        self.tables_start = COLUMNS * max_batch + 1
+        self.tables_start = COLUMNS * max_batch + 2
         n = self.tables_start + max_batch * max_blocks * self.tables_per_row
         pin = device.type == "cuda"
         # Two host buffers used in turn: with overlapped scheduling the copy out of one may still be queued
@@ -106,7 +106,7 @@ class StaticDecodeInputs:
         mb = max_batch
         self.input_ids, self.positions, self.slots, self.seq_lens, self.window_slots, self.token_src = \
             (self.device[i * mb:(i + 1) * mb] for i in range(COLUMNS))
-        self.width = self.device[COLUMNS * mb:self.tables_start]
+        self.shape = self.device[COLUMNS * mb:self.tables_start]      # (table rows, width) of the packed tables
         self.packed = self.device[self.tables_start:]
         tables = (torch.zeros(mb, self.tables_per_row, max_blocks, dtype=torch.int64, device=device) if compact
                   else self.packed.view(mb, self.tables_per_row, max_blocks))
@@ -155,7 +155,7 @@ class StaticDecodeInputs:
         stride = max(width, 1) if self.compact else self.max_blocks     # entries a table row travels with
         start = self.tables_start
         all_tables = h[start:start + size * per_row * stride].reshape(size, per_row, stride)
-        h[start - 1] = stride
+        h[start - 2:start] = size * per_row, stride
         seq_tables = padded_rows(tables, width)
         ids[:b] = row_ids
         pos[:b] = positions
@@ -186,7 +186,7 @@ class StaticDecodeInputs:
     def unpack(self, size: int) -> None:
         """(compact) The step's packed tables into the tables the kernels read: a decode graph's first launch."""
         out = self.tables[:size].view(size * self.tables_per_row, self.max_blocks)
-        (unpack_tables if use_triton(out) else unpack_tables_ref)(self.packed, self.width, out)
+        (unpack_tables if use_triton(out) else unpack_tables_ref)(self.packed, self.shape, out)
 
     def clear(self, size: int) -> None:
         """Padding-only inputs for a capture: every row reads block 0 and writes nothing (slot -1)."""
@@ -197,7 +197,7 @@ class StaticDecodeInputs:
         self.token_src[:size].fill_(-1)
         self.seq_lens[:size].fill_(1)
         self.tables[:size].zero_()
-        self.width.fill_(1)
+        self.shape.copy_(torch.tensor([size * self.tables_per_row, 1]))
         self.packed[:size * self.tables_per_row].zero_()
 
     def batch(self, size: int, block_size: int, max_seq_len: int) -> ForwardBatch:
@@ -242,7 +242,7 @@ class CUDAGraphRunner:
     rows whose token_src names a row of it (the module docstring); `run` hands the argmax out as GraphReplay.tokens.
     The buffer holds the last decode replay's argmax until the next decode replay: mixed graphs leave it alone.
 
-    compact_tables: the decode inputs' block tables travel packed at the step's width (StaticDecodeInputs)."""
+    compact_tables: the block tables travel packed at the step's width (StaticDecodeInputs, StaticMixedInputs)."""
 
     def __init__(self, model, attn_backend, block_size: int, max_model_len: int, vocab_size: int,
                  capture_sizes: list[int], device: torch.device, keep_hidden: bool = False,
@@ -276,7 +276,7 @@ class CUDAGraphRunner:
         self.mixed: StaticMixedInputs | None = None
         if self.mixed_buckets:
             self.mixed = StaticMixedInputs(self.mixed_buckets[-1], self.sizes[-1], max_blocks,
-                                           attn_backend.mixed_tile_rows, device)
+                                           attn_backend.mixed_tile_rows, device, compact=compact_tables)
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_batches: dict[int, ForwardBatch] = {}
         self.num_mixed_replays = 0
@@ -287,6 +287,8 @@ class CUDAGraphRunner:
         outputs copied into the static buffers (and the greedy argmax into `tokens`)."""
         if decode and self.inputs.compact:
             self.inputs.unpack(size)
+        elif not decode and self.mixed is not None and self.mixed.compact:
+            self.mixed.unpack()
         carry = decode and self.tokens is not None
         if carry:
             ids = self.inputs.input_ids[:size]

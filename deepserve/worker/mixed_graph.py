@@ -19,7 +19,9 @@ fixed shapes:
 
 so the attention kernels' grids are fixed (S decode programs, cdiv(T, BLOCK_M) + S prefill tiles) and every
 padding program reads valid addresses and writes nothing a sequence owns. Everything lives in one int64 buffer,
-filled on the host and copied to the device in one transfer per step (up to the last scheduled sequence's table row).
+filled on the host and copied to the device in one transfer per step (up to the last scheduled sequence's table row;
+`compact`: the scheduled sequences' tables packed at their longest one's width, which the graph unpacks first,
+kernels/graph_inputs.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from deepserve.kernels.graph_inputs import unpack_tables, unpack_tables_ref
 from deepserve.layers.forward_batch import ForwardBatch
+from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.worker.scheduler_output import SchedulerOutput
 
 
@@ -45,15 +49,17 @@ def mixed_buckets(max_tokens: int, largest: int = 2048, smallest: int = 256) -> 
 class StaticMixedInputs:
     """One buffer for every bucket (each graph reads prefix views of the segments):
     ids | positions | slots [T_max + 1] | seq_lens [S + 1] | query_start_loc [S + 2] | logits rows [S] |
-    decode rows [S] | decode seqs [S] | tile seqs [M_max] | tile first rows [M_max] |
-    block tables [(S + 1) x blocks]."""
+    decode rows [S] | decode seqs [S] | tile seqs [M_max] | tile first rows [M_max] | tables' shape [2] |
+    block tables [(S + 1) x blocks] (`compact`: the scheduled sequences' tables packed, [rows x width], and the
+    block tables the kernels read in a tensor of their own)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, tile_rows: int,
-                 device: torch.device) -> None:
+                 device: torch.device, compact: bool = False) -> None:
         self.max_tokens, self.max_seqs, self.max_blocks, self.tile_rows = max_tokens, max_seqs, max_blocks, tile_rows
+        self.compact = compact
         t, s = max_tokens + 1, max_seqs
         self.max_tiles = self.tiles_for(max_tokens)
-        sizes = [t, t, t, s + 1, s + 2, s, s, s, self.max_tiles, self.max_tiles, (s + 1) * max_blocks]
+        sizes = [t, t, t, s + 1, s + 2, s, s, s, self.max_tiles, self.max_tiles, 2, (s + 1) * max_blocks]
         self.offsets = np.cumsum([0] + sizes).tolist()
         n = self.offsets[-1]
         pin = device.type == "cuda"
@@ -61,8 +67,10 @@ class StaticMixedInputs:
         self.turn = 0
         self.device = torch.zeros(n, dtype=torch.int64, device=device)
         (self.input_ids, self.positions, self.slots, self.seq_lens, self.query_start_loc, self.logits_rows,
-         self.decode_rows, self.decode_seqs, self.tile_seq, self.tile_m0, tables) = self._segments(self.device)
-        self.block_tables = tables.view(s + 1, max_blocks)
+         self.decode_rows, self.decode_seqs, self.tile_seq, self.tile_m0, self.shape,
+         self.packed) = self._segments(self.device)
+        self.block_tables = (torch.zeros(s + 1, max_blocks, dtype=torch.int64, device=device) if compact
+                             else self.packed.view(s + 1, max_blocks))
 
     def tiles_for(self, tokens: int) -> int:
         """Prefill tiles a bucket of `tokens` rows may need: one per tile_rows rows, plus one partial per sequence."""
@@ -76,8 +84,13 @@ class StaticMixedInputs:
         decode rows whose input token is in flight (left 0 for the caller to patch)."""
         self.turn ^= 1
         host = self.hosts[self.turn].numpy()
-        ids, pos, slots, lens, qsl, logit_rows, dec_rows, dec_seqs, tile_seq, tile_m0, tables = self._segments(host)
-        tables = tables.reshape(self.max_seqs + 1, self.max_blocks)
+        (ids, pos, slots, lens, qsl, logit_rows, dec_rows, dec_seqs, tile_seq, tile_m0, shape,
+         tables) = self._segments(host)
+        num = len(out.scheduled)
+        stride = max(1, max((len(s.seq.block_table) for s in out.scheduled), default=0)) if self.compact \
+            else self.max_blocks
+        tables = tables[:(self.max_seqs + 1) * stride].reshape(self.max_seqs + 1, stride)
+        shape[:] = num, stride
         inflight, tiles = [], []
         row = nd = 0
         for b, s in enumerate(out.scheduled):
@@ -103,7 +116,6 @@ class StaticMixedInputs:
                 tiles.extend((b, m0) for m0 in range(0, n, self.tile_rows))
             logit_rows[b] = row + n - 1
             row += n
-        num = len(out.scheduled)
         s_pad, pad_row = self.max_seqs, tokens
         ids[row:tokens + 1], pos[row:tokens + 1], slots[row:tokens + 1] = 0, 0, -1
         qsl[num:], lens[num:], tables[s_pad] = row, 1, 0       # the padding sequence: one key, block 0
@@ -114,11 +126,16 @@ class StaticMixedInputs:
         if nt:
             tile_seq[:nt], tile_m0[:nt] = zip(*tiles)
         tile_seq[nt:], tile_m0[nt:] = s_pad, 0
-        # Block tables are the last segment: copy only the scheduled sequences' rows (a table row is max_blocks long;
-        # the padding sequence's row stays the zeros the device buffer started with).
-        used = self.offsets[-2] + num * self.max_blocks
+        # Block tables are the last segment: copy only the scheduled sequences' rows (max_blocks long, or packed at
+        # the step's width; the padding sequence's row stays the zeros the device's tables started with).
+        used = self.offsets[-2] + num * stride
         self.device[:used].copy_(self.hosts[self.turn][:used], non_blocking=True)
         return inflight
+
+    def unpack(self) -> None:
+        """(compact) The scheduled sequences' packed tables into the block tables: a mixed graph's first launch."""
+        out = self.block_tables[:self.max_seqs]
+        (unpack_tables if use_triton(out) else unpack_tables_ref)(self.packed, self.shape, out)
 
     def fits(self, out: SchedulerOutput, tokens: int) -> bool:
         return len(out.scheduled) <= self.max_seqs and out.num_batched_tokens <= tokens

@@ -24,16 +24,18 @@ def test_patch_matches_reference(device, rows):
     assert ((ids >= 1000) == (src >= 0)).all()
 
 
-@pytest.mark.parametrize("rows,width", [(1, 1), (8, 70), (33, 2 * UNPACK_BLOCK + 5)])
-def test_unpack_matches_reference(device, rows, width):
-    """Rows of `width` packed entries spread over [rows, max_blocks] tables; entries past the width untouched."""
+@pytest.mark.parametrize("rows,used,width", [(1, 1, 1), (8, 8, 70), (9, 3, 70), (33, 30, 2 * UNPACK_BLOCK + 5)])
+def test_unpack_matches_reference(device, rows, used, width):
+    """The first `used` of `rows` rows get `width` packed entries each, spread over [rows, max_blocks] tables;
+    entries past the width, and the rows past `used`, untouched."""
     max_blocks = width + 40
-    g = torch.Generator().manual_seed(width)
+    g = torch.Generator().manual_seed(width + used)
     packed = torch.randint(0, 10_000, (rows * width + 17,), generator=g).to(device)
     stale = torch.full((rows, max_blocks), -3, dtype=torch.int64, device=device)
     got, want = stale.clone(), stale.clone()
-    w = torch.tensor([width], device=device)
-    unpack_tables(packed, w, got)
-    unpack_tables_ref(packed, w, want)
+    shape = torch.tensor([used, width], device=device)
+    unpack_tables(packed, shape, got)
+    unpack_tables_ref(packed, shape, want)
     assert torch.equal(got, want)
-    assert torch.equal(got[:, :width].reshape(-1), packed[:rows * width]) and (got[:, width:] == -3).all()
+    assert torch.equal(got[:used, :width].reshape(-1), packed[:used * width])
+    assert (got[:, width:] == -3).all() and (got[used:] == -3).all()

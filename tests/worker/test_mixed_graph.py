@@ -4,6 +4,7 @@ graph runner's eager stand-in (tests/worker/eager_graphs.py), against a plain en
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from deepserve import LLM, SamplingParams
@@ -29,11 +30,14 @@ def test_buckets():
     assert mixed_buckets(256) == [256] and mixed_buckets(100) == []
 
 
-def test_a_step_fills_rows_sequences_decodes_tiles_then_padding():
+@pytest.mark.parametrize("compact", [False, True])
+def test_a_step_fills_rows_sequences_decodes_tiles_then_padding(compact):
     """A decode (seq 0, position 6), a 5-token chunk over a 3-token prefix (seq 1), a decode whose token is in flight
     (seq 2): rows in order, then padding rows (slot -1); padding sequences without rows; decode entries and tiles
-    padded with the padding row / padding sequence; the logits rows are each sequence's last row."""
-    inputs = StaticMixedInputs(max_tokens=16, max_seqs=4, max_blocks=4, tile_rows=2, device=torch.device("cpu"))
+    padded with the padding row / padding sequence; the logits rows are each sequence's last row; the block tables
+    the same whether they travel at max_blocks or packed (compact), the padding sequence's row zeros."""
+    inputs = StaticMixedInputs(max_tokens=16, max_seqs=4, max_blocks=4, tile_rows=2, device=torch.device("cpu"),
+                               compact=compact)
     a, b, c = _seq(1, 7, [5, 6]), _seq(2, 8, [7, 8]), _seq(3, 4, [9, 3])
     out = SchedulerOutput(scheduled=[ScheduledSequence(a, 6, 1), ScheduledSequence(b, 3, 5),
                                      ScheduledSequence(c, 4, 1)])
@@ -51,6 +55,9 @@ def test_a_step_fills_rows_sequences_decodes_tiles_then_padding():
     assert list(zip(inputs.tile_seq[:3].tolist(), inputs.tile_m0[:3].tolist())) == [(1, 4), (1, 2), (1, 0)]
     assert set(inputs.tile_seq[3:].tolist()) == {4}
     assert inputs.logits_rows.tolist() == [0, 5, 6, 8]
+    if compact:     # the scheduled sequences' tables travel at their width (2); the graph's first launch spreads them
+        assert inputs.shape.tolist() == [3, 2] and inputs.packed[:6].tolist() == [5, 6, 7, 8, 9, 3]
+        inputs.unpack()
     assert inputs.block_tables[:3, :2].tolist() == [[5, 6], [7, 8], [9, 3]] and inputs.block_tables[4].sum() == 0
     batch = inputs.batch(8, BS, 64)
     assert batch.input_ids.shape == (9,) and batch.logits_indices.shape == (4,) and not batch.is_decode_only
