@@ -7,6 +7,7 @@ import torch
 
 from deepserve.kernels.l2_prefetch import L2_PREFETCH_MAX_ROWS, L2_PREFETCH_PIECE, L2_PREFETCH_PIECES, SITES, \
     l2_prefetch_plan
+from tests.kernels.sm90_compile import compile_for_sm90
 
 
 def test_no_prefetch_for_a_cpu_weight_or_none():
@@ -29,30 +30,6 @@ def test_off_by_default(monkeypatch):
         envs.DEEPSERVE_L2_PREFETCH
 
 
-def _compile_for_sm90(kernel, pointer_types: dict, constexprs: dict) -> str:
-    """The kernel's PTX, compiled (through ptxas, into a cubin) for sm_90 on this GPU-less machine: pointers typed
-    by `pointer_types` (default bf16), other arguments int32 (float32 where named `*_eps` or `scale*`)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-    signature = {}
-    for p in kernel.params:
-        name = p.name
-        if p.is_constexpr:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = pointer_types.get(name, "*bf16")
-        elif name.endswith("_eps") or name.startswith("scale"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
-    assert not missing, missing
-    compiled = triton_compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32))
-    assert compiled.asm["cubin"], "ptxas made no cubin"
-    return compiled.asm["ptx"]
-
-
 PREFETCH_CONSTEXPRS = dict(PF_PIECES=L2_PREFETCH_PIECES, PF_PIECE=L2_PREFETCH_PIECE, USE_PDL=True)
 
 
@@ -64,11 +41,11 @@ def test_prefetching_kernels_compile_for_hopper(policy, monkeypatch):
     pytest.importorskip("triton")
     from deepserve.kernels.paged_attention import _decode_reduce_kernel, _rotary_write_kv_kernel
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
-    rotary = _compile_for_sm90(
+    rotary = compile_for_sm90(
         _rotary_write_kv_kernel, {"pos_ptr": "*i64", "slot_ptr": "*i64"},
         dict(HEAD_DIM=128, BLOCK_HD=1024, HALF=64, BLOCK_HALF=64, BLOCK_H=32, INTERLEAVED=False, HALF_CACHE=False,
              QK_NORM=True, INPUTS_READY=True, PREFETCH=policy, **PREFETCH_CONSTEXPRS))
-    reduce = _compile_for_sm90(
+    reduce = compile_for_sm90(
         _decode_reduce_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "q_rows_ptr": "*i32",
                                 "seq_ids_ptr": "*i32", "seq_lens_ptr": "*i32"},
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, BLOCK_N=64, INPUTS_READY=True, PREFETCH=policy,

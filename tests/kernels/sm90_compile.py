@@ -1,0 +1,29 @@
+"""Compile a Triton kernel for an H100/H200 (sm_90) on a machine without a GPU: Triton's compiler and the ptxas it
+ships take the kernel down to a cubin, so a GPU-only path (inline PTX, Hopper instructions, dynamic loop bounds)
+is at least known to compile before any GPU runs it."""
+
+from __future__ import annotations
+
+
+def compile_for_sm90(kernel, pointer_types: dict, constexprs: dict) -> str:
+    """The kernel's PTX, compiled (through ptxas, into a cubin) for sm_90 on this GPU-less machine: pointers typed
+    by `pointer_types` (default bf16), other arguments int32 (float32 where named `*_eps` or `scale*`)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+    signature = {}
+    for p in kernel.params:
+        name = p.name
+        if p.is_constexpr:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointer_types.get(name, "*bf16")
+        elif name.endswith("_eps") or name.startswith("scale"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
+    assert not missing, missing
+    compiled = triton_compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"], "ptxas made no cubin"
+    return compiled.asm["ptx"]

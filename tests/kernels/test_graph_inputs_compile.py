@@ -1,0 +1,17 @@
+"""The kernels that finish a decode graph's inputs (kernels/graph_inputs.py) compile for sm_90 without a GPU (their
+results are checked against their twins in tests/gpu/test_graph_inputs.py, on a GPU or in Triton's interpreter)."""
+
+import pytest
+
+from tests.kernels.sm90_compile import compile_for_sm90
+
+
+def test_graph_input_kernels_compile_for_hopper(monkeypatch):
+    pytest.importorskip("triton")
+    from deepserve.kernels.graph_inputs import UNPACK_BLOCK, _patch_tokens_kernel, _unpack_tables_kernel
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    i64 = {"ids_ptr": "*i64", "src_ptr": "*i64", "tokens_ptr": "*i64", "packed_ptr": "*i64", "shape_ptr": "*i64",
+           "out_ptr": "*i64"}
+    assert "ld.global" in compile_for_sm90(_patch_tokens_kernel, i64, {"BLOCK": 16})
+    ptx = compile_for_sm90(_unpack_tables_kernel, i64, {"BLOCK": UNPACK_BLOCK})
+    assert "st.global" in ptx
