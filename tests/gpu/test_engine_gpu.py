@@ -7,6 +7,8 @@ import torch
 
 from deepserve import LLM, SamplingParams
 
+from tests.worker.eager_graphs import record_carried_steps
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -95,14 +97,7 @@ def test_cuda_graphs_with_graph_input_switches_match_eager(tiny_llama, monkeypat
     graphs = llm.engine.runner.cuda_graphs
     assert graphs is not None and (graphs.tokens is not None) == carry
     assert graphs.inputs.compact == ("DEEPSERVE_COMPACT_BLOCK_TABLES" in switches)
-    carried = []
-    launch = llm.engine.runner.launch
-
-    def recording(out, previous=None):
-        step = launch(out, previous)
-        carried.append(step.carried)
-        return step
-    llm.engine.runner.launch = recording
+    carried = record_carried_steps(llm)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert sum(carried) >= max(p.max_tokens for p in params) - 4 if carry else not any(carried)

@@ -1,6 +1,6 @@
 """A CPU stand-in for the decode CUDA graphs (worker/cuda_graph.py), for tests: the runner's real capture and replay
 path (static input buffers, padding rows, placeholder host lengths, context buckets, late captures) with each
-"graph" running the forward it would have captured."""
+"graph" running the forward it would have captured; and a recorder of the steps that took a graph's argmax."""
 
 from __future__ import annotations
 
@@ -74,3 +74,17 @@ def install_twin_triton_attention(llm):
         layer.backend = backend
     runner.attn_backend = backend
     return backend
+
+
+def record_carried_steps(llm) -> list[bool]:
+    """A list that gets, for every step the engine launches from now on, whether it took the decode graph's argmax
+    as its sample (LaunchedStep.carried, DEEPSERVE_GRAPH_TOKENS)."""
+    carried: list[bool] = []
+    launch = llm.engine.runner.launch
+
+    def recording(out, previous=None):
+        step = launch(out, previous)
+        carried.append(step.carried)
+        return step
+    llm.engine.runner.launch = recording
+    return carried

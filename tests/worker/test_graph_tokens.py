@@ -14,7 +14,7 @@ from deepserve.sequence import Sequence
 from deepserve.worker.cuda_graph import StaticDecodeInputs
 from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 
-from tests.worker.eager_graphs import install_eager_replay_graphs, install_twin_triton_attention
+from tests.worker.eager_graphs import install_eager_replay_graphs, install_twin_triton_attention, record_carried_steps
 
 BS = 4
 
@@ -128,14 +128,7 @@ def test_carried_tokens_through_prompt_steps_and_preemption(tiny_llama, monkeypa
     mixed = (16,) if "max_num_batched_tokens" in engine_args else ()
     graphs = install_eager_replay_graphs(llm, [llm.engine.config.scheduler.max_model_len], sizes=(1, 2, 4, 8),
                                          mixed_buckets=mixed, carry_tokens=True, compact_tables=True)
-    carried = []
-    launch = llm.engine.runner.launch
-
-    def recording(out, previous=None):
-        step = launch(out, previous)
-        carried.append(step.carried)
-        return step
-    llm.engine.runner.launch = recording
+    carried = record_carried_steps(llm)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in got] == \
         [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in plain]
