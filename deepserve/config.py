@@ -21,11 +21,21 @@ if TYPE_CHECKING:  # pragma: no cover
 # torch is imported where a dtype or device is built, not here: `deepserve --help` reads EngineArgs' fields and
 # should not pay for importing torch.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# KV caches may also hold 8-bit floats (vLLM's names; "fp8" is E4M3): half a bf16 cache's bytes, rounded to nearest
+# and saturated at the format's largest finite value, with no scale (vLLM's default for checkpoints without
+# calibrated k/v scales).
+FP8_KV_NAMES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def torch_dtype(name: str) -> "torch.dtype":
     import torch
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[name]
+
+
+def is_fp8(dtype: "torch.dtype") -> bool:
+    import torch
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # CPU default of SchedulerConfig.max_prefill_tokens_while_decoding. A CPU step's time grows with its token count
 # (2-core Xeon, default model: 16 decodes ~63 ms, + ~0.7 ms a prefill token; benchmarks/cpu_serve_itl.json), so
@@ -315,7 +325,9 @@ class EngineArgs:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"          # "auto" (the model's dtype) or float32 / bfloat16 / float16
+    # "auto" (the model's dtype), float32 / bfloat16 / float16, or fp8 (= fp8_e4m3) / fp8_e5m2 (standard attention
+    # layers only: config.FP8_KV_NAMES)
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     cuda_graph_max_batch_size: int | None = None
     async_scheduling: bool | None = None      # None: on for CUDA devices, off on the CPU
@@ -356,8 +368,9 @@ class EngineArgs:
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be auto, cpu or cuda; got {self.device!r}")
         need(self.load_format in ("auto", "dummy"), f"load_format must be auto or dummy; got {self.load_format!r}")
-        need(self.kv_cache_dtype in ("auto", *DTYPE_NAMES),
-             f"kv_cache_dtype must be one of auto, {', '.join(DTYPE_NAMES)}; got {self.kv_cache_dtype!r}")
+        need(self.kv_cache_dtype in ("auto", *DTYPE_NAMES, *FP8_KV_NAMES),
+             f"kv_cache_dtype must be one of auto, {', '.join(DTYPE_NAMES + FP8_KV_NAMES)}; "
+             f"got {self.kv_cache_dtype!r}")
         need(self.quantization in (None, "int8", "w8a8", "gguf"),
              f"quantization must be None, int8, w8a8 or gguf; got {self.quantization!r}")
         need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
@@ -457,10 +470,10 @@ class EngineArgs:
                              f"max_model_len ({max_model_len})")
         max_batched = max(max_batched, self.max_num_seqs) if self.max_num_batched_tokens is None else max_batched
         kv_dtype = dtype if self.kv_cache_dtype == "auto" else torch_dtype(self.kv_cache_dtype)
-        if kv_dtype != dtype and device.type != "cpu":
-            # The GPU kernels read the cache in the activations' dtype.
+        if kv_dtype != dtype and device.type != "cpu" and not is_fp8(kv_dtype):
+            # The GPU kernels read the cache in the activations' dtype, or widen 8-bit floats into it.
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} differs from the model dtype {dtype}: "
-                             "supported on the CPU only (use kv_cache_dtype='auto' on the GPU)")
+                             "supported on the CPU only (use kv_cache_dtype='auto' or an fp8 one on the GPU)")
         kv_store = KVStoreConfig.parse(self.kv_store) if self.kv_store is not None else None
         if kv_store is not None:
             kv_store.check_path()

@@ -8,7 +8,9 @@ Each launcher has a PyTorch twin with the same signature (`*_ref`), built from t
 (deepserve/layers/attention.py) so the kernels are tested against exactly what the CPU path computes.
 
 Numerics: scores, softmax statistics and accumulators in float32; the probabilities are cast to the value dtype
-for the P @ V product (as flash attention does), the output is rounded once to the query dtype.
+for the P @ V product (as flash attention does), the output is rounded once to the query dtype. An 8-bit float cache
+(kv_cache_dtype "fp8" / "fp8_e5m2") is written saturated and rounded to nearest (kernels/kv_rounding.py) and read
+widened to the query's dtype, exactly, before the products.
 """
 
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ import torch
 
 from deepserve import envs
 from deepserve.kernels import HAS_TRITON, cdiv, next_pow2, require_triton, tl, triton
+from deepserve.kernels.kv_rounding import store_rounded
 from deepserve.kernels.l2_prefetch import (L2_PREFETCH_PIECE, L2_PREFETCH_PIECES, l2_prefetch_plan,
                                           prefetch_bytes_to_l2)
 from deepserve.kernels.pdl import (pdl_launch_args, pdl_launch_dependents, pdl_wait, pdl_wait_after_inputs,
@@ -35,13 +38,14 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def copy_heads(src_row, stride_sh, dst_row, stride_dh, num_heads, keep,
                HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr):
-    """dst[h, :] = src[h, :] for the num_heads heads of one token (rows given by their first head), if `keep`."""
+    """dst[h, :] = src[h, :] for the num_heads heads of one token (rows given by their first head), if `keep`; rounded
+    into dst's dtype (an fp8 cache's: kernels/kv_rounding.py)."""
     offs = tl.arange(0, BLOCK_HD)
     h = offs // HEAD_DIM
     d = offs % HEAD_DIM
     mask = (offs < num_heads * HEAD_DIM) & keep
     x = tl.load(src_row + h * stride_sh + d, mask=mask)
-    tl.store(dst_row + h * stride_dh + d, x, mask=mask)
+    store_rounded(dst_row + h * stride_dh + d, x, mask)
 
 
 @triton.jit
@@ -304,9 +308,10 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
         off = blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
         blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
         kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # An fp8 cache's codes widen to q's dtype here (a no-op for a cache of q's dtype).
+        k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if EARLY_V:     # the value tile's load issued with the key tile's: twice the bytes in flight
-            v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale                      # [BLOCK_G, BLOCK_N], log2 domain
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -314,7 +319,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if not EARLY_V:
-            v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 

@@ -5,7 +5,8 @@ an offset). Query i of a sequence with n new tokens and seq_len keys sits at pos
 KV cache of one layer as in kernels/paged_attention.py: [2, num_blocks, block_size, num_kv_heads, head_dim].
 The launcher has a PyTorch twin with the same signature (`prefill_attention_ref`), built from the reference
 backend's per-sequence prefill. Numerics: scores, softmax statistics and accumulators in float32; probabilities cast
-to the value dtype for the P @ V product; the output rounded once to the query dtype.
+to the value dtype for the P @ V product; the output rounded once to the query dtype. Keys and values of an 8-bit
+float cache are widened to the query's dtype as they load.
 """
 
 from typing import Optional
@@ -60,13 +61,13 @@ def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q
         tok = n0 + tl.arange(0, BLOCK_N)
         blk = tl.load(table + tok // block_size).to(tl.int64)
         off = blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
-        k = tl.load(k_base + off[:, None] + d[None, :], mask=dmask[None, :], other=0.0)
+        k = tl.load(k_base + off[:, None] + d[None, :], mask=dmask[None, :], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + off[:, None] + d[None, :], mask=dmask[None, :], other=0.0)
+        v = tl.load(v_base + off[:, None] + d[None, :], mask=dmask[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # The diagonal band: causal mask (key 0 is visible to every row, so no row is ever all -inf here at its
@@ -77,7 +78,7 @@ def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q
         blk = tl.load(table + tok // block_size, mask=tmask, other=0).to(tl.int64)
         off = blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
         kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         visible = tmask[None, :] & (tok[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -85,7 +86,7 @@ def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 

@@ -24,6 +24,7 @@ import torch
 from deepserve.kernels import next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import (norm_eps, norm_ref, norm_weight_or, normed_gemv_rows, one_row_operands,
                                     prologue_norm)
+from deepserve.kernels.kv_rounding import store_rounded
 from deepserve.kernels.pdl import pdl_launch_args
 from deepserve.kernels.rotary import half_width_caches
 
@@ -89,11 +90,11 @@ def _qkv_rotary_write_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, pos_ptr, slot_ptr
     else:
         kv = (head >= num_q_heads + num_kv_heads).to(tl.int64)    # 0: key, 1: value
         kv_head = head - num_q_heads - kv * num_kv_heads
-        dst = (cache_ptr + kv * stride_c_kv + (slot // block_size) * stride_c_block
-               + (slot % block_size) * stride_c_slot + kv_head * stride_c_head + j)
-        cache_dtype = cache_ptr.dtype.element_ty
-        tl.store(dst, o1.to(cache_dtype), mask=slot >= 0)
-        tl.store(dst + HALF, o2.to(cache_dtype), mask=slot >= 0)
+        # Its own name: a pointer into the cache, whose dtype (fp8) may differ from q_out's.
+        cache_dst = (cache_ptr + kv * stride_c_kv + (slot // block_size) * stride_c_block
+                     + (slot % block_size) * stride_c_slot + kv_head * stride_c_head + j)
+        store_rounded(cache_dst, o1, slot >= 0)        # into the cache's dtype (kernels/kv_rounding.py)
+        store_rounded(cache_dst + HALF, o2, slot >= 0)
 
 
 def qkv_rotary_write(x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor], kv_cache: torch.Tensor,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from deepserve.config import EngineConfig
+from deepserve.kernels.reference.attention import FP8_DTYPES
 
 
 class KVCacheLayout:
@@ -115,8 +116,8 @@ class KVCacheLayout:
             dst = torch.tensor([d for _, d in pairs], device=device)
             for layer in self.model.attention_layers():
                 if (id(layer) in self.window_ids) == in_window:
-                    dim = layer.kv_block_dim
-                    layer.kv_cache.index_copy_(dim, dst, layer.kv_cache.index_select(dim, src))
+                    dim, cache = layer.kv_block_dim, as_bytes(layer.kv_cache)
+                    cache.index_copy_(dim, dst, cache.index_select(dim, src))
 
     # --- blocks in and out (the KV store) ---------------------------------------------------------
     def blocks_not_storable(self) -> str | None:
@@ -135,11 +136,17 @@ class KVCacheLayout:
         layers = self.model.attention_layers()
         per_layer = []
         for layer in layers:
-            gathered = layer.kv_cache.index_select(layer.kv_block_dim, index)
+            gathered = as_bytes(layer.kv_cache).index_select(layer.kv_block_dim, index).view(layer.kv_cache.dtype)
             per_layer.append(gathered.cpu() if gathered.device.type != "cpu" else gathered)
         return [[t.select(layer.kv_block_dim, i) for t, layer in zip(per_layer, layers)] for i in range(len(block_ids))]
 
     def write_block(self, block_id: int, tensors: list[torch.Tensor]) -> None:
         """Fill one block of every layer's cache (the inverse of read_blocks for one block)."""
         for layer, t in zip(self.model.attention_layers(), tensors, strict=True):
-            layer.kv_cache.select(layer.kv_block_dim, block_id).copy_(t, non_blocking=True)
+            as_bytes(layer.kv_cache).select(layer.kv_block_dim, block_id).copy_(as_bytes(t), non_blocking=True)
+
+
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An 8-bit float cache as its raw bytes (same shape), for the gathers and copies that move blocks: PyTorch's
+    index kernels do not take float8 dtypes on every device and version, and a block moves bit for bit anyway."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepserve import envs
-from deepserve.config import EngineConfig
+from deepserve.config import EngineConfig, is_fp8
 from deepserve.layers.attention import Attention, TorchPagedAttention
 from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.rank_group import ParallelContext
@@ -78,10 +78,7 @@ class ModelRunner:
         self.model = load_model(config.model, self.device, self.parallel, config.parallel)
         self.load_seconds = time.perf_counter() - t0
         self.expert_balancer = self._build_expert_balancer()
-        if self.kv_cache_dtype != config.model.dtype and not all(
-                isinstance(layer, Attention) for layer in self.model.attention_layers()):
-            raise ValueError("a kv_cache_dtype other than the model's is supported for standard attention layers "
-                             "only (not multi-head latent attention)")
+        self._check_kv_cache_dtype()
         # Builds the per-step index metadata every layer's backend reads (one builder for the whole model).
         self.attn_backend = self._select_attention_backend()
         self.sampler = Sampler()
@@ -89,6 +86,18 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache()
         self.mtp_scratch = self._allocate_mtp_scratch()
         self.cuda_graphs = self._capture_cuda_graphs()
+
+    def _check_kv_cache_dtype(self) -> None:
+        """A cache dtype other than the model's: standard attention layers only; 8-bit floats on a GPU need the
+        conversions of compute capability 8.9 (Ada, Hopper) and newer, which the Triton kernels use."""
+        dtype = self.kv_cache_dtype
+        if dtype != self.config.model.dtype and not all(
+                isinstance(layer, Attention) for layer in self.model.attention_layers()):
+            raise ValueError("a kv_cache_dtype other than the model's is supported for standard attention layers "
+                             "only (not multi-head latent attention)")
+        if is_fp8(dtype) and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError(f"kv_cache_dtype {dtype} needs a GPU of compute capability 8.9 or newer; this one is "
+                             f"{torch.cuda.get_device_capability(self.device)}")
 
     def _build_expert_balancer(self):
         """Expert parallelism: the window of expert counts, the rebalancing and the moe_lb metric."""

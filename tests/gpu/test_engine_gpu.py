@@ -26,6 +26,31 @@ def test_gpu_greedy_equals_cpu(model, request):
     assert a == b
 
 
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
+def test_gpu_fp8_kv_cache_greedy_equals_cpu(model, kv, request):
+    """kv_cache_dtype fp8: the Triton kernels round keys and values into the cache and widen them back as the CPU path
+    does (tests/models/test_fp8_kv_cache_vs_hf.py holds that one against HF); CUDA graphs and eager steps agree; the
+    cache holds a quarter of an fp32 cache's bytes."""
+    path = request.getfixturevalue(model)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    cpu = LLM(path, skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_dtype=kv)
+    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+    for eager in (True, False):
+        gpu = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="float32", kv_cache_dtype=kv,
+                  kv_cache_memory_bytes=1 << 26, enforce_eager=eager)
+        runner = gpu.engine.runner
+        assert all(c.dtype == cpu.engine.runner.kv_caches[0].dtype for c in runner.kv_caches)
+        assert (runner.cuda_graphs is None) == eager
+        assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)] == want
+        bm = gpu.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        del gpu
+    fp32 = LLM(path, skip_tokenizer_init=True, device="cpu", dtype="float32")
+    assert cpu.engine.runner.kv_bytes_per_token() * 4 == fp32.engine.runner.kv_bytes_per_token()
+
+
 def test_gpu_seeded_sampling_batch_invariant(tiny_llama):
     gpu = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=1 << 26)
     prompts = [{"prompt_token_ids": list(range(3, 20 + i))} for i in range(8)]

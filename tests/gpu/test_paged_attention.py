@@ -518,3 +518,70 @@ def test_rows_as_decodes_match_and_do_not_depend_on_the_batch(device, dtype):
     alone.attn_metadata = backend.build_metadata(alone)
     single = backend.forward(q[lo:hi], k[lo:hi], v[lo:hi], c.clone(), alone, scale)
     assert torch.equal(single, out[lo:hi])
+
+
+# --- fp8 KV caches (kv_cache_dtype "fp8" / "fp8_e5m2"): written saturated and rounded, read widened ------------------
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _act_dtype():
+    return torch.float16 if INTERPRET else torch.bfloat16     # the interpreter gets bf16 products wrong
+
+
+def skip_fp8_rounding_in_interpreter():
+    if INTERPRET:
+        pytest.skip("Triton's interpreter drops the carry when a float rounds up into the next fp8 exponent "
+                    "(1.997 -> 1.0): GPU only")
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+def test_write_kv_into_fp8_matches_reference(device, cache_dtype):
+    """The codes written are the reference's (a clamp to the format's largest value, then torch's cast), bit for bit;
+    outliers saturate instead of becoming NaN or inf."""
+    skip_fp8_rounding_in_interpreter()
+    bs, nb, t, hkv, d = 16, 40, 37, 2, 64
+    cache = torch.zeros(2, nb, bs, hkv, d, device=device).to(cache_dtype)
+    slots = torch.randperm(nb * bs, device=device)[:t]
+    k = torch.randn(t, hkv, d, device=device).to(_act_dtype())
+    v = (torch.randn(t, hkv, d, device=device) * 3).to(_act_dtype())
+    k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 60000.0, 1e-4])       # past E4M3's 448 / E5M2's 57344; a subnormal
+    ref = cache.clone()
+    write_kv_ref(ref, k, v, slots)
+    write_kv(cache, k, v, slots)
+    assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.isfinite(cache.float()).all()
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+def test_rotary_write_kv_into_fp8_matches_reference(device, cache_dtype):
+    skip_fp8_rounding_in_interpreter()
+    heads, kv_heads, head_dim, t, nb, bs = 8, 2, 64, 21, 30, 16
+    dtype = _act_dtype()
+    q, k, v, slots, positions = _rotary_case(device, dtype, heads, kv_heads, head_dim, t, nb, bs)
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0).to(device)
+    cache = torch.zeros(2, nb, bs, kv_heads, head_dim, device=device).to(cache_dtype)
+    ref = cache.clone()
+    ref_q = rotary_write_kv_ref(ref, q, k, v, slots, positions, rotary.cos_cache, rotary.sin_cache)
+    q_rot = rotary_write_kv(cache, q, k, v, slots, positions, rotary.cos_cache, rotary.sin_cache)
+    assert_within_ulps(q_rot, ref_q, dtype, ulps=1, min_exact=0.98)
+    # A rotated key one rounding off the reference's (a fused multiply-add) may round to the neighbouring fp8 code.
+    same = cache.view(torch.uint8) == ref.view(torch.uint8)
+    assert same.float().mean().item() > 0.99
+    tiny = torch.finfo(cache_dtype).smallest_normal          # subnormal codes are this far apart at most
+    assert ((cache.float() - ref.float()).abs() <= 0.26 * ref.float().abs() + tiny).all()   # one code (E5M2: 25%)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 8)])
+def test_decode_over_fp8_cache_matches_reference(device, cache_dtype, head_dim, group):
+    dtype = _act_dtype()
+    lens = [1, 15, 17, 100, 333]
+    batch, cache, q = _decode_case(device, dtype, head_dim, group, lens, 16, 80)
+    cache = cache.to(cache_dtype)
+    scale = 1 / math.sqrt(head_dim)
+    ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, scale)
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, batch.block_tables, batch.seq_lens, scale, out=out, max_seq_len=max(lens),
+                         num_splits=splits)
+        assert_attention_close(out, ref, dtype)

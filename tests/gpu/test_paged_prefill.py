@@ -38,3 +38,24 @@ def test_prefill_matches_reference(device, dtype, head_dim, group):
     ref = prefill_attention_ref(q, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale,
                                 seqs=list(range(len(seqs))))
     assert_attention_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 8)])
+def test_prefill_over_fp8_cache_matches_reference(device, cache_dtype, head_dim, group):
+    """An fp8 cache (kv_cache_dtype "fp8" / "fp8_e5m2"): keys and values widened to q's dtype as they load, against
+    the reference reading the same codes."""
+    dtype = torch.float16 if INTERPRET else torch.bfloat16
+    seqs = [(0, 37), (17, 50), (100, 70), (0, 1)]
+    bs = 16
+    nb = cdiv_total([c + n for c, n in seqs], bs) + 10
+    batch = make_batch(seqs, bs, nb, device)
+    cache = random_cache(nb, bs, NUM_KV_HEADS, head_dim, dtype, device).to(cache_dtype)
+    q = torch.randn(batch.num_tokens, NUM_KV_HEADS * group, head_dim, device=device).to(dtype)
+    tile_seq, tile_m0 = prefill_tiles(batch.query_lens_cpu, list(range(len(seqs))), device)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(q, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.1, tile_seq, tile_m0,
+                      out=out)
+    ref = prefill_attention_ref(q, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.1,
+                                seqs=list(range(len(seqs))))
+    assert_attention_close(out, ref, dtype)

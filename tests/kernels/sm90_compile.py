@@ -5,9 +5,11 @@ is at least known to compile before any GPU runs it."""
 from __future__ import annotations
 
 
-def compile_for_sm90(kernel, pointer_types: dict, constexprs: dict) -> str:
+def compile_for_sm90(kernel, pointer_types: dict, constexprs: dict, scalar_types: dict | None = None) -> str:
     """The kernel's PTX, compiled (through ptxas, into a cubin) for sm_90 on this GPU-less machine: pointers typed
-    by `pointer_types` (default bf16), other arguments int32 (float32 where named `*_eps` or `scale*`)."""
+    by `pointer_types` (default bf16), other arguments by `scalar_types`, else int32 (float32 where named `*_eps` or
+    `scale*`)."""
+    scalar_types = scalar_types or {}
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
     signature = {}
@@ -17,6 +19,8 @@ def compile_for_sm90(kernel, pointer_types: dict, constexprs: dict) -> str:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
             signature[name] = pointer_types.get(name, "*bf16")
+        elif name in scalar_types:
+            signature[name] = scalar_types[name]
         elif name.endswith("_eps") or name.startswith("scale"):
             signature[name] = "fp32"
         else:

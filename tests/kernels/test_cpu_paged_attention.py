@@ -372,4 +372,38 @@ def test_engine_with_bf16_kv_cache_matches_the_torch_path(tiny_llama):
 def test_kv_cache_dtype_is_validated():
     from deepserve import EngineArgs
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineArgs(kv_cache_dtype="fp8")
+        EngineArgs(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="fp8_e5m2"):      # the message lists the choices
+        EngineArgs(kv_cache_dtype="fp4")
+
+
+# --- fp8 KV caches (kv_cache_dtype="fp8" / "fp8_e5m2"): the KV_FP8_* builds widen each code exactly --------------
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_fp8_cache_widens_every_code_exactly(dtype):
+    """A sequence of one key attends with weight exactly 1, so the output is its value as the kernel widened it: every
+    one of the 256 codes (NaN codes included) in value rows, against torch's own widening."""
+    head_dim, hkv = 64, 2
+    codes = torch.arange(256, dtype=torch.uint8)
+    b = 256 // head_dim // hkv * 2          # sequences of one key; each (sequence, head) row holds 64 codes
+    kv_cache = torch.zeros(2, b + 1, 16, hkv, head_dim, dtype=torch.uint8)
+    kv_cache[1, 1:, 0] = codes.repeat(2).view(b, hkv, head_dim)
+    kv_cache = kv_cache.view(dtype)
+    tables = torch.arange(1, b + 1).view(b, 1)
+    q = torch.randn(b, hkv, head_dim)
+    out = run_kernel(q, kv_cache, tables, torch.ones(b, dtype=torch.int64), 0.125)
+    torch.testing.assert_close(out, kv_cache[1, 1:, 0].float(), rtol=0, atol=0, equal_nan=True)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+@pytest.mark.parametrize("seq_lens", SEQ_LENS[-2:], ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_cache_kernel_matches_reference(dtype, seq_lens, group, head_dim):
+    q, kv_cache, tables, lens = random_case(seq_lens, hkv=2, group=group, head_dim=head_dim)
+    cache8 = kv_cache.to(dtype)
+    assert_matches_reference(run_kernel(q, cache8, tables, lens, 0.125), reference_decode(q, cache8, tables, lens, 0.125))

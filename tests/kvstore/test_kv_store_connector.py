@@ -198,3 +198,23 @@ def test_memory_tier_bound_evicts(tiny_llama, reference):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in again] == \
         [reference(p) for p in batch]
     assert again[0].num_cached_tokens == 0               # its first blocks were the ones evicted
+
+
+def test_fp8_cache_blocks_round_trip_through_the_store(tiny_llama):
+    """kv_cache_dtype="fp8": blocks go to the store as their fp8 bytes (an entry a quarter of the fp32 one's KV) and
+    come back as the same codes: after the prefix cache is dropped, every request hits the store and decodes the
+    tokens an fp8 engine without a store decodes."""
+    batch = prompts(2, seed=9)
+    plain = LLM(tiny_llama, **ENGINE, kv_cache_dtype="fp8")
+    want = [o.outputs[0].token_ids for o in generate(plain, batch)]
+    del plain
+    llm = LLM(tiny_llama, **ENGINE, kv_cache_dtype="fp8", kv_store={"backend": "memory"})
+    assert [o.outputs[0].token_ids for o in generate(llm, batch)] == want
+    llm.engine.kv_store.flush()
+    memory = llm.engine.get_stats().kv_store["tiers"]["memory"]
+    fp8_block_kv = 2 * 2 * 16 * 2 * 16                  # layers x (k, v) x block x kv heads x head dim, one byte each
+    assert memory["used_bytes"] < 74 * (fp8_block_kv + 400)
+    llm.reset_prefix_cache()
+    again = generate(llm, batch)
+    assert [o.outputs[0].token_ids for o in again] == want
+    assert all(o.num_cached_tokens >= 0.9 * len(p) for o, p in zip(again, batch))

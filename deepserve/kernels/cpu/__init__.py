@@ -8,7 +8,7 @@ OpenMP: torch's CPU wheels ship their own libgomp.so.1. torch is imported before
 the dynamic linker resolves our libgomp.so.1 dependency to the copy already in the process (same soname):
 one OpenMP runtime and one thread pool, not two (tests/kernels checks this).
 
-    DecodePlan    one query token per sequence over the paged KV cache (fp32 or bf16): built once per step from
+    DecodePlan    one query token per sequence over the paged KV cache (fp32, bf16, fp8): built once per step from
                   the decode rows' block tables, then run per layer
 """
 
@@ -38,7 +38,8 @@ def enabled() -> bool:
 
 
 # Cache dtype -> the build of paged_attention.c that reads it.
-_VARIANTS = {torch.float32: (), torch.bfloat16: ("KV_BF16",)}
+_VARIANTS = {torch.float32: (), torch.bfloat16: ("KV_BF16",), torch.float8_e4m3fn: ("KV_FP8_E4M3",),
+             torch.float8_e5m2: ("KV_FP8_E5M2",)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,8 +48,8 @@ def _load(cache_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
 
 
 def library(cache_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
-    """The kernels for a KV cache of `cache_dtype` (float32 or bfloat16), or None (another dtype, disabled by
-    DEEPSERVE_CPU_KERNELS=0, or not buildable here)."""
+    """The kernels for a KV cache of `cache_dtype` (float32, bfloat16, float8_e4m3fn, float8_e5m2), or None (another
+    dtype, disabled by DEEPSERVE_CPU_KERNELS=0, or not buildable here)."""
     return _load(cache_dtype) if enabled() and cache_dtype in _VARIANTS else None
 
 
@@ -97,8 +98,8 @@ class DecodePlan:
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
         """out[rows[b]] = softmax(q[rows[b]] K_b^T * scale) V_b per head, K_b and V_b being sequence b's first
-        seq_lens[b] keys and values in kv_cache [2, num_blocks, block_size, Hkv, D] (fp32 or bf16). q, out: [T, H, D] fp32,
-        unit stride in D (rows and heads may be strided); out's other rows are left as they are.
+        seq_lens[b] keys and values in kv_cache [2, num_blocks, block_size, Hkv, D] (fp32, bf16, fp8). q, out:
+        [T, H, D] fp32, unit stride in D (rows and heads may be strided); out's other rows are left as they are.
         Returns False, doing nothing, when the kernel cannot take these tensors (see `supports`)."""
         if not self.supports(q, kv_cache, out):
             return False

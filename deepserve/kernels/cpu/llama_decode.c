@@ -1,5 +1,6 @@
 /* One decode step of a whole Llama-style decoder stack on the CPU, in one call: weights kept as GGUF's packed blocks
- * (Q4_1 / Q8_0), activations fp32, the KV cache paged (fp32, or bf16 built with -DKV_BF16).
+ * (Q4_1 / Q8_0), activations fp32, the KV cache paged (fp32, or bf16 built with -DKV_BF16, or fp8 with
+ * -DKV_FP8_E4M3 / -DKV_FP8_E5M2).
  *
  * Why: at batch 1 the default model's GEMVs are ~7 ms of a 12.5 ms step and the rest was ~5 ms of Python and ~25
  * small PyTorch ops per layer (norms, rotary, cache writes, SwiGLU, residual adds: a few microseconds of dispatch
@@ -8,7 +9,7 @@
  *     xn = rms_norm(h) * input_norm                      h: [B, hidden], the residual stream, updated in place
  *     qkv = xn @ Wqkv^T (+ bias)                         packed GEMV (gguf_linear.c)
  *     q, k = rotate_half(q, k) at positions              NeoX rotary, in place in qkv
- *     cache[slots] = k, v                                 (rounded to bf16 in the bf16 build)
+ *     cache[slots] = k, v                                 (rounded to bf16 / fp8 in those builds)
  *     a = paged decode attention of q over the cache     paged_attention.c's kernel
  *     h += a @ Wo^T
  *     xn = rms_norm(h) * post_norm
@@ -123,6 +124,15 @@ static inline kv_t to_kv(float f)
     if ((bits & 0x7fffffffu) > 0x7f800000u)
         return (kv_t)((bits >> 16) | 0x40);
     return (kv_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+#elif defined(KV_FP8_E4M3) || defined(KV_FP8_E5M2)
+static inline kv_t to_kv(float f) { return fp8_narrow(f); }      /* kv_fp8.h: nearest, saturated */
+
+/* The cache writes' rounding of n floats, for tests (llama_decode.py's fp8_narrow). */
+void kv_fp8_narrow(const float *x, uint8_t *out, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i)
+        out[i] = fp8_narrow(x[i]);
 }
 #else
 static inline kv_t to_kv(float f) { return f; }

@@ -1,7 +1,7 @@
 """One decode step of a whole Llama-style decoder stack in one C call (llama_decode.c), and its PyTorch twin.
 
-Weights stay GGUF's packed blocks (Q4_1 / Q8_0, gguf_linear.c's GEMVs), activations fp32, the KV cache paged (fp32 or
-bf16). At batch 1 the module path spends as long in Python and small PyTorch ops as in the GEMVs; here the ~25 ops per
+Weights stay GGUF's packed blocks (Q4_1 / Q8_0, gguf_linear.c's GEMVs), activations fp32, the KV cache paged (fp32,
+bf16 or fp8). At batch 1 the module path spends as long in Python and small PyTorch ops as in the GEMVs; here the ~25 ops per
 layer are loops between the GEMVs of one C call per step. `DecodeStack` holds the tensors (their pointers sit in C
 structs built once); `decode_step_ref` computes the same step with PyTorch ops and dequantized weights.
 """
@@ -27,7 +27,8 @@ _SOURCE = Path(__file__).with_name("llama_decode.c")
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 # Cache dtype -> the build of llama_decode.c that reads it (the defines of paged_attention.c, which it includes).
-_VARIANTS = {torch.float32: (), torch.bfloat16: ("KV_BF16",)}
+_VARIANTS = {torch.float32: (), torch.bfloat16: ("KV_BF16",), torch.float8_e4m3fn: ("KV_FP8_E4M3",),
+             torch.float8_e5m2: ("KV_FP8_E5M2",)}
 _ERRORS = {1: "a position outside the rotary cache", 2: "a KV slot outside the cache",
            3: "a block table entry outside the cache", 4: "a sequence length outside its block table (or 0)",
            5: "out of memory"}
@@ -62,7 +63,20 @@ def _load(cache_dtype: torch.dtype, phase_times: bool) -> ctypes.CDLL | None:
     if lib is not None:
         lib.llama_decode_step.argtypes = [_P, _P, _I64, _P, _P, _P, _I64, _P, _INT]
         lib.llama_decode_step.restype = ctypes.c_int
+        if hasattr(lib, "kv_fp8_narrow"):
+            lib.kv_fp8_narrow.argtypes, lib.kv_fp8_narrow.restype = [_P, _P, _I64], None
     return lib
+
+
+def fp8_narrow(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """The fp8 build's cache-write rounding (kv_fp8.h's fp8_narrow) of every value of fp32 x, as uint8 codes: tests
+    hold it against torch (kernels/reference/attention.to_cache_dtype)."""
+    lib = library(cache_dtype)
+    assert lib is not None and hasattr(lib, "kv_fp8_narrow"), f"no fp8 build for {cache_dtype}"
+    x = x.contiguous().float()
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    lib.kv_fp8_narrow(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
 
 
 def library(cache_dtype: torch.dtype = torch.float32, phase_times: bool = False) -> ctypes.CDLL | None:
@@ -86,7 +100,7 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: PackedWeight             # rows: gate, then up
     down: PackedWeight
-    kv_cache: torch.Tensor            # [2, num_blocks, block_size, kv_heads, head_dim] fp32 or bf16, contiguous
+    kv_cache: torch.Tensor            # [2, num_blocks, block_size, kv_heads, head_dim] fp32, bf16 or fp8, contiguous
 
 
 @dataclass

@@ -1,8 +1,9 @@
 /* Paged decode attention on the CPU: one query token per sequence over its cached keys/values.
  *
- * Queries, outputs and all arithmetic are fp32. The cache is fp32, or bf16 when compiled with -DKV_BF16
- * (build.py builds each variant on demand): a bf16 key or value widens exactly to fp32 on load (its bits
- * shifted up), so the two builds differ only in what the cache holds, and the bf16 one reads half the bytes.
+ * Queries, outputs and all arithmetic are fp32. The cache is fp32, or bf16 when compiled with -DKV_BF16, or an
+ * 8-bit float with -DKV_FP8_E4M3 / -DKV_FP8_E5M2 (build.py builds each variant on demand): a bf16 or fp8 key or
+ * value widens exactly to fp32 on load (kv_fp8.h for the 8-bit ones), so the builds differ only in what the cache
+ * holds, and the bf16 one reads half the bytes, the fp8 ones a quarter.
  *
  * Cache of one layer: keys and values each [num_blocks, block_size, Hkv, D], contiguous. Sequence b's
  * token i lives in block block_tables[b][i / block_size] at slot i % block_size. D: a multiple of 32, <= 256.
@@ -73,6 +74,25 @@ static inline void store_pair(float *p, vf lo, vf hi)
 {
     store_f(p, __builtin_shufflevector(lo, hi, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
     store_f(p + W, __builtin_shufflevector(lo, hi, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
+}
+#elif defined(KV_FP8_E4M3) || defined(KV_FP8_E5M2)
+#include "kv_fp8.h"
+typedef uint8_t kv_t;
+typedef uint8_t vb_u __attribute__((vector_size(W), aligned(1)));
+static inline void load_kv_pair(const kv_t *p, vf *lo, vf *hi)      /* 2 W codes, widened in their order */
+{
+    *lo = fp8_widen(__builtin_convertvector(*(const vb_u *)p, vi));
+    *hi = fp8_widen(__builtin_convertvector(*(const vb_u *)(p + W), vi));
+}
+static inline void load_q_pair(const float *p, vf *lo, vf *hi)
+{
+    *lo = load_f(p);
+    *hi = load_f(p + W);
+}
+static inline void store_pair(float *p, vf lo, vf hi)
+{
+    store_f(p, lo);
+    store_f(p + W, hi);
 }
 #else
 typedef float kv_t;

@@ -20,10 +20,28 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return rows.view(*blocks.shape, *cache.shape[1:])
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def kv_saturation(cache_dtype: torch.dtype) -> float:
+    """The magnitude values are clamped to before they are rounded into a cache of `cache_dtype`: an 8-bit float's
+    largest finite value (448 for E4M3, 57344 for E5M2), so an outlier becomes the largest value, never NaN or inf;
+    0.0 for wider caches (no clamp). PyTorch's own casts saturate on some versions and not others: the clamp makes
+    every path (this one, the Triton kernels, the C kernels) round the same way."""
+    return float(torch.finfo(cache_dtype).max) if cache_dtype in FP8_DTYPES else 0.0
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x rounded (to nearest, ties to even) into the cache's dtype, saturating 8-bit floats (`kv_saturation`)."""
+    limit = kv_saturation(cache_dtype)
+    return (x.clamp(-limit, limit) if limit else x).to(cache_dtype)
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """The cache may hold another dtype than the activations (kv_cache_dtype): values are rounded into it."""
-    kv_cache[0].view(-1, *k.shape[1:])[slot_mapping] = k.to(kv_cache.dtype)
-    kv_cache[1].view(-1, *v.shape[1:])[slot_mapping] = v.to(kv_cache.dtype)
+    """The cache may hold another dtype than the activations (kv_cache_dtype): values are rounded into it
+    (`to_cache_dtype`); readers widen them back."""
+    kv_cache[0].view(-1, *k.shape[1:])[slot_mapping] = to_cache_dtype(k, kv_cache.dtype)
+    kv_cache[1].view(-1, *v.shape[1:])[slot_mapping] = to_cache_dtype(v, kv_cache.dtype)
 
 
 def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -41,8 +59,10 @@ def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
 
 def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_position: int,
                              scale: float) -> torch.Tensor:
-    """q: [n, H, D] at positions first_position..; k, v: [L, Hkv, D] (L = first_position + n)."""
+    """q: [n, H, D] at positions first_position..; k, v: [L, Hkv, D] (L = first_position + n), widened to q's dtype
+    when the cache holds another."""
     n, h, _ = q.shape
+    k, v = k.to(q.dtype), v.to(q.dtype)
     group = h // k.shape[1]
     if _SDPA_HAS_GQA:
         gqa = {"enable_gqa": group > 1}
@@ -60,4 +80,5 @@ def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.transpose(0, 1)
 
 
-__all__ = ["causal_prefill_attention", "gather_blocks", "masked_decode_attention", "write_kv"]
+__all__ = ["FP8_DTYPES", "causal_prefill_attention", "gather_blocks", "kv_saturation", "masked_decode_attention",
+           "to_cache_dtype", "write_kv"]

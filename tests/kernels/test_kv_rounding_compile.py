@@ -1,0 +1,75 @@
+"""The Triton kernels that write or read a paged KV cache, compiled for an H100/H200 (sm_90) without a GPU, with fp8
+caches (kv_cache_dtype "fp8" / "fp8_e5m2") and with a bf16 one: the fp8 builds hold the saturating clamp and
+Hopper's round-to-nearest fp8 conversion where they write, the bf16 builds neither (kernels/kv_rounding.py's branch is
+taken at compile time). Triton's interpreter cannot check the rounding itself (it drops a rounding's carry into the
+exponent), so the bitwise checks are tests/gpu's."""
+
+import re
+
+import pytest
+
+from tests.kernels.sm90_compile import compile_for_sm90
+
+CACHES = {"fp8e4nv": "e4m3x2", "fp8e5": "e5m2x2", "bf16": None}
+INDEX = {"pos_ptr": "*i64", "slot_ptr": "*i64"}
+
+
+def writers(cache: str) -> dict:
+    from deepserve.kernels.paged_attention import _rotary_write_kv_kernel, _write_kv_kernel
+    from deepserve.kernels.qkv_rotary import _qkv_rotary_write_kernel
+    c = {"cache_ptr": f"*{cache}"}
+    return {
+        "write_kv": compile_for_sm90(_write_kv_kernel, {**INDEX, **c}, dict(HEAD_DIM=128, BLOCK_HD=1024, USE_PDL=True)),
+        "rotary_write_kv": compile_for_sm90(
+            _rotary_write_kv_kernel, {**INDEX, **c},
+            dict(HEAD_DIM=128, BLOCK_HD=1024, HALF=64, BLOCK_HALF=64, BLOCK_H=32, INTERLEAVED=False,
+                 HALF_CACHE=False, QK_NORM=True, INPUTS_READY=True, PREFETCH=0, PF_PIECES=64, PF_PIECE=4096,
+                 USE_PDL=True)),
+        "qkv_rotary_write": compile_for_sm90(
+            _qkv_rotary_write_kernel, {**INDEX, **c},
+            dict(HEAD_DIM=64, HALF_CACHE=False, HAS_BIAS=False, NORM=True, BLOCK_K=2048, ONE_STEP=True,
+                 USE_PDL=True), {"eps": "fp32"}),
+    }
+
+
+def readers(cache: str) -> dict:
+    from deepserve.kernels.paged_attention import _decode_kernel
+    from deepserve.kernels.paged_prefill import _prefill_kernel
+    i32 = {name: "*i32" for name in ("block_tables_ptr", "seq_lens_ptr", "q_rows_ptr", "seq_ids_ptr",
+                                      "query_start_ptr", "tile_seq_ptr", "tile_m0_ptr")}
+    ptrs = {**i32, "cache_ptr": f"*{cache}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    return {
+        "decode": compile_for_sm90(_decode_kernel, ptrs,
+                                   dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True, EARLY_V=False,
+                                        INPUTS_READY=True, USE_PDL=True), {"qk_scale": "fp32"}),
+        "prefill": compile_for_sm90(_prefill_kernel, ptrs, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64),
+                                    {"qk_scale": "fp32"}),
+    }
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_cache_writers_clamp_and_round_into_fp8_only(cache, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    fmt = CACHES[cache]
+    for name, ptx in writers(cache).items():
+        if fmt is None:
+            assert "satfinite" not in ptx and "e4m3" not in ptx and "e5m2" not in ptx, name
+        else:
+            assert f"cvt.rn.satfinite.{fmt}.f32" in ptx, name              # round to nearest even, saturating
+            # The clamp of kv_rounding.store_rounded (in bf16 where LLVM narrows it: 448 and 57344 are bf16 values).
+            assert re.search(r"\bmin\.(f32|bf16)", ptx) and re.search(r"\bmax\.(f32|bf16)", ptx), name
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_cache_readers_widen_fp8_codes(cache, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    fmt = CACHES[cache]
+    for name, ptx in readers(cache).items():
+        if fmt is None:
+            assert "e4m3" not in ptx and "e5m2" not in ptx, name
+        elif cache == "fp8e4nv":
+            assert "cvt.rn.f16x2.e4m3x2" in ptx, name          # pairs of codes widened by Hopper's conversion
+        else:
+            assert "prmt.b32" in ptx, name                     # E5M2 is fp16's high byte: widened by byte moves
