@@ -381,9 +381,23 @@ def test_kv_cache_dtype_is_validated():
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
+@pytest.fixture(params=[None, "KV_FP8_F16C_ONLY", "KV_FP8_PORTABLE"], ids=["native", "f16c", "portable"])
+def fp8_build(request, monkeypatch):
+    """The fp8 builds as the engine loads them (AVX-512's fp16 conversion where the CPU has it), then built with
+    -DKV_FP8_F16C_ONLY (the 8-wide F16C conversions of an AVX2 CPU) and with -DKV_FP8_PORTABLE (the integer-only
+    widening of CPUs without either)."""
+    if request.param:
+        for dtype, defines in list(cpu._VARIANTS.items()):
+            if dtype in FP8:
+                monkeypatch.setitem(cpu._VARIANTS, dtype, defines + (request.param,))
+    cpu._load.cache_clear()
+    yield request.param
+    cpu._load.cache_clear()
+
+
 @requires_kernel
 @pytest.mark.parametrize("dtype", FP8, ids=str)
-def test_fp8_cache_widens_every_code_exactly(dtype):
+def test_fp8_cache_widens_every_code_exactly(dtype, fp8_build):
     """A sequence of one key attends with weight exactly 1, so the output is its value as the kernel widened it: every
     one of the 256 codes (NaN codes included) in value rows, against torch's own widening."""
     head_dim, hkv = 64, 2
@@ -403,7 +417,7 @@ def test_fp8_cache_widens_every_code_exactly(dtype):
 @pytest.mark.parametrize("seq_lens", SEQ_LENS[-2:], ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_fp8_cache_kernel_matches_reference(dtype, seq_lens, group, head_dim):
+def test_fp8_cache_kernel_matches_reference(dtype, seq_lens, group, head_dim, fp8_build):
     q, kv_cache, tables, lens = random_case(seq_lens, hkv=2, group=group, head_dim=head_dim)
     cache8 = kv_cache.to(dtype)
     assert_matches_reference(run_kernel(q, cache8, tables, lens, 0.125), reference_decode(q, cache8, tables, lens, 0.125))

@@ -3,9 +3,12 @@
  * A code is sign | exponent | mantissa with FP8_MANT mantissa bits and exponent bias FP8_BIAS; E4M3 has no
  * infinities (0x7f / 0xff are NaN, 448 the largest value), E5M2 is IEEE-like (exponent 31: inf / NaN).
  *
- * fp8_widen: 16 codes (one per int32 lane) -> 16 floats, exactly, in vector operations only (no table): a normal
- * code's exponent and mantissa move into the float's fields and the bias difference is added to the exponent; a
- * subnormal one (exponent 0) is its mantissa times 2^(1 - bias - mantissa bits), an exact int -> float product.
+ * FP8_WIDEN(p): W codes at p -> W floats, exactly, in vector operations only (no table). Where the CPU converts fp16
+ * to fp32 (F16C, AVX-512) through fp8_widen_f16c (E4M3 scaled by 2^-8, see FP8_WIDEN_SCALE); elsewhere (or built
+ * with -DKV_FP8_PORTABLE, as a test does) through fp8_widen: a normal code's exponent and mantissa move into the
+ * float's fields and the bias difference is added to the exponent; a subnormal one (exponent 0) is its mantissa
+ * times 2^(1 - bias - mantissa bits), an exact int -> float product. Measured on a 2-core AVX-512 EPYC (one decode
+ * call over 4096 keys of 3 x 64-wide heads): fp32 cache 166 us, bf16 144, E4M3 195 (through fp8_widen: 580), E5M2 156.
  * fp8_narrow: one float -> its code, rounded to nearest (ties to even) and saturated at the largest finite value,
  * as kernels/reference/attention.py's to_cache_dtype (a clamp, then torch's cast).
  */
@@ -31,6 +34,11 @@
 #define FP8_NAN_CODE 0x7f
 #define FP8_SUBNORMAL_SCALE (1.0f / (float)(1 << (FP8_BIAS - 1 + FP8_MANT)))    /* 2^(1 - bias - mantissa bits) */
 
+typedef uint8_t fp8_vb __attribute__((vector_size(W), aligned(1)));        /* W codes, unaligned */
+
+/* W codes at p, one per int32 lane. */
+static inline vi fp8_codes(const uint8_t *p) { return __builtin_convertvector(*(const fp8_vb *)p, vi); }
+
 static inline vf fp8_widen(vi code)
 {
     const vi sign = (code & 0x80) << 24;
@@ -48,6 +56,52 @@ static inline vf fp8_widen(vi code)
 #endif
     return (vf)(bits | sign);
 }
+
+#if !defined(KV_FP8_PORTABLE) && (defined(__AVX512F__) || (defined(__F16C__) && defined(__AVX2__)))
+#include <immintrin.h>
+typedef uint16_t fp8_vh __attribute__((vector_size(2 * W)));
+
+/* W codes at p -> W floats through fp16: each code moves into an fp16's bits (E5M2 is fp16's high byte; E4M3's
+ * exponent and mantissa sit one bit lower, with a bias 8 below fp16's) and the CPU's fp16 -> fp32 conversion (F16C /
+ * AVX-512 vcvtph2ps, which takes subnormals as they are) widens them: 16-bit lane work and one conversion where
+ * fp8_widen needs a dozen 32-bit lane operations. E4M3's NaN code is set to fp16's NaN first. An E4M3 value comes out
+ * 2^-8 times its true value (FP8_WIDEN_SCALE): the attention scales q up and its output back by that power of two
+ * once per row instead of every key and value (exact: products and sums scale by a power of two unrounded). */
+#if defined(KV_FP8_E4M3)
+#define FP8_WIDEN_SCALE 256.0f
+#else
+#define FP8_WIDEN_SCALE 1.0f
+#endif
+static inline vf fp8_widen_f16c(const uint8_t *p)
+{
+    const fp8_vb b = *(const fp8_vb *)p, z = {0};
+    const fp8_vh c = (fp8_vh)__builtin_shufflevector(b, z, 0, 16, 1, 16, 2, 16, 3, 16, 4, 16, 5, 16, 6, 16, 7, 16,
+                                                     8, 16, 9, 16, 10, 16, 11, 16, 12, 16, 13, 16, 14, 16, 15, 16);
+#if defined(KV_FP8_E4M3)
+    const fp8_vh nan = (fp8_vh)((c & 0x7f) == 0x7f);              /* all ones where the code is NaN */
+    const fp8_vh h = (((c & 0x80) << 8) | ((c & 0x7f) << 7) | nan) & (~nan | 0x7e00);
+#else
+    const fp8_vh h = c << 8;
+#endif
+    __m256i bits;
+    memcpy(&bits, &h, sizeof bits);
+    vf out;
+#if defined(__AVX512F__) && !defined(KV_FP8_F16C_ONLY)      /* KV_FP8_F16C_ONLY: a test's build of the path below */
+    const __m512 f = _mm512_cvtph_ps(bits);
+    memcpy(&out, &f, sizeof out);
+#else
+    const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(bits));
+    const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1));
+    memcpy(&out, &lo, sizeof lo);
+    memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
+#endif
+    return out;
+}
+#define FP8_WIDEN(p) fp8_widen_f16c(p)
+#else
+#define FP8_WIDEN(p) fp8_widen(fp8_codes(p))
+#define FP8_WIDEN_SCALE 1.0f
+#endif
 
 static inline uint8_t fp8_narrow(float f)
 {

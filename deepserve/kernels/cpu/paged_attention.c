@@ -78,21 +78,20 @@ static inline void store_pair(float *p, vf lo, vf hi)
 #elif defined(KV_FP8_E4M3) || defined(KV_FP8_E5M2)
 #include "kv_fp8.h"
 typedef uint8_t kv_t;
-typedef uint8_t vb_u __attribute__((vector_size(W), aligned(1)));
 static inline void load_kv_pair(const kv_t *p, vf *lo, vf *hi)      /* 2 W codes, widened in their order */
 {
-    *lo = fp8_widen(__builtin_convertvector(*(const vb_u *)p, vi));
-    *hi = fp8_widen(__builtin_convertvector(*(const vb_u *)(p + W), vi));
+    *lo = FP8_WIDEN(p);
+    *hi = FP8_WIDEN(p + W);
 }
-static inline void load_q_pair(const float *p, vf *lo, vf *hi)
+static inline void load_q_pair(const float *p, vf *lo, vf *hi)    /* keys come 1 / FP8_WIDEN_SCALE of their value */
 {
-    *lo = load_f(p);
-    *hi = load_f(p + W);
+    *lo = load_f(p) * FP8_WIDEN_SCALE;
+    *hi = load_f(p + W) * FP8_WIDEN_SCALE;
 }
-static inline void store_pair(float *p, vf lo, vf hi)
+static inline void store_pair(float *p, vf lo, vf hi)                /* and values too */
 {
-    store_f(p, lo);
-    store_f(p + W, hi);
+    store_f(p, lo * FP8_WIDEN_SCALE);
+    store_f(p + W, hi * FP8_WIDEN_SCALE);
 }
 #else
 typedef float kv_t;
