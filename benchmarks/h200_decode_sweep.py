@@ -74,13 +74,18 @@ def static_weight_bytes(name: str) -> int:
     return w["total"] - w["routed_experts_top_k"]
 
 
+# Bytes of one cached key or value element: 2 (bf16), 1 with --kv-cache-dtype fp8 / fp8_e5m2 (standard attention).
+KV_ELEM = {"auto": BF16, "bfloat16": BF16, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+kv_elem = BF16
+
+
 def kv_bytes_per_token(name: str) -> int:
     if name in DENSE:
-        return h200_dense.kv_bytes_per_token(DENSE[name])
+        return h200_dense.kv_bytes_per_token(DENSE[name], kv_elem)
     s = MOE[name]
-    if "kv_lora_rank" in s:          # MLA: the latent and the rope key, one of each per token and layer
+    if "kv_lora_rank" in s:          # MLA: the latent and the rope key, one of each per token and layer (bf16 only)
         return s["num_hidden_layers"] * (s["kv_lora_rank"] + s["qk_rope_head_dim"]) * BF16
-    return s["num_hidden_layers"] * 2 * s["num_key_value_heads"] * s["head_dim"] * BF16
+    return s["num_hidden_layers"] * 2 * s["num_key_value_heads"] * s["head_dim"] * kv_elem
 
 
 def flops_per_token(name: str, context: int) -> float:
@@ -245,7 +250,8 @@ def run_shape(name: str, context: int, batches: list[int], args, result: dict) -
     if not fit:
         return
     kw = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", device=args.device,
-              max_model_len=max_len, max_num_seqs=max(fit), max_num_batched_tokens=MAX_BATCHED_TOKENS)
+              max_model_len=max_len, max_num_seqs=max(fit), max_num_batched_tokens=MAX_BATCHED_TOKENS,
+              kv_cache_dtype=args.kv_cache_dtype)
     if args.device == "cuda":
         kw["gpu_memory_utilization"] = 0.85
     t0 = time.perf_counter()
@@ -327,12 +333,16 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="the engine's max_model_len when larger than the sweep needs (e.g. 131072, Llama-3's context)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_ELEM),
+                    help="the engines' kv_cache_dtype; the roofline counts its bytes (fp8: one a key/value element)")
     ap.add_argument("--output", default="benchmarks/h200_decode_sweep.json")
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG beside --output from its JSON")
     ap.add_argument("--skinny-max-rows", type=int, default=None,
                     help="A/B: decode GEMMs of up to this many rows on the skinny Triton GEMM, whatever their K "
                          "(engine: kernels/skinny_gemm.skinny_max_rows; 16 is the rule before 32 rows at K <= 2048)")
     args = ap.parse_args()
+    global kv_elem
+    kv_elem = KV_ELEM[args.kv_cache_dtype]
     if args.skinny_max_rows is not None:
         import deepserve.kernels.skinny_gemm as skinny_gemm
         skinny_gemm.SKINNY_MAX_ROWS = skinny_gemm.SKINNY_MAX_ROWS_SHORT_K = args.skinny_max_rows
@@ -341,6 +351,7 @@ def main() -> None:
             plot(json.load(f), args.output.removesuffix(".json") + ".png")
         return
     result = {"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
+              "kv_cache_dtype": args.kv_cache_dtype,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "bandwidth_Bps": BANDWIDTH, "peak_bf16_flops": PEAK_BF16, "results": {}}
     batches = [int(b) for b in args.batches.split(",")]

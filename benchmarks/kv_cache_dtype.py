@@ -80,7 +80,9 @@ def main() -> None:
         engines[dtype] = LLM(args.model, device=args.device, quantization=quantization, kv_cache_dtype=dtype,
                              load_format=args.load_format, max_model_len=max_len, seed=0,
                              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                             max_num_seqs=max(b for b, _ in cases))
+                             max_num_seqs=max(b for b, _ in cases),
+                             # Every prompt of a case in one prefill step: its decode steps then run the whole batch.
+                             max_num_batched_tokens=max(b * ctx for b, ctx in cases) + 64)
     results = {"decode": {d: {} for d in engines}, "kv": {}, "mean_nll_600_tokens": {}}
     for dtype, llm in engines.items():
         runner = llm.engine.runner
