@@ -117,3 +117,11 @@ def test_dummy_weights_run(tiny_deepseek, name):
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_fp8_kv_cache_is_refused_for_mla(tiny_deepseek):
+    """MLA keeps a latent cache whose kernels read the model's dtype: kv_cache_dtype fp8 is refused with the reason,
+    not silently run in another dtype."""
+    path, _ = tiny_deepseek("v2")
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        LLM(path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8")
