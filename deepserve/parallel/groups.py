@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 
 from deepserve.config import check_parallel_sizes as check_sizes
 from deepserve.layers.rank_group import ParallelContext, RankGroup
@@ -81,7 +82,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# After the process group is destroyed: time for gloo's worker threads to drop their last work objects. A thread the
+# scheduler left waiting still held the work of a finished collective (an all-reduce, a barrier holding the step's
+# gather) when the interpreter began its teardown; freeing the tensors in it then needed the GIL, which a finalizing
+# interpreter refuses by ending the thread inside a noexcept destructor: std::terminate, "terminate called without
+# an active exception", the process aborted after correct results (cores of tests/engine/torchrun_generate.py,
+# 1-3 runs in 12 on a 2-core host with a busy loop beside it). Torch gives no way to join those threads.
+GLOO_THREADS_SETTLE_S = 0.1
+
+
 def destroy_world() -> None:
     import torch.distributed as dist
     if dist.is_initialized():
+        gloo = dist.get_backend() == "gloo"
         dist.destroy_process_group()
+        if gloo:
+            time.sleep(GLOO_THREADS_SETTLE_S)

@@ -47,10 +47,14 @@ def readers(cache: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("cache", list(CACHES))
-def test_cache_writers_clamp_and_round_into_fp8_only(cache, monkeypatch):
+@pytest.fixture(autouse=True)
+def _triton(monkeypatch):
     pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")      # the default today; Triton 3.9 warns when unset
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_cache_writers_clamp_and_round_into_fp8_only(cache):
     fmt = CACHES[cache]
     for name, ptx in writers(cache).items():
         if fmt is None:
@@ -62,9 +66,7 @@ def test_cache_writers_clamp_and_round_into_fp8_only(cache, monkeypatch):
 
 
 @pytest.mark.parametrize("cache", list(CACHES))
-def test_cache_readers_widen_fp8_codes(cache, monkeypatch):
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+def test_cache_readers_widen_fp8_codes(cache):
     fmt = CACHES[cache]
     for name, ptx in readers(cache).items():
         if fmt is None:
