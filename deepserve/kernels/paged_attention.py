@@ -578,9 +578,10 @@ def decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, out=None, q
         + pos % bs
     mask = pos[None, :] < lens[:, None]
     slots = torch.where(mask, slots, 0)
-    k_flat = kv_cache[0].flatten(0, 1)
-    v_flat = kv_cache[1].flatten(0, 1)
-    out[q_rows] = reference.masked_decode_attention(q[q_rows], k_flat[slots], v_flat[slots], mask, scale)
+    k_flat = reference.as_bytes(kv_cache[0]).flatten(0, 1)      # fp8 codes gathered as bytes
+    v_flat = reference.as_bytes(kv_cache[1]).flatten(0, 1)
+    out[q_rows] = reference.masked_decode_attention(q[q_rows], k_flat[slots].view(kv_cache.dtype),
+                                                    v_flat[slots].view(kv_cache.dtype), mask, scale)
     return out
 
 

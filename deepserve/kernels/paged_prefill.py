@@ -148,14 +148,15 @@ def prefill_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, 
     lens = seq_lens.tolist()
     if seqs is None:
         seqs = sorted(set(tile_seq.tolist())) if tile_seq is not None else list(range(len(lens)))
-    k_flat = kv_cache[0].flatten(0, 1)
-    v_flat = kv_cache[1].flatten(0, 1)
+    k_flat = reference.as_bytes(kv_cache[0]).flatten(0, 1)      # fp8 codes gathered as bytes
+    v_flat = reference.as_bytes(kv_cache[1]).flatten(0, 1)
     for b in seqs:
         n, seq_len = starts[b + 1] - starts[b], lens[b]
         pos = torch.arange(seq_len, device=q.device)
         slots = block_tables[b, pos // bs] * bs + pos % bs
         rows = slice(starts[b], starts[b + 1])
-        out[rows] = reference.causal_prefill_attention(q[rows], k_flat[slots], v_flat[slots], seq_len - n, scale)
+        out[rows] = reference.causal_prefill_attention(q[rows], k_flat[slots].view(kv_cache.dtype),
+                                                       v_flat[slots].view(kv_cache.dtype), seq_len - n, scale)
     return out
 
 

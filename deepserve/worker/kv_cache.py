@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from deepserve.config import EngineConfig
-from deepserve.kernels.reference.attention import FP8_DTYPES
+from deepserve.kernels.reference.attention import as_bytes
 
 
 class KVCacheLayout:
@@ -144,9 +144,3 @@ class KVCacheLayout:
         """Fill one block of every layer's cache (the inverse of read_blocks for one block)."""
         for layer, t in zip(self.model.attention_layers(), tensors, strict=True):
             as_bytes(layer.kv_cache).select(layer.kv_block_dim, block_id).copy_(as_bytes(t), non_blocking=True)
-
-
-def as_bytes(cache: torch.Tensor) -> torch.Tensor:
-    """An 8-bit float cache as its raw bytes (same shape), for the gathers and copies that move blocks: PyTorch's
-    index kernels do not take float8 dtypes on every device and version, and a block moves bit for bit anyway."""
-    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache

@@ -9,18 +9,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 # torch >= 2.5 lets SDPA broadcast kv heads over query groups without copying them.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An 8-bit float cache as its raw bytes (same shape), for gathers, scatters and copies: PyTorch's index kernels
+    do not take float8 dtypes on every device and version, and a code moves bit for bit anyway."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """cache[blocks] for a cache [num_blocks, ...]: index_select on a 2-D view copies each block as one
     row, several times faster than advanced indexing on the full shape."""
-    rows = cache.reshape(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
+    rows = as_bytes(cache).reshape(cache.shape[0], -1).index_select(0, blocks.reshape(-1)).view(cache.dtype)
     return rows.view(*blocks.shape, *cache.shape[1:])
-
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def kv_saturation(cache_dtype: torch.dtype) -> float:
@@ -40,8 +45,9 @@ def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """The cache may hold another dtype than the activations (kv_cache_dtype): values are rounded into it
     (`to_cache_dtype`); readers widen them back."""
-    kv_cache[0].view(-1, *k.shape[1:])[slot_mapping] = to_cache_dtype(k, kv_cache.dtype)
-    kv_cache[1].view(-1, *v.shape[1:])[slot_mapping] = to_cache_dtype(v, kv_cache.dtype)
+    raw = as_bytes(kv_cache)
+    raw[0].view(-1, *k.shape[1:])[slot_mapping] = as_bytes(to_cache_dtype(k, kv_cache.dtype))
+    raw[1].view(-1, *v.shape[1:])[slot_mapping] = as_bytes(to_cache_dtype(v, kv_cache.dtype))
 
 
 def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -80,5 +86,5 @@ def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.transpose(0, 1)
 
 
-__all__ = ["FP8_DTYPES", "causal_prefill_attention", "gather_blocks", "kv_saturation", "masked_decode_attention",
+__all__ = ["FP8_DTYPES", "as_bytes", "causal_prefill_attention", "gather_blocks", "kv_saturation", "masked_decode_attention",
            "to_cache_dtype", "write_kv"]
