@@ -325,8 +325,8 @@ class EngineArgs:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     quantization: str | None = None
-    # "auto" (the model's dtype), float32 / bfloat16 / float16, or fp8 (= fp8_e4m3) / fp8_e5m2 (standard attention
-    # layers only: config.FP8_KV_NAMES)
+    # "auto" (the model's dtype), float32 / bfloat16 / float16, or fp8 (= fp8_e4m3) / fp8_e5m2 (FP8_KV_NAMES);
+    # another dtype than the model's: standard attention and MLA layers only
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     cuda_graph_max_batch_size: int | None = None

@@ -24,11 +24,13 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
+from deepserve.kernels.kv_rounding import store_rounded
 from deepserve.kernels.norm import rms_normed
 from deepserve.kernels.paged_attention import (EARLY_INPUTS, num_sms, active_splits, active_splits_ref, copy_heads,
                                                merge_splits_ref, rotary_write_prologue, split_bounds, tile_blocks)
 from deepserve.kernels.pdl import (pdl_launch_args, pdl_launch_dependents, pdl_wait, pdl_wait_after_inputs,
                                   pdl_wait_for_inputs)
+from deepserve.kernels.reference import attention as reference_attention
 from deepserve.kernels.reference.norm import rms_norm
 from deepserve.kernels.rotary import rotary_constexprs, rotate_heads
 
@@ -61,7 +63,7 @@ def _write_latent_kernel(latent_ptr, k_pe_ptr, cache_ptr, slot_ptr, stride_lt, s
     value = tl.load(latent_ptr + t * stride_lt + d, mask=in_latent & keep, other=0.0)
     value = tl.where(in_rope, tl.load(k_pe_ptr + t * stride_pt + (d - RANK), mask=in_rope & keep, other=0.0), value)
     dst = cache_ptr + (slot // block_size) * stride_c_block + (slot % block_size) * stride_c_slot + d
-    tl.store(dst, value, mask=(d < RANK + ROPE) & keep)
+    store_rounded(dst, value, (d < RANK + ROPE) & keep)         # into the cache's dtype (kernels/kv_rounding.py)
 
 
 def write_latents(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor):
@@ -85,7 +87,7 @@ def write_latents(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tens
 
 def write_latents_ref(kv_cache, latent, k_pe, slot_mapping):
     """The reference backend's write (TorchMLA): every slot must be valid."""
-    kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = torch.cat((latent, k_pe), dim=-1)
+    reference_attention.write_latents(kv_cache, latent, k_pe, slot_mapping)
 
 
 # positions and slot_mapping are views into the step's packed index buffer: not specialised on (see rotary.py).
@@ -110,8 +112,7 @@ def _rotary_write_latent_kernel(pos_ptr, slot_ptr, q_pe_ptr, latent_ptr, k_pe_pt
         r = tl.arange(0, BLOCK_R)
         r_ok = r < RANK
         x = tl.load(latent_ptr + t * stride_lt + r, mask=r_ok, other=0.0)
-        tl.store(dst + r, rms_normed(x, norm_w_ptr, r, r_ok, RANK, eps, NORM_OUT_FP32).to(cache_ptr.dtype.element_ty),
-                 mask=r_ok & keep)
+        store_rounded(dst + r, rms_normed(x, norm_w_ptr, r, r_ok, RANK, eps, NORM_OUT_FP32), r_ok & keep)
     else:
         copy_heads(latent_ptr + t * stride_lt, 0, dst, 0, 1, keep, RANK, BLOCK_R)
 
@@ -238,11 +239,12 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
         t_ok = tok < end
         slot = (cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot)[:, None]
         blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
-        c0 = load_columns(slot, 0 * CHUNK, c, t_ok, RANK)
-        c1 = load_columns(slot, 1 * CHUNK, c, t_ok, RANK)
-        c2 = load_columns(slot, 2 * CHUNK, c, t_ok, RANK)
-        c3 = load_columns(slot, 3 * CHUNK, c, t_ok, RANK)
-        k_pe = tl.load(slot + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
+        # An fp8 cache's codes widen to q's dtype here (a no-op for a cache of q's dtype).
+        c0 = load_columns(slot, 0 * CHUNK, c, t_ok, RANK).to(q0.dtype)
+        c1 = load_columns(slot, 1 * CHUNK, c, t_ok, RANK).to(q0.dtype)
+        c2 = load_columns(slot, 2 * CHUNK, c, t_ok, RANK).to(q0.dtype)
+        c3 = load_columns(slot, 3 * CHUNK, c, t_ok, RANK).to(q0.dtype)
+        k_pe = tl.load(slot + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0).to(q_pe.dtype)
         s = ((tl.dot(q0, tl.trans(c0), input_precision=PRECISION) + tl.dot(q1, tl.trans(c1), input_precision=PRECISION))
              + (tl.dot(q2, tl.trans(c2), input_precision=PRECISION)
                 + tl.dot(q3, tl.trans(c3), input_precision=PRECISION))
@@ -412,7 +414,7 @@ def mla_decode_ref(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, out=Non
     rank = q_lat.shape[-1]
     bs = kv_cache.shape[1]
     num_blocks = cdiv(int(seq_lens.max().item()), bs)
-    cached = kv_cache[block_tables[:, :num_blocks]].flatten(1, 2).float()        # [B, L, R + P]
+    cached = reference_attention.gather_blocks(kv_cache, block_tables[:, :num_blocks]).flatten(1, 2).float()
     mask = torch.arange(cached.shape[1], device=q_lat.device)[None, :] < seq_lens[:, None]
     query = torch.cat((q_lat.float(), q_pe.float()), dim=-1)                      # [B, H, R + P]
     scores = torch.matmul(query, cached.transpose(1, 2)) * scale

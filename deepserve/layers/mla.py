@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepserve.kernels.reference.attention import write_latents
 from deepserve.layers.attention import gather_blocks
 from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.linear import Linear, fused_two_linear, linear
@@ -122,7 +123,7 @@ class TorchMLA:
         if rotary is not None:
             q_pe, k_pe = rotary(batch.positions, q_pe, k_pe.unsqueeze(1))
             k_pe = k_pe.squeeze(1)
-        kv_cache.view(-1, kv_cache.shape[-1])[batch.slot_mapping] = torch.cat((latent, k_pe), dim=-1)
+        write_latents(kv_cache, latent, k_pe, batch.slot_mapping)
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], weights.w_uv.shape[1])
         if meta.decode_rows is not None:
             rows = meta.decode_rows
@@ -131,6 +132,7 @@ class TorchMLA:
         for seg in meta.prefills:
             rows = slice(seg.row_start, seg.row_start + seg.num_rows)
             cached = gather_blocks(kv_cache, seg.blocks).flatten(0, 1)[: seg.seq_len]   # [L, r + rope]
+            cached = cached.to(q_nope.dtype)       # a cache of another dtype (fp8) widens here
             out[rows] = expanded_attention(q_nope[rows], q_pe[rows], cached, seg.first_position, weights, rank,
                                             scale)
         return out

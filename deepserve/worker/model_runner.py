@@ -21,6 +21,7 @@ import torch
 from deepserve import envs
 from deepserve.config import EngineConfig, is_fp8
 from deepserve.layers.attention import Attention, TorchPagedAttention
+from deepserve.layers.mla import MLAAttention
 from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.rank_group import ParallelContext
 from deepserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SequenceSamplingRow
@@ -88,13 +89,13 @@ class ModelRunner:
         self.cuda_graphs = self._capture_cuda_graphs()
 
     def _check_kv_cache_dtype(self) -> None:
-        """A cache dtype other than the model's: standard attention layers only; 8-bit floats on a GPU need the
-        conversions of compute capability 8.9 (Ada, Hopper) and newer, which the Triton kernels use."""
+        """A cache dtype other than the model's: standard and latent attention layers only; 8-bit floats on a GPU
+        need the conversions of compute capability 8.9 (Ada, Hopper) and newer, which the Triton kernels use."""
         dtype = self.kv_cache_dtype
         if dtype != self.config.model.dtype and not all(
-                isinstance(layer, Attention) for layer in self.model.attention_layers()):
-            raise ValueError("a kv_cache_dtype other than the model's is supported for standard attention layers "
-                             "only (not multi-head latent attention)")
+                isinstance(layer, (Attention, MLAAttention)) for layer in self.model.attention_layers()):
+            raise ValueError("a kv_cache_dtype other than the model's is supported for standard attention and "
+                             "DeepSeek-V2/V3's latent attention only (not DeepSeek-V4's paged states)")
         if is_fp8(dtype) and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
             raise ValueError(f"kv_cache_dtype {dtype} needs a GPU of compute capability 8.9 or newer; this one is "
                              f"{torch.cuda.get_device_capability(self.device)}")

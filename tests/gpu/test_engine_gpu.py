@@ -51,6 +51,35 @@ def test_gpu_fp8_kv_cache_greedy_equals_cpu(model, kv, request):
     assert cpu.engine.runner.kv_bytes_per_token() * 4 == fp32.engine.runner.kv_bytes_per_token()
 
 
+@pytest.fixture(scope="module")
+def tiny_deepseek_v2(tmp_path_factory) -> str:
+    """tests/models/test_deepseek_vs_hf.py's "v2": MLA over a 32-wide latent, DeepSeekMoE after a dense layer."""
+    import transformers
+    from tests.models.hf_compare import save_tiny
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=256, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.5, q_lora_rank=None)
+    return save_tiny(tmp_path_factory.mktemp("dsv2"), cfg, transformers.DeepseekV2ForCausalLM, bias_std=0.1)
+
+
+def test_gpu_fp8_latent_cache_greedy_equals_cpu(tiny_deepseek_v2):
+    """kv_cache_dtype fp8 on MLA: the Triton latent writes, decode and prefill against the CPU path (itself held
+    against HF in tests/models/test_deepseek_vs_hf.py), eager and in CUDA graphs."""
+    prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    cpu = LLM(tiny_deepseek_v2, skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_dtype="fp8")
+    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+    for eager in (True, False):
+        gpu = LLM(tiny_deepseek_v2, skip_tokenizer_init=True, device="cuda", dtype="float32", kv_cache_dtype="fp8",
+                  kv_cache_memory_bytes=1 << 26, enforce_eager=eager)
+        assert all(c.dtype == torch.float8_e4m3fn for c in gpu.engine.runner.kv_caches)
+        assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)] == want
+        del gpu
+
+
 def test_gpu_seeded_sampling_batch_invariant(tiny_llama):
     gpu = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=1 << 26)
     prompts = [{"prompt_token_ids": list(range(3, 20 + i))} for i in range(8)]

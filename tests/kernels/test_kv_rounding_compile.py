@@ -1,8 +1,8 @@
-"""The Triton kernels that write or read a paged KV cache, compiled for an H100/H200 (sm_90) without a GPU, with fp8
-caches (kv_cache_dtype "fp8" / "fp8_e5m2") and with a bf16 one: the fp8 builds hold the saturating clamp and
-Hopper's round-to-nearest fp8 conversion where they write, the bf16 builds neither (kernels/kv_rounding.py's branch is
-taken at compile time). Triton's interpreter cannot check the rounding itself (it drops a rounding's carry into the
-exponent), so the bitwise checks are tests/gpu's."""
+"""The Triton kernels that write or read a paged KV cache (standard attention's, and MLA's latent cache), compiled for
+an H100/H200 (sm_90) without a GPU, with fp8 caches (kv_cache_dtype "fp8" / "fp8_e5m2") and with a bf16 one: the fp8
+builds hold the saturating clamp and Hopper's round-to-nearest fp8 conversion where they write, the bf16 builds
+neither (kernels/kv_rounding.py's branch is taken at compile time). Triton's interpreter cannot check the rounding
+itself (it drops a rounding's carry into the exponent), so the bitwise checks are tests/gpu's."""
 
 import re
 
@@ -15,10 +15,17 @@ INDEX = {"pos_ptr": "*i64", "slot_ptr": "*i64"}
 
 
 def writers(cache: str) -> dict:
+    from deepserve.kernels.mla_decode import _rotary_write_latent_kernel, _write_latent_kernel
     from deepserve.kernels.paged_attention import _rotary_write_kv_kernel, _write_kv_kernel
     from deepserve.kernels.qkv_rotary import _qkv_rotary_write_kernel
     c = {"cache_ptr": f"*{cache}"}
     return {
+        "write_latents": compile_for_sm90(_write_latent_kernel, {**INDEX, **c},
+                                          dict(RANK=512, ROPE=64, BLOCK=1024, USE_PDL=True)),
+        "rotary_write_latents": compile_for_sm90(
+            _rotary_write_latent_kernel, {**INDEX, **c, "norm_w_ptr": "*fp32"},
+            dict(RANK=512, BLOCK_R=512, HALF=32, BLOCK_HALF=32, BLOCK_H=16, INTERLEAVED=True, HALF_CACHE=True,
+                 HAS_NORM=True, NORM_OUT_FP32=True, INPUTS_READY=True, USE_PDL=True), {"eps": "fp32"}),
         "write_kv": compile_for_sm90(_write_kv_kernel, {**INDEX, **c}, dict(HEAD_DIM=128, BLOCK_HD=1024, USE_PDL=True)),
         "rotary_write_kv": compile_for_sm90(
             _rotary_write_kv_kernel, {**INDEX, **c},
@@ -33,6 +40,7 @@ def writers(cache: str) -> dict:
 
 
 def readers(cache: str) -> dict:
+    from deepserve.kernels.mla_decode import _mla_decode_kernel
     from deepserve.kernels.paged_attention import _decode_kernel
     from deepserve.kernels.paged_prefill import _prefill_kernel
     i32 = {name: "*i32" for name in ("block_tables_ptr", "seq_lens_ptr", "q_rows_ptr", "seq_ids_ptr",
@@ -44,6 +52,10 @@ def readers(cache: str) -> dict:
                                         INPUTS_READY=True, USE_PDL=True), {"qk_scale": "fp32"}),
         "prefill": compile_for_sm90(_prefill_kernel, ptrs, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64),
                                     {"qk_scale": "fp32"}),
+        "mla_decode": compile_for_sm90(_mla_decode_kernel, ptrs,
+                                       dict(RANK=512, ROPE=64, CHUNK=128, BLOCK_P=64, BLOCK_H=16, BLOCK_N=32,
+                                            SPLIT=True, PRECISION="tf32", INPUTS_READY=True, USE_PDL=True),
+                                       {"qk_scale": "fp32"}),
     }
 
 

@@ -254,3 +254,11 @@ def _captured_decode_matches_reference(tiny_v41, variant, async_scheduling=False
     assert {bucket for _, bucket in graphs.graphs} == {32, 64, 128}     # 9 + 30 tokens: 32 -> 64; 37 + 30: 128
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_fp8_kv_cache_is_refused_for_paged_states(tiny_v41):
+    """DeepSeek-V4.1's paged states (compressed and windowed caches) keep the model's dtype: kv_cache_dtype fp8 is
+    refused with the reason, not run in another dtype."""
+    path, _ = tiny_v41("window")
+    with pytest.raises(ValueError, match="paged states"):
+        LLM(path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8")

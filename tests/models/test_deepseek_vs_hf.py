@@ -7,7 +7,8 @@ import os
 
 import pytest
 import torch
-from hf_compare import check_alone, check_mixed_batch, load_hf, save_tiny
+from hf_compare import (assert_close_relative, check_alone, check_mixed_batch, engine_logits, hf_logits, load_hf,
+                        save_tiny)
 
 from deepserve import LLM, SamplingParams
 from deepserve.layers.mla import MLAWeights, absorbed_attention, expanded_attention
@@ -119,9 +120,27 @@ def test_dummy_weights_run(tiny_deepseek, name):
     assert len(out.outputs[0].token_ids) == 4
 
 
-def test_fp8_kv_cache_is_refused_for_mla(tiny_deepseek):
-    """MLA keeps a latent cache whose kernels read the model's dtype: kv_cache_dtype fp8 is refused with the reason,
-    not silently run in another dtype."""
-    path, _ = tiny_deepseek("v2")
-    with pytest.raises(ValueError, match="multi-head latent attention"):
-        LLM(path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8")
+@pytest.mark.parametrize("name,kv", [("v2", "fp8"), ("v3", "fp8_e5m2")])
+def test_fp8_latent_cache_matches_hf_with_rounded_latents(tiny_deepseek, name, kv, monkeypatch):
+    """kv_cache_dtype fp8 on MLA: the latent and the rotated k_pe are cached as 8-bit floats. The reference is HF
+    with its `expand_kv` (the latents -> keys and values step, given the cached normalised latent and the rotated
+    k_pe) fed those two rounded the same way: clamped to the format's largest value, then cast."""
+    import transformers
+    dtype = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
+    path, _ = tiny_deepseek(name)
+    cls = {"v2": transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Attention,
+           "v3": transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention}[name]
+    expand = cls.expand_kv
+    limit = torch.finfo(dtype).max
+
+    def rounded(x):
+        return x.clamp(-limit, limit).to(dtype).to(x.dtype)
+
+    monkeypatch.setattr(cls, "expand_kv", lambda self, kv_nope, k_rot: expand(self, rounded(kv_nope), rounded(k_rot)))
+    hf = load_hf(path)
+    llm = check_alone(path, hf, kv_cache_dtype=kv)
+    assert all(c.dtype == dtype for c in llm.engine.runner.kv_caches)
+    monkeypatch.setattr(cls, "expand_kv", expand)        # the rounding matters: plain HF is far off
+    ids = list(range(5, 40))
+    with pytest.raises(AssertionError):
+        assert_close_relative(engine_logits(llm, ids), hf_logits(load_hf(path), ids), 1e-3)

@@ -50,6 +50,14 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     raw[1].view(-1, *v.shape[1:])[slot_mapping] = as_bytes(to_cache_dtype(v, kv_cache.dtype))
 
 
+def write_latents(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """MLA's latent cache [num_blocks, block_size, r + rope]: slot <- [latent | k_pe], rounded into the cache's dtype
+    as `write_kv` rounds keys and values."""
+    row = as_bytes(to_cache_dtype(torch.cat((latent, k_pe), dim=-1), kv_cache.dtype))
+    as_bytes(kv_cache).view(-1, kv_cache.shape[-1])[slot_mapping] = row
+
+
 def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                             scale: float) -> torch.Tensor:
     """q: [B, H, D]; k, v: [B, L, Hkv, D]; mask: [B, L] True at real keys. Grouped-query: H = Hkv * G."""
@@ -87,4 +95,4 @@ def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 __all__ = ["FP8_DTYPES", "as_bytes", "causal_prefill_attention", "gather_blocks", "kv_saturation", "masked_decode_attention",
-           "to_cache_dtype", "write_kv"]
+           "to_cache_dtype", "write_kv", "write_latents"]
