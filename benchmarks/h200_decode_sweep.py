@@ -74,7 +74,7 @@ def static_weight_bytes(name: str) -> int:
     return w["total"] - w["routed_experts_top_k"]
 
 
-# Bytes of one cached key or value element: 2 (bf16), 1 with --kv-cache-dtype fp8 / fp8_e5m2 (standard attention).
+# Bytes of one cached key / value / latent element: 2 (bf16), 1 with --kv-cache-dtype fp8 / fp8_e5m2.
 KV_ELEM = {"auto": BF16, "bfloat16": BF16, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 kv_elem = BF16
 
@@ -83,8 +83,8 @@ def kv_bytes_per_token(name: str) -> int:
     if name in DENSE:
         return h200_dense.kv_bytes_per_token(DENSE[name], kv_elem)
     s = MOE[name]
-    if "kv_lora_rank" in s:          # MLA: the latent and the rope key, one of each per token and layer (bf16 only)
-        return s["num_hidden_layers"] * (s["kv_lora_rank"] + s["qk_rope_head_dim"]) * BF16
+    if "kv_lora_rank" in s:          # MLA: the latent and the rope key, one of each per token and layer
+        return s["num_hidden_layers"] * (s["kv_lora_rank"] + s["qk_rope_head_dim"]) * kv_elem
     return s["num_hidden_layers"] * 2 * s["num_key_value_heads"] * s["head_dim"] * kv_elem
 
 
