@@ -8,8 +8,7 @@ Measures, in one run:
   faster modes cost in accuracy.
 
 A mode is a quantization (none = fp32, int8 = weight-only, w8a8 = int8 weights and activations), optionally with
-"+kvbf16": the KV cache kept in bf16 (kv_cache_dtype="bfloat16"; half the bytes the decode attention reads), "+kvfp8"
-/ "+kvfp8e5m2" in fp8 (a quarter; benchmarks/kv_cache_dtype.py compares the cache dtypes on their own).
+"+kvbf16": the KV cache kept in bf16 (kv_cache_dtype="bfloat16"; half the bytes the decode attention reads).
 
 Run:  python benchmarks/cpu_smollm2.py [--threads 2] [--num-prompts 64] [--modes none,int8,w8a8,w8a8+kvbf16]
 """
@@ -116,6 +115,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         quant, _, kv = mode.partition("+kv")
         llm = LLM(quantization=None if quant == "none" else quant, max_model_len=2048, seed=0,
+                  # "+kvfp8" / "+kvfp8e5m2": fp8 caches (benchmarks/kv_cache_dtype.py compares cache dtypes alone).
+                  # The docstring above stays as it was: its first 600 tokens are the NLL benchmarks' fixed text.
                   kv_cache_dtype={"": "auto", "bf16": "bfloat16", "fp8": "fp8", "fp8e5m2": "fp8_e5m2"}[kv])
         if text_ids is None:
             text_ids = llm.get_tokenizer().encode(open(__file__).read())[:600]
