@@ -222,3 +222,12 @@ def test_env_variable_and_argument_reach_the_layers(tiny_llama, monkeypatch):
     assert not EngineArgs(model=tiny_llama).create_engine_config().model.batch_invariant
     args = build_parser().parse_args(["generate", "hi", "--batch-invariant"])
     assert args.batch_invariant is True
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+def test_fp8_kv_cache(tiny_llama_d32, kv):
+    """An fp8 KV cache in the mode: the C kernel's fp8 build reads every row's keys in the same fixed order, so a
+    request is bitwise the same alone and among companions, with chunk boundaries moved."""
+    reference = alone(LLM(tiny_llama_d32, **ENGINE, kv_cache_dtype=kv, enable_prefix_caching=False), *targets())
+    llm = LLM(tiny_llama_d32, **ENGINE, kv_cache_dtype=kv, enable_chunked_prefill=True, max_num_batched_tokens=32)
+    assert in_batch(llm, *targets(), 9, seed=3) == reference
