@@ -34,8 +34,8 @@ def torch_dtype(name: str) -> "torch.dtype":
 
 
 def is_fp8(dtype: "torch.dtype") -> bool:
-    import torch
-    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    from deepserve.loader.fp8 import FP8_DTYPES
+    return dtype in FP8_DTYPES
 
 # CPU default of SchedulerConfig.max_prefill_tokens_while_decoding. A CPU step's time grows with its token count
 # (2-core Xeon, default model: 16 decodes ~63 ms, + ~0.7 ms a prefill token; benchmarks/cpu_serve_itl.json), so

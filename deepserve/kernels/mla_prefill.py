@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from deepserve.kernels import next_pow2, require_triton, tl, triton
-from deepserve.kernels.reference.attention import as_bytes
+from deepserve.kernels.reference.attention import gather_blocks
 
 _LOG2E = 1.4426950408889634
 MLA_PREFILL_BLOCK_M = 64     # query rows per program
@@ -230,10 +230,9 @@ def mla_prefill(q_nope, q_pe, kv_cache, kv_b: torch.Tensor, plan: MLAPrefillPlan
     """Every prefill row of a step (their latents already in the cache): writes those rows of out [T, H, v].
     kv_cache [num_blocks, block_size, r + rope]; kv_b [H * (nope + v), r] (MLAWeights.stacked())."""
     heads, rank = q_nope.shape[1], kv_b.shape[1]
-    flat = as_bytes(kv_cache).view(kv_cache.shape[0], -1)      # an fp8 cache's codes gathered as bytes
     for group in plan.groups:
-        keys = flat.index_select(0, group.key_blocks).view(kv_cache.dtype).view(-1, kv_cache.shape[-1])
-        keys = keys.to(kv_b.dtype)                                                    # [N, r + rope], widened
+        keys = gather_blocks(kv_cache, group.key_blocks).view(-1, kv_cache.shape[-1])  # [N, r + rope]
+        keys = keys.to(kv_b.dtype)                                  # an fp8 cache's codes widen here
         kv = F.linear(keys[:, :rank], kv_b).view(keys.shape[0], heads, -1)            # [N, H, nope + v]
         mla_prefill_attention(q_nope, q_pe, kv, keys[:, rank:], out, query_start_loc, seq_lens, plan.key_start,
                               group.tile_seq, group.tile_m0, scale)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from deepserve import LLM, SamplingParams
-from tests.models.hf_compare import save_tiny
+from tests.models.hf_compare import save_tiny, save_tiny_deepseek
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,13 +54,8 @@ def tiny_llama_mr(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def tiny_deepseek_v3(tmp_path_factory) -> str:
     """MLA (4 heads), a dense first layer, MoE with a shared expert and grouped sigmoid routing."""
-    import transformers
-    cfg = transformers.DeepseekV3Config(
-        vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-        max_position_embeddings=256, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
-        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=16, n_group=4, topk_group=2, q_lora_rank=48, routed_scaling_factor=2.5)
-    return save_tiny(tmp_path_factory.mktemp("deepseek_v3"), cfg, transformers.DeepseekV3ForCausalLM, bias_std=0.1)
+    return save_tiny_deepseek(tmp_path_factory.mktemp("deepseek_v3"), 3, vocab_size=256, n_group=4, topk_group=2,
+                              q_lora_rank=48, routed_scaling_factor=2.5)
 
 
 def _tokens(outputs) -> list[list[int]]:

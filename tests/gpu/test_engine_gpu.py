@@ -54,15 +54,9 @@ def test_gpu_fp8_kv_cache_greedy_equals_cpu(model, kv, request):
 @pytest.fixture(scope="module")
 def tiny_deepseek_v2(tmp_path_factory) -> str:
     """tests/models/test_deepseek_vs_hf.py's "v2": MLA over a 32-wide latent, DeepSeekMoE after a dense layer."""
-    import transformers
-    from tests.models.hf_compare import save_tiny
-    cfg = transformers.DeepseekV2Config(
-        vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-        max_position_embeddings=256, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
-        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=16, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-        routed_scaling_factor=1.5, q_lora_rank=None)
-    return save_tiny(tmp_path_factory.mktemp("dsv2"), cfg, transformers.DeepseekV2ForCausalLM, bias_std=0.1)
+    from tests.models.hf_compare import save_tiny_deepseek
+    return save_tiny_deepseek(tmp_path_factory.mktemp("dsv2"), 2, vocab_size=512, topk_method="group_limited_greedy",
+                              n_group=4, topk_group=2, routed_scaling_factor=1.5, q_lora_rank=None)
 
 
 def test_gpu_fp8_latent_cache_greedy_equals_cpu(tiny_deepseek_v2):

@@ -34,6 +34,22 @@ def save_tiny(path, config, model_cls, seed: int = 0, sharpen: float = 3.0, bias
     return str(path)
 
 
+# A tiny DeepSeek-V2/V3: MLA over a 32-wide latent (4 heads), a dense first layer, then DeepSeekMoE (8 experts, top 2,
+# one shared expert).
+TINY_DEEPSEEK = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                     max_position_embeddings=256, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                     num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32,
+                     qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+
+
+def save_tiny_deepseek(path, version: int, **overrides) -> str:
+    """`save_tiny` of a TINY_DEEPSEEK DeepSeek-V`version` (2 or 3), with `overrides` (routing, vocab_size, ...)."""
+    import transformers
+    config_cls, model_cls = {2: (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+                             3: (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)}[version]
+    return save_tiny(path, config_cls(**{**TINY_DEEPSEEK, **overrides}), model_cls, bias_std=0.1)
+
+
 def load_hf(path):
     import transformers
 

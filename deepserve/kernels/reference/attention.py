@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from deepserve.loader.fp8 import FP8_DTYPES
 
 # torch >= 2.5 lets SDPA broadcast kv heads over query groups without copying them.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -28,18 +28,15 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return rows.view(*blocks.shape, *cache.shape[1:])
 
 
-def kv_saturation(cache_dtype: torch.dtype) -> float:
-    """The magnitude values are clamped to before they are rounded into a cache of `cache_dtype`: an 8-bit float's
-    largest finite value (448 for E4M3, 57344 for E5M2), so an outlier becomes the largest value, never NaN or inf;
-    0.0 for wider caches (no clamp). PyTorch's own casts saturate on some versions and not others: the clamp makes
-    every path (this one, the Triton kernels, the C kernels) round the same way."""
-    return float(torch.finfo(cache_dtype).max) if cache_dtype in FP8_DTYPES else 0.0
-
-
 def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """x rounded (to nearest, ties to even) into the cache's dtype, saturating 8-bit floats (`kv_saturation`)."""
-    limit = kv_saturation(cache_dtype)
-    return (x.clamp(-limit, limit) if limit else x).to(cache_dtype)
+    """x rounded (to nearest, ties to even) into the cache's dtype. An 8-bit float cache's values are first clamped to
+    its largest finite value (448 for E4M3, 57344 for E5M2), so an outlier becomes that value, never NaN or inf:
+    PyTorch's own casts saturate on some versions and not others, and the clamp makes every path (this one, the
+    Triton kernels, the C kernels) round the same way."""
+    if cache_dtype in FP8_DTYPES:
+        limit = torch.finfo(cache_dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(cache_dtype)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -94,5 +91,5 @@ def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.transpose(0, 1)
 
 
-__all__ = ["FP8_DTYPES", "as_bytes", "causal_prefill_attention", "gather_blocks", "kv_saturation", "masked_decode_attention",
-           "to_cache_dtype", "write_kv", "write_latents"]
+__all__ = ["as_bytes", "causal_prefill_attention", "gather_blocks", "masked_decode_attention", "to_cache_dtype",
+           "write_kv", "write_latents"]
