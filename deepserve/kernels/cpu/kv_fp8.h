@@ -8,7 +8,8 @@
  * with -DKV_FP8_PORTABLE, as a test does) through fp8_widen: a normal code's exponent and mantissa move into the
  * float's fields and the bias difference is added to the exponent; a subnormal one (exponent 0) is its mantissa
  * times 2^(1 - bias - mantissa bits), an exact int -> float product. Measured on a 2-core AVX-512 EPYC (one decode
- * call over 4096 keys of 3 x 64-wide heads): fp32 cache 166 us, bf16 144, E4M3 195 (through fp8_widen: 580), E5M2 156.
+ * call over 4096 keys of 3 x 64-wide heads, benchmarks/cpu_kv_attention.json): fp32 cache 164 us, bf16 142, E4M3 189,
+ * E5M2 151; through fp8_widen (-DKV_FP8_PORTABLE) E4M3 574, E5M2 607.
  * fp8_narrow: one float -> its code, rounded to nearest (ties to even) and saturated at the largest finite value,
  * as kernels/reference/attention.py's to_cache_dtype (a clamp, then torch's cast).
  */
