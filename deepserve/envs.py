@@ -145,6 +145,10 @@ _DECLARED = [
            "A/B says otherwise); rotary: the GQA rotary + KV-write kernel's programs; reduce: the split decode's "
            "reduce kernel's (batch 1 too); a _evict_last suffix tags the lines evict-last (read at first use)",
            choices=("off", "rotary", "rotary_evict_last", "reduce", "reduce_evict_last")),
+    EnvVar("DEEPSERVE_FP8_WIDEN", "str", "values",
+           "GPU attention over an fp8 KV cache: where a tile's 8-bit codes widen to bf16 (kernels/kv_rounding.py): "
+           "late (wherever Triton puts it), values (value tiles in registers, before shared memory), all (key "
+           "tiles too) (read at import)", choices=("late", "values", "all")),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
     EnvVar("DEEPSERVE_SO_COMPILE_TIMEOUT", "int", 20,

@@ -4,10 +4,12 @@ A cache of the activations' dtype takes the values as they are. An 8-bit float c
 "fp8_e5m2") takes them clamped to the format's largest finite value, then rounded to nearest (ties to even): the
 reference's `to_cache_dtype` (kernels/reference/attention.py) and the C kernels' fp8_narrow (kernels/cpu/kv_fp8.h)
 round the same way, so an outlier key becomes the largest value on every path, never NaN. Readers widen the codes
-back to the activations' dtype before their products (kernels/paged_attention.py, kernels/paged_prefill.py).
+back to the activations' dtype before their products (`widen_keys`, `widen_values`: kernels/paged_attention.py,
+kernels/paged_prefill.py, kernels/mla_decode.py).
 """
 
-from deepserve.kernels import tl, triton
+from deepserve import envs
+from deepserve.kernels import HAS_TRITON, INTERPRET, tl, triton
 
 
 @triton.jit
@@ -22,4 +24,37 @@ def store_rounded(ptr, x, mask):
     tl.store(ptr, x.to(ty), mask=mask)
 
 
-__all__ = ["store_rounded"]
+# Where an 8-bit float tile widens (DEEPSERVE_FP8_WIDEN, read at import; the interpreter has no inline PTX, so it
+# always widens the plain way): 0 "late", wherever Triton puts the conversion; 1 "values", the value tiles in the
+# registers they were loaded into; 2 "all", key tiles too.
+FP8_WIDEN = tl.constexpr(0 if INTERPRET else {"late": 0, "values": 1, "all": 2}[envs.DEEPSERVE_FP8_WIDEN]) \
+    if HAS_TRITON else 0
+
+
+@triton.jit
+def widen_in_registers(x, dtype: tl.constexpr, WANTED: tl.constexpr):
+    """x.to(dtype); with WANTED, an 8-bit float x widens in the layout it was loaded in, before a register move
+    that Triton cannot see through (so it cannot move the conversion past it)."""
+    if WANTED and (x.dtype == tl.float8e4nv or x.dtype == tl.float8e5):
+        y = x.to(dtype)
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=y.dtype, is_pure=False, pack=2)
+    return x.to(dtype)
+
+
+@triton.jit
+def widen_values(x, dtype: tl.constexpr):
+    """A cache tile used as the values of p @ v (reduced over its tokens), in `dtype`. Left to itself, Triton
+    converts an 8-bit tile after the shared-memory load that lays it out for the product; read transposed there,
+    8-bit elements go one byte a load (ldmatrix transposes only 16-bit ones). Widened in registers first, the
+    tile reaches shared memory as 16-bit elements that ldmatrix transposes."""
+    return widen_in_registers(x, dtype, FP8_WIDEN >= 1)
+
+
+@triton.jit
+def widen_keys(x, dtype: tl.constexpr):
+    """A cache tile used as the keys of q @ k^T, in `dtype`: read along its rows, an 8-bit tile loads from shared
+    memory four bytes at a time, so it widens wherever Triton puts it unless DEEPSERVE_FP8_WIDEN=all."""
+    return widen_in_registers(x, dtype, FP8_WIDEN >= 2)
+
+
+__all__ = ["FP8_WIDEN", "store_rounded", "widen_keys", "widen_values"]

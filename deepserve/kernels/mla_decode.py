@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
-from deepserve.kernels.kv_rounding import store_rounded
+from deepserve.kernels.kv_rounding import store_rounded, widen_values
 from deepserve.kernels.norm import rms_normed
 from deepserve.kernels.paged_attention import (EARLY_INPUTS, num_sms, active_splits, active_splits_ref, copy_heads,
                                                merge_splits_ref, rotary_write_prologue, split_bounds, tile_blocks)
@@ -239,11 +239,11 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
         t_ok = tok < end
         slot = (cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot)[:, None]
         blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
-        # An fp8 cache's codes widen to q's dtype here (a no-op for a cache of q's dtype).
-        c0 = load_columns(slot, 0 * CHUNK, c, t_ok, RANK).to(q0.dtype)
-        c1 = load_columns(slot, 1 * CHUNK, c, t_ok, RANK).to(q0.dtype)
-        c2 = load_columns(slot, 2 * CHUNK, c, t_ok, RANK).to(q0.dtype)
-        c3 = load_columns(slot, 3 * CHUNK, c, t_ok, RANK).to(q0.dtype)
+        # An fp8 cache's codes widen to q's dtype here (a no-op for a cache of q's dtype); they are values too.
+        c0 = widen_values(load_columns(slot, 0 * CHUNK, c, t_ok, RANK), q0.dtype)
+        c1 = widen_values(load_columns(slot, 1 * CHUNK, c, t_ok, RANK), q0.dtype)
+        c2 = widen_values(load_columns(slot, 2 * CHUNK, c, t_ok, RANK), q0.dtype)
+        c3 = widen_values(load_columns(slot, 3 * CHUNK, c, t_ok, RANK), q0.dtype)
         k_pe = tl.load(slot + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0).to(q_pe.dtype)
         s = ((tl.dot(q0, tl.trans(c0), input_precision=PRECISION) + tl.dot(q1, tl.trans(c1), input_precision=PRECISION))
              + (tl.dot(q2, tl.trans(c2), input_precision=PRECISION)

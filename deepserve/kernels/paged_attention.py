@@ -20,7 +20,7 @@ import torch
 
 from deepserve import envs
 from deepserve.kernels import HAS_TRITON, cdiv, next_pow2, require_triton, tl, triton
-from deepserve.kernels.kv_rounding import store_rounded
+from deepserve.kernels.kv_rounding import store_rounded, widen_keys, widen_values
 from deepserve.kernels.l2_prefetch import (L2_PREFETCH_PIECE, L2_PREFETCH_PIECES, l2_prefetch_plan,
                                           prefetch_bytes_to_l2)
 from deepserve.kernels.pdl import (pdl_launch_args, pdl_launch_dependents, pdl_wait, pdl_wait_after_inputs,
@@ -309,9 +309,9 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
         blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
         kv_mask = tmask[:, None] & dmask[None, :]
         # An fp8 cache's codes widen to q's dtype here (a no-op for a cache of q's dtype).
-        k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = widen_keys(tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
         if EARLY_V:     # the value tile's load issued with the key tile's: twice the bytes in flight
-            v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = widen_values(tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale                      # [BLOCK_G, BLOCK_N], log2 domain
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -319,7 +319,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if not EARLY_V:
-            v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = widen_values(tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import next_pow2, require_triton, tl, triton
+from deepserve.kernels.kv_rounding import widen_keys, widen_values
 from deepserve.kernels.reference import attention as reference
 
 _LOG2E = 1.4426950408889634
@@ -61,13 +62,13 @@ def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q
         tok = n0 + tl.arange(0, BLOCK_N)
         blk = tl.load(table + tok // block_size).to(tl.int64)
         off = blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
-        k = tl.load(k_base + off[:, None] + d[None, :], mask=dmask[None, :], other=0.0).to(q.dtype)
+        k = widen_keys(tl.load(k_base + off[:, None] + d[None, :], mask=dmask[None, :], other=0.0), q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + off[:, None] + d[None, :], mask=dmask[None, :], other=0.0).to(q.dtype)
+        v = widen_values(tl.load(v_base + off[:, None] + d[None, :], mask=dmask[None, :], other=0.0), q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # The diagonal band: causal mask (key 0 is visible to every row, so no row is ever all -inf here at its
@@ -78,7 +79,7 @@ def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q
         blk = tl.load(table + tok // block_size, mask=tmask, other=0).to(tl.int64)
         off = blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
         kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = widen_keys(tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         visible = tmask[None, :] & (tok[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -86,7 +87,7 @@ def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = widen_values(tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 

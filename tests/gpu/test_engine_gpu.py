@@ -26,24 +26,46 @@ def test_gpu_greedy_equals_cpu(model, request):
     assert a == b
 
 
+# A key element within fp32 noise of a rounding boundary lands on either side of it on the two devices (they
+# compute k in other orders), and one code apart is 12.5% (E4M3) or 25% (E5M2) of it: enough to flip a greedy choice
+# between two tokens the CPU scores within this many nats of each other, and not more.
+NEAR_TIE_NATS = 0.1
+
+
+def first_divergence_is_a_near_tie(want: list[int], got: list[int], cpu_logprobs) -> bool:
+    """got == want, or at the first position they differ the CPU scored got's token within NEAR_TIE_NATS of its
+    own choice (`cpu_logprobs`: the CPU run's top-2 per position)."""
+    j = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    if j is None:
+        return len(want) == len(got)
+    top = cpu_logprobs[j]
+    return got[j] in top and top[want[j]].logprob - top[got[j]].logprob < NEAR_TIE_NATS
+
+
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
 def test_gpu_fp8_kv_cache_greedy_equals_cpu(model, kv, request):
     """kv_cache_dtype fp8: the Triton kernels round keys and values into the cache and widen them back as the CPU path
-    does (tests/models/test_fp8_kv_cache_vs_hf.py holds that one against HF); CUDA graphs and eager steps agree; the
-    cache holds a quarter of an fp32 cache's bytes."""
+    does (tests/models/test_fp8_kv_cache_vs_hf.py holds that one against HF): the GPU's greedy tokens are the CPU's,
+    up to a near tie (NEAR_TIE_NATS) where they first part; CUDA graphs and eager steps alike; the cache holds a
+    quarter of an fp32 cache's bytes."""
     path = request.getfixturevalue(model)
     prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     cpu = LLM(path, skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_dtype=kv)
-    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+    cpu_out = [o.outputs[0] for o in cpu.generate(prompts, SamplingParams(temperature=0, max_tokens=32,
+                                                                          ignore_eos=True, logprobs=2),
+                                                  use_tqdm=False)]
     for eager in (True, False):
         gpu = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="float32", kv_cache_dtype=kv,
                   kv_cache_memory_bytes=1 << 26, enforce_eager=eager)
         runner = gpu.engine.runner
         assert all(c.dtype == cpu.engine.runner.kv_caches[0].dtype for c in runner.kv_caches)
         assert (runner.cuda_graphs is None) == eager
-        assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)] == want
+        got = [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)]
+        parted = [i for i, (c, g) in enumerate(zip(cpu_out, got)) if c.token_ids != g]
+        assert all(first_divergence_is_a_near_tie(cpu_out[i].token_ids, got[i], cpu_out[i].logprobs) for i in parted)
+        assert len(parted) <= 1, parted        # rare: most prompts give the CPU's tokens exactly
         bm = gpu.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
         del gpu

@@ -5,10 +5,12 @@ is at least known to compile before any GPU runs it."""
 from __future__ import annotations
 
 
-def compile_for_sm90(kernel, pointer_types: dict, constexprs: dict, scalar_types: dict | None = None) -> str:
+def compile_for_sm90(kernel, pointer_types: dict, constexprs: dict, scalar_types: dict | None = None,
+                     divisible_by_16: tuple = ()) -> str:
     """The kernel's PTX, compiled (through ptxas, into a cubin) for sm_90 on this GPU-less machine: pointers typed
     by `pointer_types` (default bf16), other arguments by `scalar_types`, else int32 (float32 where named `*_eps` or
-    `scale*`)."""
+    `scale*`). Arguments named in `divisible_by_16` carry the hint Triton's launcher gives a pointer or integer that
+    is a multiple of 16 (the vectorized loads of a real launch follow from it)."""
     scalar_types = scalar_types or {}
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
@@ -27,7 +29,8 @@ def compile_for_sm90(kernel, pointer_types: dict, constexprs: dict, scalar_types
             signature[name] = "i32"
     missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
     assert not missing, missing
-    compiled = triton_compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params) if p.name in divisible_by_16}
+    compiled = triton_compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32))
     assert compiled.asm["cubin"], "ptxas made no cubin"
     return compiled.asm["ptx"]

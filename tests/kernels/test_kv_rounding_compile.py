@@ -39,6 +39,13 @@ def writers(cache: str) -> dict:
     }
 
 
+def aligned(kernel) -> tuple:
+    """What a real launch hints as multiples of 16: the tensors, and their strides but the per-step ones."""
+    per_step = {"stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "stride_pl_h", "stride_po_b", "stride_pl_b"}
+    return tuple(p.name for p in kernel.params
+                 if p.name.endswith("_ptr") or (p.name.startswith("stride") and p.name not in per_step))
+
+
 def readers(cache: str) -> dict:
     from deepserve.kernels.mla_decode import _mla_decode_kernel
     from deepserve.kernels.paged_attention import _decode_kernel
@@ -49,13 +56,14 @@ def readers(cache: str) -> dict:
     return {
         "decode": compile_for_sm90(_decode_kernel, ptrs,
                                    dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True, EARLY_V=False,
-                                        INPUTS_READY=True, USE_PDL=True), {"qk_scale": "fp32"}),
+                                        INPUTS_READY=True, USE_PDL=True), {"qk_scale": "fp32"},
+                                   aligned(_decode_kernel)),
         "prefill": compile_for_sm90(_prefill_kernel, ptrs, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64),
-                                    {"qk_scale": "fp32"}),
+                                    {"qk_scale": "fp32"}, aligned(_prefill_kernel)),
         "mla_decode": compile_for_sm90(_mla_decode_kernel, ptrs,
                                        dict(RANK=512, ROPE=64, CHUNK=128, BLOCK_P=64, BLOCK_H=16, BLOCK_N=32,
                                             SPLIT=True, PRECISION="tf32", INPUTS_READY=True, USE_PDL=True),
-                                       {"qk_scale": "fp32"}),
+                                       {"qk_scale": "fp32"}, aligned(_mla_decode_kernel)),
     }
 
 
@@ -87,3 +95,19 @@ def test_cache_readers_widen_fp8_codes(cache):
             assert "cvt.rn.f16x2.e4m3x2" in ptx, name          # pairs of codes widened by Hopper's conversion
         else:
             assert "prmt.b32" in ptx, name                     # E5M2 is fp16's high byte: widened by byte moves
+
+
+@pytest.mark.parametrize("cache", ["fp8e4nv", "fp8e5"])
+def test_fp8_value_tiles_reach_the_products_through_ldmatrix(cache):
+    """kv_rounding.widen_values (DEEPSERVE_FP8_WIDEN's default, "values"): a value tile widens in registers, so the
+    decode kernels (mma.sync) lay it out for p @ v as 16-bit elements that ldmatrix transposes, and no reader takes
+    an 8-bit tile from shared memory a byte at a time (how Triton reads an 8-bit operand it must transpose; on an
+    H200 that made fp8 decode steps up to 1.4x slower than bf16 ones at 4k context, kv_fp8_sweep_h200.json). The
+    prefill kernel (wgmma, Hopper's operands from shared memory) widens in registers either way."""
+    from deepserve.kernels.kv_rounding import FP8_WIDEN
+    if FP8_WIDEN != 1:
+        pytest.skip("DEEPSERVE_FP8_WIDEN is set to another value")
+    for name, ptx in readers(cache).items():
+        assert not re.search(r"ld\.shared(\.v\d)?\.b8", ptx), name
+        if "wgmma" not in ptx:
+            assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx, name
