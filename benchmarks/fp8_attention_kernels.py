@@ -9,6 +9,8 @@ Reported per case and cache dtype: microseconds a call (CUDA events over back-to
 and the KV bytes it reads over that time.
 
 Run (GPU machine):  python benchmarks/fp8_attention_kernels.py --output fp8_attention_kernels_h200.json
+Plot (anywhere):    python benchmarks/fp8_attention_kernels.py --plot fp8_attention_kernels_h200.json
+                    [--steps kv_fp8_sweep_s29_h200.json]   (decode steps, bf16 against fp8 caches, beside it)
 """
 
 from __future__ import annotations
@@ -87,14 +89,66 @@ def measure_here() -> dict:
     return out
 
 
+def plot(path: str, steps_path: str | None) -> None:
+    """Microseconds a call per case, one bar per (setting, cache dtype); with `steps_path` (h200_decode_sweep.py
+    runs merged by kv dtype: {"dense_auto": sweep, "dense_fp8": sweep, ...}) a second panel of step times."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(path) as f:
+        data = json.load(f)
+    panels = 2 if steps_path else 1
+    fig, axes = plt.subplots(1, panels, figsize=(8 * panels, 4.8), squeeze=False)
+    ax = axes[0][0]
+    cases = list(data["cases"])
+    bars = [(s, d) for s in data["by_setting"] for d in CACHE_DTYPES if "error" not in data["by_setting"][s]]
+    width = 0.8 / len(bars)
+    for j, (setting, dtype) in enumerate(bars):
+        us = [data["by_setting"][setting][c][dtype]["us"] for c in cases]
+        ax.bar([i + j * width for i in range(len(cases))], us, width, label=f"{dtype}, FP8_WIDEN={setting}")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], cases, rotation=25, ha="right", fontsize=7)
+    ax.set_ylabel("us per call (one layer)")
+    ax.set_title(f"decode attention kernels, {data['gpu']}", fontsize=9)
+    ax.legend(fontsize=6, ncol=3)
+    if steps_path:
+        with open(steps_path) as f:
+            steps = json.load(f)
+        ax = axes[0][1]
+        labels, auto, fp8 = [], [], []
+        for key in sorted(k for k in steps if k.endswith("_auto")):
+            for name, by_ctx in steps[key]["results"].items():
+                for ctx, entry in by_ctx.items():
+                    other = steps[key[:-5] + "_fp8"]["results"][name][ctx]
+                    fp8_rows = {r["batch"]: r for r in other.get("batches", []) if "step_ms" in r}
+                    for r in entry.get("batches", []):
+                        if "step_ms" in r and r["batch"] in fp8_rows:
+                            labels.append(f"{name} b{r['batch']} {ctx}")
+                            auto.append(r["step_ms"])
+                            fp8.append(fp8_rows[r["batch"]]["step_ms"])
+        x = range(len(labels))
+        ax.bar([i - 0.2 for i in x], auto, 0.4, label="bf16 cache")
+        ax.bar([i + 0.2 for i in x], fp8, 0.4, label="fp8 (E4M3) cache")
+        ax.set_xticks(list(x), labels, rotation=35, ha="right", fontsize=7)
+        ax.set_ylabel("decode step, ms")
+        ax.set_title("decode steps (h200_decode_sweep.py --kv-cache-dtype auto | fp8)", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.splitext(path)[0] + ".png", dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", default="late,values,all", help="DEEPSERVE_FP8_WIDEN values, one process each")
     parser.add_argument("--output", default="fp8_attention_kernels.json")
+    parser.add_argument("--plot", metavar="JSON", help="draw JSON's PNG beside it, measure nothing")
+    parser.add_argument("--steps", metavar="JSON", help="with --plot: merged decode-step sweeps to draw beside")
     parser.add_argument("--here", action="store_true", help="(internal) measure in this process, JSON to stdout")
     args = parser.parse_args()
     if args.here:
         print("RESULT " + json.dumps(measure_here()))
+        return
+    if args.plot:
+        plot(args.plot, args.steps)
         return
     import torch
     result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "gpu": torch.cuda.get_device_name(),
@@ -113,6 +167,7 @@ def main() -> None:
         print(setting, json.dumps(result["by_setting"][setting])[:3000], flush=True)
         with open(args.output, "w") as f:
             json.dump(result, f, indent=1)
+    plot(args.output, None)
 
 
 if __name__ == "__main__":

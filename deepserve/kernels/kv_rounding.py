@@ -37,7 +37,9 @@ def widen_in_registers(x, dtype: tl.constexpr, WANTED: tl.constexpr):
     that Triton cannot see through (so it cannot move the conversion past it)."""
     if WANTED and (x.dtype == tl.float8e4nv or x.dtype == tl.float8e5):
         y = x.to(dtype)
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=y.dtype, is_pure=False, pack=2)
+        # One 32-bit register a move: two 16-bit elements packed in it, or one 32-bit element (a float32 model).
+        PACK: tl.constexpr = 32 // y.dtype.primitive_bitwidth
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=y.dtype, is_pure=False, pack=PACK)
     return x.to(dtype)
 
 

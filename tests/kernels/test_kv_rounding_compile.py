@@ -46,13 +46,14 @@ def aligned(kernel) -> tuple:
                  if p.name.endswith("_ptr") or (p.name.startswith("stride") and p.name not in per_step))
 
 
-def readers(cache: str) -> dict:
+def readers(cache: str, activations: str = "bf16") -> dict:
     from deepserve.kernels.mla_decode import _mla_decode_kernel
     from deepserve.kernels.paged_attention import _decode_kernel
     from deepserve.kernels.paged_prefill import _prefill_kernel
     i32 = {name: "*i32" for name in ("block_tables_ptr", "seq_lens_ptr", "q_rows_ptr", "seq_ids_ptr",
                                       "query_start_ptr", "tile_seq_ptr", "tile_m0_ptr")}
-    ptrs = {**i32, "cache_ptr": f"*{cache}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    ptrs = {**i32, "cache_ptr": f"*{cache}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+            **{name: f"*{activations}" for name in ("q_ptr", "out_ptr", "q_lat_ptr", "q_pe_ptr")}}
     return {
         "decode": compile_for_sm90(_decode_kernel, ptrs,
                                    dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True, EARLY_V=False,
@@ -111,3 +112,12 @@ def test_fp8_value_tiles_reach_the_products_through_ldmatrix(cache):
         assert not re.search(r"ld\.shared(\.v\d)?\.b8", ptx), name
         if "wgmma" not in ptx:
             assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx, name
+
+
+@pytest.mark.parametrize("cache", ["fp8e4nv", "fp8e5"])
+def test_fp8_readers_compile_for_float32_activations(cache):
+    """A float32 model (the GPU tests' engines) widens fp8 codes to float32: one element a register move, which
+    compiles (two to a 32-bit register aborted LLVM)."""
+    for name, ptx in readers(cache, "fp32").items():
+        # E4M3 through Hopper's pair conversion to fp16, E5M2 (fp16's high byte) moved into place; then to float32.
+        assert ("cvt.rn.f16x2.e4m3x2" in ptx if cache == "fp8e4nv" else "prmt.b32" in ptx) or "cvt.f32.f16" in ptx, name
