@@ -1,6 +1,7 @@
-"""GPU decode attention kernels over a bf16 and an fp8 KV cache, for each place the fp8 codes may widen
-(DEEPSERVE_FP8_WIDEN, kernels/kv_rounding.py), in one run: each setting in a process of its own (it is read at
-import), the same cases and cache contents in each.
+"""GPU decode attention kernels over a bf16 and an fp8 KV cache, for each setting of the switches that shape the fp8
+kernels (DEEPSERVE_FP8_WIDEN: where the codes widen; DEEPSERVE_FP8_PRODUCTS: the products' dtype; both in
+kernels/kv_rounding.py), in one run: each setting in a process of its own (they are read at import), the same cases
+and cache contents in each; with --tiles, the fp8 caches also under forced launch settings.
 
 Cases are real shapes at decode batch sizes: Llama-3-8B GQA (32 query / 8 KV heads of 128), Llama-3.2-1B (32 / 8
 of 64), DeepSeek-V2-Lite MLA (16 heads, 512-rank latents + 64 rope dims). Every sequence has `context` keys in
@@ -9,6 +10,9 @@ Reported per case and cache dtype: microseconds a call (CUDA events over back-to
 and the KV bytes it reads over that time.
 
 Run (GPU machine):  python benchmarks/fp8_attention_kernels.py --output fp8_attention_kernels_h200.json
+                    [--settings "DEEPSERVE_FP8_WIDEN=values;DEEPSERVE_FP8_PRODUCTS=f16"] [--tiles 64x4x2,128x4x2]
+  (--settings: ";" between settings, "+" between the variables of one; a bare value is a DEEPSERVE_FP8_WIDEN one;
+   --tiles: keys per tile x warps x stages, an "e" suffix loads a tile's values with its keys (GQA only))
 Plot (anywhere):    python benchmarks/fp8_attention_kernels.py --plot fp8_attention_kernels_h200.json
                     [--steps kv_fp8_sweep_s29_h200.json]   (decode steps, bf16 against fp8 caches, beside it)
 """
@@ -50,10 +54,15 @@ def time_call(fn, reps: int = 20) -> float:
     return sorted(runs)[2]
 
 
-def run_case(name: str, cache_dtype: str) -> dict:
+def parse_tiles(spec: str) -> tuple[int, int, int, bool]:
+    n, w, st = spec.rstrip("e").split("x")
+    return int(n), int(w), int(st), spec.endswith("e")
+
+
+def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
     import torch
     from deepserve.kernels.mla_decode import mla_decode
-    from deepserve.kernels.paged_attention import decode_attention
+    from deepserve.kernels.paged_attention import DecodeTiles, decode_attention
     kind, batch, context, heads, kv_heads, dim = CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks_per_seq = -(-context // BLOCK)
@@ -68,25 +77,48 @@ def run_case(name: str, cache_dtype: str) -> dict:
         shape = (num_blocks, BLOCK, dim)
         q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(dtype)
+    n, w, st, early_v = parse_tiles(tiles) if tiles else (None, None, None, False)
     if kind == "gqa":
-        def call():
-            decode_attention(q, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context)
-    else:
-        q_lat, q_pe = q[..., :512], q[..., 512:]
+        forced = DecodeTiles(block_n=n, num_warps=w, num_stages=st, early_v=early_v) if tiles else None
 
         def call():
-            mla_decode(q_lat, q_pe, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context)
+            decode_attention(q, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, tiles=forced)
+    else:
+        q_lat, q_pe = q[..., :512], q[..., 512:]
+        launch = dict(block_n=n, num_warps=w, num_stages=st) if tiles else {}
+
+        def call():
+            mla_decode(q_lat, q_pe, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, **launch)
     us = time_call(call)
     kv_bytes = batch * context * (2 * kv_heads * dim if kind == "gqa" else dim) * cache.element_size()
     return {"us": round(us, 2), "kv_bytes": kv_bytes, "kv_TBps": round(kv_bytes / us / 1e6, 3)}
 
 
-def measure_here() -> dict:
+def measure_here(tiles: list[str]) -> dict:
+    """{case: {cache dtype: timing}} under the launcher's own settings, plus {"<fp8 dtype> <tiles>": timing}."""
     out = {}
     for name in CASES:
         out[name] = {d: run_case(name, d) for d in CACHE_DTYPES}
-        print(os.environ.get("DEEPSERVE_FP8_WIDEN", "default"), name, json.dumps(out[name]), flush=True)
+        for t in tiles:
+            for d in CACHE_DTYPES[1:]:
+                try:
+                    out[name][f"{d} {t}"] = run_case(name, d, t)
+                except Exception as e:     # a setting the kernel cannot launch (shared memory): say so, go on
+                    out[name][f"{d} {t}"] = {"error": repr(e)[:300]}
+        print(name, json.dumps(out[name]), flush=True)
     return out
+
+
+def split_settings(text: str) -> list[str]:
+    """"late;values" or "late,values" (bare DEEPSERVE_FP8_WIDEN values) or "A=x+B=y;A=z" -> the settings."""
+    sep = ";" if ";" in text or "=" in text else ","
+    return [s for s in text.split(sep) if s]
+
+
+def setting_env(setting: str) -> dict:
+    """"late" -> {DEEPSERVE_FP8_WIDEN: late}; "A=x+B=y" -> {A: x, B: y}."""
+    pairs = [part.partition("=") for part in setting.split("+")]
+    return {name: value for name, _, value in pairs} if "=" in setting else {"DEEPSERVE_FP8_WIDEN": setting}
 
 
 def plot(path: str, steps_path: str | None) -> None:
@@ -138,14 +170,15 @@ def plot(path: str, steps_path: str | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--settings", default="late,values,all", help="DEEPSERVE_FP8_WIDEN values, one process each")
+    parser.add_argument("--settings", default="late;values;all", help="one process each (see the docstring)")
+    parser.add_argument("--tiles", default="", help="forced launch settings for the fp8 caches (see the docstring)")
     parser.add_argument("--output", default="fp8_attention_kernels.json")
     parser.add_argument("--plot", metavar="JSON", help="draw JSON's PNG beside it, measure nothing")
     parser.add_argument("--steps", metavar="JSON", help="with --plot: merged decode-step sweeps to draw beside")
     parser.add_argument("--here", action="store_true", help="(internal) measure in this process, JSON to stdout")
     args = parser.parse_args()
     if args.here:
-        print("RESULT " + json.dumps(measure_here()))
+        print("RESULT " + json.dumps(measure_here([t for t in args.tiles.split(",") if t])))
         return
     if args.plot:
         plot(args.plot, args.steps)
@@ -155,10 +188,10 @@ def main() -> None:
               "torch": torch.__version__, "cases": {k: dict(zip(("kind", "batch", "context", "heads", "kv_heads",
                                                                    "head_dim"), v)) for k, v in CASES.items()},
               "by_setting": {}}
-    for setting in args.settings.split(","):
-        env = dict(os.environ, DEEPSERVE_FP8_WIDEN=setting)
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--here"], env=env, capture_output=True,
-                              text=True)
+    for setting in split_settings(args.settings):
+        env = dict(os.environ, **setting_env(setting))
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--here", "--tiles", args.tiles], env=env,
+                              capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
             result["by_setting"][setting] = {"error": proc.stderr[-3000:]}

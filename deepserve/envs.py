@@ -149,6 +149,10 @@ _DECLARED = [
            "GPU attention over an fp8 KV cache: where a tile's 8-bit codes widen to bf16 (kernels/kv_rounding.py): "
            "late (wherever Triton puts it), values (value tiles in registers, before shared memory), all (key "
            "tiles too) (read at import)", choices=("late", "values", "all")),
+    EnvVar("DEEPSERVE_FP8_PRODUCTS", "str", "activations",
+           "GPU decode attention over an fp8 KV cache with bf16 activations: the products run in the activations' "
+           "dtype, or f16 (one widening instruction per pair of E4M3 codes; kernels/kv_rounding.py); off until an "
+           "H200 A/B (read at import)", choices=("activations", "f16")),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
     EnvVar("DEEPSERVE_SO_COMPILE_TIMEOUT", "int", 20,

@@ -31,6 +31,25 @@ FP8_WIDEN = tl.constexpr(0 if INTERPRET else {"late": 0, "values": 1, "all": 2}[
     if HAS_TRITON else 0
 
 
+# DEEPSERVE_FP8_PRODUCTS=f16 (read at import): decode attention over an fp8 cache runs its products in float16 for
+# bf16 activations (an H200 A/B, off until it is measured). E4M3 codes widen to fp16 in one conversion per pair and
+# E5M2 codes are fp16's high byte, where bf16 takes three more instructions per pair: the fp8 decode kernels spend
+# the bf16 kernels' time on half the bytes (fp8_attention_kernels_h200.json), so the widening may be what binds them.
+FP8_F16_PRODUCTS = tl.constexpr(envs.DEEPSERVE_FP8_PRODUCTS == "f16") if HAS_TRITON else False
+
+
+@triton.jit
+def for_products(x, cache_ptr):
+    """A bf16 query tile x in the dtype a decode kernel's products over `cache_ptr`'s cache run in: with
+    FP8_F16_PRODUCTS and an fp8 cache, float16 (clamped to its largest finite value, which no query of a working
+    model reaches; bf16's 8 mantissa bits fit fp16's 11 exactly above 2^-14), else x unchanged."""
+    FP8_CACHE: tl.constexpr = cache_ptr.dtype.element_ty == tl.float8e4nv or cache_ptr.dtype.element_ty == tl.float8e5
+    if FP8_F16_PRODUCTS and FP8_CACHE and x.dtype == tl.bfloat16:
+        return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    else:
+        return x
+
+
 @triton.jit
 def widen_in_registers(x, dtype: tl.constexpr, WANTED: tl.constexpr):
     """x.to(dtype); with WANTED, an 8-bit float x widens in the layout it was loaded in, before a register move
@@ -59,4 +78,4 @@ def widen_keys(x, dtype: tl.constexpr):
     return widen_in_registers(x, dtype, FP8_WIDEN >= 2)
 
 
-__all__ = ["FP8_WIDEN", "store_rounded", "widen_keys", "widen_values"]
+__all__ = ["FP8_F16_PRODUCTS", "FP8_WIDEN", "for_products", "store_rounded", "widen_keys", "widen_values"]

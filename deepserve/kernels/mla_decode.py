@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
-from deepserve.kernels.kv_rounding import store_rounded, widen_values
+from deepserve.kernels.kv_rounding import for_products, store_rounded, widen_values
 from deepserve.kernels.norm import rms_normed
 from deepserve.kernels.paged_attention import (EARLY_INPUTS, num_sms, active_splits, active_splits_ref, copy_heads,
                                                merge_splits_ref, rotary_write_prologue, split_bounds, tile_blocks)
@@ -220,12 +220,12 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
     p = tl.arange(0, BLOCK_P)
     p_ok = p < ROPE
     q_rows = q_lat_ptr + b * stride_qlb + heads[:, None] * stride_qlh
-    q0 = load_columns(q_rows, 0 * CHUNK, c, h_ok, RANK)
-    q1 = load_columns(q_rows, 1 * CHUNK, c, h_ok, RANK)
-    q2 = load_columns(q_rows, 2 * CHUNK, c, h_ok, RANK)
-    q3 = load_columns(q_rows, 3 * CHUNK, c, h_ok, RANK)
-    q_pe = tl.load(q_pe_ptr + b * stride_qpb + heads[:, None] * stride_qph + p[None, :],
-                   mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+    q0 = for_products(load_columns(q_rows, 0 * CHUNK, c, h_ok, RANK), cache_ptr)
+    q1 = for_products(load_columns(q_rows, 1 * CHUNK, c, h_ok, RANK), cache_ptr)
+    q2 = for_products(load_columns(q_rows, 2 * CHUNK, c, h_ok, RANK), cache_ptr)
+    q3 = for_products(load_columns(q_rows, 3 * CHUNK, c, h_ok, RANK), cache_ptr)
+    q_pe = for_products(tl.load(q_pe_ptr + b * stride_qpb + heads[:, None] * stride_qph + p[None, :],
+                                mask=h_ok[:, None] & p_ok[None, :], other=0.0), cache_ptr)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)

@@ -20,7 +20,7 @@ import torch
 
 from deepserve import envs
 from deepserve.kernels import HAS_TRITON, cdiv, next_pow2, require_triton, tl, triton
-from deepserve.kernels.kv_rounding import store_rounded, widen_keys, widen_values
+from deepserve.kernels.kv_rounding import for_products, store_rounded, widen_keys, widen_values
 from deepserve.kernels.l2_prefetch import (L2_PREFETCH_PIECE, L2_PREFETCH_PIECES, l2_prefetch_plan,
                                           prefetch_bytes_to_l2)
 from deepserve.kernels.pdl import (pdl_launch_args, pdl_launch_dependents, pdl_wait, pdl_wait_after_inputs,
@@ -292,8 +292,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     gmask = g < group
     dmask = d < HEAD_DIM
     heads = kvh * group + g
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    q = for_products(tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                             mask=gmask[:, None] & dmask[None, :], other=0.0), cache_ptr)
 
     k_base = cache_ptr + kvh * stride_c_head
     v_base = k_base + stride_c_kv

@@ -121,3 +121,25 @@ def test_fp8_readers_compile_for_float32_activations(cache):
     for name, ptx in readers(cache, "fp32").items():
         # E4M3 through Hopper's pair conversion to fp16, E5M2 (fp16's high byte) moved into place; then to float32.
         assert ("cvt.rn.f16x2.e4m3x2" in ptx if cache == "fp8e4nv" else "prmt.b32" in ptx) or "cvt.f32.f16" in ptx, name
+
+
+def test_f16_products_switch_compiles_fp8_decode_kernels_to_f16_mmas():
+    """DEEPSERVE_FP8_PRODUCTS=f16 (read at import, hence a fresh interpreter): the decode kernels over an fp8 cache
+    run their products on fp16 tensor-core MMAs (one widening instruction per pair of E4M3 codes); over a bf16
+    cache they keep bf16 ones."""
+    import os
+    import subprocess
+    import sys
+    script = ("import re, sys; from tests.kernels.test_kv_rounding_compile import readers\n"
+              "for cache in ('fp8e4nv', 'bf16'):\n"
+              "    for name, ptx in readers(cache).items():\n"
+              "        if name != 'prefill':\n"
+              "            print(cache, name, sorted(set(re.findall(r'mma\\.sync\\.aligned\\.[\\w.]+', ptx))))\n")
+    env = dict(os.environ, DEEPSERVE_FP8_PRODUCTS="f16")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))).stdout
+    lines = out.splitlines()
+    assert len(lines) == 4, out
+    for line in lines:
+        want = "f16.f16" if line.startswith("fp8e4nv") else "bf16.bf16"
+        assert want in line and ("bf16.bf16" not in line if want == "f16.f16" else True), line
