@@ -155,6 +155,10 @@ _DECLARED = [
            "H200 A/B (read at import)", choices=("activations", "f16")),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
+    EnvVar("DEEPSERVE_GC_FREEZE", "bool", True,
+           "once an engine has started, freeze the objects alive (gc.freeze) so that full garbage collections, "
+           "which otherwise walk them all (90 ms for the default model on 2 cores), skip them "
+           "(engine/startup_heap.py)"),
     EnvVar("DEEPSERVE_SO_COMPILE_TIMEOUT", "int", 20,
            "structured outputs: seconds a request may wait for its grammar to compile before it fails "
            "(FINISHED_SO_FAILED)"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
@@ -9,6 +10,7 @@ from tqdm.auto import tqdm
 from deepserve.config import EngineArgs
 from deepserve.engine.engine import Prompt
 from deepserve.engine.multi_rank_engine import create_engine, serve_if_worker_rank
+from deepserve.engine.startup_heap import freeze_startup_heap, release_startup_heap
 from deepserve.outputs import RequestOutput
 from deepserve.sampling_params import SamplingParams
 
@@ -23,6 +25,8 @@ class LLM:
         serve_if_worker_rank(self.engine_args)
         self.engine = create_engine(self.engine_args)
         self._next_request_id = 0
+        if freeze_startup_heap():
+            weakref.finalize(self, release_startup_heap)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (benchmarks that repeat the same prompts must not measure cache hits)."""

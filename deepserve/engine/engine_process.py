@@ -36,6 +36,7 @@ from typing import Any
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.async_engine import EngineShutdownError
 from deepserve.engine.engine import EngineStats, LLMEngine, Prompt
+from deepserve.engine.startup_heap import freeze_startup_heap
 from deepserve.engine.output_processor import RequestState
 from deepserve.sampling_params import SamplingParams
 
@@ -134,6 +135,7 @@ def run_engine_process(args: EngineArgs, commands: Connection, updates: Connecti
         updates.send(EngineFailed(picklable(error), traceback.format_exc()))
         return
     _warm_up_grammars(engine)
+    freeze_startup_heap()               # the process lives as long as the engine: frozen for good
     EngineLoop(engine, commands, updates).run()
 
 

@@ -34,6 +34,7 @@ import torch
 
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.engine import EngineStats, LLMEngine, Prompt
+from deepserve.engine.startup_heap import freeze_startup_heap
 from deepserve.layers.rank_group import ParallelContext
 from deepserve.outputs import RequestOutput
 from deepserve.parallel import groups
@@ -263,6 +264,7 @@ def run_spawned_rank(args: EngineArgs, rank: int, world: int, port: int) -> None
 def serve_rank(args: EngineArgs, rank: int, world: int) -> None:
     """A rank other than 0: build its engine, then step whenever rank 0 does, until it says stop."""
     engine = _build_rank_engine(args, rank, world)
+    freeze_startup_heap()               # the rank's process lives as long as its engine
     parallel = engine.runner.parallel
     replica, tp_rank = rank // args.tensor_parallel_size, rank % args.tensor_parallel_size
     while True:

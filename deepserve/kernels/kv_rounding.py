@@ -1,4 +1,5 @@
-"""How the Triton kernels put keys and values into a KV cache of any dtype: `store_rounded`.
+"""How the Triton kernels put keys and values into a KV cache of any dtype (`store_rounded`) and read fp8 ones back
+(`widen_keys`, `widen_values`, `for_products`).
 
 A cache of the activations' dtype takes the values as they are. An 8-bit float cache (kv_cache_dtype "fp8" = E4M3,
 "fp8_e5m2") takes them clamped to the format's largest finite value, then rounded to nearest (ties to even): the
@@ -67,7 +68,9 @@ def widen_values(x, dtype: tl.constexpr):
     """A cache tile used as the values of p @ v (reduced over its tokens), in `dtype`. Left to itself, Triton
     converts an 8-bit tile after the shared-memory load that lays it out for the product; read transposed there,
     8-bit elements go one byte a load (ldmatrix transposes only 16-bit ones). Widened in registers first, the
-    tile reaches shared memory as 16-bit elements that ldmatrix transposes."""
+    tile reaches shared memory as 16-bit elements that ldmatrix transposes. On an H200 (one layer's decode call,
+    E4M3 cache, fp8_attention_kernels_h200.json): Llama-3-8B batch 64 at 4k 437 -> 256 us (bf16 cache: 254),
+    DeepSeek-V2-Lite batch 256 at 1k 186 -> 118 us (bf16: 104)."""
     return widen_in_registers(x, dtype, FP8_WIDEN >= 1)
 
 

@@ -11,6 +11,7 @@ from deepserve.config import EngineArgs, resolve_device
 from deepserve.engine.async_engine import AsyncEngineFront, AsyncLLMEngine
 from deepserve.engine.engine_client import EngineProcessClient
 from deepserve.engine.multi_rank_engine import create_engine
+from deepserve.engine.startup_heap import started
 from deepserve.serving.openai.errors import OpenAIError
 from deepserve.serving.openai.metrics import ServerMetrics
 from deepserve.serving.openai.options import DEFAULT_MAX_BODY_BYTES
@@ -77,7 +78,7 @@ class ServerContext:
             logger.warning("a multi-rank engine runs on a thread of the server's process (no engine process)")
             in_process = True
         if in_process:
-            engine: AsyncEngineFront = AsyncLLMEngine(lambda: create_engine(engine_args),
+            engine: AsyncEngineFront = AsyncLLMEngine(lambda: started(create_engine(engine_args)),
                                                       max_waiting=config.max_queue, observer=metrics)
         else:
             engine = EngineProcessClient(engine_args, max_waiting=config.max_queue, observer=metrics)
