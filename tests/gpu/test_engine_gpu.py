@@ -7,6 +7,7 @@ import torch
 
 from deepserve import LLM, SamplingParams
 
+from tests.engine.near_tie import first_divergence_is_a_near_tie
 from tests.worker.eager_graphs import record_carried_steps
 
 pytestmark = [pytest.mark.gpu,
@@ -26,28 +27,12 @@ def test_gpu_greedy_equals_cpu(model, request):
     assert a == b
 
 
-# A key element within fp32 noise of a rounding boundary lands on either side of it on the two devices (they
-# compute k in other orders), and one code apart is 12.5% (E4M3) or 25% (E5M2) of it: enough to flip a greedy choice
-# between two tokens the CPU scores within this many nats of each other, and not more.
-NEAR_TIE_NATS = 0.1
-
-
-def first_divergence_is_a_near_tie(want: list[int], got: list[int], cpu_logprobs) -> bool:
-    """got == want, or at the first position they differ the CPU scored got's token within NEAR_TIE_NATS of its
-    own choice (`cpu_logprobs`: the CPU run's top-2 per position)."""
-    j = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
-    if j is None:
-        return len(want) == len(got)
-    top = cpu_logprobs[j]
-    return got[j] in top and top[want[j]].logprob - top[got[j]].logprob < NEAR_TIE_NATS
-
-
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
 def test_gpu_fp8_kv_cache_greedy_equals_cpu(model, kv, request):
     """kv_cache_dtype fp8: the Triton kernels round keys and values into the cache and widen them back as the CPU path
     does (tests/models/test_fp8_kv_cache_vs_hf.py holds that one against HF): the GPU's greedy tokens are the CPU's,
-    up to a near tie (NEAR_TIE_NATS) where they first part; CUDA graphs and eager steps alike; the cache holds a
+    up to a near tie (tests/engine/near_tie.py) where they first part; CUDA graphs and eager steps alike; the cache holds a
     quarter of an fp32 cache's bytes."""
     path = request.getfixturevalue(model)
     prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(6)]
