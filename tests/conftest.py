@@ -9,6 +9,9 @@ import torch
 
 # Tests are about correctness, not speed: keep BLAS single-threaded results reproducible and cheap.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# An engine's start-up freezes the heap after a full collection (engine/startup_heap.py): 0.2 s an engine in a test
+# process of ~400k objects, 80 s over the suite's engines. Off here; tests/engine/test_startup_heap.py turns it on.
+os.environ.setdefault("DEEPSERVE_GC_FREEZE", "0")
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024, head_dim=16, rms_norm_eps=1e-6)

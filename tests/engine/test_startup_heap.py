@@ -18,7 +18,8 @@ class Node:
         self.me = self
 
 
-def test_an_llm_freezes_its_start_up_objects_until_it_is_garbage(tiny_llama):
+def test_an_llm_freezes_its_start_up_objects_until_it_is_garbage(tiny_llama, monkeypatch):
+    monkeypatch.setenv("DEEPSERVE_GC_FREEZE", "1")      # the default; tests/conftest.py turns it off elsewhere
     gc.unfreeze()
     tracked_before = len(gc.get_objects())           # what a full collection walks (the frozen ones are not listed)
     cycle = Node()
