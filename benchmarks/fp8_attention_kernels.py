@@ -31,6 +31,7 @@ CASES = {   # name: (kind, batch, context, heads, kv_heads, head_dim)
     "llama-3-8b b8 ctx4096": ("gqa", 8, 4096, 32, 8, 128),
     "llama-3-8b b64 ctx4096": ("gqa", 64, 4096, 32, 8, 128),
     "llama-3-8b b256 ctx1024": ("gqa", 256, 1024, 32, 8, 128),
+    "llama-3.2-1b b64 ctx4096": ("gqa", 64, 4096, 32, 8, 64),     # no split, DEEP_PIPELINE_TILES
     "llama-3.2-1b b256 ctx1024": ("gqa", 256, 1024, 32, 8, 64),
     "deepseek-v2-lite b64 ctx1024": ("mla", 64, 1024, 16, 1, 576),
     "deepseek-v2-lite b256 ctx1024": ("mla", 256, 1024, 16, 1, 576),
