@@ -5,7 +5,7 @@ Measures:
 - batch-1 decode tokens/s (a 32-token prompt, 128 new tokens, greedy, EOS ignored; prefill not counted; best of
   --repeats) of deepserve in each mode (fp32 = the dequantized model, w8a8, gguf = the file's Q4_1 / Q8_0 blocks
   kept packed, layers/gguf_linear.py) and of llama.cpp through llama-cpp-python (imported only when installed: it
-  is no dependency of deepserve; build it with GGML_NATIVE=OFF on AVX-512 / AMX hosts, see the README);
+  is no dependency of deepserve; build it with GGML_NATIVE=OFF on AVX-512 / AMX hosts, see docs/cpu.md);
 - the mean NLL of a fixed 600-token text (benchmarks/cpu_smollm2.py's own source, as there) per mode and for
   llama.cpp: what each numeric path costs;
 - numeric option (b) as mode "gguf+q8act": the activations quantized per 32-block to int8 (llama.cpp's way, integer

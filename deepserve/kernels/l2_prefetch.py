@@ -23,7 +23,7 @@ wait; the programs then wait (rule 2) and exit. Only Hopper and later (the bulk 
 Triton's interpreter; tests/kernels/test_l2_prefetch.py has ptxas accept the instructions without a GPU.
 
 Status: written in session 27 while no GPU was lent. Its GPU test (tests/gpu/test_paged_attention.py) and the A/B
-(its command in the README's GPU section) have not run yet, so it is off by default; the A/B decides which
+(its command in docs/gpu.md) have not run yet, so it is off by default; the A/B decides which
 site, if any, stays.
 """
 
