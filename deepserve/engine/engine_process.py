@@ -36,8 +36,8 @@ from typing import Any
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.async_engine import EngineShutdownError
 from deepserve.engine.engine import EngineStats, LLMEngine, Prompt
-from deepserve.engine.startup_heap import freeze_startup_heap
 from deepserve.engine.output_processor import RequestState
+from deepserve.engine.startup_heap import freeze_startup_heap
 from deepserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
