@@ -7,6 +7,7 @@ with every collection the interpreter ran during it timed (gc.callbacks): how ma
 longest pause, and the steps' p50 / p99 / max times. The requests' outputs are kept, as LLM.generate keeps them.
 
 Run:  python benchmarks/gc_pauses.py [--model DIR] [--requests 1500] --output benchmarks/gc_pauses_cpu.json
+      (the PNG beside the JSON; `--plot JSON` draws it again without measuring)
 """
 
 from __future__ import annotations
@@ -62,6 +63,31 @@ def measure_here(args) -> dict:
                                      "max_ms": round(max(v, default=0.0), 2)} for g, v in by_gen.items()}}
 
 
+def plot(path: str) -> None:
+    """Per setting: one forced full collection's time, and the full collections' total and longest pause in the
+    workload."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(path) as f:
+        data = json.load(f)
+    settings = [k for k, v in data["by_setting"].items() if "error" not in v]
+    bars = {"one forced full collection": lambda r: r["forced_full_collection_ms"],
+            "full collections in the workload, total": lambda r: r["collections"]["2"]["total_ms"],
+            "full collections in the workload, longest": lambda r: r["collections"]["2"]["max_ms"]}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(settings)
+    for j, setting in enumerate(settings):
+        row = data["by_setting"][setting]
+        ax.bar([i + j * width for i in range(len(bars))], [get(row) for get in bars.values()], width, label=setting)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(bars))], list(bars), fontsize=7)
+    ax.set_ylabel("ms")
+    ax.set_title(data["command"][:110], fontsize=7)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.splitext(path)[0] + ".png", dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the default model")
@@ -70,10 +96,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--settings", default="1,0", help="DEEPSERVE_GC_FREEZE values, one process each")
     ap.add_argument("--output", default="gc_pauses.json")
+    ap.add_argument("--plot", metavar="JSON", help="draw JSON's PNG beside it, measure nothing")
     ap.add_argument("--here", action="store_true", help="(internal) measure in this process")
     args = ap.parse_args()
     if args.here:
         print("RESULT " + json.dumps(measure_here(args)))
+        return
+    if args.plot:
+        plot(args.plot)
         return
     import platform
     result = {"command": " ".join(["python"] + sys.argv), "python": platform.python_version(),
@@ -89,6 +119,7 @@ def main() -> None:
         print(setting, json.dumps(result["by_setting"][f"DEEPSERVE_GC_FREEZE={setting}"]), flush=True)
     with open(args.output, "w") as f:
         json.dump(result, f, indent=1)
+    plot(args.output)
 
 
 if __name__ == "__main__":
