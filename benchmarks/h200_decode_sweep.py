@@ -158,10 +158,12 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
         preempted = eng.scheduler.num_preemptions
         import profile_gpu_step
         waits = []
+        stamps = []
         with profile_gpu_step.waits_for_device(eng.runner, waits):
             t0 = time.perf_counter()
             for _ in range(steps):
                 eng.step()
+                stamps.append(time.perf_counter())
             sync(device)
             elapsed = time.perf_counter() - t0
         grew = min(s.num_output_tokens - b for s, b in zip(seqs, before))
@@ -180,8 +182,13 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
         eng.abort_request(ids)
     step_ms = elapsed / steps * 1e3
     roof = roofline(name, batch, context_mean, touched)
+    # Each step's wall time between returns (steady, the device paces them): a median well under step_ms means a few
+    # steps stalled (a host pause: the first H200 run of session 29 had V2-Lite batch 256 at 15.0 ms against an 11.7
+    # ms graph replay, and 11.7 in the next run), and step_ms_max says how long.
+    step_walls = sorted(b - a for a, b in zip([t0] + stamps[:-1], stamps))
     out = {"batch": batch, "context": round(context_mean, 1), "prefill_s": round(prefill_s, 3),
-           "step_ms": round(step_ms, 4), "tokens_per_s": round(batch / step_ms * 1e3, 1), **roof,
+           "step_ms": round(step_ms, 4), "step_ms_median": round(step_walls[len(step_walls) // 2] * 1e3, 4),
+           "step_ms_max": round(step_walls[-1] * 1e3, 4), "tokens_per_s": round(batch / step_ms * 1e3, 1), **roof,
            "fraction_of_roofline": round(roof["roofline_ms"] / step_ms, 4),
            "achieved_TBps": round((roof["weight_bytes"] + roof["expert_bytes"] + roof["kv_bytes"]) / step_ms / 1e9, 3)}
     if replay is not None:
