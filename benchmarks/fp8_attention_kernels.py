@@ -71,12 +71,8 @@ def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
     tables = torch.randperm(num_blocks, device="cuda", generator=gen).view(batch, blocks_per_seq).to(torch.int32)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     dtype = getattr(torch, cache_dtype)
-    if kind == "gqa":
-        shape = (2, num_blocks, BLOCK, kv_heads, dim)
-        q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    else:
-        shape = (num_blocks, BLOCK, dim)
-        q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    shape = (2, num_blocks, BLOCK, kv_heads, dim) if kind == "gqa" else (num_blocks, BLOCK, dim)
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(dtype)
     n, w, st, early_v = parse_tiles(tiles) if tiles else (None, None, None, False)
     if kind == "gqa":
