@@ -95,7 +95,8 @@ def test_cache_readers_widen_fp8_codes(cache):
         elif cache == "fp8e4nv":
             assert "cvt.rn.f16x2.e4m3x2" in ptx, name          # pairs of codes widened by Hopper's conversion
         else:
-            assert "prmt.b32" in ptx, name                     # E5M2 is fp16's high byte: widened by byte moves
+            # E5M2 is fp16's high byte: widened by byte moves (bf16 products: prefill) or Hopper's pair conversion.
+            assert "prmt.b32" in ptx or "cvt.rn.f16x2.e5m2x2" in ptx, name
 
 
 @pytest.mark.parametrize("cache", ["fp8e4nv", "fp8e5"])
@@ -123,10 +124,11 @@ def test_fp8_readers_compile_for_float32_activations(cache):
         assert ("cvt.rn.f16x2.e4m3x2" in ptx if cache == "fp8e4nv" else "prmt.b32" in ptx) or "cvt.f32.f16" in ptx, name
 
 
-def test_f16_products_switch_compiles_fp8_decode_kernels_to_f16_mmas():
-    """DEEPSERVE_FP8_PRODUCTS=f16 (read at import, hence a fresh interpreter): the decode kernels over an fp8 cache
-    run their products on fp16 tensor-core MMAs (one widening instruction per pair of E4M3 codes); over a bf16
-    cache they keep bf16 ones."""
+@pytest.mark.parametrize("products", ["f16", "activations"])
+def test_fp8_products_switch_picks_the_decode_kernels_mmas(products):
+    """DEEPSERVE_FP8_PRODUCTS (read at import, hence a fresh interpreter): with f16 (the default) the decode kernels
+    over an fp8 cache run their products on fp16 tensor-core MMAs (one widening instruction per pair of E4M3 codes),
+    with activations on bf16 ones; over a bf16 cache they keep bf16 ones either way."""
     import os
     import subprocess
     import sys
@@ -135,11 +137,12 @@ def test_f16_products_switch_compiles_fp8_decode_kernels_to_f16_mmas():
               "    for name, ptx in readers(cache).items():\n"
               "        if name != 'prefill':\n"
               "            print(cache, name, sorted(set(re.findall(r'mma\\.sync\\.aligned\\.[\\w.]+', ptx))))\n")
-    env = dict(os.environ, DEEPSERVE_FP8_PRODUCTS="f16")
+    env = dict(os.environ, DEEPSERVE_FP8_PRODUCTS=products)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))).stdout
     lines = out.splitlines()
     assert len(lines) == 4, out
     for line in lines:
-        want = "f16.f16" if line.startswith("fp8e4nv") else "bf16.bf16"
-        assert want in line and ("bf16.bf16" not in line if want == "f16.f16" else True), line
+        want = "f16.f16" if line.startswith("fp8e4nv") and products == "f16" else "bf16.bf16"
+        other = "bf16.bf16" if want == "f16.f16" else ".f16.f16"
+        assert want in line and other not in line, line
