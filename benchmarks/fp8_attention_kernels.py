@@ -11,6 +11,7 @@ and the KV bytes it reads over that time.
 
 Run (GPU machine):  python benchmarks/fp8_attention_kernels.py --output fp8_attention_kernels_h200.json
                     [--settings "DEEPSERVE_FP8_WIDEN=values;DEEPSERVE_FP8_PRODUCTS=f16"] [--tiles 64x4x2,128x4x2]
+                    [--cases mla]   (the cases whose name or kind holds one of these words; default: all)
   (--settings: ";" between settings, "+" between the variables of one; a bare value is a DEEPSERVE_FP8_WIDEN one;
    --tiles: keys per tile x warps x stages, an "e" suffix loads a tile's values with its keys (GQA only))
 Plot (anywhere):    python benchmarks/fp8_attention_kernels.py --plot fp8_attention_kernels_h200.json
@@ -33,8 +34,11 @@ CASES = {   # name: (kind, batch, context, heads, kv_heads, head_dim)
     "llama-3-8b b256 ctx1024": ("gqa", 256, 1024, 32, 8, 128),
     "llama-3.2-1b b64 ctx4096": ("gqa", 64, 4096, 32, 8, 64),     # no split, DEEP_PIPELINE_TILES
     "llama-3.2-1b b256 ctx1024": ("gqa", 256, 1024, 32, 8, 64),
+    "deepseek-v2-lite b8 ctx1024": ("mla", 8, 1024, 16, 1, 576),
     "deepseek-v2-lite b64 ctx1024": ("mla", 64, 1024, 16, 1, 576),
+    "deepseek-v2-lite b128 ctx1024": ("mla", 128, 1024, 16, 1, 576),
     "deepseek-v2-lite b256 ctx1024": ("mla", 256, 1024, 16, 1, 576),
+    "deepseek-v2-lite b64 ctx4096": ("mla", 64, 4096, 16, 1, 576),
 }
 CACHE_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 BLOCK = 16
@@ -91,10 +95,16 @@ def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
     return {"us": round(us, 2), "kv_bytes": kv_bytes, "kv_TBps": round(kv_bytes / us / 1e6, 3)}
 
 
-def measure_here(tiles: list[str]) -> dict:
+def chosen_cases(words: str) -> list[str]:
+    """The case names that hold one of the comma-separated `words` or whose kind is one ("" : all of them)."""
+    wanted = [w for w in words.split(",") if w]
+    return [name for name, case in CASES.items() if not wanted or any(w in name or w == case[0] for w in wanted)]
+
+
+def measure_here(tiles: list[str], cases: list[str]) -> dict:
     """{case: {cache dtype: timing}} under the launcher's own settings, plus {"<fp8 dtype> <tiles>": timing}."""
     out = {}
-    for name in CASES:
+    for name in cases:
         out[name] = {d: run_case(name, d) for d in CACHE_DTYPES}
         for t in tiles:
             for d in CACHE_DTYPES[1:]:
@@ -169,25 +179,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", default="late;values;all", help="one process each (see the docstring)")
     parser.add_argument("--tiles", default="", help="forced launch settings for the fp8 caches (see the docstring)")
+    parser.add_argument("--cases", default="", help="comma-separated words: the cases to run (see the docstring)")
     parser.add_argument("--output", default="fp8_attention_kernels.json")
     parser.add_argument("--plot", metavar="JSON", help="draw JSON's PNG beside it, measure nothing")
     parser.add_argument("--steps", metavar="JSON", help="with --plot: merged decode-step sweeps to draw beside")
     parser.add_argument("--here", action="store_true", help="(internal) measure in this process, JSON to stdout")
     args = parser.parse_args()
     if args.here:
-        print("RESULT " + json.dumps(measure_here([t for t in args.tiles.split(",") if t])))
+        print("RESULT " + json.dumps(measure_here([t for t in args.tiles.split(",") if t], chosen_cases(args.cases))))
         return
     if args.plot:
         plot(args.plot, args.steps)
         return
     import torch
+    fields = ("kind", "batch", "context", "heads", "kv_heads", "head_dim")
     result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "cases": {k: dict(zip(("kind", "batch", "context", "heads", "kv_heads",
-                                                                   "head_dim"), v)) for k, v in CASES.items()},
+              "torch": torch.__version__, "cases": {k: dict(zip(fields, CASES[k])) for k in chosen_cases(args.cases)},
               "by_setting": {}}
     for setting in split_settings(args.settings):
         env = dict(os.environ, **setting_env(setting))
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--here", "--tiles", args.tiles], env=env,
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--here", "--tiles", args.tiles,
+                               "--cases", args.cases], env=env,
                               capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:

@@ -7,7 +7,9 @@ Run (GPU machine):
   ncu --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats \
       -k regex:'_decode_kernel|_mla_decode_kernel|_mla_reduce_kernel|_decode_reduce_kernel' \
-      python benchmarks/ncu_decode_attention.py            (--large: Llama-3-8B batch 64, Qwen3-MoE batch 128 at 1k)
+      python benchmarks/ncu_decode_attention.py            (--large: Llama-3-8B batch 64, Qwen3-MoE batch 128 at 1k;
+                                                            --mla-large: the MLA kernel at batch 256, 1k, over a
+                                                            bf16 and an E4M3 cache, two calls each)
 """
 import os
 import sys
@@ -23,10 +25,10 @@ from deepserve.kernels.paged_attention import decode_attention  # noqa: E402
 from tune_decode_attention import paged_inputs  # noqa: E402
 
 
-def mla(batch, ctx, reps=4):
+def mla(batch, ctx, reps=4, cache_dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(0)
     nb, table, lens = paged_inputs(batch, ctx, g)
-    cache = torch.randn(nb, 16, 576, dtype=torch.bfloat16, device="cuda")
+    cache = torch.randn(nb, 16, 576, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
     ql = torch.randn(batch, 16, 512, dtype=torch.bfloat16, device="cuda")
     qp = torch.randn(batch, 16, 64, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(ql)
@@ -50,6 +52,10 @@ def main() -> None:
     if sys.argv[1:] == ["--large"]:      # the no-split launches of 512 programs (decode_attention_in_step.py)
         gqa(64, 1046, 32, 8, 128)      # Llama-3-8B batch 64
         gqa(128, 1046, 32, 4, 128)     # Qwen3-30B-A3B batch 128
+        return
+    if sys.argv[1:] == ["--mla-large"]:  # one split, 256 programs: V2-Lite's batch-256 step, bf16 against fp8 KV
+        mla(256, 1024, reps=2)
+        mla(256, 1024, reps=2, cache_dtype=torch.float8_e4m3fn)
         return
     mla(8, 1024)
     mla(1, 1024)
