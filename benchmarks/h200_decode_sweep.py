@@ -9,7 +9,9 @@ does when serving). Beside each step time, what the step must at least cost:
              experts, plus the distinct experts the batch touched, *counted* by the routers' load counters over
              probe steps after the timed ones) + each sequence's KV cache (context x bytes per token)
   flops      2 x active parameters per token + attention over the context, times the batch
-  roofline   max(bytes / 4.24 TB/s, flops / 989 TFLOP/s)            -> fraction_of_roofline = roofline / step
+  roofline   max(bytes / bandwidth, flops / 989 TFLOP/s)             -> fraction_of_roofline = roofline / step
+             (bandwidth: a device-to-device copy measured at the start of the run, bytes read + written, so the
+             ratios hold on whichever card ran it: about 4.24 TB/s on the H200, 3.0 on the H100)
   replay     the batch's captured CUDA graph replayed back to back: the forward's device time alone
   host_wait  per timed step, the host's wait for the device's result (the runner's collect): near 0 when the host
              sets the pace (its scheduling and batch building, not the device, then make the step time)
@@ -47,8 +49,8 @@ import h200_moe  # noqa: E402
 from deepserve import LLM, SamplingParams  # noqa: E402
 from deepserve.bench.throughput import random_prompts  # noqa: E402
 
-BANDWIDTH = 4.24e12          # H200 copy bandwidth, B/s (benchmarks/h200_dense.json measures it)
-PEAK_BF16 = 989e12           # H200 dense bf16 FLOP/s
+BANDWIDTH = 4.24e12          # H200 copy bandwidth, B/s; on a GPU, main() measures the card's own and uses that
+PEAK_BF16 = 989e12           # H100 / H200 dense bf16 FLOP/s (the same chip)
 BF16 = 2
 MAX_BATCHED_TOKENS = 16384
 
@@ -300,7 +302,9 @@ def plot(data: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4))
+    has_moe = any(name in MOE for name in data["results"])
+    fig, axes = plt.subplots(1, 2 if has_moe else 1, figsize=(12 if has_moe else 6.5, 4.4), squeeze=False)
+    left, right = axes[0][0], (axes[0][1] if has_moe else None)
     for name, by_ctx in data["results"].items():
         for ctx, entry in by_ctx.items():
             rows = [r for r in entry.get("batches", []) if "step_ms" in r]
@@ -315,13 +319,16 @@ def plot(data: dict, path: str) -> None:
                                label=f"{name} floor (all bytes at full BW)")
     left.axhline(0.8, ls=":", c="gray")
     left.set_title("roofline (weights + experts touched + KV; FLOPs) / step time", fontsize=9)
-    right.axhline(1.5, ls=":", c="gray")
-    right.set_title("MoE: step time / max(distinct expert bytes / BW, FLOPs / peak)", fontsize=9)
-    for ax in (left, right):
+    if has_moe:
+        right.axhline(1.5, ls=":", c="gray")
+        right.set_title("MoE: step time / max(distinct expert bytes / BW, FLOPs / peak)", fontsize=9)
+    for ax in axes[0]:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("decode batch")
         ax.legend(fontsize=7)
-    fig.suptitle("decode steps on one H200, random bf16 weights", fontsize=10)
+    gpu = data.get("gpu", "H200").replace("NVIDIA ", "")
+    fig.suptitle(f"decode steps on one {gpu} (copy bandwidth {data.get('bandwidth_Bps', BANDWIDTH) / 1e12:.2f} TB/s),"
+                 f"\nrandom bf16 weights, KV cache {data.get('kv_cache_dtype', 'auto')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110, metadata={"Description": data["command"]})
 
@@ -357,10 +364,16 @@ def main() -> None:
         with open(args.output) as f:
             plot(json.load(f), args.output.removesuffix(".json") + ".png")
         return
+    global BANDWIDTH
+    copy = None
+    if args.device == "cuda":
+        copy = h200_dense.copy_bandwidth("cuda", 4 << 30)
+        BANDWIDTH = copy["measured_Bps"]
+        print("copy bandwidth", copy, flush=True)
     result = {"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
               "kv_cache_dtype": args.kv_cache_dtype,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "bandwidth_Bps": BANDWIDTH, "peak_bf16_flops": PEAK_BF16, "results": {}}
+              "bandwidth_Bps": BANDWIDTH, "copy_bandwidth": copy, "peak_bf16_flops": PEAK_BF16, "results": {}}
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     for name in args.shapes.split(","):

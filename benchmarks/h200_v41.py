@@ -11,8 +11,9 @@ Measured, each wrapped on its own (a failure is its error text in the JSON):
   prefill   one prompt of 4k / 16k / 32k tokens in one step (max_num_batched_tokens = the prompt): tokens/s
             and model FLOPs utilisation against 989 TFLOP/s (H200 dense bf16)
   decode    batch 1 / 8 / 64 / 256 at ~1k context: step time, tokens/s, and the roofline step time (active
-            weights the step reads + each sequence's KV reads, at 4.24 TB/s); decode steps replay CUDA graphs, and
-            batches 1 / 8 run again eagerly (enforce_eager) for the same-run comparison
+            weights the step reads + each sequence's KV reads, at the copy bandwidth measured at the start);
+            decode steps replay CUDA graphs, and batches 1 / 8 run again eagerly (enforce_eager) for the same-run
+            comparison
   kv_cache  the decode engine's KV pools: bytes per token of each, blocks, tokens of context the cache holds, and
             what the same bytes would hold with every position's window states kept
 
@@ -34,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-BANDWIDTH = 4.24e12          # H200 copy bandwidth, bytes/s (benchmarks/h200_dense.json's measured limit)
+BANDWIDTH = 4.24e12          # H200 copy bandwidth, bytes/s; main() measures the card's own (an H100: about 3.0)
 PEAK_BF16 = 989e12           # H200 dense bf16 FLOP/s
 BF16, FP32 = 2, 4
 
@@ -261,10 +262,15 @@ def main() -> None:
         with open(args.output) as f:
             plot(json.load(f), args.output.removesuffix(".json") + ".png")
         return
+    global BANDWIDTH
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from h200_dense import copy_bandwidth
+    copy = copy_bandwidth("cuda", 4 << 30)
+    BANDWIDTH = copy["measured_Bps"]
     path = write_model()
     result = {"command": "python " + " ".join(sys.argv), "shape": SCALED_V41, "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "bandwidth_bytes_per_s": BANDWIDTH, "peak_bf16_flops": PEAK_BF16,
-              "prefill": [], "decode": []}
+              "torch": torch.__version__, "bandwidth_bytes_per_s": BANDWIDTH, "copy_bandwidth": copy,
+              "peak_bf16_flops": PEAK_BF16, "prefill": [], "decode": []}
     if args.batches:
         result["decode"] = decode(path, [int(b) for b in args.batches.split(",")], args.context, args.steps,
                                   result, args.output)
