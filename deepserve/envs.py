@@ -131,6 +131,10 @@ _DECLARED = [
     EnvVar("DEEPSERVE_MLA_STACKED_INPUTS", "bool", True,
            "GPU multi-head latent attention: the q (or q_a) and kv_a projections' weights in one tensor, one GEMM "
            "for both past the fused launches' 32 rows; 0: two weights, two GEMMs (read at import)"),
+    EnvVar("DEEPSERVE_MLA_DECODE_TILES", "str", "",
+           "GPU MLA decode: every launch with these tiles, 'KEYSxWARPSxSTAGES' (e.g. 16x4x3), an A/B switch for "
+           "decode steps (benchmarks/ab_env_sweep.py, kernel_resources.py prices each); unset: 32x4x3 "
+           "(kernels/mla_decode.py, read at import)"),
     EnvVar("DEEPSERVE_MOE_FUSED_SHARED", "bool", True,
            "GPU MoE layers in the aligned (grouped GEMM) mode, up to 64 tokens, run the shared experts as extra blocks "
            "of the routed experts' GEMMs; 0: their own launches, before the routed experts"),

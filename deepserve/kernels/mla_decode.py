@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from deepserve import envs
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
 from deepserve.kernels.kv_rounding import for_products, store_rounded, widen_values
 from deepserve.kernels.norm import rms_normed
@@ -45,6 +46,34 @@ _MAX_SPLITS = 128
 # 27.53 to 26.62 at 4k, batch 16 from 18.69 to 18.13; at batch 64 (4 splits) a 16-row tile of 4 live rows lost
 # 0.6 us, so a launch's chunk is its split count's power of two up to this, 4 at least.
 REDUCE_CHUNK_S = 16
+
+
+def parse_tiles(text: str) -> Optional[tuple[int, int, int]]:
+    """'KEYSxWARPSxSTAGES' (DEEPSERVE_MLA_DECODE_TILES) -> (keys per tile, warps, stages); '' -> None. Keys: a power
+    of two of at least 16 (a tl.dot's side); warps: 1, 2, 4 or 8; stages: 1 to 6."""
+    if not text:
+        return None
+    parts = text.lower().split("x")
+    try:
+        block_n, warps, stages = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"MLA decode tiles {text!r} (DEEPSERVE_MLA_DECODE_TILES): expected KEYSxWARPSxSTAGES, "
+                         "e.g. 16x4x3") from None
+    if block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8) or not 1 <= stages <= 6:
+        raise ValueError(f"MLA decode tiles {text!r} (DEEPSERVE_MLA_DECODE_TILES): keys a power of two >= 16, "
+                         "warps 1/2/4/8, stages 1-6")
+    return block_n, warps, stages
+
+
+FORCED_TILES = parse_tiles(envs.DEEPSERVE_MLA_DECODE_TILES)
+DEFAULT_TILES = (MLA_BLOCK_N, 4, 3)
+
+
+def launch_tiles(block_n: Optional[int], num_warps: Optional[int], num_stages: Optional[int]) -> tuple[int, int, int]:
+    """A launch's (keys per tile, warps, stages): the caller's where given, else DEEPSERVE_MLA_DECODE_TILES', else
+    the default."""
+    base = FORCED_TILES or DEFAULT_TILES
+    return (block_n or base[0], num_warps or base[1], num_stages or base[2])
 
 
 @triton.jit
@@ -321,19 +350,21 @@ def mla_num_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.d
 
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None,
-               max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, block_n: int = MLA_BLOCK_N,
-               num_warps: int = 4, num_stages: int = 3, inputs_ready: bool = False) -> torch.Tensor:
+               max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, block_n: Optional[int] = None,
+               num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+               inputs_ready: bool = False) -> torch.Tensor:
     """One query token per sequence b (row b) over its paged latents.
 
     q_lat: [B, H, R] (q_nope with W_UK absorbed), q_pe: [B, H, P] (any batch/head strides, unit last stride);
     kv_cache: [num_blocks, block_size, R + P]; block_tables [B, max_blocks]; seq_lens [B] (>= 1, this step's
     latent already written) -> [B, H, R] attention-weighted latents (in `out` if given, else q_lat's dtype).
     `max_seq_len` (host int) sizes the split without a device sync; `num_splits` forces it; `block_n`,
-    `num_warps`, `num_stages` are the tile and launch settings (tuning). `inputs_ready`: seq_lens and block_tables
+    `num_warps`, `num_stages` are the tile and launch settings (tuning; None: `launch_tiles`). `inputs_ready`: seq_lens and block_tables
     were in place before the kernel launched just before this call (the backend's per-step metadata), so they
     may be read before the PDL wait.
     """
     require_triton(q_lat)
+    block_n, num_warps, num_stages = launch_tiles(block_n, num_warps, num_stages)
     bsz, heads, rank = q_lat.shape
     rope = q_pe.shape[-1]
     assert kv_cache.shape[-1] == rank + rope and kv_cache.stride(-1) == 1

@@ -165,6 +165,23 @@ def test_decode_over_fp8_cache_matches_reference(device, cache_dtype, shape):
         assert_close_rel(out, ref, KERNEL_TOL[dtype])
 
 
+@pytest.mark.parametrize("tiles", [(16, 4, 3), (16, 4, 2), (32, 8, 3), (64, 8, 2)], ids=lambda t: "x".join(map(str, t)))
+def test_forced_tiles_over_fp8_cache_with_splits(device, tiles, monkeypatch):
+    """DEEPSERVE_MLA_DECODE_TILES' tiles (kernel_resources.py's candidates) in split launches: the partitions and
+    the reduce follow the forced tile width."""
+    import deepserve.kernels.mla_decode as mla
+    monkeypatch.setattr(mla, "FORCED_TILES", tiles)
+    dtype = torch.float16 if INTERPRET else torch.bfloat16
+    lens = [1, 17, 64, 100, 300]
+    batch, cache, q_lat, q_pe = _decode_case(device, dtype, 16, 512, 64, lens, 16)
+    cache = cache.to(torch.float8_e4m3fn)
+    ref = mla_decode_ref(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 1 / math.sqrt(576))
+    for splits in (1, 3):
+        out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 1 / math.sqrt(576),
+                         max_seq_len=max(lens), num_splits=splits)
+        assert_close_rel(out, ref, KERNEL_TOL[dtype])
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_write_latents_into_fp8(device, cache_dtype):
     """The codes written are the reference's (clamped to the format's largest value, rounded to nearest), bit for

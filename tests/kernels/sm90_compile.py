@@ -11,6 +11,13 @@ def compile_for_sm90(kernel, pointer_types: dict, constexprs: dict, scalar_types
     by `pointer_types` (default bf16), other arguments by `scalar_types`, else int32 (float32 where named `*_eps` or
     `scale*`). Arguments named in `divisible_by_16` carry the hint Triton's launcher gives a pointer or integer that
     is a multiple of 16 (the vectorized loads of a real launch follow from it)."""
+    return compile_sm90_kernel(kernel, pointer_types, constexprs, scalar_types, divisible_by_16).asm["ptx"]
+
+
+def compile_sm90_kernel(kernel, pointer_types: dict, constexprs: dict, scalar_types: dict | None = None,
+                        divisible_by_16: tuple = (), num_warps: int = 4, num_stages: int = 3):
+    """`compile_for_sm90`'s compiled kernel itself (its `asm` holds "ptx" and "cubin", its `metadata` the shared
+    memory a launch asks for), at a launch's `num_warps` and `num_stages`."""
     scalar_types = scalar_types or {}
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
@@ -31,6 +38,7 @@ def compile_for_sm90(kernel, pointer_types: dict, constexprs: dict, scalar_types
     assert not missing, missing
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params) if p.name in divisible_by_16}
     compiled = triton_compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32))
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     assert compiled.asm["cubin"], "ptxas made no cubin"
-    return compiled.asm["ptx"]
+    return compiled

@@ -1,0 +1,197 @@
+"""Registers, spills, shared memory and instruction mix of the decode path's big Triton kernels, compiled for an
+H100 / H200 (sm_90) on any machine with Triton, GPU or not: Triton's compiler and the ptxas it ships build each
+launch setting's cubin, `cuobjdump` reads its resource usage and SASS. From them, the programs of the launch that fit
+an SM at once (by registers, shared memory and warps), the occupancy Nsight Compute calls "theoretical".
+
+Why: at DeepSeek-V2-Lite's batch 256 the MLA decode kernel reads an E4M3 cache at 1.4 TB/s and a bf16 one at about
+the copy bandwidth, in the same ~110 us (H100, session 30; Nsight Compute: 12.5% theoretical occupancy, "limited by
+registers and shared memory"), and the MoE down GEMM reaches 75% of the copy bandwidth where gate/up reaches 94%.
+This prices each candidate launch setting's registers and spills before any device time is spent on it.
+
+Cases: the MLA decode kernel (V2-Lite: 16 heads, 512 + 64 latent; one split, as at batch 256) over a bf16 and an E4M3
+cache at a grid of (tokens per tile, warps, stages); the paged GQA decode kernel (128-wide heads, group 8, split
+launch) over both caches; the fused MoE gate/up and down GEMMs at the tiles the engine picks for batch 256.
+
+Run (anywhere with Triton): python benchmarks/kernel_resources.py --output benchmarks/kernel_resources.json
+  (--cases mla: the cases whose name holds one of these comma-separated words; --plot-only redraws the PNG.) The device machine's Triton and
+  ptxas may allocate registers differently from another machine's: the JSON records both versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")     # Triton's default today; 3.9 warns when unset
+
+# sm_90, per SM: 64K 32-bit registers allocated per warp in units of 256, 228 KB of shared memory of which 1 KB is
+# reserved per resident block, 64 warps, 32 blocks.
+SM_REGISTERS, REG_UNIT, SM_SHARED, BLOCK_RESERVED, SM_WARPS, SM_BLOCKS = 65536, 256, 228 * 1024, 1024, 64, 32
+
+# SASS opcodes counted (prefix match on the mnemonic): spill traffic, tensor-core products, global loads (LDG) and
+# asynchronous copies into shared memory (LDGSTS), barriers, fp8 -> fp16/bf16 conversions (F2FP).
+OPCODES = ("LDL", "STL", "HMMA", "LDG", "LDGSTS", "LDSM", "BAR", "F2FP", "MUFU")
+
+MLA_TILES = [(16, 4, 3), (16, 4, 2), (32, 4, 3), (32, 4, 2), (32, 8, 3), (32, 8, 2), (64, 4, 2), (64, 8, 2)]
+
+
+def mla_cases() -> dict:
+    from deepserve.kernels.mla_decode import _mla_decode_kernel
+    out = {}
+    for cache in ("bf16", "fp8e4nv"):
+        ptrs = {"cache_ptr": f"*{cache}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
+        for block_n, warps, stages in MLA_TILES:
+            constexprs = dict(RANK=512, ROPE=64, CHUNK=128, BLOCK_P=64, BLOCK_H=16, BLOCK_N=block_n, SPLIT=False,
+                              PRECISION="tf32", INPUTS_READY=True, USE_PDL=True)
+            out[f"mla_decode {cache} {block_n}x{warps}x{stages}"] = (_mla_decode_kernel, ptrs, constexprs,
+                                                                     {"qk_scale": "fp32"}, warps, stages)
+    return out
+
+
+def gqa_cases() -> dict:
+    from deepserve.kernels.paged_attention import _decode_kernel, DecodeTiles
+    tiles = DecodeTiles()
+    out = {}
+    for cache in ("bf16", "fp8e4nv"):
+        ptrs = {"cache_ptr": f"*{cache}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                **{n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "q_rows_ptr", "seq_ids_ptr")}}
+        constexprs = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=tiles.block_n, SPLIT=True, EARLY_V=False,
+                          INPUTS_READY=True, USE_PDL=True)
+        out[f"gqa_decode {cache} {tiles.block_n}x{tiles.num_warps}x{tiles.num_stages}"] = (
+            _decode_kernel, ptrs, constexprs, {"qk_scale": "fp32"}, tiles.num_warps, tiles.num_stages)
+    return out
+
+
+def moe_cases() -> dict:
+    import torch
+    from deepserve.kernels import fused_moe
+    out = {}
+    ints = {n: "*i32" for n in ("sorted_pairs_ptr", "block_expert_ptr")}
+    for shape, (experts, top_k, inter) in {"qwen3-moe": (128, 8, 768), "deepseek-v2-lite": (64, 6, 1408)}.items():
+        fused_moe.num_sms = lambda device: 132              # the H100's / H200's SMs (pick_config asks the device)
+        cfg = fused_moe.pick_config(256 * top_k, experts, inter, 2048, torch.device("cpu"))
+        tag = f"{shape} b256 m{cfg.block_m}"
+        out[f"moe_gate_up {tag} n{cfg.block_n_up} k{cfg.block_k}"] = (
+            fused_moe._gate_up_kernel, ints,
+            dict(HAS_LIMIT=False, HAS_SHARED=False, SHARED_CHUNKS=1, PRECISION="tf32", BLOCK_M=cfg.block_m,
+                 BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, USE_PDL=True),
+            {"limit": "fp32"}, cfg.num_warps, cfg.num_stages)
+        down_k, down_warps, down_stages = cfg.down_tiles()
+        out[f"moe_down {tag} n{cfg.block_n_down} k{down_k}"] = (
+            fused_moe._down_kernel, {**ints, "weights_ptr": "*fp32"},
+            dict(HAS_SHARED=False, PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=down_k,
+                 USE_PDL=True),
+            {}, down_warps, down_stages)
+    return out
+
+
+def aligned(kernel) -> tuple:
+    """The arguments a real launch hints as multiples of 16: the tensors and their fixed strides."""
+    per_step = {"stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "stride_pl_h", "stride_po_b", "stride_pl_b"}
+    return tuple(p.name for p in kernel.params
+                 if p.name.endswith("_ptr") or (p.name.startswith("stride") and p.name not in per_step))
+
+
+def nvidia_tool(name: str, *args: str) -> str:
+    """The stdout of one of the CUDA tools Triton ships (cuobjdump, ptxas)."""
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return subprocess.run([tool, *args], capture_output=True, text=True, check=True).stdout
+
+
+def resident_blocks(regs: int, shared: int, warps: int) -> dict:
+    """Blocks of `warps` warps that fit one SM at once, and what limits them."""
+    regs_per_warp = -(-regs * 32 // REG_UNIT) * REG_UNIT
+    limits = {"registers": SM_REGISTERS // (regs_per_warp * warps), "shared": SM_SHARED // (shared + BLOCK_RESERVED),
+              "warps": SM_WARPS // warps, "blocks": SM_BLOCKS}
+    blocks = min(limits.values())
+    return {"blocks_per_sm": blocks, "limited_by": sorted(k for k, v in limits.items() if v == blocks),
+            "occupancy": round(blocks * warps / SM_WARPS, 4)}
+
+
+def measure(case) -> dict:
+    from sm90_compile import compile_sm90_kernel
+    kernel, ptrs, constexprs, scalars, warps, stages = case
+    start = time.perf_counter()
+    compiled = compile_sm90_kernel(kernel, ptrs, constexprs, scalars, aligned(kernel), warps, stages)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = nvidia_tool("cuobjdump", "--dump-resource-usage", f.name)
+        sass = nvidia_tool("cuobjdump", "--dump-sass", f.name)
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+    mnemonics = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    counts = {op: sum(1 for m in mnemonics if m == op or m.startswith(op + "_") or m.startswith(op + "."))
+              for op in OPCODES}
+    regs, shared = int(fields["REG"]), compiled.metadata.shared
+    return {"num_warps": warps, "num_stages": stages, "registers": regs, "stack_bytes": int(fields["STACK"]),
+            "shared_bytes": shared, **resident_blocks(regs, shared, warps),
+            "sass_instructions": len(mnemonics), "sass_counts": counts,
+            "compile_s": round(time.perf_counter() - start, 1)}
+
+
+def plot(data: dict, path: str) -> None:
+    """Registers a thread (spilled bytes marked) and programs resident per SM, one bar per case."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = {k: v for k, v in data["cases"].items() if "registers" in v}
+    names = list(cases)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 0.42 * len(names)), 7), sharex=True)
+    x = range(len(names))
+    top.bar(x, [cases[n]["registers"] for n in names], color=["tab:red" if cases[n]["stack_bytes"] else "tab:blue"
+                                                                for n in names])
+    top.axhline(255, ls=":", c="gray")
+    top.set_ylabel("registers a thread\n(red: spills to the stack)")
+    bottom.bar(x, [cases[n]["blocks_per_sm"] for n in names])
+    bottom.set_ylabel("programs resident per SM")
+    bottom.set_xticks(list(x), names, rotation=60, ha="right", fontsize=7)
+    fig.suptitle(f"sm_90 builds: Triton {data['triton']}, {data['ptxas']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Description": data["command"]})
+
+
+def main() -> None:
+    import torch
+    import triton
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="", help="comma-separated words: the cases to compile (default: all)")
+    parser.add_argument("--output", default="kernel_resources.json")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG beside --output from its JSON")
+    args = parser.parse_args()
+    if args.plot_only:
+        with open(args.output) as f:
+            plot(json.load(f), args.output.removesuffix(".json") + ".png")
+        return
+    cases = {**mla_cases(), **gqa_cases(), **moe_cases()}
+    words = [w for w in args.cases.split(",") if w]
+    cases = {name: c for name, c in cases.items() if not words or any(w in name for w in words)}
+    result = {"command": "python " + " ".join(sys.argv), "triton": triton.__version__, "torch": torch.__version__,
+              "ptxas": nvidia_tool("ptxas", "--version").strip().splitlines()[-1], "target": "sm_90",
+              "env": {k: v for k, v in os.environ.items() if k.startswith("DEEPSERVE_FP8")}, "cases": {}}
+    for name, case in cases.items():
+        try:
+            result["cases"][name] = measure(case)
+        except Exception as e:        # a setting that does not compile (shared memory): say so, go on
+            result["cases"][name] = {"error": repr(e)[:400]}
+        r = result["cases"][name]
+        print(f"{name:48s}", {k: r.get(k) for k in ("registers", "stack_bytes", "shared_bytes", "blocks_per_sm",
+                                                     "limited_by", "error") if k in r},
+              r.get("sass_counts", ""), flush=True)
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=1)
+    plot(result, args.output.removesuffix(".json") + ".png")
+
+
+if __name__ == "__main__":
+    main()
