@@ -135,6 +135,10 @@ _DECLARED = [
            "GPU MLA decode: every launch with these tiles, 'KEYSxWARPSxSTAGES' (e.g. 16x4x3), an A/B switch for "
            "decode steps (benchmarks/ab_env_sweep.py, kernel_resources.py prices each); unset: 32x4x3 "
            "(kernels/mla_decode.py, read at import)"),
+    EnvVar("DEEPSERVE_MOE_UNMASKED_K", "bool", False,
+           "GPU MoE grouped GEMMs (aligned mode): where K is a multiple of the K step, loads without a K mask, "
+           "so Triton stages them through cp.async (kernels/fused_moe.py; fewer registers, "
+           "kernel_resources.json); an A/B switch, not yet timed on a GPU (read at import)"),
     EnvVar("DEEPSERVE_MOE_FUSED_SHARED", "bool", True,
            "GPU MoE layers in the aligned (grouped GEMM) mode, up to 64 tokens, run the shared experts as extra blocks "
            "of the routed experts' GEMMs; 0: their own launches, before the routed experts"),
