@@ -9,7 +9,7 @@ registers and shared memory"), and the MoE down GEMM reaches 75% of the copy ban
 This prices each candidate launch setting's registers and spills before any device time is spent on it.
 
 Cases: the MLA decode kernel (V2-Lite: 16 heads, 512 + 64 latent; one split, as at batch 256) over a bf16 and an E4M3
-cache at a grid of (tokens per tile, warps, stages); the paged GQA decode kernel (128-wide heads, group 8, split
+cache at a grid of (tokens per tile, warps, stages, register cap); the paged GQA decode kernel (128-wide heads, group 8, split
 launch) over both caches; the fused MoE gate/up and down GEMMs at the tiles the engine picks for batch 256, with and
 without their loads' K mask (DEEPSERVE_MOE_UNMASKED_K), and two more down tilings without it.
 
@@ -42,7 +42,10 @@ SM_REGISTERS, REG_UNIT, SM_SHARED, BLOCK_RESERVED, SM_WARPS, SM_BLOCKS = 65536, 
 # asynchronous copies into shared memory (LDGSTS), barriers, fp8 -> fp16/bf16 conversions (F2FP).
 OPCODES = ("LDL", "STL", "HMMA", "LDG", "LDGSTS", "LDSM", "BAR", "F2FP", "MUFU")
 
-MLA_TILES = [(16, 4, 3), (16, 4, 2), (32, 4, 3), (32, 4, 2), (32, 8, 3), (32, 8, 2), (64, 4, 2), (64, 8, 2)]
+# (keys per tile, warps, stages, register cap or None): DEEPSERVE_MLA_DECODE_TILES' values, the caps chosen for one
+# more program per SM than the uncapped build holds.
+MLA_TILES = [(16, 4, 3, None), (16, 4, 2, None), (32, 4, 3, None), (32, 4, 2, None), (32, 8, 3, None),
+             (32, 8, 2, None), (64, 4, 2, None), (64, 8, 2, None), (16, 4, 3, 128), (32, 4, 2, 128), (32, 4, 2, 168)]
 
 
 def mla_cases() -> dict:
@@ -51,11 +54,11 @@ def mla_cases() -> dict:
     for cache in ("bf16", "fp8e4nv"):
         ptrs = {"cache_ptr": f"*{cache}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
-        for block_n, warps, stages in MLA_TILES:
+        for block_n, warps, stages, cap in MLA_TILES:
             constexprs = dict(RANK=512, ROPE=64, CHUNK=128, BLOCK_P=64, BLOCK_H=16, BLOCK_N=block_n, SPLIT=False,
                               PRECISION="tf32", INPUTS_READY=True, USE_PDL=True)
-            out[f"mla_decode {cache} {block_n}x{warps}x{stages}"] = (_mla_decode_kernel, ptrs, constexprs,
-                                                                     {"qk_scale": "fp32"}, warps, stages)
+            name = f"mla_decode {cache} {block_n}x{warps}x{stages}" + (f"r{cap}" if cap else "")
+            out[name] = (_mla_decode_kernel, ptrs, constexprs, {"qk_scale": "fp32"}, warps, stages, cap)
     return out
 
 
@@ -69,7 +72,7 @@ def gqa_cases() -> dict:
         constexprs = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=tiles.block_n, SPLIT=True, EARLY_V=False,
                           INPUTS_READY=True, USE_PDL=True)
         out[f"gqa_decode {cache} {tiles.block_n}x{tiles.num_warps}x{tiles.num_stages}"] = (
-            _decode_kernel, ptrs, constexprs, {"qk_scale": "fp32"}, tiles.num_warps, tiles.num_stages)
+            _decode_kernel, ptrs, constexprs, {"qk_scale": "fp32"}, tiles.num_warps, tiles.num_stages, None)
     return out
 
 
@@ -89,18 +92,18 @@ def moe_cases() -> dict:
                 fused_moe._gate_up_kernel, ints,
                 dict(HAS_LIMIT=False, HAS_SHARED=False, SHARED_CHUNKS=1, PRECISION="tf32", BLOCK_M=cfg.block_m,
                      BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, EVEN_K=even_k, USE_PDL=True),
-                {"limit": "fp32"}, cfg.num_warps, cfg.num_stages)
+                {"limit": "fp32"}, cfg.num_warps, cfg.num_stages, None)
             out[f"moe_down {tag} n{cfg.block_n_down} k{down_k}{mask}"] = (
                 fused_moe._down_kernel, {**ints, "weights_ptr": "*fp32"},
                 dict(HAS_SHARED=False, PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
                      BLOCK_K=down_k, EVEN_K=even_k, USE_PDL=True),
-                {}, down_warps, down_stages)
+                {}, down_warps, down_stages, None)
         for block_n, block_k, stages in ((64, 128, 3), (128, 64, 4)):     # unmasked-K candidates for the down GEMM
             out[f"moe_down {tag} n{block_n} k{block_k} s{stages} unmasked-k"] = (
                 fused_moe._down_kernel, {**ints, "weights_ptr": "*fp32"},
                 dict(HAS_SHARED=False, PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                      EVEN_K=True, USE_PDL=True),
-                {}, 4, stages)
+                {}, 4, stages, None)
     return out
 
 
@@ -130,9 +133,9 @@ def resident_blocks(regs: int, shared: int, warps: int) -> dict:
 
 def measure(case) -> dict:
     from sm90_compile import compile_sm90_kernel
-    kernel, ptrs, constexprs, scalars, warps, stages = case
+    kernel, ptrs, constexprs, scalars, warps, stages, maxnreg = case
     start = time.perf_counter()
-    compiled = compile_sm90_kernel(kernel, ptrs, constexprs, scalars, aligned(kernel), warps, stages)
+    compiled = compile_sm90_kernel(kernel, ptrs, constexprs, scalars, aligned(kernel), warps, stages, maxnreg)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -143,7 +146,7 @@ def measure(case) -> dict:
     counts = {op: sum(1 for m in mnemonics if m == op or m.startswith(op + "_") or m.startswith(op + "."))
               for op in OPCODES}
     regs, shared = int(fields["REG"]), compiled.metadata.shared
-    return {"num_warps": warps, "num_stages": stages, "registers": regs, "stack_bytes": int(fields["STACK"]),
+    return {"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg, "registers": regs, "stack_bytes": int(fields["STACK"]),
             "shared_bytes": shared, **resident_blocks(regs, shared, warps),
             "sass_instructions": len(mnemonics), "sass_counts": counts,
             "compile_s": round(time.perf_counter() - start, 1)}

@@ -132,9 +132,9 @@ _DECLARED = [
            "GPU multi-head latent attention: the q (or q_a) and kv_a projections' weights in one tensor, one GEMM "
            "for both past the fused launches' 32 rows; 0: two weights, two GEMMs (read at import)"),
     EnvVar("DEEPSERVE_MLA_DECODE_TILES", "str", "",
-           "GPU MLA decode: every launch with these tiles, 'KEYSxWARPSxSTAGES' (e.g. 16x4x3), an A/B switch for "
-           "decode steps (benchmarks/ab_env_sweep.py, kernel_resources.py prices each); unset: 32x4x3 "
-           "(kernels/mla_decode.py, read at import)"),
+           "GPU MLA decode: every launch with these tiles, 'KEYSxWARPSxSTAGES[rREGISTERS]' (e.g. 16x4x3, or "
+           "32x4x2r168 with a register cap), an A/B switch for decode steps (benchmarks/ab_env_sweep.py; "
+           "kernel_resources.py prices each); unset: 32x4x3 (kernels/mla_decode.py, read at import)"),
     EnvVar("DEEPSERVE_MOE_UNMASKED_K", "bool", False,
            "GPU MoE grouped GEMMs (aligned mode): where K is a multiple of the K step, loads without a K mask, "
            "so Triton stages them through cp.async (kernels/fused_moe.py; fewer registers, "

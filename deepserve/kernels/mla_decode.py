@@ -48,32 +48,35 @@ _MAX_SPLITS = 128
 REDUCE_CHUNK_S = 16
 
 
-def parse_tiles(text: str) -> Optional[tuple[int, int, int]]:
-    """'KEYSxWARPSxSTAGES' (DEEPSERVE_MLA_DECODE_TILES) -> (keys per tile, warps, stages); '' -> None. Keys: a power
-    of two of at least 16 (a tl.dot's side); warps: 1, 2, 4 or 8; stages: 1 to 6."""
+def parse_tiles(text: str) -> Optional[tuple[int, int, int, Optional[int]]]:
+    """'KEYSxWARPSxSTAGES[rREGISTERS]' (DEEPSERVE_MLA_DECODE_TILES) -> (keys per tile, warps, stages, register cap or
+    None); '' -> None. Keys: a power of two of at least 16 (a tl.dot's side); warps: 1, 2, 4 or 8; stages: 1 to 6;
+    the cap (Triton's maxnreg: fewer registers, more programs per SM, maybe spills): 32 to 255."""
     if not text:
         return None
-    parts = text.lower().split("x")
+    tiles, capped, cap = text.lower().partition("r")
     try:
-        block_n, warps, stages = (int(p) for p in parts)
+        block_n, warps, stages = (int(p) for p in tiles.split("x"))
+        maxnreg = int(cap) if capped else None
     except ValueError:
-        raise ValueError(f"MLA decode tiles {text!r} (DEEPSERVE_MLA_DECODE_TILES): expected KEYSxWARPSxSTAGES, "
-                         "e.g. 16x4x3") from None
-    if block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8) or not 1 <= stages <= 6:
+        raise ValueError(f"MLA decode tiles {text!r} (DEEPSERVE_MLA_DECODE_TILES): expected KEYSxWARPSxSTAGES or "
+                         "KEYSxWARPSxSTAGESrREGISTERS, e.g. 16x4x3 or 32x4x2r168") from None
+    if (block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8) or not 1 <= stages <= 6
+            or (maxnreg is not None and not 32 <= maxnreg <= 255)):
         raise ValueError(f"MLA decode tiles {text!r} (DEEPSERVE_MLA_DECODE_TILES): keys a power of two >= 16, "
-                         "warps 1/2/4/8, stages 1-6")
-    return block_n, warps, stages
+                         "warps 1/2/4/8, stages 1-6, registers 32-255")
+    return block_n, warps, stages, maxnreg
 
 
 FORCED_TILES = parse_tiles(envs.DEEPSERVE_MLA_DECODE_TILES)
-DEFAULT_TILES = (MLA_BLOCK_N, 4, 3)
+DEFAULT_TILES = (MLA_BLOCK_N, 4, 3, None)
 
 
-def launch_tiles(block_n: Optional[int], num_warps: Optional[int], num_stages: Optional[int]) -> tuple[int, int, int]:
-    """A launch's (keys per tile, warps, stages): the caller's where given, else DEEPSERVE_MLA_DECODE_TILES', else
-    the default."""
+def launch_tiles(block_n: Optional[int], num_warps: Optional[int], num_stages: Optional[int]) -> tuple:
+    """A launch's (keys per tile, warps, stages, register cap or None): the caller's where given, else
+    DEEPSERVE_MLA_DECODE_TILES', else the default."""
     base = FORCED_TILES or DEFAULT_TILES
-    return (block_n or base[0], num_warps or base[1], num_stages or base[2])
+    return (block_n or base[0], num_warps or base[1], num_stages or base[2], base[3])
 
 
 @triton.jit
@@ -364,7 +367,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     may be read before the PDL wait.
     """
     require_triton(q_lat)
-    block_n, num_warps, num_stages = launch_tiles(block_n, num_warps, num_stages)
+    block_n, num_warps, num_stages, maxnreg = launch_tiles(block_n, num_warps, num_stages)
     bsz, heads, rank = q_lat.shape
     rope = q_pe.shape[-1]
     assert kv_cache.shape[-1] == rank + rope and kv_cache.stride(-1) == 1
@@ -406,7 +409,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         RANK=rank, ROPE=rope, CHUNK=chunk, BLOCK_P=max(16, next_pow2(rope)),
         BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=num_warps, num_stages=num_stages,
-        **pdl_launch_args(q_lat))
+        **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_launch_args(q_lat))
     if split:
         # The decode kernel, the reduce's predecessor, does not write seq_lens: ready for it.
         mla_reduce(part_out, part_lse, seq_lens, out, block_n, inputs_ready=EARLY_INPUTS)

@@ -165,7 +165,9 @@ def test_decode_over_fp8_cache_matches_reference(device, cache_dtype, shape):
         assert_close_rel(out, ref, KERNEL_TOL[dtype])
 
 
-@pytest.mark.parametrize("tiles", [(16, 4, 3), (16, 4, 2), (32, 8, 3), (64, 8, 2)], ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("tiles", [(16, 4, 3, None), (16, 4, 2, None), (32, 8, 3, None), (64, 8, 2, None),
+                                   (32, 4, 2, 168), (16, 4, 3, 128)], ids=lambda t: "x".join(map(str, t[:3])) +
+                         (f"r{t[3]}" if t[3] else ""))
 def test_forced_tiles_over_fp8_cache_with_splits(device, tiles, monkeypatch):
     """DEEPSERVE_MLA_DECODE_TILES' tiles (kernel_resources.py's candidates) in split launches: the partitions and
     the reduce follow the forced tile width."""

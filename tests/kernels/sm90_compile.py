@@ -15,9 +15,11 @@ def compile_for_sm90(kernel, pointer_types: dict, constexprs: dict, scalar_types
 
 
 def compile_sm90_kernel(kernel, pointer_types: dict, constexprs: dict, scalar_types: dict | None = None,
-                        divisible_by_16: tuple = (), num_warps: int = 4, num_stages: int = 3):
+                        divisible_by_16: tuple = (), num_warps: int = 4, num_stages: int = 3,
+                        maxnreg: int | None = None):
     """`compile_for_sm90`'s compiled kernel itself (its `asm` holds "ptx" and "cubin", its `metadata` the shared
-    memory a launch asks for), at a launch's `num_warps` and `num_stages`."""
+    memory a launch asks for), at a launch's `num_warps`, `num_stages` and register cap (`maxnreg`, None: ptxas's
+    choice)."""
     scalar_types = scalar_types or {}
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
@@ -39,6 +41,7 @@ def compile_sm90_kernel(kernel, pointer_types: dict, constexprs: dict, scalar_ty
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params) if p.name in divisible_by_16}
     compiled = triton_compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})})
     assert compiled.asm["cubin"], "ptxas made no cubin"
     return compiled
