@@ -107,13 +107,6 @@ def moe_cases() -> dict:
     return out
 
 
-def aligned(kernel) -> tuple:
-    """The arguments a real launch hints as multiples of 16: the tensors and their fixed strides."""
-    per_step = {"stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "stride_pl_h", "stride_po_b", "stride_pl_b"}
-    return tuple(p.name for p in kernel.params
-                 if p.name.endswith("_ptr") or (p.name.startswith("stride") and p.name not in per_step))
-
-
 def nvidia_tool(name: str, *args: str) -> str:
     """The stdout of one of the CUDA tools Triton ships (cuobjdump, ptxas)."""
     import triton
@@ -132,7 +125,7 @@ def resident_blocks(regs: int, shared: int, warps: int) -> dict:
 
 
 def measure(case) -> dict:
-    from sm90_compile import compile_sm90_kernel
+    from sm90_compile import aligned, compile_sm90_kernel
     kernel, ptrs, constexprs, scalars, warps, stages, maxnreg = case
     start = time.perf_counter()
     compiled = compile_sm90_kernel(kernel, ptrs, constexprs, scalars, aligned(kernel), warps, stages, maxnreg)

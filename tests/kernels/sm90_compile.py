@@ -45,3 +45,13 @@ def compile_sm90_kernel(kernel, pointer_types: dict, constexprs: dict, scalar_ty
                                        **({"maxnreg": maxnreg} if maxnreg else {})})
     assert compiled.asm["cubin"], "ptxas made no cubin"
     return compiled
+
+
+# Arguments that change from step to step: a real launch does not hint them (the kernels say do_not_specialize).
+PER_STEP_ARGS = {"stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "stride_pl_h", "stride_po_b", "stride_pl_b"}
+
+
+def aligned(kernel) -> tuple:
+    """What a real launch hints as multiples of 16: the tensors, and their strides but the per-step ones."""
+    return tuple(p.name for p in kernel.params
+                 if p.name.endswith("_ptr") or (p.name.startswith("stride") and p.name not in PER_STEP_ARGS))

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.kernels.sm90_compile import compile_for_sm90
+from tests.kernels.sm90_compile import aligned, compile_for_sm90
 
 CACHES = {"fp8e4nv": "e4m3x2", "fp8e5": "e5m2x2", "bf16": None}
 INDEX = {"pos_ptr": "*i64", "slot_ptr": "*i64"}
@@ -37,13 +37,6 @@ def writers(cache: str) -> dict:
             dict(HEAD_DIM=64, HALF_CACHE=False, HAS_BIAS=False, NORM=True, BLOCK_K=2048, ONE_STEP=True,
                  USE_PDL=True), {"eps": "fp32"}),
     }
-
-
-def aligned(kernel) -> tuple:
-    """What a real launch hints as multiples of 16: the tensors, and their strides but the per-step ones."""
-    per_step = {"stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "stride_pl_h", "stride_po_b", "stride_pl_b"}
-    return tuple(p.name for p in kernel.params
-                 if p.name.endswith("_ptr") or (p.name.startswith("stride") and p.name not in per_step))
 
 
 def readers(cache: str, activations: str = "bf16") -> dict:

@@ -3,7 +3,7 @@ loads become cp.async copies into shared memory only without their K mask, which
 
 import pytest
 
-from sm90_compile import compile_for_sm90
+from tests.kernels.sm90_compile import aligned, compile_for_sm90
 
 
 @pytest.fixture(autouse=True)
@@ -14,11 +14,10 @@ def _triton(monkeypatch):
 
 def _down_ptx(even_k: bool) -> str:
     from deepserve.kernels.fused_moe import _down_kernel
-    aligned = tuple(p.name for p in _down_kernel.params if p.name.endswith("_ptr") or p.name.startswith("stride"))
     return compile_for_sm90(_down_kernel, {"sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32",
                                            "weights_ptr": "*fp32"},
                             dict(HAS_SHARED=False, PRECISION="tf32", BLOCK_M=32, BLOCK_N=128, BLOCK_K=128,
-                                 EVEN_K=even_k, USE_PDL=True), divisible_by_16=aligned)
+                                 EVEN_K=even_k, USE_PDL=True), divisible_by_16=aligned(_down_kernel))
 
 
 def test_unmasked_k_loads_become_async_copies():
