@@ -9,13 +9,14 @@ registers and shared memory"), and the MoE down GEMM reaches 75% of the copy ban
 This prices each candidate launch setting's registers and spills before any device time is spent on it.
 
 Cases: the MLA decode kernel (V2-Lite: 16 heads, 512 + 64 latent; one split, as at batch 256) over a bf16 and an E4M3
-cache at a grid of (tokens per tile, warps, stages, register cap); the paged GQA decode kernel (128-wide heads, group 8, split
-launch) over both caches; the fused MoE gate/up and down GEMMs at the tiles the engine picks for batch 256, with and
-without their loads' K mask (DEEPSERVE_MOE_UNMASKED_K), and two more down tilings without it.
+cache at a grid of (tokens per tile, warps, stages, register cap); the paged GQA decode kernel (128-wide heads, group
+8, split launch) over both caches; the fused MoE gate/up and down GEMMs at the tiles the engine picks for batch 256,
+with and without their loads' K mask (DEEPSERVE_MOE_UNMASKED_K), and two more down tilings without it.
 
 Run (anywhere with Triton): python benchmarks/kernel_resources.py --output benchmarks/kernel_resources.json
-  (--cases mla: the cases whose name holds one of these comma-separated words; --plot-only redraws the PNG.) The device machine's Triton and
-  ptxas may allocate registers differently from another machine's: the JSON records both versions.
+  (--cases mla: the cases whose name holds one of these comma-separated words; --plot-only redraws the PNG.)
+  The device machine's Triton and ptxas may allocate registers differently from another machine's: the JSON records
+  both versions.
 """
 
 from __future__ import annotations
@@ -139,8 +140,8 @@ def measure(case) -> dict:
     counts = {op: sum(1 for m in mnemonics if m == op or m.startswith(op + "_") or m.startswith(op + "."))
               for op in OPCODES}
     regs, shared = int(fields["REG"]), compiled.metadata.shared
-    return {"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg, "registers": regs, "stack_bytes": int(fields["STACK"]),
-            "shared_bytes": shared, **resident_blocks(regs, shared, warps),
+    return {"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg, "registers": regs,
+            "stack_bytes": int(fields["STACK"]), "shared_bytes": shared, **resident_blocks(regs, shared, warps),
             "sass_instructions": len(mnemonics), "sass_counts": counts,
             "compile_s": round(time.perf_counter() - start, 1)}
 

@@ -465,7 +465,8 @@ def _aligned_experts(x, w13, w2, weights, topk_ids, swiglu_limit, cfg: MoEConfig
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), ws13.stride(-2), act_s.stride(0),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=shared_out is not None, SHARED_CHUNKS=chunks,
         PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k,
-        EVEN_K=UNMASKED_K and hidden % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **aligned_launch_args(x))
+        EVEN_K=UNMASKED_K and hidden % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **aligned_launch_args(x))
     shared_dst = shared_out if shared_out is not None else pair_out
     down_k, down_warps, down_stages = cfg.down_tiles()
     _down_kernel[(token_blocks + align.num_blocks, cdiv(hidden, cfg.block_n_down))](

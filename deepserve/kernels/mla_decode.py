@@ -362,9 +362,9 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     kv_cache: [num_blocks, block_size, R + P]; block_tables [B, max_blocks]; seq_lens [B] (>= 1, this step's
     latent already written) -> [B, H, R] attention-weighted latents (in `out` if given, else q_lat's dtype).
     `max_seq_len` (host int) sizes the split without a device sync; `num_splits` forces it; `block_n`,
-    `num_warps`, `num_stages` are the tile and launch settings (tuning; None: `launch_tiles`). `inputs_ready`: seq_lens and block_tables
-    were in place before the kernel launched just before this call (the backend's per-step metadata), so they
-    may be read before the PDL wait.
+    `num_warps`, `num_stages` are the tile and launch settings (tuning; None: `launch_tiles`). `inputs_ready`:
+    seq_lens and block_tables were in place before the kernel launched just before this call (the backend's per-step
+    metadata), so they may be read before the PDL wait.
     """
     require_triton(q_lat)
     block_n, num_warps, num_stages, maxnreg = launch_tiles(block_n, num_warps, num_stages)
