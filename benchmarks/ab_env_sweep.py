@@ -86,6 +86,8 @@ def main() -> None:
                 out.setdefault("gpu", result.get("gpu"))
                 out["results"][name] = rows = sweep_rows(result)
                 print(name, [(r["label"], r["step_ms"]) for r in rows], flush=True)
+                # After every setting: a run cut short (a device call's time limit) keeps what it measured.
+                Path(args.output).write_text(json.dumps(out, indent=1))
     output = Path(args.output)
     output.write_text(json.dumps(out, indent=1))
     from plot_ab import steps_by_batch

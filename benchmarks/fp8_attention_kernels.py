@@ -1,7 +1,7 @@
 """GPU decode attention kernels over a bf16 and an fp8 KV cache, for each setting of the switches that shape the fp8
 kernels (DEEPSERVE_FP8_WIDEN: where the codes widen; DEEPSERVE_FP8_PRODUCTS: the products' dtype; both in
 kernels/kv_rounding.py), in one run: each setting in a process of its own (they are read at import), the same cases
-and cache contents in each; with --tiles, the fp8 caches also under forced launch settings.
+and cache contents in each; with --tiles, every cache also under forced launch settings.
 
 Cases are real shapes at decode batch sizes: Llama-3-8B GQA (32 query / 8 KV heads of 128), Llama-3.2-1B (32 / 8
 of 64), DeepSeek-V2-Lite MLA (16 heads, 512-rank latents + 64 rope dims). Every sequence has `context` keys in
@@ -14,7 +14,8 @@ Run (GPU machine):  python benchmarks/fp8_attention_kernels.py --output fp8_atte
                     [--settings "DEEPSERVE_FP8_WIDEN=values;DEEPSERVE_FP8_PRODUCTS=f16"] [--tiles 64x4x2,128x4x2]
                     [--cases mla]   (the cases whose name or kind holds one of these words; default: all)
   (--settings: ";" between settings, "+" between the variables of one; a bare value is a DEEPSERVE_FP8_WIDEN one;
-   --tiles: keys per tile x warps x stages, an "e" suffix loads a tile's values with its keys (GQA only))
+   --tiles: keys per tile x warps x stages, an "e" suffix loads a tile's values with its keys (GQA only), an
+   "rN" suffix caps the registers a thread at N (MLA only: DEEPSERVE_MLA_DECODE_TILES' form, e.g. 32x4x2r168))
 Plot (anywhere):    python benchmarks/fp8_attention_kernels.py --plot fp8_attention_kernels_h200.json
                     [--steps kv_fp8_sweep_s29_h200.json]   (decode steps, bf16 against fp8 caches, beside it)
 """
@@ -83,9 +84,11 @@ def time_call(fn, reps: int = 20) -> tuple[float, str]:
     return sorted(runs)[2], mode
 
 
-def parse_tiles(spec: str) -> tuple[int, int, int, bool]:
+def parse_tiles(spec: str) -> tuple[int, int, int, bool, int | None]:
+    """'KEYSxWARPSxSTAGES' + an optional 'e' (GQA: values loaded with keys) or 'rN' (MLA: a register cap)."""
+    spec, _, cap = spec.lower().partition("r")
     n, w, st = spec.rstrip("e").split("x")
-    return int(n), int(w), int(st), spec.endswith("e")
+    return int(n), int(w), int(st), spec.endswith("e"), int(cap) if cap else None
 
 
 def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
@@ -102,15 +105,17 @@ def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
     shape = (2, num_blocks, BLOCK, kv_heads, dim) if kind == "gqa" else (num_blocks, BLOCK, dim)
     q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(dtype)
-    n, w, st, early_v = parse_tiles(tiles) if tiles else (None, None, None, False)
+    n, w, st, early_v, maxnreg = parse_tiles(tiles) if tiles else (None, None, None, False, None)
     if kind == "gqa":
+        if maxnreg:
+            raise ValueError(f"tiles {tiles!r}: a register cap is for the MLA kernel only")
         forced = DecodeTiles(block_n=n, num_warps=w, num_stages=st, early_v=early_v) if tiles else None
 
         def call():
             decode_attention(q, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, tiles=forced)
     else:
         q_lat, q_pe = q[..., :512], q[..., 512:]
-        launch = dict(block_n=n, num_warps=w, num_stages=st) if tiles else {}
+        launch = dict(block_n=n, num_warps=w, num_stages=st, maxnreg=maxnreg) if tiles else {}
 
         def call():
             mla_decode(q_lat, q_pe, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, **launch)
@@ -126,12 +131,12 @@ def chosen_cases(words: str) -> list[str]:
 
 
 def measure_here(tiles: list[str], cases: list[str]) -> dict:
-    """{case: {cache dtype: timing}} under the launcher's own settings, plus {"<fp8 dtype> <tiles>": timing}."""
+    """{case: {cache dtype: timing}} under the launcher's own settings, plus {"<cache dtype> <tiles>": timing}."""
     out = {}
     for name in cases:
         out[name] = {d: run_case(name, d) for d in CACHE_DTYPES}
         for t in tiles:
-            for d in CACHE_DTYPES[1:]:
+            for d in CACHE_DTYPES:
                 try:
                     out[name][f"{d} {t}"] = run_case(name, d, t)
                 except Exception as e:     # a setting the kernel cannot launch (shared memory): say so, go on
@@ -202,7 +207,7 @@ def plot(path: str, steps_path: str | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", default="late;values;all", help="one process each (see the docstring)")
-    parser.add_argument("--tiles", default="", help="forced launch settings for the fp8 caches (see the docstring)")
+    parser.add_argument("--tiles", default="", help="forced launch settings, every cache (see the docstring)")
     parser.add_argument("--cases", default="", help="comma-separated words: the cases to run (see the docstring)")
     parser.add_argument("--output", default="fp8_attention_kernels.json")
     parser.add_argument("--plot", metavar="JSON", help="draw JSON's PNG beside it, measure nothing")

@@ -9,9 +9,11 @@ registers and shared memory"), and the MoE down GEMM reaches 75% of the copy ban
 This prices each candidate launch setting's registers and spills before any device time is spent on it.
 
 Cases: the MLA decode kernel (V2-Lite: 16 heads, 512 + 64 latent; one split, as at batch 256) over a bf16 and an E4M3
-cache at a grid of (tokens per tile, warps, stages, register cap); the paged GQA decode kernel (128-wide heads, group
-8, split launch) over both caches; the fused MoE gate/up and down GEMMs at the tiles the engine picks for batch 256,
-with and without their loads' K mask (DEEPSERVE_MOE_UNMASKED_K), and two more down tilings without it.
+cache at a grid of (tokens per tile, warps, stages, register cap); the paged GQA decode kernel over both caches
+(128-wide heads in a split launch; 64-wide ones, Llama-3.2-1B's, split and in the unsplit deep pipeline); the fused
+MoE gate/up and down GEMMs at the tiles the engine picks for batch 256, with and without their loads' K mask
+(DEEPSERVE_MOE_UNMASKED_K), and two more down tilings without it; the skinny GEMM at 8 rows on Llama-3.2-1B's
+weights (qkv, o_proj, gate/up with the SwiGLU, down split in 4 along K, the LM head).
 
 Run (anywhere with Triton): python benchmarks/kernel_resources.py --output benchmarks/kernel_resources.json
   (--cases mla: the cases whose name holds one of these comma-separated words; --plot-only redraws the PNG.)
@@ -39,9 +41,10 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")     # Triton's default to
 # reserved per resident block, 64 warps, 32 blocks.
 SM_REGISTERS, REG_UNIT, SM_SHARED, BLOCK_RESERVED, SM_WARPS, SM_BLOCKS = 65536, 256, 228 * 1024, 1024, 64, 32
 
-# SASS opcodes counted (prefix match on the mnemonic): spill traffic, tensor-core products, global loads (LDG) and
+# SASS opcodes counted (prefix match on the mnemonic): spill traffic, tensor-core products (HMMA: a warp's mma.sync;
+# HGMMA: Hopper's warpgroup MMA, which reads its operands from shared memory, so no LDSM), global loads (LDG) and
 # asynchronous copies into shared memory (LDGSTS), barriers, fp8 -> fp16/bf16 conversions (F2FP).
-OPCODES = ("LDL", "STL", "HMMA", "LDG", "LDGSTS", "LDSM", "BAR", "F2FP", "MUFU")
+OPCODES = ("LDL", "STL", "HMMA", "HGMMA", "LDG", "LDGSTS", "LDSM", "BAR", "F2FP", "MUFU")
 
 # (keys per tile, warps, stages, register cap or None): DEEPSERVE_MLA_DECODE_TILES' values, the caps chosen for one
 # more program per SM than the uncapped build holds.
@@ -64,16 +67,43 @@ def mla_cases() -> dict:
 
 
 def gqa_cases() -> dict:
-    from deepserve.kernels.paged_attention import _decode_kernel, DecodeTiles
-    tiles = DecodeTiles()
+    from deepserve.kernels.paged_attention import _decode_kernel, DEEP_PIPELINE_TILES, DecodeTiles
     out = {}
     for cache in ("bf16", "fp8e4nv"):
         ptrs = {"cache_ptr": f"*{cache}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                 **{n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "q_rows_ptr", "seq_ids_ptr")}}
-        constexprs = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=tiles.block_n, SPLIT=True, EARLY_V=False,
-                          INPUTS_READY=True, USE_PDL=True)
-        out[f"gqa_decode {cache} {tiles.block_n}x{tiles.num_warps}x{tiles.num_stages}"] = (
-            _decode_kernel, ptrs, constexprs, {"qk_scale": "fp32"}, tiles.num_warps, tiles.num_stages, None)
+        # 128-wide heads (Llama-3-8B, Qwen3-MoE) in a split launch; 64-wide (Llama-3.2-1B) split (batch 8-32) and
+        # not (batch 64 at 4k: the deep pipeline).
+        for head_dim, tiles, split in ((128, DecodeTiles(), True), (64, DecodeTiles(), True),
+                                       (64, DEEP_PIPELINE_TILES, False)):
+            constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_G=16, BLOCK_N=tiles.block_n, SPLIT=split,
+                              EARLY_V=tiles.early_v, INPUTS_READY=True, USE_PDL=True)
+            name = f"gqa_decode d{head_dim} {cache} {tiles.block_n}x{tiles.num_warps}x{tiles.num_stages}" + \
+                ("" if split else " unsplit")
+            out[name] = (_decode_kernel, ptrs, constexprs, {"qk_scale": "fp32"}, tiles.num_warps, tiles.num_stages,
+                         None)
+    return out
+
+
+# Llama-3.2-1B's weights (N x K) and whether the gate/up one runs the SwiGLU in its epilogue.
+SKINNY_WEIGHTS = {"qkv": (3072, 2048, False), "o_proj": (2048, 2048, False), "gate_up": (16384, 2048, True),
+                  "down": (2048, 8192, False), "lm_head": (128256, 2048, False)}
+
+
+def skinny_cases() -> dict:
+    """The skinny GEMM (kernels/skinny_gemm.py) at 8 activation rows on Llama-3.2-1B's weights, at the engine's
+    tiles (`skinny_tiles`): the small-batch decode path of the dense 1B, whose steps read at 0.67-0.76 of the
+    bandwidth roofline at batch 8-64 (H100, session 30)."""
+    from deepserve.kernels.skinny_gemm import _skinny_kernel, skinny_tiles
+    out = {}
+    for name, (n, k, swiglu) in SKINNY_WEIGHTS.items():
+        tiles = skinny_tiles(n, k)
+        constexprs = dict(HAS_BIAS=False, SWIGLU=swiglu, HAS_LIMIT=False, TWO=False, ACCURATE_EXP=True,
+                          EVEN_K=k % tiles.block_k == 0, BLOCK_M=16, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                          PREFETCH=tiles.prefetch, SPLIT_K=tiles.split_k, USE_PDL=True)
+        out[f"skinny {name} {n}x{k} n{tiles.block_n} k{tiles.block_k} split{tiles.split_k}"] = (
+            _skinny_kernel, {"part_ptr": "*fp32", "counter_ptr": "*i32"}, constexprs, {"limit": "fp32"},
+            tiles.warps, tiles.stages, None, ("n_out", "k_len", "n_out2", "k_per_split"))
     return out
 
 
@@ -127,9 +157,10 @@ def resident_blocks(regs: int, shared: int, warps: int) -> dict:
 
 def measure(case) -> dict:
     from sm90_compile import aligned, compile_sm90_kernel
-    kernel, ptrs, constexprs, scalars, warps, stages, maxnreg = case
+    kernel, ptrs, constexprs, scalars, warps, stages, maxnreg, *more_aligned = case
     start = time.perf_counter()
-    compiled = compile_sm90_kernel(kernel, ptrs, constexprs, scalars, aligned(kernel), warps, stages, maxnreg)
+    hints = aligned(kernel) + (more_aligned[0] if more_aligned else ())     # + sizes a real launch sees as 16k
+    compiled = compile_sm90_kernel(kernel, ptrs, constexprs, scalars, hints, warps, stages, maxnreg)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -179,7 +210,7 @@ def main() -> None:
         with open(args.output) as f:
             plot(json.load(f), args.output.removesuffix(".json") + ".png")
         return
-    cases = {**mla_cases(), **gqa_cases(), **moe_cases()}
+    cases = {**mla_cases(), **gqa_cases(), **moe_cases(), **skinny_cases()}
     words = [w for w in args.cases.split(",") if w]
     cases = {name: c for name, c in cases.items() if not words or any(w in name for w in words)}
     result = {"command": "python " + " ".join(sys.argv), "triton": triton.__version__, "torch": torch.__version__,

@@ -66,15 +66,17 @@ def run(name: str, s: dict, tokens: int) -> dict:
     return res
 
 
-def sweep(run_one, default_tokens: str, default_output: str) -> None:
+def sweep(run_one, default_tokens: str, default_output: str, mode: str = "") -> None:
     """Command line shared with tune_moe_pair.py: run_one(name, shape, tokens) -> dict for every shape and token
-    count, written to --output after each shape."""
+    count, written to --output after each shape. `mode`: the flag the caller took out of sys.argv (kept in the
+    recorded command)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default=default_tokens)
     ap.add_argument("--output", default=default_output)
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     args = ap.parse_args()
-    out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "results": {}}
+    command = " ".join(["python", sys.argv[0]] + ([mode] if mode else []) + sys.argv[1:])
+    out = {"command": command, "gpu": torch.cuda.get_device_name(), "results": {}}
     for name in args.shapes.split(","):
         s = SHAPES[name]
         out["results"][name] = [run_one(name, s, int(t)) for t in args.tokens.split(",")]

@@ -2,12 +2,16 @@
 
 For each MoE shape and decode batch, `fused_moe` runs end to end (align + gate/up + down + combine) inside a CUDA
 graph of 20 calls (as a decode step runs it), for the engine's pick and a grid of MoEConfig candidates. Reported:
-microseconds per call and the bandwidth of the distinct experts' weights it reached (their bytes / time), against
-the 4.24 TB/s copy bandwidth.
+microseconds per call and the bandwidth of the distinct experts' weights it reached (their bytes / time; compare it
+with the card's copy bandwidth, e.g. h200_dense.py's, 4.24 TB/s on an H200 and 3.02 on an H100).
 
 Run (GPU machine):  python benchmarks/tune_moe_decode.py --output tune_moe_decode.json
   --down: the engine's pick with only the down GEMM's tiles varied (DOWN_TILES), at 64 / 128 / 256 tokens:
     python benchmarks/tune_moe_decode.py --down --shapes deepseek-v2-lite,qwen3-moe --output tune_moe_down.json
+  --unmasked-k: the engine's pick with the grouped GEMMs' K mask (the default) and without it
+    (DEEPSERVE_MOE_UNMASKED_K, switched in this process), at 8 / 64 / 128 / 256 tokens; without the mask, also the
+    down tiles of --down from 128 tokens (their best was found with the mask):
+    python benchmarks/tune_moe_decode.py --unmasked-k --shapes qwen3-moe,deepseek-v2-lite --output moe_unmasked_k.json
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from deepserve.kernels import fused_moe as fused_moe_module  # noqa: E402
 from deepserve.kernels.fused_moe import MoEConfig, pick_config  # noqa: E402
 from tune_fused_moe import sweep  # noqa: E402  (this folder: the shapes and the command line)
 from tune_moe_pair import time_configs  # noqa: E402  (CUDA-graph timing of each config)
@@ -37,10 +42,32 @@ DOWN_TILES = list(itertools.product((64, 128), (128, 256), (4, 8), (3, 4)))
 
 def run_down(name: str, s: dict, tokens: int) -> dict:
     pick = pick_config(tokens * s["top_k"], s["experts"], s["inter"], s["hidden"], torch.device("cuda"))
-    candidates = [dataclasses.replace(pick, block_n_down=n, block_k_down=k, num_warps_down=w, num_stages_down=st)
-                  for n, k, w, st in DOWN_TILES]
-    res = time_configs(name, s, tokens, [("engine pick", None)] + [(str(c), c) for c in candidates])
+    res = time_configs(name, s, tokens, [("engine pick", None)] + down_candidates(pick))
     res["engine_pick"] = str(pick)
+    return res
+
+
+def down_candidates(pick: MoEConfig) -> list:
+    return [(str(c), c) for c in (dataclasses.replace(pick, block_n_down=n, block_k_down=k, num_warps_down=w,
+                                                      num_stages_down=st) for n, k, w, st in DOWN_TILES)]
+
+
+def run_unmasked_k(name: str, s: dict, tokens: int) -> dict:
+    """The engine's pick with the K mask and without it (the module's switch flipped between the two: Triton
+    compiles each variant once), and without it the down tiles too from 128 tokens."""
+    pick = pick_config(tokens * s["top_k"], s["experts"], s["inter"], s["hidden"], torch.device("cuda"))
+    res = {"tokens": tokens, "engine_pick": str(pick)}
+    before = fused_moe_module.UNMASKED_K
+    try:
+        for unmasked in (False, True):
+            fused_moe_module.UNMASKED_K = unmasked
+            configs = [("engine pick", None)] + (down_candidates(pick) if unmasked and tokens >= 128 else [])
+            res["unmasked_k" if unmasked else "masked_k"] = time_configs(name, s, tokens, configs)
+    finally:
+        fused_moe_module.UNMASKED_K = before
+    masked, unmasked = (res[k]["configs"]["engine pick"] for k in ("masked_k", "unmasked_k"))
+    if isinstance(masked, dict) and isinstance(unmasked, dict):
+        res["engine_pick_us_masked_unmasked"] = [masked["us"], unmasked["us"]]
     return res
 
 
@@ -54,6 +81,9 @@ def run(name: str, s: dict, tokens: int) -> dict:
 if __name__ == "__main__":
     if "--down" in sys.argv:
         sys.argv.remove("--down")
-        sweep(run_down, "64,128,256", "tune_moe_down.json")
+        sweep(run_down, "64,128,256", "tune_moe_down.json", mode="--down")
+    elif "--unmasked-k" in sys.argv:
+        sys.argv.remove("--unmasked-k")
+        sweep(run_unmasked_k, "8,64,128,256", "moe_unmasked_k.json", mode="--unmasked-k")
     else:
         sweep(run, "64,256", "tune_moe_decode.json")

@@ -69,6 +69,14 @@ def require_triton(tensor=None) -> None:
                                      "set TRITON_INTERPRET=1 to run them on the CPU through the interpreter")
 
 
+@triton.jit
+def and_scalar(mask, flag):
+    """`mask & flag` for a scalar boolean `flag` (a row's "writes at all", a loop's "a next row exists"). On a GPU
+    the two are the same; Triton 3.9's interpreter broadcasts a scalar boolean to int32 in `&`, a mask tl.load and
+    tl.store refuse, where a select keeps the boolean."""
+    return tl.where(flag, mask, False)
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
@@ -77,5 +85,5 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["HAS_TRITON", "INTERPRET", "USE_LIBDEVICE", "TritonUnavailableError", "require_triton", "triton", "tl",
-           "libdevice", "next_pow2", "cdiv"]
+__all__ = ["HAS_TRITON", "INTERPRET", "USE_LIBDEVICE", "TritonUnavailableError", "and_scalar", "require_triton",
+           "triton", "tl", "libdevice", "next_pow2", "cdiv"]

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from deepserve.kernels import next_pow2, require_triton, tl, triton
+from deepserve.kernels import and_scalar, next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_config
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
@@ -98,7 +98,7 @@ def _absorb_query_kernel(q_ptr, w_ptr, out_ptr, batch, n_len, r_len,
     q = tl.load(q_head + n, mask=n_ok, other=0.0)                       # row 0 (the launcher skips batch 0)
     for b in range(batch):
         # Prefetch row b + 1's first step while row b is reduced and stored.
-        q_next = tl.load(q_head + (b + 1) * stride_qb + n, mask=n_ok & (b + 1 < batch), other=0.0)
+        q_next = tl.load(q_head + (b + 1) * stride_qb + n, mask=and_scalar(n_ok, b + 1 < batch), other=0.0)
         acc = w_first.to(tl.float32) * q.to(tl.float32)[:, None]
         for n0 in range(BLOCK_N, n_len, BLOCK_N):                      # N > BLOCK_N only
             step_ok = n < n_len - n0
@@ -128,7 +128,7 @@ def _expand_values_kernel(x_ptr, w_ptr, out_ptr, batch, v_len, r_len,
     out_head = out_ptr + h.to(tl.int64) * stride_oh + v
     x = tl.load(x_head + k, mask=k_ok, other=0.0)                       # row 0 (the launcher skips batch 0)
     for b in range(batch):
-        x_next = tl.load(x_head + (b + 1) * stride_xb + k, mask=k_ok & (b + 1 < batch), other=0.0)
+        x_next = tl.load(x_head + (b + 1) * stride_xb + k, mask=and_scalar(k_ok, b + 1 < batch), other=0.0)
         acc = w_first.to(tl.float32) * x.to(tl.float32)[None, :]
         for k0 in range(BLOCK_K, r_len, BLOCK_K):                      # R > BLOCK_K only
             step_ok = k < r_len - k0

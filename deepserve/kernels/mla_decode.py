@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from deepserve import envs
-from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
+from deepserve.kernels import and_scalar, cdiv, next_pow2, require_triton, tl, triton
 from deepserve.kernels.kv_rounding import for_products, store_rounded, widen_values
 from deepserve.kernels.norm import rms_normed
 from deepserve.kernels.paged_attention import (EARLY_INPUTS, num_sms, active_splits, active_splits_ref, copy_heads,
@@ -72,11 +72,12 @@ FORCED_TILES = parse_tiles(envs.DEEPSERVE_MLA_DECODE_TILES)
 DEFAULT_TILES = (MLA_BLOCK_N, 4, 3, None)
 
 
-def launch_tiles(block_n: Optional[int], num_warps: Optional[int], num_stages: Optional[int]) -> tuple:
+def launch_tiles(block_n: Optional[int], num_warps: Optional[int], num_stages: Optional[int],
+                 maxnreg: Optional[int] = None) -> tuple:
     """A launch's (keys per tile, warps, stages, register cap or None): the caller's where given, else
     DEEPSERVE_MLA_DECODE_TILES', else the default."""
     base = FORCED_TILES or DEFAULT_TILES
-    return (block_n or base[0], num_warps or base[1], num_stages or base[2], base[3])
+    return (block_n or base[0], num_warps or base[1], num_stages or base[2], maxnreg or base[3])
 
 
 @triton.jit
@@ -92,10 +93,11 @@ def _write_latent_kernel(latent_ptr, k_pe_ptr, cache_ptr, slot_ptr, stride_lt, s
     keep = slot >= 0
     in_latent = d < RANK
     in_rope = (d >= RANK) & (d < RANK + ROPE)
-    value = tl.load(latent_ptr + t * stride_lt + d, mask=in_latent & keep, other=0.0)
-    value = tl.where(in_rope, tl.load(k_pe_ptr + t * stride_pt + (d - RANK), mask=in_rope & keep, other=0.0), value)
+    value = tl.load(latent_ptr + t * stride_lt + d, mask=and_scalar(in_latent, keep), other=0.0)
+    rope = tl.load(k_pe_ptr + t * stride_pt + (d - RANK), mask=and_scalar(in_rope, keep), other=0.0)
+    value = tl.where(in_rope, rope, value)
     dst = cache_ptr + (slot // block_size) * stride_c_block + (slot % block_size) * stride_c_slot + d
-    store_rounded(dst, value, (d < RANK + ROPE) & keep)         # into the cache's dtype (kernels/kv_rounding.py)
+    store_rounded(dst, value, and_scalar(d < RANK + ROPE, keep))     # into the cache's dtype (kernels/kv_rounding.py)
 
 
 def write_latents(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor):
@@ -144,7 +146,7 @@ def _rotary_write_latent_kernel(pos_ptr, slot_ptr, q_pe_ptr, latent_ptr, k_pe_pt
         r = tl.arange(0, BLOCK_R)
         r_ok = r < RANK
         x = tl.load(latent_ptr + t * stride_lt + r, mask=r_ok, other=0.0)
-        store_rounded(dst + r, rms_normed(x, norm_w_ptr, r, r_ok, RANK, eps, NORM_OUT_FP32), r_ok & keep)
+        store_rounded(dst + r, rms_normed(x, norm_w_ptr, r, r_ok, RANK, eps, NORM_OUT_FP32), and_scalar(r_ok, keep))
     else:
         copy_heads(latent_ptr + t * stride_lt, 0, dst, 0, 1, keep, RANK, BLOCK_R)
 
@@ -354,7 +356,7 @@ def mla_num_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.d
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None,
                max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, block_n: Optional[int] = None,
-               num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+               num_warps: Optional[int] = None, num_stages: Optional[int] = None, maxnreg: Optional[int] = None,
                inputs_ready: bool = False) -> torch.Tensor:
     """One query token per sequence b (row b) over its paged latents.
 
@@ -362,12 +364,13 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     kv_cache: [num_blocks, block_size, R + P]; block_tables [B, max_blocks]; seq_lens [B] (>= 1, this step's
     latent already written) -> [B, H, R] attention-weighted latents (in `out` if given, else q_lat's dtype).
     `max_seq_len` (host int) sizes the split without a device sync; `num_splits` forces it; `block_n`,
-    `num_warps`, `num_stages` are the tile and launch settings (tuning; None: `launch_tiles`). `inputs_ready`:
+    `num_warps`, `num_stages`, `maxnreg` (a register cap) are the tile and launch settings (tuning; None:
+    `launch_tiles`). `inputs_ready`:
     seq_lens and block_tables were in place before the kernel launched just before this call (the backend's per-step
     metadata), so they may be read before the PDL wait.
     """
     require_triton(q_lat)
-    block_n, num_warps, num_stages, maxnreg = launch_tiles(block_n, num_warps, num_stages)
+    block_n, num_warps, num_stages, maxnreg = launch_tiles(block_n, num_warps, num_stages, maxnreg)
     bsz, heads, rank = q_lat.shape
     rope = q_pe.shape[-1]
     assert kv_cache.shape[-1] == rank + rope and kv_cache.stride(-1) == 1

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from deepserve import envs
-from deepserve.kernels import HAS_TRITON, cdiv, next_pow2, require_triton, tl, triton
+from deepserve.kernels import HAS_TRITON, and_scalar, cdiv, next_pow2, require_triton, tl, triton
 from deepserve.kernels.kv_rounding import for_products, store_rounded, widen_keys, widen_values
 from deepserve.kernels.l2_prefetch import (L2_PREFETCH_PIECE, L2_PREFETCH_PIECES, l2_prefetch_plan,
                                           prefetch_bytes_to_l2)
@@ -43,7 +43,7 @@ def copy_heads(src_row, stride_sh, dst_row, stride_dh, num_heads, keep,
     offs = tl.arange(0, BLOCK_HD)
     h = offs // HEAD_DIM
     d = offs % HEAD_DIM
-    mask = (offs < num_heads * HEAD_DIM) & keep
+    mask = and_scalar(offs < num_heads * HEAD_DIM, keep)
     x = tl.load(src_row + h * stride_sh + d, mask=mask)
     store_rounded(dst_row + h * stride_dh + d, x, mask)
 

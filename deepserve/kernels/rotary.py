@@ -18,7 +18,7 @@ Qwen3's per-head RMSNorm first) is shared with the kernels that rotate and write
 
 import torch
 
-from deepserve.kernels import next_pow2, require_triton, tl, triton
+from deepserve.kernels import and_scalar, next_pow2, require_triton, tl, triton
 from deepserve.kernels.kv_rounding import store_rounded
 from deepserve.kernels.reference.rotary import rotate_at
 
@@ -81,8 +81,8 @@ def rotate_normed_heads(x_row, o_row, stride_xh, stride_oh, num_heads, keep,
         o1 = x1 * cos1[None, :] - x2 * sin1[None, :]
         o2 = x2 * cos2[None, :] + x1 * sin2[None, :]
         dst = o_row + h[:, None] * stride_oh + j[None, :]
-        store_rounded(dst, o1.to(dtype), mask & keep)           # into a cache's dtype (kernels/kv_rounding.py)
-        store_rounded(dst + HALF, o2.to(dtype), mask & keep)
+        store_rounded(dst, o1.to(dtype), and_scalar(mask, keep))      # into a cache's dtype (kernels/kv_rounding.py)
+        store_rounded(dst + HALF, o2.to(dtype), and_scalar(mask, keep))
 
 
 # positions is a view into the step's packed index buffer: its 16-byte alignment changes with the step's token

@@ -68,13 +68,14 @@ def assert_attention_close(out, ref, dtype):
     assert rel < rel_tol and max_abs < abs_tol, f"rel {rel:.2e} (tol {rel_tol}), max abs {max_abs:.2e} (tol {abs_tol})"
 
 
-def assert_within_ulps(out, ref, dtype, ulps=1, min_exact=0.99, atol=0.0):
+def assert_within_ulps(out, ref, dtype, ulps=1, min_exact=0.99, atol=0.0, scale=None):
     """|out - ref| <= ulps roundings of the dtype (relative) + atol, and most elements bit-identical. `atol` covers
-    float32 reassociation (e.g. a fused multiply-add) on results that cancel to near zero."""
+    float32 reassociation (e.g. a fused multiply-add) on results that cancel to near zero. `scale` (ref's shape):
+    the magnitude each element's roundings are counted in, where it is not |ref| (`rotation_pair_norms`)."""
     assert out.dtype == ref.dtype and out.shape == ref.shape
     o, r = out.float(), ref.float()
     assert torch.isfinite(o).all()
-    tol = ulps * ULP[dtype] * r.abs() + atol + 1e-30
+    tol = ulps * ULP[dtype] * (r.abs() if scale is None else scale.float()) + atol + 1e-30
     excess = (o - r).abs() - tol
     bad = excess > 0
     if bad.any():
@@ -83,6 +84,15 @@ def assert_within_ulps(out, ref, dtype, ulps=1, min_exact=0.99, atol=0.0):
                              f"out {o.flatten()[i].item():.8e} ref {r.flatten()[i].item():.8e}")
     exact = (o == r).float().mean().item()
     assert exact >= min_exact, f"only {exact:.4f} of elements bit-identical"
+
+
+def rotation_pair_norms(x):
+    """|(x[j], x[j + D/2])| for each element of x [..., D] (NeoX pairs): what a rotated element's roundings scale
+    with. A rotated value x1 cos - x2 sin may cancel far below its terms, and an input rounded one ulp apart (its
+    norm statistics summed in another order) then moves it by an ulp of the terms, many of its own."""
+    half = x.shape[-1] // 2
+    norms = torch.hypot(x[..., :half].float(), x[..., half:].float())
+    return torch.cat([norms, norms], dim=-1)
 
 
 def assert_close_rel(out, ref, tol):

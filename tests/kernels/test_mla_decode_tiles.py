@@ -31,6 +31,9 @@ def test_launch_tiles_caller_then_variable_then_default(monkeypatch):
     monkeypatch.setattr(mla_decode, "FORCED_TILES", (16, 8, 2, 128))
     assert mla_decode.launch_tiles(None, None, None) == (16, 8, 2, 128)
     assert mla_decode.launch_tiles(64, None, 3) == (64, 8, 3, 128)
+    assert mla_decode.launch_tiles(None, 4, None, 168) == (16, 4, 2, 168)     # the caller's cap (a tile sweep's)
+    monkeypatch.setattr(mla_decode, "FORCED_TILES", None)
+    assert mla_decode.launch_tiles(None, None, 2, 96) == (mla_decode.MLA_BLOCK_N, 4, 2, 96)
 
 
 def test_variable_is_read_at_import():

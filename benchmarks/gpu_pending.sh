@@ -1,0 +1,97 @@
+#!/bin/bash
+# The GPU work that waits for a device machine, in stages that each fit one device call (10 minutes at most): the
+# A/B switches written while no GPU was lent (docs/gpu.md lists them), the GPU tests of the committed defaults, and
+# the decode sweeps that issue 21's targets are read from. Each stage writes its files into $OUT (the device tool
+# returns them) and prints a summary; the full logs stay in /tmp.
+#
+# Run from the repository root on the device machine, one stage per call, with the wheels of the packages the image
+# lacks in .whl/ (README "GPU"; the device tool's `carry: [".whl"]`):
+#   bash benchmarks/gpu_pending.sh kernels   # ~5 min: kernel-level A/Bs, one process each (no model build)
+#   bash benchmarks/gpu_pending.sh tests     # ~3 min: tests/gpu under pytest-xdist if present, then gpu_alone
+#   bash benchmarks/gpu_pending.sh moe-ab    # ~9 min: MoE decode steps, DEEPSERVE_MOE_UNMASKED_K=0,1
+#   bash benchmarks/gpu_pending.sh mla-ab    # ~9 min: V2-Lite steps over an E4M3 cache, MLA decode tiles
+#   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
+# MLA_TILES="32x4x3,16x4x3" narrows mla-ab to the settings the kernels stage favoured (default: all four).
+set -u
+STAGE=${1:?"stage: kernels | tests | moe-ab | mla-ab | sweeps"}
+OUT=${OUT:-/tmp/gpu_pending_out}
+mkdir -p "$OUT"
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || { echo "wheel install failed"; exit 1; }
+pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+t0=$(date +%s)
+elapsed() { echo "[t=$(( $(date +%s) - t0 )) s] $*"; }
+
+summarise_steps() {   # the rows of an ab_env_sweep.py JSON: setting, label, step ms, the roofline ratios
+    python3 - "$1" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for setting, rows in d["results"].items():
+    for r in rows:
+        print(f"{setting:40s} {r['label']:28s} {r['step_ms']:8.3f} ms", r.get("experts_roofline_ratio", ""),
+              r.get("fraction_of_roofline", ""))
+PY
+}
+
+case "$STAGE" in
+kernels)
+    timeout 280 python3 benchmarks/tune_moe_decode.py --unmasked-k --shapes qwen3-moe,deepseek-v2-lite \
+        --output "$OUT/moe_unmasked_k_kernels.json" > /tmp/moe_unmasked_k.log 2>&1
+    grep " best \|engine pick" /tmp/moe_unmasked_k.log | tail -40; elapsed "moe unmasked-k"
+    timeout 240 python3 benchmarks/fp8_attention_kernels.py --settings "DEEPSERVE_FP8_PRODUCTS=f16" \
+        --cases deepseek-v2-lite --tiles 32x4x3,16x4x3,32x4x2,32x4x2r168,16x4x3r128,32x4x2r128 \
+        --output "$OUT/mla_tiles_kernels.json" > /tmp/mla_tiles.log 2>&1
+    tail -12 /tmp/mla_tiles.log | cut -c1-1500; elapsed "mla tiles"
+    ;;
+tests)
+    n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
+    timeout 360 python3 -m pytest -q $n tests/gpu -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
+    tail -15 "$OUT/pytest_gpu.log"; elapsed "tests/gpu"
+    timeout 150 python3 -m pytest -q tests/gpu -m gpu_alone -p no:cacheprovider > "$OUT/pytest_gpu_alone.log" 2>&1
+    tail -3 "$OUT/pytest_gpu_alone.log"; elapsed "gpu_alone"
+    ;;
+moe-ab)
+    timeout 570 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_UNMASKED_K=0,1 --passes 2 --timeout 140 \
+        --output "$OUT/moe_unmasked_k_ab.json" -- --shapes qwen3-moe,deepseek-v2-lite --batches 8,64,128,256 \
+        --kv-cache-dtype fp8 --profile-batch 0 > /tmp/moe_ab.log 2>&1
+    tail -3 /tmp/moe_ab.log; summarise_steps "$OUT/moe_unmasked_k_ab.json"; elapsed "moe-ab"
+    ;;
+mla-ab)
+    timeout 570 python3 benchmarks/ab_env_sweep.py \
+        --setting "DEEPSERVE_MLA_DECODE_TILES=${MLA_TILES:-32x4x3,16x4x3,32x4x2r168,16x4x3r128}" --passes 1 \
+        --timeout 130 --output "$OUT/mla_tiles_ab.json" -- --shapes deepseek-v2-lite --batches 8,64,128,256 \
+        --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_ab.log 2>&1
+    tail -3 /tmp/mla_ab.log; summarise_steps "$OUT/mla_tiles_ab.json"; elapsed "mla-ab"
+    ;;
+sweeps)
+    for kv in fp8 auto; do
+        timeout 140 python3 benchmarks/h200_decode_sweep.py --shapes qwen3-moe,deepseek-v2-lite --batches 8,64,128,256 \
+            --contexts 1024 --kv-cache-dtype $kv --output "$OUT/moe_$kv.json" > /tmp/moe_$kv.log 2>&1
+        elapsed "moe sweep, $kv cache"
+    done
+    timeout 160 python3 benchmarks/h200_decode_sweep.py --shapes llama-3.2-1b,llama-3-8b --batches 1,8,64,256 \
+        --contexts 1024,4096 --output "$OUT/dense_auto.json" > /tmp/dense.log 2>&1
+    elapsed "dense sweep"
+    python3 - "$OUT" <<'PY'
+import json, os, sys
+for name in ("moe_fp8", "moe_auto", "dense_auto"):
+    path = os.path.join(sys.argv[1], name + ".json")
+    if not os.path.exists(path):
+        print(name, "missing"); continue
+    d = json.load(open(path)); print(name, d["gpu"], d["bandwidth_Bps"])
+    for shape, by_context in d["results"].items():
+        for context, entry in by_context.items():
+            for r in entry.get("batches", []):
+                print(f"  {shape} {context} b{r['batch']}: {r['step_ms']} ms, {r['tokens_per_s']} tok/s, experts ratio",
+                      r.get("experts_roofline_ratio"), "roofline fraction", r["fraction_of_roofline"])
+            if "error" in entry:
+                print(" ", shape, context, entry["error"][-300:])
+PY
+    ;;
+*)
+    echo "unknown stage $STAGE"; exit 2
+    ;;
+esac

@@ -1,0 +1,45 @@
+"""The GPU benchmarks' host-side logic, checked without a GPU: what a tile spec means (fp8_attention_kernels.py) and
+which configurations the MoE K-mask A/B times with the switch in which position (tune_moe_decode.py)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture
+def benchmarks_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", ["benchmark"])
+
+
+def test_attention_tile_specs(benchmarks_on_path):
+    from fp8_attention_kernels import parse_tiles
+    assert parse_tiles("32x4x3") == (32, 4, 3, False, None)
+    assert parse_tiles("64x4x2e") == (64, 4, 2, True, None)         # GQA: values loaded with the keys
+    assert parse_tiles("32x4x2r168") == (32, 4, 2, False, 168)      # MLA: a register cap
+    assert parse_tiles("16x4x3R128") == (16, 4, 3, False, 128)
+
+
+def test_unmasked_k_ab_flips_the_switch_and_restores_it(benchmarks_on_path, monkeypatch):
+    import tune_moe_decode
+    from deepserve.kernels import fused_moe
+    from tune_fused_moe import SHAPES
+    timed = []
+
+    def fake_time_configs(name, shape, tokens, configs):
+        timed.append((tokens, fused_moe.UNMASKED_K, [label for label, _ in configs]))
+        return {"configs": {label: {"us": 10.0 - 2 * fused_moe.UNMASKED_K} for label, _ in configs}}
+
+    monkeypatch.setattr(fused_moe, "UNMASKED_K", False)
+    monkeypatch.setattr(tune_moe_decode, "time_configs", fake_time_configs)
+    monkeypatch.setattr(tune_moe_decode, "pick_config", lambda *args: fused_moe.MoEConfig(32, 64, 128))
+    small = tune_moe_decode.run_unmasked_k("qwen3-moe", SHAPES["qwen3-moe"], 8)
+    large = tune_moe_decode.run_unmasked_k("qwen3-moe", SHAPES["qwen3-moe"], 256)
+    assert small["engine_pick_us_masked_unmasked"] == large["engine_pick_us_masked_unmasked"] == [10.0, 8.0]
+    assert [(t, flag, len(labels)) for t, flag, labels in timed] == [
+        (8, False, 1), (8, True, 1), (256, False, 1), (256, True, 1 + len(tune_moe_decode.DOWN_TILES))]
+    assert all(labels[0] == "engine pick" for _, _, labels in timed)
+    assert fused_moe.UNMASKED_K is False        # the process's switch is back where it was
