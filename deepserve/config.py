@@ -34,7 +34,8 @@ def torch_dtype(name: str) -> "torch.dtype":
 
 
 def is_fp8(dtype: "torch.dtype") -> bool:
-    from deepserve.loader.fp8 import FP8_DTYPES
+    """An 8-bit float KV cache dtype."""
+    from deepserve.kernels.reference.attention import FP8_DTYPES
     return dtype in FP8_DTYPES
 
 # CPU default of SchedulerConfig.max_prefill_tokens_while_decoding. A CPU step's time grows with its token count

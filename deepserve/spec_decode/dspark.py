@@ -27,6 +27,7 @@ max(P - Q e^-5e-5, 0). Greedy drafts are argmaxes: point masses.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,7 +37,9 @@ from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.paged_state import RowSlots
 from deepserve.sequence import Sequence
 from deepserve.spec_decode.drafts import ModelDrafter
-from deepserve.worker.scheduler_output import ScheduledSequence
+
+if TYPE_CHECKING:     # the worker's step contract, by type only: the worker imports this floor
+    from deepserve.worker.scheduler_output import ScheduledSequence
 
 MTP_SEED_OFFSET = 1000000007        # §6.3: the draft ("mtp") random stream
 GREEDY_TEMPERATURE = 1e-5           # §6.3: greedy rows' temperature (the confidence head divides by it)

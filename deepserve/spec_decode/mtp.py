@@ -32,12 +32,15 @@ confidence the MTP's probability of it (given the drafts before it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepserve.layers.forward_batch import ForwardBatch, upload_int64
 from deepserve.spec_decode.drafts import ModelDrafter
-from deepserve.worker.scheduler_output import ScheduledSequence
+
+if TYPE_CHECKING:     # the worker's step contract, by type only: the worker imports this floor
+    from deepserve.worker.scheduler_output import ScheduledSequence
 
 
 @dataclass

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepserve.loader.fp8 import FP8_DTYPES
+# The 8-bit float dtypes a KV cache may hold (kv_cache_dtype "fp8" / "fp8_e5m2"; config.py maps the names).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # torch >= 2.5 lets SDPA broadcast kv heads over query groups without copying them.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
