@@ -32,12 +32,20 @@ def test_serve_replicas_runs_engines_behind_a_router(tmp_path):
         wait_until(lambda: healthy_replicas(base_url) == 2, 240, 0.5, what="two replicas up")
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
         assert httpx.post(base_url + "/v1/completions", json=body, timeout=60).status_code == 200
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        children = child_pids(proc.pid)
         assert len(children) == 2
         subprocess.run(["kill", "-9", children[0]], check=True)
-        wait_until(lambda: healthy_replicas(base_url) == 1, 30, 0.1, what="killed one out")
+        # Started again: a new engine process in the killed one's place. (Whether the router takes it out first
+        # depends on which is faster, its two failed probes or the restart: on a fast machine the engine can be
+        # back before the second probe, so that is not asserted here; tests/router/test_router_e2e.py covers it.)
+        wait_until(lambda: len(child_pids(proc.pid)) == 2 and children[0] not in child_pids(proc.pid), 60, 0.2,
+                   what="killed one started again")
         wait_until(lambda: healthy_replicas(base_url) == 2, 240, 0.5, what="killed one back")
         assert httpx.post(base_url + "/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def child_pids(pid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
 
 
 class Ramp:
