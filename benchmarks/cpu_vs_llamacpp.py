@@ -8,12 +8,14 @@ Measures:
   is no dependency of deepserve; build it with GGML_NATIVE=OFF on AVX-512 / AMX hosts, see docs/cpu.md);
 - the mean NLL of a fixed 600-token text (benchmarks/cpu_smollm2.py's own source, as there) per mode and for
   llama.cpp: what each numeric path costs;
-- numeric option (b) as mode "gguf+q8act": the activations quantized per 32-block to int8 (llama.cpp's way, integer
-  dot products with VNNI / maddubs) instead of option (a)'s fp32 activations;
-- the packed kernel alone against dequantize + sgemm and option (b) by row count (why MANY_ROWS), and where a
-  deepserve gguf decode step's time goes (kernels, the rest of the forward, the engine around it).
+- quantization="gguf_a8" (kernels/cpu/gguf_a8.c): the same blocks, repacked at load, times activations quantized
+  per 32-block to int8 (llama.cpp's numerics, integer dot products with VNNI / maddubs); its NLL is taken with every
+  row through the int8 kernel (gguf_a8.MANY_ROWS raised), as llama.cpp computes the text, where the engine's prefill
+  chunks of 32+ rows would run dequantize + sgemm;
+- the packed kernels alone against dequantize + sgemm by row count (why MANY_ROWS), and where a deepserve gguf /
+  gguf_a8 decode step's time goes (kernels, the rest of the forward, the engine around it).
 
-Run:  python benchmarks/cpu_vs_llamacpp.py [--threads 2] [--repeats 3] [--modes none,w8a8,gguf,gguf+q8act]
+Run:  python benchmarks/cpu_vs_llamacpp.py [--threads 2] [--repeats 3] [--modes none,w8a8,gguf,gguf_a8]
       (llama.cpp from another environment: --llama-cpp-site /tmp/llamacpp-venv/lib/python3.11/site-packages)
 """
 
@@ -32,6 +34,7 @@ import torch
 
 from deepserve import LLM, SamplingParams
 from deepserve.bench.throughput import machine_info, random_prompts, run_latency, write_json
+from deepserve.kernels.cpu import gguf_a8
 from deepserve.kernels.cpu import gguf_linear as gk
 from deepserve.kernels.cpu import isa
 from deepserve.layers.gguf_linear import GGUFLinear
@@ -42,7 +45,13 @@ NLL_TEXT = HERE / "cpu_smollm2.py"
 
 
 def mean_nll(llm: LLM, ids: list[int]) -> float:
-    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    """Mean NLL of `ids` teacher-forced; gguf_a8's int8 kernel takes every row here (not only fewer than 32)."""
+    many_rows, gguf_a8.MANY_ROWS = gguf_a8.MANY_ROWS, 1 << 30
+    try:
+        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+    finally:
+        gguf_a8.MANY_ROWS = many_rows
     lps = [entry[ids[i]].logprob for i, entry in enumerate(out.prompt_logprobs) if entry is not None]
     return -sum(lps) / len(lps)
 
@@ -52,7 +61,6 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> dict:
     go one by one), the one C call that runs all the layers (layers/cpu_decode.py, rebuilt here with its phase timers:
     norms, GEMVs, rotary + KV write, attention, SwiGLU), the model's forward, the LM head + logits, and the engine
     around them (scheduling, batch building, sampling, outputs)."""
-    from deepserve.layers import gguf_linear as layer_mod
     spent = {"gemm": 0.0, "forward": 0.0, "logits": 0.0, "layers_c": 0.0}
     model = llm.engine.runner.model
     forward, logits, fused = model.forward, model.compute_logits, model.cpu_decode
@@ -67,11 +75,6 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> dict:
                 spent[key] += time.perf_counter() - t
         return wrapper
 
-    class TimedKernel:      # the layer module's `kernel` name: only the GEMMs are timed
-        def __getattr__(self, name):
-            return getattr(gk, name)
-        gguf_linear_q8act = staticmethod(timed("gemm", gk.gguf_linear_q8act))
-
     gemms = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     for m in gemms:                        # each layer's bound GEMM (PackedGemm), timed as an instance attribute
         m.gemm = timed("gemm", m.gemm)
@@ -82,8 +85,7 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> dict:
     seq = engine.requests["profile"].seqs[0]
     while seq.num_output_tokens < 2:      # past the prefill (with overlapped steps, its forward runs a step late)
         engine.step()
-    layer_mod.kernel, model.forward, model.compute_logits = TimedKernel(), timed("forward", forward), \
-        timed("logits", logits)
+    model.forward, model.compute_logits = timed("forward", forward), timed("logits", logits)
     fused.phase_times = True
     fused.reset()
     model.cpu_decode = timed("layers_c", fused)
@@ -97,7 +99,6 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> dict:
         stack = fused.stack
         phases = stack.phase_times() if stack is not None and n else {}
     finally:
-        layer_mod.kernel = gk
         del model.forward, model.compute_logits
         model.cpu_decode = fused
         fused.phase_times = False
@@ -116,19 +117,20 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> dict:
 
 
 def kernel_rows(repeats: int = 20) -> dict:
-    """ms of one gate_up-sized (3072 x 576, Q4_1) GEMM by rows: the packed kernel (option (a)), dequantize + sgemm,
-    and option (b) (int8 activations)."""
+    """ms of one gate_up-sized (3072 x 576, Q4_1) GEMM by rows: the packed kernel (fp32 activations), dequantize +
+    sgemm, and gguf_a8's (int8 activations, repacked blocks)."""
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3072, 18, 20), dtype=torch.uint8, generator=gen)
     blocks[..., 0:4] = torch.tensor([0x1e, 0x1f, 0x9e, 0xa0], dtype=torch.uint8)   # d ~ 0.0074, m ~ -0.0077
     blocks = blocks.reshape(3072, -1).contiguous()
+    repacked = gguf_a8.repack(blocks, gk.Q4_1, 576)
     out = {}
     for m in (1, 2, 4, 8, 16, 32, 64):
         x = torch.randn(m, 576, generator=gen)
         row = {}
         for name, fn in (("packed", lambda: gk.gguf_linear(x, blocks, gk.Q4_1, 576, many_rows=1 << 30)),
                          ("dequant_sgemm", lambda: gk.gguf_linear(x, blocks, gk.Q4_1, 576, many_rows=0)),
-                         ("option_b_int8_x", lambda: gk.gguf_linear_q8act(x, blocks, gk.Q4_1, 576))):
+                         ("gguf_a8_int8_x", lambda: gguf_a8.linear(x, repacked, gk.Q4_1, 576, many_rows=1 << 30))):
             fn()
             best = float("inf")
             for _ in range(repeats):
@@ -215,7 +217,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--modes", default="none,w8a8,gguf,gguf+q8act")
+    ap.add_argument("--modes", default="none,w8a8,gguf,gguf_a8")
     ap.add_argument("--llama-cpp-site", default=None, help="site-packages holding llama_cpp (another venv)")
     ap.add_argument("--output", default=str(HERE / "cpu_vs_llamacpp.json"))
     args = ap.parse_args()
@@ -237,12 +239,7 @@ def main() -> None:
     # one engine alive at a time (a second LLM in the process was measured to slow the first down 2-7x).
     for rep in range(args.repeats):
         for mode in modes:
-            llm = LLM(quantization={"none": None, "gguf+q8act": "gguf"}.get(mode, mode), max_model_len=2048, seed=0)
-            if mode == "gguf+q8act":       # numeric option (b): activations quantized to int8 per 32-block
-                for m in llm.engine.runner.model.modules():
-                    if isinstance(m, GGUFLinear):
-                        m.int8_activations = True
-                llm.engine.runner.model.cpu_decode.reset()      # refuses int8 activations: layer by layer
+            llm = LLM(quantization=None if mode == "none" else mode, max_model_len=2048, seed=0)
             if rep == 0:
                 if nll_ids is None:
                     nll_ids = llm.get_tokenizer().encode(NLL_TEXT.read_text())[:600]
@@ -251,7 +248,7 @@ def main() -> None:
                 greedy[mode] = list(out[0].outputs[0].token_ids)
             samples[mode].append(run_latency(llm, batch_size=1, input_len=32,
                                              output_len=args.output_len)["decode_tokens_per_s"])
-            if mode in ("gguf", "gguf+q8act"):
+            if mode in ("gguf", "gguf_a8"):
                 profiles.setdefault(mode, []).append(profile_decode(llm, prompt, 64))
             del llm
             gc.collect()
@@ -272,7 +269,8 @@ def main() -> None:
     for mode, runs in profiles.items():
         entry = results["deepserve"][mode]
         entry["profile_decode_step"] = min(runs, key=lambda p: p["step_ms"])
-        entry["isa"] = gk.choose_q8act_isa() if mode == "gguf+q8act" else gk.resolved_isa(gk.choose_isa())
+        entry["isa"] = gguf_a8.resolved_isa(gguf_a8.choose_isa()) if mode == "gguf_a8" \
+            else gk.resolved_isa(gk.choose_isa())
     results["kernel_rows_ms_3072x576_q4_1"] = kernel_rows()
     print(results, flush=True)
     base = greedy.get("none")

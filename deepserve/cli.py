@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from deepserve import envs
-from deepserve.config import EngineArgs
+from deepserve.config import QUANTIZATIONS, EngineArgs
 from deepserve.router.options import add_cluster_args, add_router_args, runs_a_cluster
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n",
@@ -43,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: set[str] = frozenset(
         elif f.name in _PARALLEL_ALIASES:
             group.add_argument(flag, _PARALLEL_ALIASES[f.name], type=int, default=f.default, dest=f.name)
         elif f.name == "quantization":
-            group.add_argument(flag, choices=["int8", "w8a8", "gguf"], default=None)
+            group.add_argument(flag, choices=list(QUANTIZATIONS), default=None)
         elif f.name == "gpu_memory_utilization":
             group.add_argument(flag, type=float, default=f.default)
         else:

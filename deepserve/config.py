@@ -25,6 +25,10 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # and saturated at the format's largest finite value, with no scale (vLLM's default for checkpoints without
 # calibrated k/v scales).
 FP8_KV_NAMES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+# quantization=: int8 weights; int8 weights and activations; a GGUF file's blocks kept packed (fp32 activations; int8
+# activations, llama.cpp's numerics).
+QUANTIZATIONS = ("int8", "w8a8", "gguf", "gguf_a8")
+GGUF_QUANTIZATIONS = ("gguf", "gguf_a8")
 
 
 def torch_dtype(name: str) -> "torch.dtype":
@@ -55,7 +59,7 @@ class ModelConfig:
     skip_tokenizer_init: bool
     seed: int
     # None | "int8" (weight-only) | "w8a8" (see layers/quantization.py) | "gguf" (a GGUF file's Q4_1 / Q8_0 blocks
-    # kept packed, CPU only: layers/gguf_linear.py)
+    # kept packed, CPU only: layers/gguf_linear.py) | "gguf_a8" (the same with int8 activations, llama.cpp's numerics)
     quantization: str | None = None
     keep_mtp: bool = False          # build and load DeepSeek-V3's MTP layer (speculative_config method "mtp")
     dspark: bool = False            # run DeepSeek-V4.1's DSpark draft blocks (speculative_config method "dspark")
@@ -372,8 +376,8 @@ class EngineArgs:
         need(self.kv_cache_dtype in ("auto", *DTYPE_NAMES, *FP8_KV_NAMES),
              f"kv_cache_dtype must be one of auto, {', '.join(DTYPE_NAMES + FP8_KV_NAMES)}; "
              f"got {self.kv_cache_dtype!r}")
-        need(self.quantization in (None, "int8", "w8a8", "gguf"),
-             f"quantization must be None, int8, w8a8 or gguf; got {self.quantization!r}")
+        need(self.quantization in (None, *QUANTIZATIONS),
+             f"quantization must be None or one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              f"block_size must be a power of two >= 1; got {self.block_size}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
@@ -423,18 +427,20 @@ class EngineArgs:
         return CPU_MAX_PREFILL_TOKENS_WHILE_DECODING
 
     def _check_gguf(self, path: str, device: "torch.device", batch_invariant: bool) -> None:
-        """quantization="gguf" multiplies by the file's packed blocks in C kernels: a .gguf model on the CPU only."""
+        """quantization="gguf" / "gguf_a8" multiply by the file's packed blocks in C kernels: a .gguf model on the
+        CPU only."""
+        q = self.quantization
         if not path.endswith(".gguf"):
-            raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized blocks packed; {path} is not a .gguf "
+            raise ValueError(f"quantization={q!r} keeps a GGUF file's quantized blocks packed; {path} is not a .gguf "
                              "file (use int8 or w8a8 for other checkpoints)")
         if device.type != "cpu":
-            raise ValueError(f"quantization='gguf' runs on the CPU only (C kernels), not on {device}; leave "
+            raise ValueError(f"quantization={q!r} runs on the CPU only (C kernels), not on {device}; leave "
                              "quantization unset there to run the dequantized model")
         if batch_invariant:
-            raise ValueError("quantization='gguf' is not batch-invariant (few rows run the packed kernel, many rows "
+            raise ValueError(f"quantization={q!r} is not batch-invariant (few rows run the packed kernel, many rows "
                              "an sgemm); turn one of them off")
         if self.parallel_config.world_size > 1:
-            raise ValueError("quantization='gguf' runs on one rank only (no tensor / data / expert parallelism)")
+            raise ValueError(f"quantization={q!r} runs on one rank only (no tensor / data / expert parallelism)")
 
     def resolve_batch_invariant(self) -> bool:
         """The argument, or DEEPSERVE_BATCH_INVARIANT when it is None."""
@@ -479,7 +485,7 @@ class EngineArgs:
         if kv_store is not None:
             kv_store.check_path()
         batch_invariant = self.resolve_batch_invariant()
-        if self.quantization == "gguf":
+        if self.quantization in GGUF_QUANTIZATIONS:
             self._check_gguf(path, device, batch_invariant)
         return EngineConfig(
             kv_store=kv_store,

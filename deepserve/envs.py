@@ -138,7 +138,8 @@ _DECLARED = [
     EnvVar("DEEPSERVE_MOE_UNMASKED_K", "bool", False,
            "GPU MoE grouped GEMMs (aligned mode): where K is a multiple of the K step, loads without a K mask, "
            "so Triton stages them through cp.async (kernels/fused_moe.py; fewer registers, "
-           "kernel_resources.json); an A/B switch, not yet timed on a GPU (read at import)"),
+           "kernel_resources.json); an A/B switch, no step faster with it on an H100 (moe_unmasked_k_ab_h100_s32.json; "
+           "read at import)"),
     EnvVar("DEEPSERVE_MOE_FUSED_SHARED", "bool", True,
            "GPU MoE layers in the aligned (grouped GEMM) mode, up to 64 tokens, run the shared experts as extra blocks "
            "of the routed experts' GEMMs; 0: their own launches, before the routed experts"),

@@ -32,9 +32,9 @@ MAX_ROWS = 16
 
 
 def _packed(m: nn.Module) -> kernel.PackedWeight | None:
-    if type(m) is not GGUFLinear or m.int8_activations:
+    if type(m) is not GGUFLinear:
         return None
-    return kernel.PackedWeight(m.blocks, m.qtype, None if m.bias is None else m.bias.detach())
+    return kernel.PackedWeight(m.blocks, m.qtype, None if m.bias is None else m.bias.detach(), m.int8_activations)
 
 
 def _norm_weight(m: nn.Module) -> torch.Tensor | None:
@@ -59,7 +59,7 @@ def _why_not(layer: nn.Module) -> str | None:
     if attn.attn.kv_cache is None:
         return "no KV cache bound yet"
     if any(_packed(p) is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-        return "a projection that is not GGUF-packed (or takes int8 activations)"
+        return "a projection that is not GGUF-packed"
     if any(_norm_weight(n) is None for n in (layer.input_layernorm, layer.post_attention_layernorm)):
         return "a norm that is not an fp32 RMSNorm"
     return None

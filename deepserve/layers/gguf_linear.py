@@ -2,7 +2,10 @@
 
 `GGUFLinear` multiplies by the blocks in C (kernels/cpu/gguf_linear.c) with fp32 activations: the weights are
 exactly the file's and results equal the dequantized fp32 model's up to the order of the sums, while a decode step
-reads 4.5 (Q4_1) or 8.5 (Q8_0) bits per weight instead of 32. `GGUFEmbedding` dequantizes only the rows it looks up.
+reads 4.5 (Q4_1) or 8.5 (Q8_0) bits per weight instead of 32. `quantization="gguf_a8"`: the same weights, repacked
+at load, times activations quantized to int8 per 32-block (kernels/cpu/gguf_a8.c: llama.cpp's numerics, integer dot
+products, about twice the fp32 path's speed on a CPU with VNNI); prefill chunks of MANY_ROWS rows and more still run
+dequantize + sgemm with fp32 activations. `GGUFEmbedding` dequantizes only the rows it looks up.
 `pack_model` swaps them in after the usual (dequantizing) load: a fused projection (qkv_proj, gate_up_proj)
 concatenates the rows of its parts' blocks, a tied LM head multiplies by the embedding's blocks. A matrix stored in
 another type (F32, K-quants) keeps its fp32 Linear.
@@ -15,6 +18,7 @@ import logging
 import torch
 from torch import nn
 
+from deepserve.kernels.cpu import gguf_a8
 from deepserve.kernels.cpu import gguf_linear as kernel
 from deepserve.loader.gguf_loader import PackedTensor
 
@@ -25,26 +29,27 @@ PACKED_TYPES = tuple(kernel.BLOCK_BYTES)
 
 
 class GGUFLinear(nn.Module):
-    # Numeric option (b) instead: activations quantized per 32-block to int8 (llama.cpp's way). Off: it changes the
-    # model's numbers; benchmarks/cpu_vs_llamacpp.py switches it on per layer to measure it against option (a).
-    int8_activations = False
+    """`blocks`: the file's rows of blocks. With `int8_activations` they are kept repacked (`gguf_a8.repack`, the
+    same bytes per row in another order) and the input is quantized to int8 per 32-block."""
 
-    def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None = None,
+                 int8_activations: bool = False) -> None:
         super().__init__()
         kernel.check_blocks(blocks, qtype, in_features)
-        self.register_buffer("blocks", blocks.contiguous())
+        self.int8_activations = int8_activations
+        blocks = gguf_a8.repack(blocks, qtype, in_features) if int8_activations else blocks.contiguous()
+        self.register_buffer("blocks", blocks)
         self.qtype, self.in_features, self.out_features = qtype, in_features, blocks.shape[0]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.gemm = kernel.PackedGemm(qtype, in_features)      # library and vector code looked up once, here
+        # library and vector code looked up once, here
+        gemm = gguf_a8.PackedGemmA8 if int8_activations else kernel.PackedGemm
+        self.gemm = gemm(qtype, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32:
             flat = flat.float()
-        if self.int8_activations:
-            out = kernel.gguf_linear_q8act(flat, self.blocks, self.qtype, self.in_features)
-        else:
-            out = self.gemm(flat, self.blocks)
+        out = self.gemm(flat, self.blocks)
         if x.dim() != 2:
             out = out.view(*x.shape[:-1], self.out_features)
         if self.bias is not None:
@@ -52,11 +57,14 @@ class GGUFLinear(nn.Module):
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def dequantized_weight(self) -> torch.Tensor:
+        if self.int8_activations:
+            return gguf_a8.dequantize(self.blocks, self.qtype, self.in_features)
         return kernel.dequantize(self.blocks, self.qtype, self.in_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"type={kernel.TYPE_NAMES[self.qtype]}, bias={self.bias is not None}")
+                f"type={kernel.TYPE_NAMES[self.qtype]}, bias={self.bias is not None}"
+                + (", int8 activations" if self.int8_activations else ""))
 
 
 class GGUFEmbedding(nn.Module):
@@ -90,20 +98,21 @@ def _find(packed: dict[str, PackedTensor], module_path: str) -> PackedTensor | N
     return packed.get(f"model.{module_path}.weight") or packed.get(f"{module_path}.weight")
 
 
-def _packed_linear(child: nn.Linear, parts: list[PackedTensor | None]) -> GGUFLinear | None:
+def _packed_linear(child: nn.Linear, parts: list[PackedTensor | None], int8_activations: bool) -> GGUFLinear | None:
     if not parts or any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
         return None
     if any(p.in_features != child.in_features for p in parts) or \
             sum(p.out_features for p in parts) != child.out_features:
         return None
     blocks = parts[0].blocks if len(parts) == 1 else torch.cat([p.blocks for p in parts])
-    return GGUFLinear(blocks, parts[0].qtype, child.in_features, child.bias)
+    return GGUFLinear(blocks, parts[0].qtype, child.in_features, child.bias, int8_activations)
 
 
-def pack_model(model: nn.Module, packed: dict[str, PackedTensor]) -> nn.Module:
+def pack_model(model: nn.Module, packed: dict[str, PackedTensor], int8_activations: bool = False) -> nn.Module:
     """Replace every nn.Linear whose weight (all parts of it, for a fused one) `packed` holds in one GGUF type by a
-    GGUFLinear, the embedding by a GGUFEmbedding, and give a tied LM head the embedding's blocks. `packed`: HF
-    name -> PackedTensor (`GGUFCheckpoint.packed_tensors`), rows already in the model's order."""
+    GGUFLinear, the embedding by a GGUFEmbedding, and give a tied LM head the embedding's blocks (`int8_activations`:
+    a repacked copy of them, while the embedding keeps the file's layout for its row lookups). `packed`: HF name ->
+    PackedTensor (`GGUFCheckpoint.packed_tensors`), rows already in the model's order."""
     fused = _sources(model)
     swapped, kept = 0, []
     for parent_path, parent in list(model.named_modules()):
@@ -112,7 +121,7 @@ def pack_model(model: nn.Module, packed: dict[str, PackedTensor]) -> nn.Module:
                 continue
             path = f"{parent_path}.{name}" if parent_path else name
             hf_names = [f"{parent_path}.{hf}" if parent_path else hf for hf in fused.get(name, [name])]
-            layer = _packed_linear(child, [_find(packed, p) for p in hf_names])
+            layer = _packed_linear(child, [_find(packed, p) for p in hf_names], int8_activations)
             if layer is None:
                 kept.append(path)
                 continue
@@ -124,9 +133,11 @@ def pack_model(model: nn.Module, packed: dict[str, PackedTensor]) -> nn.Module:
             and table.out_features == embed.num_embeddings:
         model.embed_tokens = GGUFEmbedding(table.blocks, table.qtype, table.in_features, embed.weight.dtype)
         if getattr(model, "lm_head", "absent") is None:       # tied: the LM head multiplies by the same blocks
-            model.lm_head = GGUFLinear(model.embed_tokens.blocks, table.qtype, table.in_features)
+            model.lm_head = GGUFLinear(model.embed_tokens.blocks, table.qtype, table.in_features,
+                                       int8_activations=int8_activations)
             swapped += 1
-    logger.info("gguf: %d linear layers run on packed GGUF blocks; %d kept in fp32%s", swapped, len(kept),
+    logger.info("gguf: %d linear layers run on packed GGUF blocks (%s activations); %d kept in fp32%s", swapped,
+                "int8" if int8_activations else "fp32", len(kept),
                 f" ({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})" if kept else "")
     return model
 

@@ -30,7 +30,7 @@ def load_model(config: ModelConfig, device: torch.device, parallel: ParallelCont
     model = _load_whole(config, device)
     if sharded:
         model = shard_model(model, parallel, parallel_config or ParallelConfig()).to(target)
-    if config.quantization == "gguf":
+    if config.quantization in ("gguf", "gguf_a8"):
         model = _pack_gguf(model, config).eval()
     else:
         model = quantize_model(model, config.quantization).eval()
@@ -38,13 +38,15 @@ def load_model(config: ModelConfig, device: torch.device, parallel: ParallelCont
 
 
 def _pack_gguf(model: nn.Module, config: ModelConfig) -> nn.Module:
-    """quantization="gguf": the GGUF file's Q4_1 / Q8_0 matrices back in packed form (layers/gguf_linear.py); the
-    fp32 weights the ordinary load made for them are dropped with the modules they sat in."""
+    """quantization="gguf" / "gguf_a8": the GGUF file's Q4_1 / Q8_0 matrices back in packed form
+    (layers/gguf_linear.py; gguf_a8: repacked for int8 activations); the fp32 weights the ordinary load made for them
+    are dropped with the modules they sat in."""
     from deepserve.layers.gguf_linear import PACKED_TYPES, pack_model
     from deepserve.loader.gguf_loader import load_gguf
     if not config.is_gguf:
-        raise ValueError(f"quantization='gguf' needs a .gguf model; {config.model} is not one")
-    return pack_model(model, load_gguf(config.model).packed_tensors(PACKED_TYPES))
+        raise ValueError(f"quantization={config.quantization!r} needs a .gguf model; {config.model} is not one")
+    return pack_model(model, load_gguf(config.model).packed_tensors(PACKED_TYPES),
+                      int8_activations=config.quantization == "gguf_a8")
 
 
 def shard_model(model: nn.Module, parallel: ParallelContext, parallel_config: ParallelConfig) -> nn.Module:

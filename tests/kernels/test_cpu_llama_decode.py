@@ -4,11 +4,13 @@ weights and a paged cache with scattered blocks: the residual stream out and eve
 import pytest
 import torch
 
+from deepserve.kernels.cpu import gguf_a8 as a8
 from deepserve.kernels.cpu import gguf_linear as g
 from deepserve.kernels.cpu import llama_decode as ld
 
 needs_kernel = pytest.mark.skipif(ld.library() is None, reason="no C compiler or DEEPSERVE_CPU_KERNELS=0")
 HOST_ISAS = [name for name in g.ISAS if g.library() is not None and g.resolved_isa(name) == name]
+A8_HOST_ISAS = [name for name in a8.ISAS if a8.library() is not None and a8.resolved_isa(name) == name]
 
 SHAPE = ld.StackShape(hidden=128, intermediate=192, heads=4, kv_heads=2, head_dim=32, eps=1e-5, scale=32 ** -0.5)
 NUM_BLOCKS, BLOCK_SIZE = 12, 16
@@ -24,21 +26,24 @@ def random_blocks(rows, cols, qtype, gen):
     return b.reshape(rows, -1).contiguous()
 
 
-def weight(rows, cols, qtype, gen, bias=False):
-    return ld.PackedWeight(random_blocks(rows, cols, qtype, gen), qtype,
-                           torch.randn(rows, generator=gen) * 0.1 if bias else None)
+def weight(rows, cols, qtype, gen, bias=False, int8_activations=False):
+    blocks = random_blocks(rows, cols, qtype, gen)
+    if int8_activations:
+        blocks = a8.repack(blocks, qtype, cols)
+    return ld.PackedWeight(blocks, qtype, torch.randn(rows, generator=gen) * 0.1 if bias else None, int8_activations)
 
 
-def make_layers(n, qtype, cache_dtype, gen, bias=False):
-    s = SHAPE
+def make_layers(n, qtype, cache_dtype, gen, bias=False, int8_activations=(False, False)):
+    """`int8_activations`: for (qkv and down, o and gate_up): the matrices of a stack may mix both kinds."""
+    s, (a, b) = SHAPE, int8_activations
     qkv_rows = (s.heads + 2 * s.kv_heads) * s.head_dim
     return [ld.LayerWeights(
         input_norm=1 + 0.1 * torch.randn(s.hidden, generator=gen),
-        qkv=weight(qkv_rows, s.hidden, qtype, gen, bias),
-        o=weight(s.hidden, s.heads * s.head_dim, qtype, gen),
+        qkv=weight(qkv_rows, s.hidden, qtype, gen, bias, a),
+        o=weight(s.hidden, s.heads * s.head_dim, qtype, gen, int8_activations=b),
         post_norm=1 + 0.1 * torch.randn(s.hidden, generator=gen),
-        gate_up=weight(2 * s.intermediate, s.hidden, g.Q8_0, gen),      # types may differ from matrix to matrix
-        down=weight(s.hidden, s.intermediate, qtype, gen),
+        gate_up=weight(2 * s.intermediate, s.hidden, g.Q8_0, gen, int8_activations=b),   # types may differ, too
+        down=weight(s.hidden, s.intermediate, qtype, gen, int8_activations=a),
         kv_cache=torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, s.kv_heads, s.head_dim, generator=gen).to(cache_dtype))
         for _ in range(n)]
 
@@ -66,13 +71,14 @@ def step_inputs(seq_lens, gen):
     return positions, slots.contiguous(), tables, lens
 
 
-def run_both(layers, seq_lens, gen, isa_name=None):
+def run_both(layers, seq_lens, gen, isa_name=None, a8_isa_name=None):
     cos, sin = rotary_tables()
     positions, slots, tables, lens = step_inputs(seq_lens, gen)
     h = torch.randn(len(seq_lens), SHAPE.hidden, generator=gen)
     ref_layers = [ld.LayerWeights(**{**w.__dict__, "kv_cache": w.kv_cache.clone()}) for w in layers]
     ref = ld.decode_step_ref(h, ref_layers, SHAPE, cos, sin, positions, slots, tables, lens)
-    out = ld.DecodeStack(layers, SHAPE, cos, sin, isa_name).run(h.clone(), positions, slots, tables, lens)
+    stack = ld.DecodeStack(layers, SHAPE, cos, sin, isa_name, a8_isa_name=a8_isa_name)
+    out = stack.run(h.clone(), positions, slots, tables, lens)
     return out, ref, layers, ref_layers
 
 
@@ -86,6 +92,22 @@ def test_step_matches_reference(isa_name, qtype, seq_lens):
     assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     for w, r in zip(layers, ref_layers):        # the keys (rotated) and values of the step's tokens, nothing else
         assert torch.allclose(w.kv_cache, r.kv_cache, rtol=1e-5, atol=1e-5 * r.kv_cache.abs().max().item())
+
+
+@needs_kernel
+@pytest.mark.parametrize("a8_isa", A8_HOST_ISAS)
+@pytest.mark.parametrize("mix", [(True, True), (True, False), (False, True)], ids=["all", "qkv_down", "o_gate_up"])
+@pytest.mark.parametrize("seq_lens", [[1], [16, 70, 5]])
+def test_int8_activation_step_matches_reference(a8_isa, mix, seq_lens):
+    """quantization="gguf_a8": matrices in the repacked layout quantize their input to int8. The reference
+    quantizes the same way (gguf_a8.linear_ref); its float sums differ in order, which can move an activation across
+    a rounding boundary of its int8 quantization: one quantum of one element, far below the tolerance."""
+    gen = torch.Generator().manual_seed(len(seq_lens) * 10 + sum(mix))
+    layers = make_layers(3, g.Q4_1, torch.float32, gen, bias=True, int8_activations=mix)
+    out, ref, layers, ref_layers = run_both(layers, seq_lens, gen, a8_isa_name=a8_isa)
+    assert torch.allclose(out, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+    for w, r in zip(layers, ref_layers):
+        assert torch.allclose(w.kv_cache, r.kv_cache, rtol=1e-3, atol=1e-3 * r.kv_cache.abs().max().item())
 
 
 @needs_kernel

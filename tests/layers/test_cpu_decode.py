@@ -71,12 +71,12 @@ def test_refused_where_it_does_not_apply(packed, smollm):
     with pytest.raises(ValueError, match="not GGUF-packed"):            # the fp32 model: nn.Linear projections
         build_stack(list(smollm.engine.runner.model.layers))
     layers = list(packed.engine.runner.model.layers)
-    gate_up = layers[5].mlp.gate_up_proj
-    gate_up.int8_activations = True                                     # numeric option (b): not what C computes
+    mlp = layers[5].mlp
+    mlp.swiglu_limit = 7.0                                              # not what the C step computes
     try:
-        with pytest.raises(ValueError, match="layer 5: .*int8"):
+        with pytest.raises(ValueError, match="layer 5: .*SwiGLU limit"):
             build_stack(layers)
     finally:
-        del gate_up.int8_activations
+        mlp.swiglu_limit = None
     assert isinstance(build_stack(layers), llama_decode.DecodeStack)
     assert torch.is_tensor(layers[0].self_attn.attn.kv_cache)

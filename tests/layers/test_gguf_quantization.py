@@ -77,3 +77,60 @@ def test_packed_tensors_unpermute_qk_rows():
     dense = next(t for name, t in ckpt.tensors() if name == "model.layers.0.self_attn.q_proj.weight")
     assert torch.equal(kernel.dequantize(q.blocks, q.qtype, q.in_features), dense)
     assert "model.embed_tokens.weight" not in packed        # Q8_0, not asked for
+
+
+# quantization="gguf_a8": the same blocks, repacked, times int8 activations (kernels/cpu/gguf_a8.c). The int8
+# rounding makes a step's output move in steps: an input 1e-7 away can give logits ~1% apart (measured on this model),
+# so the checks below hold it to the fp32 model's quality, not to its bits.
+A8_PROMPT = "The quick brown fox jumps over the lazy dog. Then it ran into the forest, where"    # under 32 tokens
+
+
+@pytest.fixture(scope="module")
+def a8_engine():
+    llm = LLM(max_model_len=512, seed=0, quantization="gguf_a8")
+    yield llm
+    del llm
+
+
+def test_a8_keeps_the_files_weights_repacked(engines, a8_engine):
+    fp32, a8 = engines[0].engine.runner.model, a8_engine.engine.runner.model
+    linears = [m for m in a8.modules() if isinstance(m, GGUFLinear)]
+    assert len(linears) == 30 * 4 + 1 and all(m.int8_activations for m in linears)
+    for name in ("self_attn.qkv_proj", "mlp.down_proj"):
+        a, b = fp32.layers[7].get_submodule(name).weight, a8.layers[7].get_submodule(name)
+        assert torch.equal(b.dequantized_weight(), a), name
+        assert not torch.equal(b.blocks, engines[1].engine.runner.model.layers[7].get_submodule(name).blocks)
+    assert a8.lm_head.blocks.data_ptr() != a8.embed_tokens.blocks.data_ptr()     # the embedding keeps the file's
+    assert torch.equal(a8.lm_head.dequantized_weight(), fp32.lm_head.weight if fp32.lm_head is not None
+                       else fp32.embed_tokens.weight)
+    stack = a8.cpu_decode.stack
+    assert stack is not None and all(w.qkv.int8_activations and w.down.int8_activations for w in stack.layers)
+
+
+def prompt_nll(llm, prompt):
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    lps = [entry[ids[i]].logprob for i, entry in enumerate(out.prompt_logprobs) if entry is not None]
+    return -sum(lps) / len(lps), len(ids)
+
+
+def test_a8_quality_close_to_fp32(engines, a8_engine):
+    """Teacher-forced mean NLL of a short prompt (every row through the int8 kernel) within 0.05 nats of the fp32
+    model's, and not equal to it; greedy decoding keeps the fp32 model's first tokens."""
+    (fp32_nll, n), (a8_nll, _) = prompt_nll(engines[0], A8_PROMPT), prompt_nll(a8_engine, A8_PROMPT)
+    assert n < 32 and abs(a8_nll - fp32_nll) < 0.05 and a8_nll != fp32_nll
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    fp32_out, a8_out = (e.generate(PROMPTS, params, use_tqdm=False) for e in (engines[0], a8_engine))
+    for a, b in zip(fp32_out, a8_out):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_a8_decode_steps_take_one_call(a8_engine):
+    stack, calls = a8_engine.engine.runner.model.cpu_decode.stack, []
+    real = stack.run
+    stack.run = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    try:
+        a8_engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    finally:
+        del stack.run
+    assert calls == [3] * 4

@@ -7,7 +7,8 @@ are x @ dequantize(W)^T up to the order of the sums. Which vector code runs is c
 reading the weight: from `MANY_ROWS` rows on, the weight is dequantized (in C) and multiplied by torch's sgemm.
 
 Without the C library (no compiler, DEEPSERVE_CPU_KERNELS=0) the PyTorch references below run instead: the same
-dequantization (bit for bit the gguf package's) followed by F.linear.
+dequantization (bit for bit the gguf package's) followed by F.linear. Int8 activations (llama.cpp's numerics,
+quantization="gguf_a8") are gguf_a8.py's, over blocks repacked for them.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ def _load() -> ctypes.CDLL | None:
         "gguf_linear": [_INT, _INT, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _INT],
         "gguf_dequantize_rows": [_INT, _P, _I64, _P, _I64, _P, _INT],
         "gguf_resolved_isa": [_INT, _P],
-        "gguf_linear_q8act": [_INT, _INT, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _INT],
     })
 
 
@@ -175,61 +175,6 @@ class PackedGemm:
         return y
 
 
-# Numeric option (b), measured against (a) by benchmarks/cpu_vs_llamacpp.py and not used by the engine: activations
-# quantized per 32-block to int8 (ggml's Q8_1: scale, block sum), integer dot products.
-Q8ACT_ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 3, "avx512_vnni": 4}
-
-
-def choose_q8act_isa(features: isa.CpuFeatures | None = None) -> str:
-    features = isa.current() if features is None else features
-    if features.has("avx512_vnni") and all(features.has(f) for f in _AVX512_FLAGS):
-        return "avx512_vnni"
-    if features.has("avx_vnni") and all(features.has(f) for f in _AVX2_FLAGS):
-        return "avx_vnni"
-    return "avx2" if all(features.has(f) for f in _AVX2_FLAGS) else "scalar"
-
-
-def quantize_q8_1_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (int8 [M, K], scale [M, K/32], scale * block sum [M, K/32]), as gguf_linear_q8act does it."""
-    blocks = x.float().reshape(x.shape[0], -1, QK)
-    d = blocks.abs().amax(dim=-1) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(blocks * inv[..., None]).to(torch.int8)
-    return q.reshape(x.shape), d, d * q.sum(dim=-1, dtype=torch.int32).float()
-
-
-def gguf_linear_q8act_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    q, d, s = quantize_q8_1_ref(x)
-    n, nb = blocks.shape[0], in_features // QK
-    b = blocks.reshape(n, nb, BLOCK_BYTES[qtype])
-    dw = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]                 # [N, nb]
-    if qtype == Q4_1:
-        qs = b[..., 4:]
-        qw = torch.cat([qs & 15, qs >> 4], dim=-1).double()
-    else:
-        qw = b[..., 2:].contiguous().view(torch.int8).double()
-    isum = torch.einsum("mbj,nbj->mnb", q.reshape(-1, nb, QK).double(), qw)           # exact integers
-    y = (isum * (dw[None] * d[:, None]).double()).sum(-1)
-    if qtype == Q4_1:
-        m = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
-        y = y + (s.double() @ m.double().T)
-    return y.float()
-
-
-def gguf_linear_q8act(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int,
-                      isa_name: str | None = None) -> torch.Tensor:
-    """Option (b): x [M, K] fp32 quantized per 32-block to int8, then integer dot products with W's blocks."""
-    lib = library()
-    if lib is None:
-        return gguf_linear_q8act_ref(x, blocks, qtype, in_features)
-    x = x.contiguous()
-    m, n = x.shape[0], blocks.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    lib.gguf_linear_q8act(qtype, Q8ACT_ISAS[isa_name or choose_q8act_isa()], blocks.data_ptr(), n, in_features,
-                          x.data_ptr(), m, in_features, y.data_ptr(), n, torch.get_num_threads())
-    return y
-
-
 @functools.lru_cache(maxsize=None)
 def _cached_isa(name: str) -> str:
     return choose_isa()
@@ -240,6 +185,6 @@ def _default_isa() -> str:
     return _cached_isa(envs.DEEPSERVE_CPU_ISA)
 
 
-__all__ = ["BLOCK_BYTES", "DEQUANT_BLOCK_BYTES", "ISAS", "MANY_ROWS", "PackedGemm", "Q4_0", "Q4_1", "Q8ACT_ISAS", "Q8_0", "QK", "TYPE_NAMES", "check_blocks",
-           "choose_isa", "choose_q8act_isa", "dequantize", "dequantize_ref", "gguf_linear", "gguf_linear_q8act",
-           "gguf_linear_q8act_ref", "gguf_linear_ref", "library", "quantize_q8_1_ref", "resolved_isa", "supported"]
+__all__ = ["BLOCK_BYTES", "DEQUANT_BLOCK_BYTES", "ISAS", "MANY_ROWS", "PackedGemm", "Q4_0", "Q4_1", "Q8_0", "QK",
+           "TYPE_NAMES", "check_blocks", "choose_isa", "dequantize", "dequantize_ref", "gguf_linear",
+           "gguf_linear_ref", "library", "resolved_isa", "supported"]

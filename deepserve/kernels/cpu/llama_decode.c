@@ -1,5 +1,6 @@
 /* One decode step of a whole Llama-style decoder stack on the CPU, in one call: weights kept as GGUF's packed blocks
- * (Q4_1 / Q8_0), activations fp32, the KV cache paged (fp32, or bf16 built with -DKV_BF16, or fp8 with
+ * (Q4_1 / Q8_0), activations fp32 (a GEMV's input quantized to int8 per 32-block for a matrix in gguf_a8.c's
+ * layout: quantization="gguf_a8"), the KV cache paged (fp32, or bf16 built with -DKV_BF16, or fp8 with
  * -DKV_FP8_E4M3 / -DKV_FP8_E5M2).
  *
  * Why: at batch 1 the default model's GEMVs are ~7 ms of a 12.5 ms step and the rest was ~5 ms of Python and ~25
@@ -16,7 +17,8 @@
  *     g, u = xn @ Wgate_up^T                             packed GEMV
  *     h += (silu(g) * u) @ Wdown^T
  *
- * with the same kernels the module path calls (gguf_linear, paged_decode_attention, included here as source), so
+ * with the same kernels the module path calls (gguf_linear, gguf_a8_linear, paged_decode_attention, included here as
+ * source), so
  * the GEMVs and the attention give the same bits as there; norms and SwiGLU are plain loops whose sums run in
  * another order than PyTorch's (ulp-level differences). The PyTorch twin is llama_decode.py's decode_step_ref.
  *
@@ -24,13 +26,14 @@
  * tensors' sizes before anything runs: a bad one returns an error code and leaves h and the cache untouched.
  */
 
-#include "gguf_linear.c"
+#include "gguf_a8.c"             /* includes gguf_linear.c */
 #include "paged_attention.c"
 
 typedef struct {
     const uint8_t *blocks;         /* [rows, K / 32 * block bytes] */
     const float *bias;             /* [rows] or NULL */
     int64_t rows, qtype;
+    int64_t int8_activations;      /* blocks in gguf_a8.c's layout: int8 activations (else the file's, fp32) */
 } PackedMat;
 
 typedef struct {
@@ -47,6 +50,7 @@ typedef struct {
     int64_t rotary_len, rotary_stride;
     float eps, scale;
     int64_t isa;                           /* gguf_linear.c's ISA_* code */
+    int64_t isa_a8;                        /* gguf_a8.c's A8_* code */
 } Stack;
 
 enum { OK = 0, BAD_POSITION = 1, BAD_SLOT = 2, BAD_BLOCK = 3, BAD_LENGTH = 4, NO_MEMORY = 5 };
@@ -144,11 +148,14 @@ static void store_kv(kv_t *dst, const float *src, int64_t n)
         dst[i] = to_kv(src[i]);
 }
 
-/* y [B, m.rows] = x [B, K] @ W^T (+ bias). */
+/* y [B, m.rows] = x [B, K] @ W^T (+ bias). xq: room for B quantized rows of x (gguf_a8_row_bytes(K) each). */
 static void packed_gemv(const Stack *s, const PackedMat *m, const float *x, int64_t B, int64_t K, float *y,
-                        int num_threads)
+                        uint8_t *xq, int num_threads)
 {
-    gguf_linear((int)m->qtype, (int)s->isa, m->blocks, m->rows, K, x, B, K, y, m->rows, num_threads);
+    if (m->int8_activations)
+        gguf_a8_linear((int)m->qtype, (int)s->isa_a8, m->blocks, m->rows, K, x, B, K, y, m->rows, num_threads, xq);
+    else
+        gguf_linear((int)m->qtype, (int)s->isa, m->blocks, m->rows, K, x, B, K, y, m->rows, num_threads);
     if (m->bias)
         for (int64_t b = 0; b < B; ++b)
             for (int64_t n = 0; n < m->rows; ++n)
@@ -176,14 +183,14 @@ static int check_indices(const Stack *s, int64_t B, const int64_t *positions, co
 static void attention_block(const Stack *s, const Layer *L, float *h, int64_t B, const int64_t *positions,
                             const int64_t *slots, const int64_t *rows, const int64_t *block_tables,
                             int64_t max_blocks, const int64_t *seq_lens, float *xn, float *qkv, float *attn,
-                            float *tmp, int num_threads)
+                            float *tmp, uint8_t *xq, int num_threads)
 {
     const int64_t E = s->hidden, D = s->head_dim, H = s->heads, Hkv = s->kv_heads;
     const int64_t nqkv = L->qkv.rows, kv_width = Hkv * D;
     for (int64_t b = 0; b < B; ++b)
         rms_norm_row(h + b * E, L->input_norm, E, s->eps, xn + b * E);
     PHASE(PH_NORM);
-    packed_gemv(s, &L->qkv, xn, B, E, qkv, num_threads);
+    packed_gemv(s, &L->qkv, xn, B, E, qkv, xq, num_threads);
     PHASE(PH_QKV);
     for (int64_t b = 0; b < B; ++b) {
         float *row = qkv + b * nqkv;
@@ -196,7 +203,7 @@ static void attention_block(const Stack *s, const Layer *L, float *h, int64_t B,
     paged_decode_attention(qkv, nqkv, D, L->k_cache, L->v_cache, rows, block_tables, seq_lens, attn, H * D, D, B, H,
                            Hkv, D, s->block_size, max_blocks, s->scale, num_threads);
     PHASE(PH_ATTENTION);
-    packed_gemv(s, &L->o, attn, B, H * D, tmp, num_threads);
+    packed_gemv(s, &L->o, attn, B, H * D, tmp, xq, num_threads);
     for (int64_t i = 0; i < B * E; ++i)
         h[i] = tmp[i] + h[i];
     PHASE(PH_O_ADD);
@@ -204,13 +211,13 @@ static void attention_block(const Stack *s, const Layer *L, float *h, int64_t B,
 
 /* The MLP half of a layer: h += (silu(g) * u) @ Wdown^T, (g, u) = norm(h) @ Wgate_up^T. */
 static void mlp_block(const Stack *s, const Layer *L, float *h, int64_t B, float *xn, float *gate_up, float *act,
-                      float *tmp, int num_threads)
+                      float *tmp, uint8_t *xq, int num_threads)
 {
     const int64_t E = s->hidden, I = s->intermediate;
     for (int64_t b = 0; b < B; ++b)
         rms_norm_row(h + b * E, L->post_norm, E, s->eps, xn + b * E);
     PHASE(PH_NORM);
-    packed_gemv(s, &L->gate_up, xn, B, E, gate_up, num_threads);
+    packed_gemv(s, &L->gate_up, xn, B, E, gate_up, xq, num_threads);
     PHASE(PH_GATE_UP);
     for (int64_t b = 0; b < B; ++b) {
         const float *g = gate_up + b * 2 * I, *u = g + I;
@@ -218,7 +225,7 @@ static void mlp_block(const Stack *s, const Layer *L, float *h, int64_t B, float
             act[b * I + i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
     PHASE(PH_SWIGLU);
-    packed_gemv(s, &L->down, act, B, I, tmp, num_threads);
+    packed_gemv(s, &L->down, act, B, I, tmp, xq, num_threads);
     for (int64_t i = 0; i < B * E; ++i)
         h[i] = tmp[i] + h[i];
     PHASE(PH_DOWN_ADD);
@@ -236,11 +243,15 @@ int llama_decode_step(const Stack *s, float *h, int64_t B, const int64_t *positi
         return err;
     const int64_t E = s->hidden, nqkv = s->layers[0].qkv.rows, I = s->intermediate;
     const size_t floats = (size_t)B * (2 * E + nqkv + s->heads * s->head_dim + 3 * I);
+    int64_t widest = E > I ? E : I;                  /* the GEMVs' inputs: E, heads * head_dim, I */
+    widest = widest > s->heads * s->head_dim ? widest : s->heads * s->head_dim;
     float *buf = malloc(sizeof(float) * floats);
     int64_t *rows = malloc(sizeof(int64_t) * (size_t)B);
-    if (!buf || !rows) {
+    uint8_t *xq = malloc((size_t)(B * gguf_a8_row_bytes(widest)));
+    if (!buf || !rows || !xq) {
         free(buf);
         free(rows);
+        free(xq);
         return NO_MEMORY;
     }
     for (int64_t b = 0; b < B; ++b)
@@ -251,10 +262,11 @@ int llama_decode_step(const Stack *s, float *h, int64_t B, const int64_t *positi
     for (int64_t l = 0; l < s->n_layers; ++l) {
         const Layer *L = s->layers + l;
         attention_block(s, L, h, B, positions, slots, rows, block_tables, max_blocks, seq_lens, xn, qkv, attn, tmp,
-                        num_threads);
-        mlp_block(s, L, h, B, xn, gate_up, act, tmp, num_threads);
+                        xq, num_threads);
+        mlp_block(s, L, h, B, xn, gate_up, act, tmp, xq, num_threads);
     }
     free(buf);
     free(rows);
+    free(xq);
     return OK;
 }

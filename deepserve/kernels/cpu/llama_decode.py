@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from deepserve.kernels.cpu import build as _build
 from deepserve.kernels.cpu import enabled
+from deepserve.kernels.cpu import gguf_a8
 from deepserve.kernels.cpu import gguf_linear as gk
 from deepserve.kernels.reference.attention import gather_blocks, masked_decode_attention, write_kv
 from deepserve.kernels.reference.norm import rms_norm
@@ -37,7 +38,7 @@ _HEAD_DIMS = range(32, 257, 32)
 
 
 class _Mat(ctypes.Structure):
-    _fields_ = [("blocks", _P), ("bias", _P), ("rows", _I64), ("qtype", _I64)]
+    _fields_ = [("blocks", _P), ("bias", _P), ("rows", _I64), ("qtype", _I64), ("int8_activations", _I64)]
 
 
 class _Layer(ctypes.Structure):
@@ -49,7 +50,7 @@ class _Stack(ctypes.Structure):
     _fields_ = [("layers", _P), ("n_layers", _I64), ("hidden", _I64), ("intermediate", _I64), ("heads", _I64),
                 ("kv_heads", _I64), ("head_dim", _I64), ("num_blocks", _I64), ("block_size", _I64),
                 ("cos", _P), ("sin", _P), ("rotary_len", _I64), ("rotary_stride", _I64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("isa", _I64)]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("isa", _I64), ("isa_a8", _I64)]
 
 
 # The phases llama_decode.c times when built with PHASE_TIMES (its PH_* order).
@@ -86,10 +87,12 @@ def library(cache_dtype: torch.dtype = torch.float32, phase_times: bool = False)
 
 @dataclass
 class PackedWeight:
-    """One projection: GGUF blocks uint8 [rows, row_bytes] of ggml type `qtype`, an optional fp32 bias [rows]."""
+    """One projection: GGUF blocks uint8 [rows, row_bytes] of ggml type `qtype`, an optional fp32 bias [rows];
+    `int8_activations`: the blocks are in gguf_a8's layout (`gguf_a8.repack`) and its input is quantized to int8."""
     blocks: torch.Tensor
     qtype: int
     bias: torch.Tensor | None = None
+    int8_activations: bool = False
 
 
 @dataclass
@@ -142,7 +145,8 @@ def _check_layer(w: LayerWeights, shape: StackShape, cache_shape: tuple, cache_d
 
 
 def _mat(w: PackedWeight) -> _Mat:
-    return _Mat(w.blocks.data_ptr(), None if w.bias is None else w.bias.data_ptr(), w.blocks.shape[0], w.qtype)
+    return _Mat(w.blocks.data_ptr(), None if w.bias is None else w.bias.data_ptr(), w.blocks.shape[0], w.qtype,
+                int(w.int8_activations))
 
 
 class DecodeStack:
@@ -151,7 +155,8 @@ class DecodeStack:
     kernel cannot take; check `library(cache dtype)` before building one."""
 
     def __init__(self, layers: list[LayerWeights], shape: StackShape, cos_cache: torch.Tensor,
-                 sin_cache: torch.Tensor, isa_name: str | None = None, phase_times: bool = False) -> None:
+                 sin_cache: torch.Tensor, isa_name: str | None = None, phase_times: bool = False,
+                 a8_isa_name: str | None = None) -> None:
         if not layers:
             raise ValueError("a decode stack needs at least one layer")
         cache = layers[0].kv_cache
@@ -179,7 +184,8 @@ class DecodeStack:
         self._stack = _Stack(ctypes.addressof(self._layer_structs), len(layers), shape.hidden, shape.intermediate,
                              shape.heads, shape.kv_heads, shape.head_dim, cache.shape[1], cache.shape[2],
                              cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0], cos_cache.stride(0),
-                             shape.eps, shape.scale, gk.ISAS[isa_name or gk.choose_isa()])
+                             shape.eps, shape.scale, gk.ISAS[isa_name or gk.choose_isa()],
+                             gguf_a8.ISAS[a8_isa_name or gguf_a8.choose_isa()])
         self._stack_ptr = ctypes.addressof(self._stack)
         self._fn = self.lib.llama_decode_step
 
@@ -212,6 +218,9 @@ class DecodeStack:
 
 def _linear_ref(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     k = w.blocks.shape[1] // gk.BLOCK_BYTES[w.qtype] * gk.QK
+    if w.int8_activations:
+        y = gguf_a8.linear_ref(x, gguf_a8.unpack_ref(w.blocks, w.qtype, k), w.qtype, k)
+        return y if w.bias is None else y + w.bias
     return F.linear(x, gk.dequantize_ref(w.blocks, w.qtype, k), w.bias)
 
 
