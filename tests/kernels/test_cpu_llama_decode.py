@@ -7,6 +7,7 @@ import torch
 from deepserve.kernels.cpu import gguf_a8 as a8
 from deepserve.kernels.cpu import gguf_linear as g
 from deepserve.kernels.cpu import llama_decode as ld
+from gguf_blocks import random_blocks
 
 needs_kernel = pytest.mark.skipif(ld.library() is None, reason="no C compiler or DEEPSERVE_CPU_KERNELS=0")
 HOST_ISAS = [name for name in g.ISAS if g.library() is not None and g.resolved_isa(name) == name]
@@ -16,18 +17,8 @@ SHAPE = ld.StackShape(hidden=128, intermediate=192, heads=4, kv_heads=2, head_di
 NUM_BLOCKS, BLOCK_SIZE = 12, 16
 
 
-def random_blocks(rows, cols, qtype, gen):
-    """Random blocks with small fp16 scales (d > 0; Q4_1's m < 0, as llama.cpp's quantizer makes them)."""
-    nb = cols // g.QK
-    b = torch.randint(0, 256, (rows, nb, g.BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=gen)
-    b[..., 0:2] = (torch.rand(rows, nb, generator=gen) * 0.01 + 1e-3).half().view(torch.uint8).reshape(rows, nb, 2)
-    if qtype == g.Q4_1:
-        b[..., 2:4] = (-torch.rand(rows, nb, generator=gen) * 0.04).half().view(torch.uint8).reshape(rows, nb, 2)
-    return b.reshape(rows, -1).contiguous()
-
-
 def weight(rows, cols, qtype, gen, bias=False, int8_activations=False):
-    blocks = random_blocks(rows, cols, qtype, gen)
+    blocks = random_blocks(rows, cols, qtype, gen=gen)
     if int8_activations:
         blocks = a8.repack(blocks, qtype, cols)
     return ld.PackedWeight(blocks, qtype, torch.randn(rows, generator=gen) * 0.1 if bias else None, int8_activations)

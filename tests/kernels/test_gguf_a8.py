@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from deepserve.kernels.cpu import gguf_a8 as a8
 from deepserve.kernels.cpu import gguf_linear as g
 from deepserve.kernels.cpu import isa
+from gguf_blocks import random_blocks
 
 needs_kernels = pytest.mark.skipif(a8.library() is None, reason="no C compiler or DEEPSERVE_CPU_KERNELS=0")
 
@@ -17,17 +18,6 @@ HOST_ISAS = [name for name in a8.ISAS if a8.library() is not None and a8.resolve
 # Block counts: 18 (the default model's hidden size), 17 and 3 (odd: a last block without a partner), 1, 48 (a
 # chunk of 16 blocks three times), 21 (a partial chunk).
 WIDTHS = [576, 544, 96, 32, 1536, 672]
-
-
-def random_blocks(rows, cols, qtype, seed=0):
-    """Random blocks with model-like fp16 scales (d > 0; Q4_1's m < 0, as llama.cpp's quantizer makes them)."""
-    gen = torch.Generator().manual_seed(seed)
-    nb = cols // g.QK
-    b = torch.randint(0, 256, (rows, nb, g.BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=gen)
-    b[..., 0:2] = (torch.rand(rows, nb, generator=gen) * 0.02 + 1e-3).half().view(torch.uint8).reshape(rows, nb, 2)
-    if qtype == g.Q4_1:
-        b[..., 2:4] = (-torch.rand(rows, nb, generator=gen) * 0.1).half().view(torch.uint8).reshape(rows, nb, 2)
-    return b.reshape(rows, -1).contiguous()
 
 
 @pytest.mark.parametrize("qtype", [g.Q4_1, g.Q8_0])

@@ -7,22 +7,12 @@ import torch
 
 from deepserve.kernels.cpu import gguf_linear as g
 from deepserve.kernels.cpu import isa
+from gguf_blocks import random_blocks
 
 needs_kernels = pytest.mark.skipif(g.library() is None, reason="no C compiler or DEEPSERVE_CPU_KERNELS=0")
 
 # The paths the C library runs on this CPU (a level the CPU lacks would drop to the one below: not tested twice).
 HOST_ISAS = [name for name in g.ISAS if g.library() is not None and g.resolved_isa(name) == name]
-
-
-def random_blocks(rows: int, cols: int, qtype: int, seed: int = 0) -> torch.Tensor:
-    """Random blocks with sane fp16 scales (d > 0; Q4_1's m < 0, as llama.cpp's quantizer makes them)."""
-    gen = torch.Generator().manual_seed(seed)
-    nb = cols // g.QK
-    b = torch.randint(0, 256, (rows, nb, g.BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=gen)
-    b[..., 0:2] = (torch.rand(rows, nb, generator=gen) * 0.02 + 1e-3).half().view(torch.uint8).reshape(rows, nb, 2)
-    if qtype == g.Q4_1:
-        b[..., 2:4] = (-torch.rand(rows, nb, generator=gen) * 0.1).half().view(torch.uint8).reshape(rows, nb, 2)
-    return b.reshape(rows, -1).contiguous()
 
 
 @pytest.mark.parametrize("qtype", [g.Q4_1, g.Q8_0])

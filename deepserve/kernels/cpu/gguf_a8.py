@@ -211,27 +211,25 @@ def linear(x: torch.Tensor, repacked: torch.Tensor, qtype: int, in_features: int
     return y
 
 
-class PackedGemmA8:
+class PackedGemmA8(gk.PackedGemm):
     """`linear` for one layer's type and K with the library and the vector code looked up once (at load), as
     gguf_linear.PackedGemm; anything but few contiguous fp32 CPU rows falls back to `linear`."""
 
-    def __init__(self, qtype: int, in_features: int) -> None:
-        self.qtype, self.in_features = qtype, in_features
+    def _kernel(self) -> tuple:
         lib = library()
-        self._fn = None if lib is None else lib.gguf_a8_linear
-        self._isa = ISAS[choose_isa()]
+        return (None if lib is None else lib.gguf_a8_linear), ISAS[choose_isa()]
 
-    def __call__(self, x: torch.Tensor, repacked: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        if self._fn is None or m >= MANY_ROWS or x.dtype is not torch.float32 or not x.is_contiguous() \
-                or x.dim() != 2 or x.shape[1] != self.in_features or not x.is_cpu or not repacked.is_contiguous():
-            return linear(x, repacked, self.qtype, self.in_features)
+    def _many_rows(self) -> int:
+        return MANY_ROWS
+
+    def _general(self, x: torch.Tensor, repacked: torch.Tensor) -> torch.Tensor:
+        return linear(x, repacked, self.qtype, self.in_features)
+
+    def _launch(self, x: torch.Tensor, repacked: torch.Tensor, y: torch.Tensor) -> None:
         n = repacked.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        if self._fn(self.qtype, self._isa, repacked.data_ptr(), n, self.in_features, x.data_ptr(), m,
+        if self._fn(self.qtype, self._isa, repacked.data_ptr(), n, self.in_features, x.data_ptr(), x.shape[0],
                     self.in_features, y.data_ptr(), n, torch.get_num_threads(), None):
             raise MemoryError("gguf_a8_linear: could not allocate the quantized activations")
-        return y
 
 
 __all__ = ["ISAS", "MANY_ROWS", "PackedGemmA8", "choose_isa", "dequantize", "library", "linear", "linear_ref", "quantize",

@@ -159,19 +159,31 @@ class PackedGemm:
 
     def __init__(self, qtype: int, in_features: int) -> None:
         self.qtype, self.in_features = qtype, in_features
+        self._fn, self._isa = self._kernel()
+
+    def _kernel(self) -> tuple:
+        """(the C function or None, its vector-code argument)."""
         lib = library()
-        self._fn = None if lib is None else lib.gguf_linear
-        self._isa = ISAS[_default_isa()]
+        return (None if lib is None else lib.gguf_linear), ISAS[_default_isa()]
+
+    def _many_rows(self) -> int:
+        return MANY_ROWS
+
+    def _general(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        return gguf_linear(x, blocks, self.qtype, self.in_features)
+
+    def _launch(self, x: torch.Tensor, blocks: torch.Tensor, y: torch.Tensor) -> None:
+        n = blocks.shape[0]
+        self._fn(self.qtype, self._isa, blocks.data_ptr(), n, self.in_features, x.data_ptr(), x.shape[0],
+                 self.in_features, y.data_ptr(), n, torch.get_num_threads())
 
     def __call__(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if self._fn is None or m >= MANY_ROWS or x.dtype is not torch.float32 or not x.is_contiguous() \
+        if self._fn is None or m >= self._many_rows() or x.dtype is not torch.float32 or not x.is_contiguous() \
                 or x.dim() != 2 or x.shape[1] != self.in_features or not x.is_cpu or not blocks.is_contiguous():
-            return gguf_linear(x, blocks, self.qtype, self.in_features)
-        n = blocks.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        self._fn(self.qtype, self._isa, blocks.data_ptr(), n, self.in_features, x.data_ptr(), m, self.in_features,
-                 y.data_ptr(), n, torch.get_num_threads())
+            return self._general(x, blocks)
+        y = torch.empty(m, blocks.shape[0], dtype=torch.float32)
+        self._launch(x, blocks, y)
         return y
 
 
