@@ -160,17 +160,25 @@ class LlamaCpp:
         self.llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024,
                                    n_batch=512, logits_all=False, verbose=False, seed=0)
 
+    def last_logits(self):
+        """The last evaluated token's logits. (`scores` holds them only with logits_all=True in llama-cpp-python
+        0.3.x; before session 32 this benchmark read its zero rows, so llama.cpp's greedy tokens were all token 0:
+        the timing is the same for any token, the recorded tokens and their agreement were not.)"""
+        import numpy as np
+        ptr = self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),))
+
     def decode(self, prompt: list[int], output_len: int) -> tuple[float, list[int]]:
         import numpy as np
         llm = self.llm
         llm.reset()
         llm.eval(prompt)
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(self.last_logits()))
         tokens = [tok]
         t0 = time.perf_counter()
         for _ in range(output_len - 1):
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = int(np.argmax(self.last_logits()))
             tokens.append(tok)
         return (output_len - 1) / (time.perf_counter() - t0), tokens
 
