@@ -232,6 +232,6 @@ class PackedGemmA8(gk.PackedGemm):
             raise MemoryError("gguf_a8_linear: could not allocate the quantized activations")
 
 
-__all__ = ["ISAS", "MANY_ROWS", "PackedGemmA8", "choose_isa", "dequantize", "library", "linear", "linear_ref", "quantize",
-           "quantize_ref", "quantized_row_bytes", "repack", "repack_ref", "resolved_isa", "split_quantized",
-           "unpack_ref"]
+__all__ = ["ISAS", "MANY_ROWS", "PackedGemmA8", "choose_isa", "dequantize", "library", "linear", "linear_ref",
+           "quantize", "quantize_ref", "quantized_row_bytes", "repack", "repack_ref", "resolved_isa",
+           "split_quantized", "unpack_ref"]
