@@ -134,3 +134,76 @@ def test_a8_decode_steps_take_one_call(a8_engine):
     finally:
         del stack.run
     assert calls == [3] * 4
+
+
+TINY_HIDDEN, TINY_FFN, TINY_VOCAB = 96, 160, 64        # 3 and 5 blocks a row: odd counts, a block without a partner
+
+
+def write_quantized_qwen2(path: str) -> str:
+    """A 2-layer Qwen2 GGUF of random weights: Q4_1 projections (o_proj Q8_0), q/k/v biases, Q8_0 embedding and LM
+    head, head_dim 32 (so the one-call decode stack applies)."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+    q = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(0)
+
+    def rand(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    writer = gguf.GGUFWriter(path, "qwen2")
+    for add, value in ((writer.add_block_count, 2), (writer.add_context_length, 128),
+                       (writer.add_embedding_length, TINY_HIDDEN), (writer.add_feed_forward_length, TINY_FFN),
+                       (writer.add_head_count, 3), (writer.add_head_count_kv, 1), (writer.add_rope_freq_base, 1e4),
+                       (writer.add_layer_norm_rms_eps, 1e-6), (writer.add_vocab_size, TINY_VOCAB),
+                       (writer.add_bos_token_id, 1), (writer.add_eos_token_id, 2)):
+        add(value)
+
+    def matrix(name, value, qtype):
+        writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+
+    matrix("token_embd.weight", rand(TINY_VOCAB, TINY_HIDDEN) * 4, q.Q8_0)
+    matrix("output.weight", rand(TINY_VOCAB, TINY_HIDDEN) * 4, q.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(TINY_HIDDEN, np.float32))
+    for layer in range(2):
+        p = f"blk.{layer}."
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(p + norm + ".weight", np.ones(TINY_HIDDEN, np.float32))
+        for name, rows, cols, qtype in (("attn_q", 96, TINY_HIDDEN, q.Q4_1), ("attn_k", 32, TINY_HIDDEN, q.Q4_1),
+                                        ("attn_v", 32, TINY_HIDDEN, q.Q4_1), ("attn_output", TINY_HIDDEN, 96, q.Q8_0),
+                                        ("ffn_gate", TINY_FFN, TINY_HIDDEN, q.Q4_1),
+                                        ("ffn_up", TINY_FFN, TINY_HIDDEN, q.Q4_1),
+                                        ("ffn_down", TINY_HIDDEN, TINY_FFN, q.Q4_1)):
+            matrix(p + name + ".weight", rand(rows, cols), qtype)
+        for name, rows in (("attn_q", 96), ("attn_k", 32), ("attn_v", 32)):
+            writer.add_tensor(p + name + ".bias", rand(rows) * 0.1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a8_on_odd_block_counts_biases_and_q8_0(tmp_path):
+    """gguf_a8 on a model of odd block counts, q/k/v biases and Q8_0 projections: its decode steps run in the one C
+    call, and its prompt NLL and greedy tokens stay the fp32 model's (NLL within 0.05 nats, not equal)."""
+    path = write_quantized_qwen2(str(tmp_path / "tiny.gguf"))
+    ids = [3, 17, 5, 40, 22, 9, 11, 30, 7]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    results = {}
+    for quantization in (None, "gguf_a8"):
+        llm = LLM(path, quantization=quantization, skip_tokenizer_init=True, max_model_len=128, seed=0)
+        model, calls = llm.engine.runner.model, []
+        if quantization:
+            stack = model.cpu_decode.stack
+            assert stack is not None and stack.layers[0].qkv.bias is not None
+            assert all(w.int8_activations for layer in stack.layers for w in (layer.qkv, layer.o, layer.down))
+            real = stack.run
+            stack.run = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+        out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+        lps = [entry[ids[i]].logprob for i, entry in enumerate(out.prompt_logprobs) if entry is not None]
+        results[quantization] = (-sum(lps) / len(lps), out.outputs[0].token_ids, calls)
+        del llm
+    (fp32_nll, fp32_tokens, _), (a8_nll, a8_tokens, a8_calls) = results[None], results["gguf_a8"]
+    assert abs(a8_nll - fp32_nll) < 0.05 and a8_nll != fp32_nll
+    assert a8_tokens == fp32_tokens
+    assert a8_calls == [1] * 7                  # the 7 decode steps after the prefill's token
