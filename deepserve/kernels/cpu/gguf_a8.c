@@ -252,53 +252,86 @@ static void rows_a8_scalar(int qtype, const uint8_t *row, const uint8_t *xrows, 
 #define DOT2_AVX2(acc, u, s) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), \
                                                                       _mm256_set1_epi16(1)))
 
+/* `mt` activation rows against one weight row; a pair's weights are unpacked once for all of them (its two 32-byte
+ * halves, |w| and sign for Q8_0). IMPL is inlined with constant qtype and mt, so the accumulators stay in registers. */
 #define DEFINE_ROWS_A8_256(NAME, TARGET, DOT)                                                                     \
-TARGET static void NAME(int qtype, const uint8_t *row, const uint8_t *xrows, int64_t rb, int64_t nb, int mt,      \
-                        float *out, int64_t ldy)                                                                  \
+TARGET static inline __attribute__((always_inline))                                                              \
+void NAME##_impl(const int qtype, const uint8_t *row, const uint8_t *xrows, int64_t rb, int64_t nb, const int mt, \
+                 float *out, int64_t ldy)                                                                         \
 {                                                                                                                 \
     const uint8_t *dptr = row + (qtype == GGML_Q4_1 ? 16 : 32) * nb, *mptr = row + 18 * nb;                       \
+    const int64_t xd_offset = 64 * pairs_up(nb), nbs = scales_up(nb);                                             \
     const __m256i low4 = _mm256_set1_epi8(0x0f);                                                                  \
     const __m256i lanes = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);                                               \
+    __m256 acc[MT];                                                                                               \
+    float tail[MT];                                                                                               \
+    for (int r = 0; r < mt; ++r) {                                                                                \
+        acc[r] = _mm256_setzero_ps();                                                                             \
+        tail[r] = 0.f;                                                                                            \
+    }                                                                                                             \
+    int64_t b = 0;                                                                                                \
+    for (; b + 2 <= nb; b += 2) {                                                                                 \
+        __m256i u0, u1, w0 = _mm256_setzero_si256(), w1 = _mm256_setzero_si256();                                \
+        if (qtype == GGML_Q4_1) {                                                                                 \
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(row + 16 * b));                                \
+            u0 = _mm256_and_si256(v, low4);                                                                       \
+            u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);                                                 \
+        } else {                                                                                                  \
+            w0 = _mm256_loadu_si256((const __m256i *)(row + 32 * b));                                             \
+            w1 = _mm256_loadu_si256((const __m256i *)(row + 32 * b + 32));                                        \
+            u0 = _mm256_sign_epi8(w0, w0);                                                                        \
+            u1 = _mm256_sign_epi8(w1, w1);                                                                        \
+        }                                                                                                         \
+        uint32_t dd;                                                                                              \
+        memcpy(&dd, dptr + 2 * b, 4);                                                                             \
+        const __m128 dw = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));                                               \
+        for (int r = 0; r < mt; ++r) {                                                                            \
+            const int8_t *xq = (const int8_t *)(xrows + r * rb);                                                  \
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));                                      \
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 32 * b + 32));                                 \
+            if (qtype == GGML_Q8_0) {                  /* |w| . (x * sign(w)) */                                  \
+                x0 = _mm256_sign_epi8(x0, w0);                                                                    \
+                x1 = _mm256_sign_epi8(x1, w1);                                                                    \
+            }                                                                                                     \
+            const __m256i p = DOT(DOT(_mm256_setzero_si256(), u0, x0), u1, x1);                                   \
+            const float *xd = (const float *)(xrows + r * rb + xd_offset);                                        \
+            const __m128 s = _mm_mul_ps(dw, _mm_castpd_ps(_mm_load_sd((const double *)(xd + b))));                \
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),                                                       \
+                                     _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), lanes), acc[r]);         \
+        }                                                                                                         \
+    }                                                                                                             \
     for (int r = 0; r < mt; ++r) {                                                                                \
         const int8_t *xq = (const int8_t *)(xrows + r * rb);                                                      \
-        const float *xd = (const float *)(xrows + r * rb + 64 * pairs_up(nb)), *xs = xd + scales_up(nb);          \
-        __m256 acc = _mm256_setzero_ps();                                                                         \
-        float tail = 0.f;                                                                                         \
-        int64_t b = 0;                                                                                            \
-        for (; b + 2 <= nb; b += 2) {                                                                             \
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));                                \
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 32 * b + 32));                           \
-            __m256i p = _mm256_setzero_si256();                                                                   \
-            if (qtype == GGML_Q4_1) {                                                                             \
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(row + 16 * b));                            \
-                p = DOT(p, _mm256_and_si256(v, low4), x0);                                                        \
-                p = DOT(p, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), x1);                                  \
-            } else {                                                                                              \
-                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + 32 * b));                           \
-                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + 32 * b + 32));                      \
-                p = DOT(p, _mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));                                   \
-                p = DOT(p, _mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));                                   \
-            }                                                                                                     \
-            uint32_t dd;                                                                                          \
-            memcpy(&dd, dptr + 2 * b, 4);                                                                         \
-            const __m128 s = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)),                                 \
-                                        _mm_castpd_ps(_mm_load_sd((const double *)(xd + b))));                    \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),                                                          \
-                                  _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), lanes), acc);               \
-        }                                                                                                         \
-        if (b < nb)                                                                                               \
-            tail = half_to_float(load_u16(dptr + 2 * b)) * xd[b] * (float)block_dot_scalar(qtype, row, xq, b, nb); \
-        if (qtype == GGML_Q4_1) {                                                                                 \
+        const float *xd = (const float *)(xrows + r * rb + xd_offset), *xs = xd + nbs;                            \
+        if (b < nb)                            /* an odd last block */                                           \
+            tail[r] = half_to_float(load_u16(dptr + 2 * b)) * xd[b] * (float)block_dot_scalar(qtype, row, xq, b, nb); \
+        if (qtype == GGML_Q4_1) {              /* sum_b m_b * xs_b */                                             \
             __m256 macc = _mm256_setzero_ps();                                                                    \
             int64_t c = 0;                                                                                        \
             for (; c + 8 <= nb; c += 8)                                                                           \
                 macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mptr + 2 * c))),         \
                                        _mm256_loadu_ps(xs + c), macc);                                            \
             for (; c < nb; ++c)                                                                                   \
-                tail += half_to_float(load_u16(mptr + 2 * c)) * xs[c];                                            \
-            acc = _mm256_add_ps(acc, macc);                                                                       \
+                tail[r] += half_to_float(load_u16(mptr + 2 * c)) * xs[c];                                         \
+            acc[r] = _mm256_add_ps(acc[r], macc);                                                                 \
         }                                                                                                         \
-        out[r * ldy] = hsum256(acc) + tail;                                                                       \
+        out[r * ldy] = hsum256(acc[r]) + tail[r];                                                                 \
+    }                                                                                                             \
+}                                                                                                                 \
+                                                                                                                  \
+TARGET static void NAME(int qtype, const uint8_t *row, const uint8_t *xrows, int64_t rb, int64_t nb, int mt,      \
+                        float *out, int64_t ldy)                                                                  \
+{                                                                                                                 \
+    switch (mt * 16 + qtype) {                                                                                    \
+    case 16 + GGML_Q4_1: NAME##_impl(GGML_Q4_1, row, xrows, rb, nb, 1, out, ldy); break;                          \
+    case 32 + GGML_Q4_1: NAME##_impl(GGML_Q4_1, row, xrows, rb, nb, 2, out, ldy); break;                          \
+    case 48 + GGML_Q4_1: NAME##_impl(GGML_Q4_1, row, xrows, rb, nb, 3, out, ldy); break;                          \
+    case 64 + GGML_Q4_1: NAME##_impl(GGML_Q4_1, row, xrows, rb, nb, 4, out, ldy); break;                          \
+    case 16 + GGML_Q8_0: NAME##_impl(GGML_Q8_0, row, xrows, rb, nb, 1, out, ldy); break;                          \
+    case 32 + GGML_Q8_0: NAME##_impl(GGML_Q8_0, row, xrows, rb, nb, 2, out, ldy); break;                          \
+    case 48 + GGML_Q8_0: NAME##_impl(GGML_Q8_0, row, xrows, rb, nb, 3, out, ldy); break;                          \
+    case 64 + GGML_Q8_0: NAME##_impl(GGML_Q8_0, row, xrows, rb, nb, 4, out, ldy); break;                          \
+    default: break;                                                                                               \
     }                                                                                                             \
 }
 
