@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from deepserve.config import ModelConfig, ParallelConfig
+from deepserve.config import GGUF_QUANTIZATIONS, ModelConfig, ParallelConfig
 from deepserve.layers.batch_invariant import make_batch_invariant
 from deepserve.layers.rank_group import ParallelContext
 from deepserve.layers.quantization import quantize_model
@@ -30,7 +30,7 @@ def load_model(config: ModelConfig, device: torch.device, parallel: ParallelCont
     model = _load_whole(config, device)
     if sharded:
         model = shard_model(model, parallel, parallel_config or ParallelConfig()).to(target)
-    if config.quantization in ("gguf", "gguf_a8"):
+    if config.quantization in GGUF_QUANTIZATIONS:
         model = _pack_gguf(model, config).eval()
     else:
         model = quantize_model(model, config.quantization).eval()
