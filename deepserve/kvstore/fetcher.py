@@ -13,7 +13,8 @@ Invariants:
   (it reads nothing; the caller asks again once bytes are released); one that does not fit alone is cut to the
   blocks `max_bytes` holds;
 - a fetch's bytes are released exactly once: by `release()` after the caller consumed it, or, for a cancelled
-  fetch, by whichever of the caller and the worker sees it finished (release is idempotent);
+  fetch, by whichever of the caller and the worker sees it finished (release is idempotent), and before the
+  fetcher counts it finished;
 - nothing a tier does raises out of a fetch: a tier error or a bug ends the run there (`failed`), the rest of the
   prompt is computed by the engine;
 - the fetcher never touches the engine's state (block manager, sequences): it only reads the store.
@@ -174,13 +175,16 @@ class Fetcher:
             fetch.failed = True
         finally:
             fetch.seconds = time.perf_counter() - t0
+            # `done` before the cancel check (cancel() sets its flag before checking `done`: one of the two sees
+            # the other and releases), and the release before the count drops: a fetch counted finished holds
+            # no bytes, so "no fetch unfinished" means "no cancelled fetch's bytes reserved".
+            fetch.done.set()
+            if fetch.cancelled:
+                fetch.release()
             with self._finished:
                 self.fetch_s += fetch.seconds
                 self._unfinished -= 1
-                fetch.done.set()
                 self._finished.notify_all()
-            if fetch.cancelled:
-                fetch.release()
 
     def _read(self, fetch: Fetch) -> None:
         """Fill `fetch.tensors` with the leading run of blocks the store gives intact."""

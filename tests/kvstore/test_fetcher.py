@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from deepserve.kvstore.fetcher import Fetcher, layout_bytes
+from deepserve.kvstore.fetcher import Fetch, Fetcher, layout_bytes
 from deepserve.kvstore.memory_tier import MemoryTier
 from deepserve.kvstore.store import KVStore
 
@@ -104,6 +104,31 @@ def test_cancel_stops_the_worker_and_gives_its_bytes_back():
         time.sleep(0.005)
     assert fetcher.budget.reserved == 0 and len(fetch.tensors) == 0 and fetcher.num_unfinished == 0
     assert tier.reads < 20                            # it stopped at the next block
+
+
+def test_a_cancelled_fetch_counted_finished_holds_no_bytes(monkeypatch):
+    """The engine reads "no fetch unfinished" as "no fetch bytes reserved": the worker gives a cancelled
+    fetch's bytes back before it counts the fetch finished. A slow release widens the window to make it show."""
+    tier = SlowMemory(0.0)
+    store = filled_store(20, tier)
+    fetcher = Fetcher(store, LAYOUTS, 1 << 20)
+    tier.delay_s = 0.05
+    release = Fetch.release
+
+    def slow_release(self):
+        time.sleep(0.2)
+        release(self)
+
+    monkeypatch.setattr(Fetch, "release", slow_release)
+    fetch = fetcher.submit([f"fp-{i:02d}" for i in range(20)])
+    deadline = time.monotonic() + 5
+    while fetcher.budget.reserved == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    fetch._cancelled.set()                            # cancel() without its own release: the worker's is the one
+    deadline = time.monotonic() + 10
+    while fetcher.num_unfinished and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert fetcher.num_unfinished == 0 and fetcher.budget.reserved == 0
 
 
 def test_threads_end_with_the_fetcher():
