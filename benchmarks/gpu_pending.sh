@@ -10,10 +10,11 @@
 #   bash benchmarks/gpu_pending.sh tests     # ~3 min: tests/gpu under pytest-xdist if present, then gpu_alone
 #   bash benchmarks/gpu_pending.sh moe-ab    # ~9 min: MoE decode steps, DEEPSERVE_MOE_UNMASKED_K=0,1
 #   bash benchmarks/gpu_pending.sh mla-ab    # ~9 min: V2-Lite steps over an E4M3 cache, MLA decode tiles
+#   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 # MLA_TILES="32x4x3,16x4x3" narrows mla-ab to the settings the kernels stage favoured (default: all four).
 set -u
-STAGE=${1:?"stage: kernels | tests | moe-ab | mla-ab | sweeps"}
+STAGE=${1:?"stage: kernels | tests | moe-ab | mla-ab | combine-ab | sweeps"}
 OUT=${OUT:-/tmp/gpu_pending_out}
 mkdir -p "$OUT"
 
@@ -65,6 +66,14 @@ mla-ab)
         --timeout 130 --output "$OUT/mla_tiles_ab.json" -- --shapes deepseek-v2-lite --batches 8,64,128,256 \
         --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_ab.log 2>&1
     tail -3 /tmp/mla_ab.log; summarise_steps "$OUT/mla_tiles_ab.json"; elapsed "mla-ab"
+    ;;
+combine-ab)
+    # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by
+    # the `tests` stage's test_engine_gpu.py::test_moe_combine_in_norm_gives_the_same_bits).
+    timeout 570 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_COMBINE_IN_NORM=0,1 --passes 2 \
+        --timeout 140 --output "$OUT/moe_combine_in_norm_ab.json" -- --shapes qwen3-moe,deepseek-v2-lite \
+        --batches 8,64,128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/combine_ab.log 2>&1
+    tail -3 /tmp/combine_ab.log; summarise_steps "$OUT/moe_combine_in_norm_ab.json"; elapsed "combine-ab"
     ;;
 sweeps)
     for kv in fp8 auto; do

@@ -143,6 +143,10 @@ _DECLARED = [
     EnvVar("DEEPSERVE_MOE_FUSED_SHARED", "bool", True,
            "GPU MoE layers in the aligned (grouped GEMM) mode, up to 64 tokens, run the shared experts as extra blocks "
            "of the routed experts' GEMMs; 0: their own launches, before the routed experts"),
+    EnvVar("DEEPSERVE_MOE_COMBINE_IN_NORM", "bool", False,
+           "GPU MoE layers (one process) hand their output on uncombined: the next layer's add + RMSNorm (or the "
+           "final norm) sums each token's expert rows as it loads them (kernels/norm.py combine_add_rms_norm), one "
+           "launch a layer fewer, bit for bit the same; an A/B switch until a GPU run times it (read at model build)"),
     EnvVar("DEEPSERVE_PDL", "bool", True,
            "programmatic dependent launch for the decode-path Triton kernels on Hopper and later"),
     EnvVar("DEEPSERVE_GEMV_PREFETCH", "int", 1,

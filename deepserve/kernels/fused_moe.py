@@ -48,7 +48,7 @@ from deepserve.kernels.gemv import gemv_rows, prefetch_rows_to_l2, swiglu, swigl
 from deepserve.kernels.moe_align import align_max_rows, aligned_launch_args, moe_align
 from deepserve.kernels.paged_attention import num_sms
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
-from deepserve.kernels.reference.moe import expert_swiglu, moe_experts
+from deepserve.kernels.reference.moe import PairRows, expert_swiglu, moe_experts
 
 
 # ------------------------------------------------------------------------------------------------
@@ -390,7 +390,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, swiglu_limit: Optional[float] = None,
               config: Optional[MoEConfig | MoEPairConfig] = None,
               shared_out: Optional[torch.Tensor] = None,
-              shared_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+              shared_weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+              combine: bool = True) -> torch.Tensor | PairRows:
     """x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; topk_weights: [T, k] (float32);
     topk_ids: [T, k]; shared_out: None or [T, H] (the shared experts' output, added in the combine) -> [T, H] in
     x's dtype. Same contract as `TorchMoE.forward`.
@@ -401,14 +402,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     Either way their output is rounded to x's dtype and added in the combine, as shared_out would be.
 
     `config` forces a mode and its tiles (tests, tuning): a MoEConfig the aligned grouped GEMMs, a MoEPairConfig
-    the pair mode; None picks both by `pick_moe_config`."""
+    the pair mode; None picks both by `pick_moe_config`.
+
+    `combine` False: no combine launch; the weighted pair rows and the shared output come back as a PairRows, for
+    the add + RMSNorm that reads the layer's output to sum (kernels/norm.py combine_add_rms_norm)."""
     require_triton(x)
     t, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     if t == 0:
-        return x.new_empty(0, hidden)
+        empty = x.new_empty(0, hidden)
+        return empty if combine else PairRows(empty, top_k)
     if x.stride(-1) != 1:
         x = x.contiguous()
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1 and w2.shape == (num_experts, hidden, inter)
@@ -426,6 +431,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         pair_out, fused_shared_out = _aligned_experts(x, w13, w2, weights, topk_ids, swiglu_limit, config,
                                                       shared_weights)
         shared_out = shared_out if fused_shared_out is None else fused_shared_out
+    if not combine:
+        return PairRows(pair_out, top_k, shared_out)
     return moe_combine(pair_out, top_k, shared_out)
 
 

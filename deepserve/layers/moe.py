@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepserve.kernels.reference.moe import RoutingConfig, count_expert_load, moe_experts, route  # noqa: F401
+from deepserve.kernels.reference.moe import (PairRows, RoutingConfig, count_expert_load, moe_experts,  # noqa: F401
+                                             route)
 from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.linear import invariant_linear
 from deepserve.layers.mlp import GatedMLP, copy_checked  # noqa: F401 (used by models)
@@ -30,15 +31,20 @@ from deepserve.layers.tensor_parallel import even_pieces, narrow_parameter
 class MoEBackend(Protocol):
     """Routed-expert computation; a fused GPU kernel implements the same signature."""
 
+    defers_combine: bool = False    # takes combine=False (FusedMoE.forward passes it only then)
+
     def forward(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, swiglu_limit: float | None = None,
-                shared_out: torch.Tensor | None = None, shared_experts: GatedMLP | None = None) -> torch.Tensor:
+                shared_out: torch.Tensor | None = None, shared_experts: GatedMLP | None = None,
+                combine: bool = True) -> torch.Tensor | PairRows:
         """x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I];
         topk_weights: [T, k] float32; topk_ids: [T, k] int64; shared_out: None or [T, H] in x's dtype (the
         shared experts' output) -> [T, H] in x's dtype: the weighted sum of each token's experts, plus shared_out,
         in float32 and rounded once (the GPU backend adds it in its combine kernel, not in another launch).
         shared_experts (instead of shared_out): the shared experts' module, for the backend to run on x; its output
-        is added as shared_out would be (the GPU backend folds plain weights into its grouped GEMMs)."""
+        is added as shared_out would be (the GPU backend folds plain weights into its grouped GEMMs).
+        combine False (only passed to a backend with `defers_combine` True, the GPU one): no combine; the pairs'
+        weighted rows come back as a PairRows, for the next RMSNorm to add as it loads them."""
         ...
 
 
@@ -153,8 +159,12 @@ class FusedMoE(nn.Module):
         self.expert_parallel = None
         self._expert_pieces: dict[str, set[tuple[int, int | None]]] = {"w13": set(), "w2": set()}
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """`token_ids`: each row's token, for a gate that routes by it (DeepSeek-V4's hash layers, HashRouter)."""
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None,
+                combine: bool = True) -> torch.Tensor | PairRows:
+        """`token_ids`: each row's token, for a gate that routes by it (DeepSeek-V4's hash layers, HashRouter).
+        `combine` False: the output may come back uncombined (PairRows), for an RMSNorm to sum as it reads it
+        (models/base.py DecoderLayer); only in one process (no tensor or expert parallelism: their reduce and
+        dispatch need the sum)."""
         # The gate also counts the tokens routed to each expert.
         if token_ids is None:
             weights, ids = self.gate(x, self.expert_load)
@@ -166,8 +176,11 @@ class FusedMoE(nn.Module):
             shared = self.shared_experts(x) if self.shared_experts is not None else None
             out = self.expert_parallel.forward(self, x, weights, ids, shared)
         else:
+            defer = not combine and self.tp.size == 1 and getattr(self.backend, "defers_combine", False)
             out = self.backend.forward(x, self.w13, self.w2, weights, ids, self.swiglu_limit,
-                                       shared_experts=self.shared_experts)
+                                       shared_experts=self.shared_experts, **({"combine": False} if defer else {}))
+            if defer:
+                return out
         return self.tp.all_reduce(out)
 
     def reset_expert_load(self) -> None:

@@ -40,12 +40,15 @@ def fused_shared_max_tokens(gate_up: torch.Tensor) -> int:
 
 
 class TritonMoE:
+    defers_combine = True       # combine=False: the pair rows come back for the next RMSNorm to add (PairRows)
+
     def __init__(self, config: Optional[MoEConfig | MoEPairConfig] = None) -> None:
         # Force a mode and its tiles (tests, tuning): MoEConfig the aligned grouped GEMMs, MoEPairConfig the
         # pair mode; None: both picked per call by batch size.
         self.config = config
 
-    def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, shared_out=None, shared_experts=None):
+    def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, shared_out=None, shared_experts=None,
+                combine=True):
         num_experts, two_i, hidden = w13.shape
         config = self.config or pick_moe_config(x.shape[0], topk_ids.shape[1], num_experts, two_i // 2, hidden,
                                                 x.dtype, x.device)
@@ -62,7 +65,7 @@ class TritonMoE:
             if shared_weights is None:
                 shared_out = shared_experts(x)
         return fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit, config=config, shared_out=shared_out,
-                         shared_weights=shared_weights)
+                         shared_weights=shared_weights, combine=combine)
 
 
 def plain_shared_weights(shared: GatedMLP, x, swiglu_limit):

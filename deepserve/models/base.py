@@ -41,6 +41,9 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.fuses_norms = _FUSED_NORMS and hasattr(self_attn, "forward_residual") and \
             hasattr(mlp, "forward_residual")
+        # A MoE layer may hand its output on uncombined (PairRows, when its backend can: the GPU one): the next
+        # layer's add + RMSNorm (or the model's final norm) sums the pair rows as it loads them, one launch fewer.
+        self.defers_moe_combine = envs.DEEPSERVE_MOE_COMBINE_IN_NORM and hasattr(mlp, "expert_load")
 
     def shard_tensor_parallel(self, tp: RankGroup, shard_experts: bool = True) -> None:
         """Shard the attention and the MLP over `tp` (each all-reduces its own output). The one-row path is switched
@@ -51,6 +54,7 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp.shard_tensor_parallel(tp)
         self.fuses_norms = False
+        self.defers_moe_combine = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
         if residual is None and self.fuses_norms and one_row_on_gpu(x):
@@ -62,6 +66,8 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, batch)
         x, residual = self.post_attention_layernorm(x, residual)
+        if self.defers_moe_combine:
+            return self.mlp(x, combine=False), residual
         return self.mlp(x), residual
 
 

@@ -5,7 +5,11 @@ import torch
 
 from deepserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from deepserve.layers.kernel_dispatch import use_triton
-from deepserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref
+from deepserve.kernels.fused_moe import moe_combine
+from deepserve.kernels.norm import (combine_add_rms_norm, combine_add_rms_norm_ref, fused_add_rms_norm,
+                                    fused_add_rms_norm_ref)
+from deepserve.kernels.reference.moe import PairRows
+from deepserve.layers.norm import RMSNorm
 from deepserve.kernels.rotary import apply_rotary, apply_rotary_ref, rotate, rotate_ref
 from deepserve.layers.rotary import RotaryEmbedding
 from kernel_testing import DTYPES, assert_within_ulps, skip_bf16_in_interpreter
@@ -49,6 +53,38 @@ def test_rms_norm_3d_and_strided(device):
     ref, ref_res = fused_add_rms_norm_ref(x, res, w, 1e-6)
     assert out.shape == (4, 3, 640) and torch.equal(new_res, ref_res)
     assert_within_ulps(out, ref, torch.float16, ulps=2, min_exact=0.98)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,top_k,hidden", [(1, 8, 2048), (37, 8, 2048), (5, 2, 1000), (9, 1, 576), (0, 6, 64)])
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with-shared"])
+def test_combine_add_rms_norm_is_the_combine_then_the_norm(device, dtype, tokens, top_k, hidden, shared):
+    """A MoE layer's pair rows summed inside the add + RMSNorm (DEEPSERVE_MOE_COMBINE_IN_NORM): bit for bit the
+    combine kernel's output put through the add + norm kernel, both outputs (normed, new residual stream); and
+    within the norm's two roundings of the PyTorch twin."""
+    skip_bf16_in_interpreter(dtype)
+    pairs = PairRows((torch.randn(tokens * top_k, hidden, device=device) * 2).to(dtype), top_k,
+                     torch.randn(tokens, hidden, device=device).to(dtype) if shared else None)
+    res = torch.randn(tokens, hidden, device=device).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
+    out, stream = combine_add_rms_norm(pairs, res, w, 1e-6)
+    two_launches = fused_add_rms_norm(moe_combine(pairs.pair_out, top_k, pairs.shared_out), res, w, 1e-6)
+    assert torch.equal(out, two_launches[0]) and torch.equal(stream, two_launches[1])
+    assert out.shape == stream.shape == (tokens, hidden)
+    ref, ref_stream = combine_add_rms_norm_ref(pairs, res, w, 1e-6)
+    assert torch.equal(stream, ref_stream)             # slot-order float32 sum, one rounding, then the add's
+    if tokens:
+        assert_within_ulps(out, ref, dtype, ulps=2, min_exact=0.98)
+    # RMSNorm takes the pairs where it would take the layer's output, and the selected rows of them (the kernel on a
+    # CUDA tensor, the PyTorch twin elsewhere: under the interpreter).
+    norm = RMSNorm(hidden, 1e-6).to(device)
+    norm.weight.data = w.clone()
+    want = (out, stream) if use_triton(res) else (ref, ref_stream)
+    rows = torch.arange(tokens, device=device)[1::2]
+    with torch.no_grad():
+        got, picked = norm(pairs, res), norm(pairs[rows], res[rows])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(picked[0], want[0][rows]) and torch.equal(picked[1], want[1][rows])
 
 
 # --- rotary -------------------------------------------------------------------------------------

@@ -81,6 +81,35 @@ def test_gpu_fp8_latent_cache_greedy_equals_cpu(tiny_deepseek_v2):
         del gpu
 
 
+@pytest.mark.parametrize("model", ["tiny_qwen3_moe", "tiny_deepseek_v2"])
+def test_moe_combine_in_norm_gives_the_same_bits(model, request, monkeypatch):
+    """DEEPSERVE_MOE_COMBINE_IN_NORM: each MoE layer hands its pair rows on and the next add + RMSNorm kernel sums
+    them (no combine launch): the same tokens and logprobs bit for bit as the combine kernel then the norm, eager and
+    in CUDA graphs, in bf16; a prompt alone (pair mode) and six together (aligned mode); Qwen3-MoE has a dense layer
+    between MoE layers, DeepSeek-V2 shared experts; both end in a MoE layer (the final norm takes the rows)."""
+    import deepserve.kernels.fused_moe as fused_moe_module
+    path = request.getfixturevalue(model)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+
+    def run(eager):
+        llm = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=1 << 26,
+                  enforce_eager=eager)
+        out = [llm.generate(prompts[0], params, use_tqdm=False)[0]] + llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].cumulative_logprob) for o in out]
+
+    combines = []
+    real_combine = fused_moe_module.moe_combine
+    monkeypatch.setattr(fused_moe_module, "moe_combine", lambda *a, **k: combines.append(1) or real_combine(*a, **k))
+    want = {eager: run(eager) for eager in (True, False)}
+    assert combines
+    monkeypatch.setenv("DEEPSERVE_MOE_COMBINE_IN_NORM", "1")
+    combines.clear()
+    for eager in (True, False):
+        assert run(eager) == want[eager]
+    assert not combines
+
+
 def test_gpu_seeded_sampling_batch_invariant(tiny_llama):
     gpu = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=1 << 26)
     prompts = [{"prompt_token_ids": list(range(3, 20 + i))} for i in range(8)]

@@ -13,6 +13,7 @@ from deepserve.kernels.moe_align import SINGLE_ALIGN_MAX_PAIRS, align_max_rows, 
 import deepserve.layers.moe_triton as moe_triton_module
 from deepserve.layers.moe_triton import (FUSED_SHARED_MAX_TOKENS, FUSED_SHARED_MAX_TOKENS_LARGE, TritonMoE,
                                          fused_shared_max_tokens, plain_shared_weights)
+from deepserve.kernels.reference.moe import PairRows
 from deepserve.layers.moe import FusedMoE, RoutingConfig
 from kernel_testing import skip_bf16_in_interpreter
 
@@ -276,6 +277,28 @@ def test_shared_weights_match_reference(device, dtype, case, config):
     down = (torch.randn(hidden, shared_inter, device=device) / shared_inter ** 0.5).to(dtype)
     out = fused_moe(x, w13, w2, weights, ids, limit, config=config, shared_weights=(gate_up, down))
     _check(out, fused_moe_ref(x, w13, w2, weights, ids, limit, shared_weights=(gate_up, down)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [MoEConfig(16, 32, 32), SMALL_PAIR_TILES], ids=["aligned", "pair-mode"])
+@pytest.mark.parametrize("shared", ["none", "out", "weights"])
+def test_uncombined_output_is_the_combines_input(device, dtype, config, shared):
+    """combine=False: no combine launch; the PairRows it returns combine (in torch, slot order, float32) to the
+    combined call's output bit for bit: the pair rows are the weighted, rounded rows the combine kernel reads, and
+    the shared output the one it adds (given, or computed in the grouped GEMMs / by torch in the pair mode)."""
+    skip_bf16_in_interpreter(dtype)
+    t, hidden, inter = 24, 64, 32
+    x, w13, w2, weights, ids, shared_out = _inputs(device, dtype, t, 16, 4, hidden, inter, shared=shared == "out")
+    kw = {"config": config, "shared_out": shared_out}
+    if shared == "weights":
+        kw["shared_weights"] = ((torch.randn(96, hidden, device=device) / 8).to(dtype),
+                                (torch.randn(hidden, 48, device=device) / 7).to(dtype))
+    combined = fused_moe(x, w13, w2, weights, ids, **kw)
+    pairs = fused_moe(x, w13, w2, weights, ids, combine=False, **kw)
+    assert isinstance(pairs, PairRows) and pairs.top_k == 4 and pairs.pair_out.shape == (t * 4, hidden)
+    assert (pairs.shared_out is None) == (shared == "none")
+    assert torch.equal(pairs.combined(), combined)
+    assert torch.equal(moe_combine(pairs.pair_out, 4, pairs.shared_out), combined)
 
 
 def test_empty_batch(device):

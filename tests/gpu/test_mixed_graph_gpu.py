@@ -13,25 +13,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3_moe(tmp_path_factory) -> str:
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                      head_dim=16, max_position_embeddings=512, num_hidden_layers=3,
-                                      intermediate_size=128, moe_intermediate_size=32, num_experts=8,
-                                      num_experts_per_tok=2, mlp_only_layers=[1])
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.mul_(3.0)
-    path = str(tmp_path_factory.mktemp("qwen3_moe"))
-    model.save_pretrained(path)
-    return path
-
-
 def _workload():
     g = torch.Generator().manual_seed(9)
     shared = torch.randint(3, 500, (40,), generator=g).tolist()

@@ -128,5 +128,42 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     return combined.to(x.dtype)
 
 
-__all__ = ["RoutingConfig", "SCORING_FUNCS", "TOPK_METHODS", "count_expert_load", "expert_swiglu", "moe_experts",
-           "route", "stable_topk_ids"]
+@dataclass(frozen=True)
+class PairRows:
+    """A MoE layer's output before its combine (kernels/fused_moe.py `fused_moe(..., combine=False)`): every
+    (token, slot) pair's expert output, already weighted and rounded to the activation dtype, `pair_out`
+    [T * top_k, H] with token t's slots at rows t * top_k + j; and the shared experts' output [T, H] or None.
+
+    The add + RMSNorm that reads the layer's output (layers/norm.py RMSNorm) sums each token's rows as it loads
+    them (kernels/norm.py `combine_add_rms_norm`): one launch and one [T, H] write and read fewer per MoE layer.
+    `combined()` is the combine itself, the twin of kernels/fused_moe.py `moe_combine`."""
+
+    pair_out: torch.Tensor
+    top_k: int
+    shared_out: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.pair_out.shape[0] // self.top_k
+
+    def __getitem__(self, tokens) -> "PairRows":
+        """The rows of the tokens `tokens` selects (a slice or an index tensor): what `out[tokens]` is for the
+        combined output, e.g. the rows a model samples from (models/base.py CausalLM.forward)."""
+        hidden = self.pair_out.shape[1]
+        pairs = self.pair_out.view(self.num_tokens, self.top_k, hidden)[tokens].reshape(-1, hidden)
+        shared = None if self.shared_out is None else self.shared_out[tokens]
+        return PairRows(pairs, self.top_k, shared)
+
+    def combined(self) -> torch.Tensor:
+        """[T, H]: each token's rows added in slot order, then the shared output, in float32, rounded once."""
+        rows = self.pair_out.view(self.num_tokens, self.top_k, self.pair_out.shape[1])
+        acc = rows[:, 0].float()
+        for j in range(1, self.top_k):
+            acc = acc + rows[:, j].float()
+        if self.shared_out is not None:
+            acc = acc + self.shared_out.float()
+        return acc.to(self.pair_out.dtype)
+
+
+__all__ = ["PairRows", "RoutingConfig", "SCORING_FUNCS", "TOPK_METHODS", "count_expert_load", "expert_swiglu",
+           "moe_experts", "route", "stable_topk_ids"]
