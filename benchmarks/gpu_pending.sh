@@ -11,10 +11,11 @@
 #   bash benchmarks/gpu_pending.sh moe-ab    # ~9 min: MoE decode steps, DEEPSERVE_MOE_UNMASKED_K=0,1
 #   bash benchmarks/gpu_pending.sh mla-ab    # ~9 min: V2-Lite steps over an E4M3 cache, MLA decode tiles
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
+#   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 # MLA_TILES="32x4x3,16x4x3" narrows mla-ab to the settings the kernels stage favoured (default: all four).
 set -u
-STAGE=${1:?"stage: kernels | tests | moe-ab | mla-ab | combine-ab | sweeps"}
+STAGE=${1:?"stage: kernels | tests | moe-ab | mla-ab | combine-ab | combine-timeline | sweeps"}
 OUT=${OUT:-/tmp/gpu_pending_out}
 mkdir -p "$OUT"
 
@@ -74,6 +75,14 @@ combine-ab)
         --timeout 140 --output "$OUT/moe_combine_in_norm_ab.json" -- --shapes qwen3-moe,deepseek-v2-lite \
         --batches 8,64,128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/combine_ab.log 2>&1
     tail -3 /tmp/combine_ab.log; summarise_steps "$OUT/moe_combine_in_norm_ab.json"; elapsed "combine-ab"
+    ;;
+combine-timeline)
+    # Where a batch-256 layer's time goes with the combine in the norm (session 32's, without: 605 us in 14 launches,
+    # h100_moe_b256_timeline_s32.json).
+    DEEPSERVE_MOE_COMBINE_IN_NORM=1 timeout 300 python3 benchmarks/h200_decode_sweep.py --shapes qwen3-moe \
+        --batches 256 --contexts 1024 --kv-cache-dtype fp8 --profile-batch 0 --timeline-batch 256 \
+        --output "$OUT/moe_combine_in_norm_timeline.json" > /tmp/combine_timeline.log 2>&1
+    tail -30 /tmp/combine_timeline.log | cut -c1-300; elapsed "combine-timeline"
     ;;
 sweeps)
     for kv in fp8 auto; do
