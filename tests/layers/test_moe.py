@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepserve.layers.moe import FusedMoE, RoutingConfig, TorchMoE, expert_load, reset_expert_load, route
+from deepserve.layers.moe import (FusedMoE, PairRows, RoutingConfig, TorchMoE, expert_load, reset_expert_load,
+                                  route)
 
 E, K, T = 16, 4, 40
 
@@ -145,6 +146,28 @@ def test_torch_backend_matches_naive_loop(limit):
     weights = torch.rand(T, K, generator=gen)
     got = TorchMoE().forward(x, w13, w2, weights, ids, swiglu_limit=limit)
     torch.testing.assert_close(got, _naive_experts(x, w13, w2, weights, ids, limit), rtol=1e-5, atol=1e-5)
+
+
+def test_pair_rows_combine_and_select_tokens():
+    """PairRows (a MoE layer's output before its combine): combined() is each token's rows summed in slot order plus
+    the shared row, rounded once (against a float64 sum); pairs[idx] holds the tokens idx picks."""
+    gen = torch.Generator().manual_seed(5)
+    t, k, hidden = 7, 3, 16
+    rows = (torch.randn(t * k, hidden, generator=gen) * 4).to(torch.bfloat16)
+    shared = torch.randn(t, hidden, generator=gen).to(torch.bfloat16)
+    pairs = PairRows(rows, k, shared)
+    exact = rows.double().view(t, k, hidden).sum(1) + shared.double()
+    got = pairs.combined()
+    assert got.dtype == torch.bfloat16 and got.shape == (t, hidden)
+    # One rounding of a float32 sum: within half a bf16 ulp (at most 2^-8 of the value) of the exact sum; rounding
+    # each partial sum to bf16 (two or more roundings) would not hold to it.
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 * 1.001 + 1e-6).all()
+    idx = torch.tensor([5, 0, 5])
+    picked = pairs[idx]
+    assert picked.num_tokens == 3 and torch.equal(picked.combined(), got[idx])
+    assert torch.equal(pairs[1:3].combined(), got[1:3])
+    routed_only = PairRows(rows, k).combined().double()
+    assert ((routed_only - (exact - shared.double())).abs() <= routed_only.abs() * 2.0 ** -7 + 1e-6).all()
 
 
 def _moe(shared: int = 0) -> FusedMoE:
