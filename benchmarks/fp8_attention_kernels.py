@@ -14,8 +14,9 @@ Run (GPU machine):  python benchmarks/fp8_attention_kernels.py --output fp8_atte
                     [--settings "DEEPSERVE_FP8_WIDEN=values;DEEPSERVE_FP8_PRODUCTS=f16"] [--tiles 64x4x2,128x4x2]
                     [--cases mla]   (the cases whose name or kind holds one of these words; default: all)
   (--settings: ";" between settings, "+" between the variables of one; a bare value is a DEEPSERVE_FP8_WIDEN one;
-   --tiles: keys per tile x warps x stages, an "e" suffix loads a tile's values with its keys (GQA only), an
-   "rN" suffix caps the registers a thread at N (MLA only: DEEPSERVE_MLA_DECODE_TILES' form, e.g. 32x4x2r168))
+   --tiles: keys per tile x warps x stages, an "e" suffix loads a tile's values with its keys (GQA only), "sN"
+   forces N context splits, an "rN" suffix caps the registers a thread at N (MLA only: DEEPSERVE_MLA_DECODE_TILES'
+   form, e.g. 32x4x2r168; with a split count 32x4x3s2r128))
 Plot (anywhere):    python benchmarks/fp8_attention_kernels.py --plot fp8_attention_kernels_h200.json
                     [--steps kv_fp8_sweep_s29_h200.json]   (decode steps, bf16 against fp8 caches, beside it)
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -84,11 +86,14 @@ def time_call(fn, reps: int = 20) -> tuple[float, str]:
     return sorted(runs)[2], mode
 
 
-def parse_tiles(spec: str) -> tuple[int, int, int, bool, int | None]:
-    """'KEYSxWARPSxSTAGES' + an optional 'e' (GQA: values loaded with keys) or 'rN' (MLA: a register cap)."""
-    spec, _, cap = spec.lower().partition("r")
-    n, w, st = spec.rstrip("e").split("x")
-    return int(n), int(w), int(st), spec.endswith("e"), int(cap) if cap else None
+def parse_tiles(spec: str) -> tuple[int, int, int, bool, int | None, int | None]:
+    """'KEYSxWARPSxSTAGES' + an optional 'e' (GQA: values loaded with keys), 'sN' (N context splits) and 'rN' (MLA: a
+    register cap), in that order -> (keys, warps, stages, early values, register cap, splits)."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(e?)(?:s(\d+))?(?:r(\d+))?", spec.lower())
+    if not match:
+        raise ValueError(f"tiles {spec!r}: expected KEYSxWARPSxSTAGES[e][sSPLITS][rREGISTERS], e.g. 32x4x3s2r128")
+    n, w, st, early, splits, cap = match.groups()
+    return int(n), int(w), int(st), bool(early), int(cap) if cap else None, int(splits) if splits else None
 
 
 def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
@@ -105,17 +110,18 @@ def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
     shape = (2, num_blocks, BLOCK, kv_heads, dim) if kind == "gqa" else (num_blocks, BLOCK, dim)
     q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(dtype)
-    n, w, st, early_v, maxnreg = parse_tiles(tiles) if tiles else (None, None, None, False, None)
+    n, w, st, early_v, maxnreg, splits = parse_tiles(tiles) if tiles else (None, None, None, False, None, None)
     if kind == "gqa":
         if maxnreg:
             raise ValueError(f"tiles {tiles!r}: a register cap is for the MLA kernel only")
         forced = DecodeTiles(block_n=n, num_warps=w, num_stages=st, early_v=early_v) if tiles else None
 
         def call():
-            decode_attention(q, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, tiles=forced)
+            decode_attention(q, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, tiles=forced,
+                             num_splits=splits)
     else:
         q_lat, q_pe = q[..., :512], q[..., 512:]
-        launch = dict(block_n=n, num_warps=w, num_stages=st, maxnreg=maxnreg) if tiles else {}
+        launch = dict(block_n=n, num_warps=w, num_stages=st, maxnreg=maxnreg, num_splits=splits) if tiles else {}
 
         def call():
             mla_decode(q_lat, q_pe, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, **launch)

@@ -12,10 +12,11 @@
 #   bash benchmarks/gpu_pending.sh mla-ab    # ~9 min: V2-Lite steps over an E4M3 cache, MLA decode tiles
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
+#   bash benchmarks/gpu_pending.sh mla-splits  # ~3 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 # MLA_TILES="32x4x3,16x4x3" narrows mla-ab to the settings the kernels stage favoured (default: all four).
 set -u
-STAGE=${1:?"stage: kernels | tests | moe-ab | mla-ab | combine-ab | combine-timeline | sweeps"}
+STAGE=${1:?"stage: kernels | tests | moe-ab | mla-ab | mla-splits | combine-ab | combine-timeline | sweeps"}
 OUT=${OUT:-/tmp/gpu_pending_out}
 mkdir -p "$OUT"
 
@@ -67,6 +68,25 @@ mla-ab)
         --timeout 130 --output "$OUT/mla_tiles_ab.json" -- --shapes deepseek-v2-lite --batches 8,64,128,256 \
         --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_ab.log 2>&1
     tail -3 /tmp/mla_ab.log; summarise_steps "$OUT/mla_tiles_ab.json"; elapsed "mla-ab"
+    ;;
+mla-splits)
+    # Batch 256 runs one split (256 programs, two an SM by registers) and its E4M3 kernel reads at about 1.4 TB/s
+    # (H100, session 30): does a second split, a register cap (more programs an SM) or deeper tiles read faster?
+    timeout 280 python3 benchmarks/fp8_attention_kernels.py --settings "DEEPSERVE_FP8_PRODUCTS=f16" \
+        --cases "v2-lite b128,v2-lite b256" --output "$OUT/mla_splits_kernels.json" \
+        --tiles "${MLA_SPLIT_TILES:-32x4x3s1,32x4x3s2,32x4x3s2r128,32x4x3s3r168,32x4x4,64x4x3,32x8x3,16x4x4,64x8x2}" \
+        > /tmp/mla_splits.log 2>&1
+    python3 - "$OUT/mla_splits_kernels.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for setting, cases in d["by_setting"].items():
+    for case, rows in cases.items():
+        if case == "error":
+            print(setting, rows[-800:]); continue
+        for label, r in rows.items():
+            print(f"{case:32s} {label:40s}", r.get("us"), "us", r.get("kv_TBps"), "TB/s", r.get("error", "")[:120])
+PY
+    elapsed "mla-splits"
     ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by
