@@ -10,13 +10,14 @@
 #   bash benchmarks/gpu_pending.sh tests     # ~3 min: tests/gpu under pytest-xdist if present, then gpu_alone
 #   bash benchmarks/gpu_pending.sh moe-ab    # ~9 min: MoE decode steps, DEEPSERVE_MOE_UNMASKED_K=0,1
 #   bash benchmarks/gpu_pending.sh mla-ab    # ~9 min: V2-Lite steps over an E4M3 cache, MLA decode tiles
+#   bash benchmarks/gpu_pending.sh mla-sm-ab   # ~6 min: V2-Lite steps, DEEPSERVE_MLA_PROGRAMS_PER_SM x MLA tiles
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~3 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 # MLA_TILES="32x4x3,16x4x3" narrows mla-ab to the settings the kernels stage favoured (default: all four).
 set -u
-STAGE=${1:?"stage: kernels | tests | moe-ab | mla-ab | mla-splits | combine-ab | combine-timeline | sweeps"}
+STAGE=${1:?"stage: kernels | tests | moe-ab | mla-ab | mla-splits | mla-sm-ab | combine-ab | combine-timeline | sweeps"}
 OUT=${OUT:-/tmp/gpu_pending_out}
 mkdir -p "$OUT"
 
@@ -76,6 +77,24 @@ mla-splits)
         --cases "v2-lite b128,v2-lite b256" --output "$OUT/mla_splits_kernels.json" \
         --tiles "${MLA_SPLIT_TILES:-32x4x3s1,32x4x3s2,32x4x3s2r128,32x4x3s3r168,32x4x4,64x4x3,32x8x3,16x4x4,64x8x2}" \
         > /tmp/mla_splits.log 2>&1
+    if command -v ncu > /dev/null; then     # where batch 256's kernel stalls (bf16 then E4M3 cache, two calls each)
+        timeout 200 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+            --section MemoryWorkloadAnalysis --section LaunchStats -k regex:_mla_decode_kernel --csv --page details \
+            python3 benchmarks/ncu_decode_attention.py --mla-large > "$OUT/ncu_mla_b256.csv" 2> /tmp/ncu_mla.err
+        python3 - "$OUT/ncu_mla_b256.csv" <<'PY'
+import csv, sys
+lines = open(sys.argv[1]).read().splitlines()
+rows = csv.DictReader(lines[next(i for i, l in enumerate(lines) if l.startswith('"ID"')):])
+keys = ("Duration", "DRAM Throughput", "Registers Per Thread", "Achieved Occupancy", "Theoretical Occupancy",
+        "Warp Cycles Per Issued Instruction", "Dynamic Shared Memory Per Block", "Block Limit Registers",
+        "Block Limit Shared Mem", "Issue Slots Busy", "Compute (SM) Throughput", "L2 Hit Rate",
+        "Eligible Warps Per Scheduler")
+for r in rows:
+    if r["Metric Name"] in keys:
+        print(r["ID"], r["Grid Size"], r["Metric Name"], r["Metric Value"], r["Metric Unit"])
+PY
+        tail -3 /tmp/ncu_mla.err
+    fi
     python3 - "$OUT/mla_splits_kernels.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
@@ -88,10 +107,19 @@ for setting, cases in d["by_setting"].items():
 PY
     elapsed "mla-splits"
     ;;
+mla-sm-ab)
+    # The split heuristic's programs an SM (2: one split at batch 256) against more, with and without a register cap
+    # that lets more programs share an SM; MLA_SM / MLA_SM_TILES narrow it to what mla-splits favoured.
+    timeout 570 python3 benchmarks/ab_env_sweep.py --setting "DEEPSERVE_MLA_PROGRAMS_PER_SM=${MLA_SM:-2,4}" \
+        --setting "DEEPSERVE_MLA_DECODE_TILES=${MLA_SM_TILES:-32x4x3,32x4x3r128}" --passes 1 --timeout 130 \
+        --output "$OUT/mla_programs_per_sm_ab.json" -- --shapes deepseek-v2-lite --batches 128,256 \
+        --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_sm_ab.log 2>&1
+    tail -3 /tmp/mla_sm_ab.log; summarise_steps "$OUT/mla_programs_per_sm_ab.json"; elapsed "mla-sm-ab"
+    ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by
     # the `tests` stage's test_engine_gpu.py::test_moe_combine_in_norm_gives_the_same_bits).
-    timeout 570 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_COMBINE_IN_NORM=0,1 --passes 2 \
+    timeout 570 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_COMBINE_IN_NORM=0,1 --passes "${PASSES:-2}" \
         --timeout 140 --output "$OUT/moe_combine_in_norm_ab.json" -- --shapes qwen3-moe,deepseek-v2-lite \
         --batches 8,64,128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/combine_ab.log 2>&1
     tail -3 /tmp/combine_ab.log; summarise_steps "$OUT/moe_combine_in_norm_ab.json"; elapsed "combine-ab"

@@ -69,6 +69,9 @@ def parse_tiles(text: str) -> Optional[tuple[int, int, int, Optional[int]]]:
 
 
 FORCED_TILES = parse_tiles(envs.DEEPSERVE_MLA_DECODE_TILES)
+PROGRAMS_PER_SM = envs.DEEPSERVE_MLA_PROGRAMS_PER_SM
+if PROGRAMS_PER_SM < 1:
+    raise ValueError(f"DEEPSERVE_MLA_PROGRAMS_PER_SM={PROGRAMS_PER_SM}: expected at least 1")
 DEFAULT_TILES = (MLA_BLOCK_N, 4, 3, None)
 
 
@@ -343,11 +346,11 @@ def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
 
 def mla_num_splits(batch: int, num_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Split the context so that (sequences x head tiles x splits) programs come to about, never above, two per
-    SM: measured best on an H200 for 16 heads at batch 8 to 256 and contexts 1k and 4k
+    SM (PROGRAMS_PER_SM): measured best on an H200 for 16 heads at batch 8 to 256 and contexts 1k and 4k
     (benchmarks/tune_decode_attention.py, tune_decode_attention.json: one more split than that, e.g. 5 instead of
     4 at batch 64, cost up to 30%; at batch 256 one split beat two by 15%)."""
     programs = max(1, batch * cdiv(num_heads, MLA_BLOCK_H))
-    target = 2 * num_sms(device)
+    target = PROGRAMS_PER_SM * num_sms(device)
     if programs >= target or max_seq_len <= 2 * _MIN_PARTITION:
         return 1
     return max(1, min(target // programs, cdiv(max_seq_len, _MIN_PARTITION), _MAX_SPLITS))

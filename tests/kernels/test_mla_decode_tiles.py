@@ -44,3 +44,25 @@ def test_variable_is_read_at_import():
     bad = subprocess.run([sys.executable, "-c", code], env={**env, "DEEPSERVE_MLA_DECODE_TILES": "16x4"},
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "'16x4' (DEEPSERVE_MLA_DECODE_TILES)" in bad.stderr
+
+
+def test_programs_per_sm_sets_the_split_count(monkeypatch):
+    """mla_num_splits splits the context until sequences x head tiles x splits reaches PROGRAMS_PER_SM programs an
+    SM (DEEPSERVE_MLA_PROGRAMS_PER_SM): 132 SMs, 16 heads (one head tile), 1k context."""
+    monkeypatch.setattr(mla_decode, "num_sms", lambda device: 132)
+    cpu = mla_decode.torch.device("cpu")
+    monkeypatch.setattr(mla_decode, "PROGRAMS_PER_SM", 2)
+    assert [mla_decode.mla_num_splits(b, 16, 1024, cpu) for b in (8, 64, 128, 256)] == [22, 4, 2, 1]
+    monkeypatch.setattr(mla_decode, "PROGRAMS_PER_SM", 4)
+    assert [mla_decode.mla_num_splits(b, 16, 1024, cpu) for b in (8, 64, 128, 256)] == [22, 8, 4, 2]
+    assert mla_decode.mla_num_splits(256, 16, 96, cpu) == 1      # too short to split
+
+
+def test_programs_per_sm_is_read_at_import():
+    code = "from deepserve.kernels import mla_decode as m; print(m.PROGRAMS_PER_SM)"
+    env = {**os.environ, "DEEPSERVE_MLA_PROGRAMS_PER_SM": "3"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "3"
+    bad = subprocess.run([sys.executable, "-c", code], env={**env, "DEEPSERVE_MLA_PROGRAMS_PER_SM": "0"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "DEEPSERVE_MLA_PROGRAMS_PER_SM=0" in bad.stderr
