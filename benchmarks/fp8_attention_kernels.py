@@ -136,13 +136,13 @@ def chosen_cases(words: str) -> list[str]:
     return [name for name, case in CASES.items() if not wanted or any(w in name or w == case[0] for w in wanted)]
 
 
-def measure_here(tiles: list[str], cases: list[str]) -> dict:
+def measure_here(tiles: list[str], cases: list[str], dtypes: list[str] = CACHE_DTYPES) -> dict:
     """{case: {cache dtype: timing}} under the launcher's own settings, plus {"<cache dtype> <tiles>": timing}."""
     out = {}
     for name in cases:
-        out[name] = {d: run_case(name, d) for d in CACHE_DTYPES}
+        out[name] = {d: run_case(name, d) for d in dtypes}
         for t in tiles:
-            for d in CACHE_DTYPES:
+            for d in dtypes:
                 try:
                     out[name][f"{d} {t}"] = run_case(name, d, t)
                 except Exception as e:     # a setting the kernel cannot launch (shared memory): say so, go on
@@ -215,13 +215,18 @@ def main() -> None:
     parser.add_argument("--settings", default="late;values;all", help="one process each (see the docstring)")
     parser.add_argument("--tiles", default="", help="forced launch settings, every cache (see the docstring)")
     parser.add_argument("--cases", default="", help="comma-separated words: the cases to run (see the docstring)")
+    parser.add_argument("--cache-dtypes", default=",".join(CACHE_DTYPES), help="comma-separated, of " +
+                        ", ".join(CACHE_DTYPES))
     parser.add_argument("--output", default="fp8_attention_kernels.json")
     parser.add_argument("--plot", metavar="JSON", help="draw JSON's PNG beside it, measure nothing")
     parser.add_argument("--steps", metavar="JSON", help="with --plot: merged decode-step sweeps to draw beside")
     parser.add_argument("--here", action="store_true", help="(internal) measure in this process, JSON to stdout")
     args = parser.parse_args()
     if args.here:
-        print("RESULT " + json.dumps(measure_here([t for t in args.tiles.split(",") if t], chosen_cases(args.cases))))
+        dtypes = [d for d in args.cache_dtypes.split(",") if d]
+        assert set(dtypes) <= set(CACHE_DTYPES), f"--cache-dtypes {args.cache_dtypes!r}: of {CACHE_DTYPES}"
+        print("RESULT " + json.dumps(measure_here([t for t in args.tiles.split(",") if t], chosen_cases(args.cases),
+                                                  dtypes)))
         return
     if args.plot:
         plot(args.plot, args.steps)
@@ -234,7 +239,7 @@ def main() -> None:
     for setting in split_settings(args.settings):
         env = dict(os.environ, **setting_env(setting))
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--here", "--tiles", args.tiles,
-                               "--cases", args.cases], env=env,
+                               "--cases", args.cases, "--cache-dtypes", args.cache_dtypes], env=env,
                               capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:

@@ -13,7 +13,7 @@
 #   bash benchmarks/gpu_pending.sh mla-sm-ab   # ~6 min: V2-Lite steps, DEEPSERVE_MLA_PROGRAMS_PER_SM x MLA tiles
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
-#   bash benchmarks/gpu_pending.sh mla-splits  # ~3 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
+#   bash benchmarks/gpu_pending.sh mla-splits  # ~6 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 # MLA_TILES="32x4x3,16x4x3" narrows mla-ab to the settings the kernels stage favoured (default: all four).
 set -u
@@ -73,9 +73,12 @@ mla-ab)
 mla-splits)
     # Batch 256 runs one split (256 programs, two an SM by registers) and its E4M3 kernel reads at about 1.4 TB/s
     # (H100, session 30): does a second split, a register cap (more programs an SM) or deeper tiles read faster?
-    timeout 280 python3 benchmarks/fp8_attention_kernels.py --settings "DEEPSERVE_FP8_PRODUCTS=f16" \
+    # DEEPSERVE_MLA_FP8_PREFETCH=1: the next tile's codes loaded before this tile's products (the fp8 tiles, widened
+    # in registers, are not staged by Triton's pipeliner).
+    timeout 330 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes bfloat16,float8_e4m3fn \
+        --settings "DEEPSERVE_MLA_FP8_PREFETCH=0;DEEPSERVE_MLA_FP8_PREFETCH=1" \
         --cases "v2-lite b128,v2-lite b256" --output "$OUT/mla_splits_kernels.json" \
-        --tiles "${MLA_SPLIT_TILES:-32x4x3s1,32x4x3s2,32x4x3s2r128,32x4x3s3r168,32x4x4,64x4x3,32x8x3,16x4x4,64x8x2}" \
+        --tiles "${MLA_SPLIT_TILES:-32x4x3s1,32x4x3s2,32x4x3s2r128,32x4x4,64x4x3,32x8x3,16x4x4,64x8x2}" \
         > /tmp/mla_splits.log 2>&1
     if command -v ncu > /dev/null; then     # where batch 256's kernel stalls (bf16 then E4M3 cache, two calls each)
         timeout 200 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
