@@ -73,7 +73,7 @@ PROGRAMS_PER_SM = envs.DEEPSERVE_MLA_PROGRAMS_PER_SM
 # Over an fp8 cache, load the next tile's codes before this tile's products (see the kernel's loop): an A/B switch.
 FP8_PREFETCH = envs.DEEPSERVE_MLA_FP8_PREFETCH
 if PROGRAMS_PER_SM < 1:
-    raise ValueError(f"DEEPSERVE_MLA_PROGRAMS_PER_SM={PROGRAMS_PER_SM}: expected at least 1")
+    raise ValueError(f"MLA decode programs an SM (DEEPSERVE_MLA_PROGRAMS_PER_SM): {PROGRAMS_PER_SM}, expected >= 1")
 DEFAULT_TILES = (MLA_BLOCK_N, 4, 3, None)
 
 

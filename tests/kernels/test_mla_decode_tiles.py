@@ -65,4 +65,4 @@ def test_programs_per_sm_is_read_at_import():
     assert out.stdout.strip() == "3"
     bad = subprocess.run([sys.executable, "-c", code], env={**env, "DEEPSERVE_MLA_PROGRAMS_PER_SM": "0"},
                          capture_output=True, text=True)
-    assert bad.returncode != 0 and "DEEPSERVE_MLA_PROGRAMS_PER_SM=0" in bad.stderr
+    assert bad.returncode != 0 and "(DEEPSERVE_MLA_PROGRAMS_PER_SM): 0, expected >= 1" in bad.stderr
