@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu_pending.sh tests     # ~3 min: tests/gpu under pytest-xdist if present, then gpu_alone
 #   bash benchmarks/gpu_pending.sh moe-ab    # ~9 min: MoE decode steps, DEEPSERVE_MOE_UNMASKED_K=0,1
 #   bash benchmarks/gpu_pending.sh mla-ab    # ~9 min: V2-Lite steps over an E4M3 cache, MLA decode tiles
-#   bash benchmarks/gpu_pending.sh mla-sm-ab   # ~6 min: V2-Lite steps, DEEPSERVE_MLA_PROGRAMS_PER_SM x MLA tiles
+#   bash benchmarks/gpu_pending.sh mla-sm-ab   # ~6 min: V2-Lite steps, MLA programs an SM x tiles x fp8 prefetch
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~6 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
@@ -112,9 +112,11 @@ PY
     ;;
 mla-sm-ab)
     # The split heuristic's programs an SM (2: one split at batch 256) against more, with and without a register cap
-    # that lets more programs share an SM; MLA_SM / MLA_SM_TILES narrow it to what mla-splits favoured.
+    # that lets more programs share an SM; MLA_SM / MLA_SM_TILES / MLA_PREFETCH (0,1: the fp8 prefetch too) set the
+    # values to what mla-splits favoured.
     timeout 570 python3 benchmarks/ab_env_sweep.py --setting "DEEPSERVE_MLA_PROGRAMS_PER_SM=${MLA_SM:-2,4}" \
-        --setting "DEEPSERVE_MLA_DECODE_TILES=${MLA_SM_TILES:-32x4x3,32x4x3r128}" --passes 1 --timeout 130 \
+        --setting "DEEPSERVE_MLA_DECODE_TILES=${MLA_SM_TILES:-32x4x3,32x4x3r128}" \
+        --setting "DEEPSERVE_MLA_FP8_PREFETCH=${MLA_PREFETCH:-0}" --passes "${PASSES:-1}" --timeout 130 \
         --output "$OUT/mla_programs_per_sm_ab.json" -- --shapes deepseek-v2-lite --batches 128,256 \
         --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_sm_ab.log 2>&1
     tail -3 /tmp/mla_sm_ab.log; summarise_steps "$OUT/mla_programs_per_sm_ab.json"; elapsed "mla-sm-ab"
