@@ -10,10 +10,10 @@
 #   bash benchmarks/gpu_pending.sh tests     # ~3 min: tests/gpu under pytest-xdist if present, then gpu_alone
 #   bash benchmarks/gpu_pending.sh moe-ab    # ~9 min: MoE decode steps, DEEPSERVE_MOE_UNMASKED_K=0,1
 #   bash benchmarks/gpu_pending.sh mla-ab    # ~9 min: V2-Lite steps over an E4M3 cache, MLA decode tiles
-#   bash benchmarks/gpu_pending.sh mla-sm-ab   # ~6 min: V2-Lite steps, MLA programs an SM x tiles x fp8 prefetch
+#   bash benchmarks/gpu_pending.sh mla-sm-ab   # ~6 min: V2-Lite steps, MLA programs an SM x tiles
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
-#   bash benchmarks/gpu_pending.sh mla-splits  # ~6 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
+#   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 # MLA_TILES="32x4x3,16x4x3" narrows mla-ab to the settings the kernels stage favoured (default: all four).
 set -u
@@ -73,10 +73,8 @@ mla-ab)
 mla-splits)
     # Batch 256 runs one split (256 programs, two an SM by registers) and its E4M3 kernel reads at about 1.4 TB/s
     # (H100, session 30): does a second split, a register cap (more programs an SM) or deeper tiles read faster?
-    # DEEPSERVE_MLA_FP8_PREFETCH=1: the next tile's codes loaded before this tile's products (the fp8 tiles, widened
-    # in registers, are not staged by Triton's pipeliner).
-    timeout 330 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes bfloat16,float8_e4m3fn \
-        --settings "DEEPSERVE_MLA_FP8_PREFETCH=0;DEEPSERVE_MLA_FP8_PREFETCH=1" \
+    timeout 280 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes bfloat16,float8_e4m3fn \
+        --settings "DEEPSERVE_FP8_PRODUCTS=f16" \
         --cases "v2-lite b128,v2-lite b256" --output "$OUT/mla_splits_kernels.json" \
         --tiles "${MLA_SPLIT_TILES:-32x4x3s1,32x4x3s2,32x4x3s2r128,32x4x4,64x4x3,32x8x3,16x4x4,64x8x2}" \
         > /tmp/mla_splits.log 2>&1
@@ -112,11 +110,10 @@ PY
     ;;
 mla-sm-ab)
     # The split heuristic's programs an SM (2: one split at batch 256) against more, with and without a register cap
-    # that lets more programs share an SM; MLA_SM / MLA_SM_TILES / MLA_PREFETCH (0,1: the fp8 prefetch too) set the
-    # values to what mla-splits favoured.
+    # that lets more programs share an SM; MLA_SM / MLA_SM_TILES set the values to what mla-splits favoured.
     timeout 570 python3 benchmarks/ab_env_sweep.py --setting "DEEPSERVE_MLA_PROGRAMS_PER_SM=${MLA_SM:-2,4}" \
-        --setting "DEEPSERVE_MLA_DECODE_TILES=${MLA_SM_TILES:-32x4x3,32x4x3r128}" \
-        --setting "DEEPSERVE_MLA_FP8_PREFETCH=${MLA_PREFETCH:-0}" --passes "${PASSES:-1}" --timeout 130 \
+        --setting "DEEPSERVE_MLA_DECODE_TILES=${MLA_SM_TILES:-32x4x3,32x4x3r128}" --passes "${PASSES:-1}" \
+        --timeout 130 \
         --output "$OUT/mla_programs_per_sm_ab.json" -- --shapes deepseek-v2-lite --batches 128,256 \
         --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_sm_ab.log 2>&1
     tail -3 /tmp/mla_sm_ab.log; summarise_steps "$OUT/mla_programs_per_sm_ab.json"; elapsed "mla-sm-ab"

@@ -70,8 +70,6 @@ def parse_tiles(text: str) -> Optional[tuple[int, int, int, Optional[int]]]:
 
 FORCED_TILES = parse_tiles(envs.DEEPSERVE_MLA_DECODE_TILES)
 PROGRAMS_PER_SM = envs.DEEPSERVE_MLA_PROGRAMS_PER_SM
-# Over an fp8 cache, load the next tile's codes before this tile's products (see the kernel's loop): an A/B switch.
-FP8_PREFETCH = envs.DEEPSERVE_MLA_FP8_PREFETCH
 if PROGRAMS_PER_SM < 1:
     raise ValueError(f"MLA decode programs an SM (DEEPSERVE_MLA_PROGRAMS_PER_SM): {PROGRAMS_PER_SM}, expected >= 1")
 DEFAULT_TILES = (MLA_BLOCK_N, 4, 3, None)
@@ -221,18 +219,6 @@ def store_columns(row_ptrs, first: tl.constexpr, cols, rows_ok, value, width):
              mask=rows_ok[:, None] & (first + cols < width)[None, :])
 
 
-@triton.jit
-def _load_latent_tile(cache_ptr, blk, tok, end, stride_c_block, stride_c_slot, block_size, c, p, p_ok,
-                      RANK: tl.constexpr, CHUNK: tl.constexpr):
-    """The cached [latent | k_pe] rows of tokens `tok` (blocks `blk`), as they are stored: the latent's four column
-    chunks and the RoPE part; 0 past `end`."""
-    t_ok = tok < end
-    slot = (cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot)[:, None]
-    return (load_columns(slot, 0 * CHUNK, c, t_ok, RANK), load_columns(slot, 1 * CHUNK, c, t_ok, RANK),
-            load_columns(slot, 2 * CHUNK, c, t_ok, RANK), load_columns(slot, 3 * CHUNK, c, t_ok, RANK),
-            tl.load(slot + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0))
-
-
 @triton.jit(do_not_specialize=_PER_STEP_ARGS + ["stride_bt"])
 def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
                        out_ptr, part_out_ptr, part_lse_ptr,
@@ -243,8 +229,7 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
                        num_heads, block_size,
                        RANK: tl.constexpr, ROPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       PRECISION: tl.constexpr, PREFETCH: tl.constexpr, INPUTS_READY: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       PRECISION: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
     """One (sequence, head tile, split). The latent is handled as four column chunks of CHUNK (a quarter of its
     padded width): the score is five products (four chunks and the RoPE part) summed, and the output four
     accumulators. Why: with one [BLOCK_H, 576] x [576, BLOCK_N] product every warp ran one chain of 36 dependent
@@ -285,34 +270,18 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
     acc1 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
     acc2 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
     acc3 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
-    if PREFETCH:     # the first tile's codes; each iteration then loads the next tile's before its products
-        tok = start + tl.arange(0, BLOCK_N)
-        r0, r1, r2, r3, r_pe = _load_latent_tile(cache_ptr, blk, tok, end, stride_c_block, stride_c_slot,
-                                                 block_size, c, p, p_ok, RANK, CHUNK)
-        blk = tile_blocks(table, tok + BLOCK_N, end, block_size)
     # Every tile holds at least one real token (the loop stops at `end`), so m_i is finite after the first.
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_ok = tok < end
-        if PREFETCH:
-            # This tile's codes came in during the previous iteration; the next tile's load goes out now and its
-            # latency hides behind this tile's products (registers: loop-carried, Triton does not stage them).
-            n_tok = tok + BLOCK_N
-            c0, c1, c2, c3, k_pe = r0, r1, r2, r3, r_pe
-            r0, r1, r2, r3, r_pe = _load_latent_tile(cache_ptr, blk, n_tok, end, stride_c_block, stride_c_slot,
-                                                     block_size, c, p, p_ok, RANK, CHUNK)
-            blk = tile_blocks(table, n_tok + BLOCK_N, end, block_size)     # two tiles ahead
-        else:
-            blk_now = blk
-            blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
-            c0, c1, c2, c3, k_pe = _load_latent_tile(cache_ptr, blk_now, tok, end, stride_c_block, stride_c_slot,
-                                                     block_size, c, p, p_ok, RANK, CHUNK)
+        slot = (cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot)[:, None]
+        blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
         # An fp8 cache's codes widen to q's dtype here (a no-op for a cache of q's dtype); they are values too.
-        c0 = widen_values(c0, q0.dtype)
-        c1 = widen_values(c1, q0.dtype)
-        c2 = widen_values(c2, q0.dtype)
-        c3 = widen_values(c3, q0.dtype)
-        k_pe = k_pe.to(q_pe.dtype)
+        c0 = widen_values(load_columns(slot, 0 * CHUNK, c, t_ok, RANK), q0.dtype)
+        c1 = widen_values(load_columns(slot, 1 * CHUNK, c, t_ok, RANK), q0.dtype)
+        c2 = widen_values(load_columns(slot, 2 * CHUNK, c, t_ok, RANK), q0.dtype)
+        c3 = widen_values(load_columns(slot, 3 * CHUNK, c, t_ok, RANK), q0.dtype)
+        k_pe = tl.load(slot + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0).to(q_pe.dtype)
         s = ((tl.dot(q0, tl.trans(c0), input_precision=PRECISION) + tl.dot(q1, tl.trans(c1), input_precision=PRECISION))
              + (tl.dot(q2, tl.trans(c2), input_precision=PRECISION)
                 + tl.dot(q3, tl.trans(c3), input_precision=PRECISION))
@@ -444,7 +413,6 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         *po, *pl, heads, kv_cache.shape[1],
         RANK=rank, ROPE=rope, CHUNK=chunk, BLOCK_P=max(16, next_pow2(rope)),
         BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision,
-        PREFETCH=FP8_PREFETCH and kv_cache.element_size() == 1,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_launch_args(q_lat))
     if split:
