@@ -15,8 +15,8 @@ Run (GPU machine):  python benchmarks/fp8_attention_kernels.py --output fp8_atte
                     [--cases mla]   (the cases whose name or kind holds one of these words; default: all)
   (--settings: ";" between settings, "+" between the variables of one; a bare value is a DEEPSERVE_FP8_WIDEN one;
    --tiles: keys per tile x warps x stages, an "e" suffix loads a tile's values with its keys (GQA only), "sN"
-   forces N context splits, an "rN" suffix caps the registers a thread at N (MLA only: DEEPSERVE_MLA_DECODE_TILES'
-   form, e.g. 32x4x2r168; with a split count 32x4x3s2r128))
+   forces N context splits, an "rN" suffix caps the registers a thread at N and a "t" runs the token-major kernel
+   (MLA only: DEEPSERVE_MLA_DECODE_TILES' form, e.g. 32x4x2r168 or 64x8x2t; with a split count 32x4x3s2r128))
 Plot (anywhere):    python benchmarks/fp8_attention_kernels.py --plot fp8_attention_kernels_h200.json
                     [--steps kv_fp8_sweep_s29_h200.json]   (decode steps, bf16 against fp8 caches, beside it)
 """
@@ -86,14 +86,16 @@ def time_call(fn, reps: int = 20) -> tuple[float, str]:
     return sorted(runs)[2], mode
 
 
-def parse_tiles(spec: str) -> tuple[int, int, int, bool, int | None, int | None]:
-    """'KEYSxWARPSxSTAGES' + an optional 'e' (GQA: values loaded with keys), 'sN' (N context splits) and 'rN' (MLA: a
-    register cap), in that order -> (keys, warps, stages, early values, register cap, splits)."""
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(e?)(?:s(\d+))?(?:r(\d+))?", spec.lower())
+def parse_tiles(spec: str) -> dict:
+    """'KEYSxWARPSxSTAGES' + optional suffixes in this order: 'e' (GQA: values loaded with keys), 'sN' (N context
+    splits), 'rN' (MLA: a register cap), 't' (MLA: the token-major kernel) -> the launch's keywords."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(e?)(?:s(\d+))?(?:r(\d+))?(t?)", spec.lower())
     if not match:
-        raise ValueError(f"tiles {spec!r}: expected KEYSxWARPSxSTAGES[e][sSPLITS][rREGISTERS], e.g. 32x4x3s2r128")
-    n, w, st, early, splits, cap = match.groups()
-    return int(n), int(w), int(st), bool(early), int(cap) if cap else None, int(splits) if splits else None
+        raise ValueError(f"tiles {spec!r}: expected KEYSxWARPSxSTAGES[e][sSPLITS][rREGISTERS][t], e.g. 32x4x3s2r128")
+    n, w, st, early, splits, cap, token_major = match.groups()
+    return {"block_n": int(n), "num_warps": int(w), "num_stages": int(st), "early_v": bool(early),
+            "maxnreg": int(cap) if cap else None, "num_splits": int(splits) if splits else None,
+            "token_major": bool(token_major)}
 
 
 def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
@@ -110,18 +112,20 @@ def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
     shape = (2, num_blocks, BLOCK, kv_heads, dim) if kind == "gqa" else (num_blocks, BLOCK, dim)
     q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(dtype)
-    n, w, st, early_v, maxnreg, splits = parse_tiles(tiles) if tiles else (None, None, None, False, None, None)
+    launch = parse_tiles(tiles) if tiles else {}
     if kind == "gqa":
-        if maxnreg:
-            raise ValueError(f"tiles {tiles!r}: a register cap is for the MLA kernel only")
-        forced = DecodeTiles(block_n=n, num_warps=w, num_stages=st, early_v=early_v) if tiles else None
+        if launch.get("maxnreg") or launch.get("token_major"):
+            raise ValueError(f"tiles {tiles!r}: a register cap and the token-major kernel are MLA's only")
+        forced = DecodeTiles(block_n=launch["block_n"], num_warps=launch["num_warps"],
+                             num_stages=launch["num_stages"], early_v=launch["early_v"]) if tiles else None
 
         def call():
             decode_attention(q, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, tiles=forced,
-                             num_splits=splits)
+                             num_splits=launch.get("num_splits"))
     else:
         q_lat, q_pe = q[..., :512], q[..., 512:]
-        launch = dict(block_n=n, num_warps=w, num_stages=st, maxnreg=maxnreg, num_splits=splits) if tiles else {}
+        if launch.pop("early_v", False):
+            raise ValueError(f"tiles {tiles!r}: 'e' (values with keys) is the GQA kernel's only")
 
         def call():
             mla_decode(q_lat, q_pe, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, **launch)
