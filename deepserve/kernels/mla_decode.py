@@ -456,7 +456,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     `max_seq_len` (host int) sizes the split without a device sync; `num_splits` forces it; `block_n`,
     `num_warps`, `num_stages`, `maxnreg` (a register cap) and `token_major` (the transposed kernel) are the tile and
     launch settings (tuning; None: `launch_tiles`). `inputs_ready`: seq_lens and block_tables were in place before
-    the kernel launched just before this call (the backend's per-step metadata), so they may be read before the PDL wait.
+    the kernel launched just before this call (the backend's per-step metadata), so they may be read before the PDL
+    wait.
     """
     require_triton(q_lat)
     block_n, num_warps, num_stages, maxnreg, token_major = launch_tiles(block_n, num_warps, num_stages, maxnreg,
