@@ -15,8 +15,8 @@ Run (GPU machine):  python benchmarks/fp8_attention_kernels.py --output fp8_atte
                     [--cases mla]   (the cases whose name or kind holds one of these words; default: all)
   (--settings: ";" between settings, "+" between the variables of one; a bare value is a DEEPSERVE_FP8_WIDEN one;
    --tiles: keys per tile x warps x stages, an "e" suffix loads a tile's values with its keys (GQA only), "sN"
-   forces N context splits, an "rN" suffix caps the registers a thread at N and a "t" runs the token-major kernel
-   (MLA only: DEEPSERVE_MLA_DECODE_TILES' form, e.g. 32x4x2r168 or 64x8x2t; with a split count 32x4x3s2r128))
+   forces N context splits, an "rN" suffix caps the registers a thread at N (MLA only: DEEPSERVE_MLA_DECODE_TILES'
+   form, e.g. 32x4x2r168; with a split count 32x4x3s2r128))
 Plot (anywhere):    python benchmarks/fp8_attention_kernels.py --plot fp8_attention_kernels_h200.json
                     [--steps kv_fp8_sweep_s29_h200.json]   (decode steps, bf16 against fp8 caches, beside it)
 """
@@ -88,14 +88,13 @@ def time_call(fn, reps: int = 20) -> tuple[float, str]:
 
 def parse_tiles(spec: str) -> dict:
     """'KEYSxWARPSxSTAGES' + optional suffixes in this order: 'e' (GQA: values loaded with keys), 'sN' (N context
-    splits), 'rN' (MLA: a register cap), 't' (MLA: the token-major kernel) -> the launch's keywords."""
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(e?)(?:s(\d+))?(?:r(\d+))?(t?)", spec.lower())
+    splits), 'rN' (MLA: a register cap) -> the launch's keywords."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(e?)(?:s(\d+))?(?:r(\d+))?", spec.lower())
     if not match:
-        raise ValueError(f"tiles {spec!r}: expected KEYSxWARPSxSTAGES[e][sSPLITS][rREGISTERS][t], e.g. 32x4x3s2r128")
-    n, w, st, early, splits, cap, token_major = match.groups()
+        raise ValueError(f"tiles {spec!r}: expected KEYSxWARPSxSTAGES[e][sSPLITS][rREGISTERS], e.g. 32x4x3s2r128")
+    n, w, st, early, splits, cap = match.groups()
     return {"block_n": int(n), "num_warps": int(w), "num_stages": int(st), "early_v": bool(early),
-            "maxnreg": int(cap) if cap else None, "num_splits": int(splits) if splits else None,
-            "token_major": bool(token_major)}
+            "maxnreg": int(cap) if cap else None, "num_splits": int(splits) if splits else None}
 
 
 def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
@@ -114,8 +113,8 @@ def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
     cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(dtype)
     launch = parse_tiles(tiles) if tiles else {}
     if kind == "gqa":
-        if launch.get("maxnreg") or launch.get("token_major"):
-            raise ValueError(f"tiles {tiles!r}: a register cap and the token-major kernel are MLA's only")
+        if launch.get("maxnreg"):
+            raise ValueError(f"tiles {tiles!r}: a register cap is for the MLA kernel only")
         forced = DecodeTiles(block_n=launch["block_n"], num_warps=launch["num_warps"],
                              num_stages=launch["num_stages"], early_v=launch["early_v"]) if tiles else None
 
@@ -179,11 +178,17 @@ def plot(path: str, steps_path: str | None) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(8 * panels, 4.8), squeeze=False)
     ax = axes[0][0]
     cases = list(data["cases"])
-    bars = [(s, d) for s in data["by_setting"] for d in CACHE_DTYPES if "error" not in data["by_setting"][s]]
+    # One bar per (setting, cache dtype [+ forced tiles]) that every case timed.
+    bars = []
+    for s, by_case in data["by_setting"].items():
+        if "error" in by_case:
+            continue
+        labels = [k for k, v in by_case[cases[0]].items() if isinstance(v, dict) and v.get("us")]
+        bars += [(s, k) for k in labels if all(by_case[c].get(k, {}).get("us") for c in cases)]
     width = 0.8 / len(bars)
-    for j, (setting, dtype) in enumerate(bars):
-        us = [data["by_setting"][setting][c][dtype]["us"] for c in cases]
-        ax.bar([i + j * width for i in range(len(cases))], us, width, label=f"{dtype}, FP8_WIDEN={setting}")
+    for j, (setting, label) in enumerate(bars):
+        us = [data["by_setting"][setting][c][label]["us"] for c in cases]
+        ax.bar([i + j * width for i in range(len(cases))], us, width, label=f"{label}, {setting}")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], cases, rotation=25, ha="right", fontsize=7)
     ax.set_ylabel("us per call (one layer)")
     ax.set_title(f"decode attention kernels, {data['gpu']}", fontsize=9)

@@ -72,12 +72,12 @@ mla-ab)
     ;;
 mla-splits)
     # Batch 256 runs one split (256 programs, two an SM by registers) and its E4M3 kernel reads at about 1.4 TB/s
-    # (H100, session 30): does a second split, a deeper pipeline or the token-major kernel ('t': warpgroup MMAs over
-    # 64-key tiles) read faster?
+    # (H100, session 30): does a second split or a deeper pipeline read faster? (Session 34, H100,
+    # mla_splits_kernels_h100_s34.json: no; nor the token-major kernel it also timed.)
     timeout 280 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes bfloat16,float8_e4m3fn \
         --settings "DEEPSERVE_FP8_PRODUCTS=f16" \
         --cases "v2-lite b128,v2-lite b256" --output "$OUT/mla_splits_kernels.json" \
-        --tiles "${MLA_SPLIT_TILES:-32x4x3s1,32x4x3s2,32x4x4,32x8x3,64x8x2t,64x4x2t,64x8x3t,64x8x2s2t,128x8x2t}" \
+        --tiles "${MLA_SPLIT_TILES:-32x4x3s1,32x4x3s2,32x4x4,32x8x3}" \
         > /tmp/mla_splits.log 2>&1
     if command -v ncu > /dev/null; then     # where batch 256's kernel stalls (bf16 then E4M3 cache, two calls each)
         timeout 200 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \

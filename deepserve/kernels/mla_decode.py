@@ -19,7 +19,6 @@ the P @ C product (flash-attention style); the output rounded once.
 
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 import torch
@@ -49,40 +48,39 @@ _MAX_SPLITS = 128
 REDUCE_CHUNK_S = 16
 
 
-def parse_tiles(text: str) -> Optional[tuple[int, int, int, Optional[int], bool]]:
-    """'KEYSxWARPSxSTAGES[rREGISTERS][t]' (DEEPSERVE_MLA_DECODE_TILES) -> (keys per tile, warps, stages, register cap
-    or None, token-major); '' -> None. Keys: a power of two of at least 16 (a tl.dot's side); warps: 1, 2, 4 or 8;
-    stages: 1 to 6; the cap (Triton's maxnreg: fewer registers, more programs per SM, maybe spills): 32 to 255; a
-    't' runs `_mla_decode_token_major_kernel` (tokens as the products' rows: warpgroup MMAs from 64 keys a tile)."""
+def parse_tiles(text: str) -> Optional[tuple[int, int, int, Optional[int]]]:
+    """'KEYSxWARPSxSTAGES[rREGISTERS]' (DEEPSERVE_MLA_DECODE_TILES) -> (keys per tile, warps, stages, register cap or
+    None); '' -> None. Keys: a power of two of at least 16 (a tl.dot's side); warps: 1, 2, 4 or 8; stages: 1 to 6;
+    the cap (Triton's maxnreg: fewer registers, more programs per SM, maybe spills): 32 to 255."""
     if not text:
         return None
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:r(\d+))?(t?)", text.lower())
-    if not match:
-        raise ValueError(f"MLA decode tiles {text!r} (DEEPSERVE_MLA_DECODE_TILES): expected "
-                         "KEYSxWARPSxSTAGES[rREGISTERS][t], e.g. 16x4x3, 32x4x2r168 or 64x8x2t")
-    block_n, warps, stages = (int(g) for g in match.groups()[:3])
-    maxnreg = int(match[4]) if match[4] else None
+    tiles, capped, cap = text.lower().partition("r")
+    try:
+        block_n, warps, stages = (int(p) for p in tiles.split("x"))
+        maxnreg = int(cap) if capped else None
+    except ValueError:
+        raise ValueError(f"MLA decode tiles {text!r} (DEEPSERVE_MLA_DECODE_TILES): expected KEYSxWARPSxSTAGES or "
+                         "KEYSxWARPSxSTAGESrREGISTERS, e.g. 16x4x3 or 32x4x2r168") from None
     if (block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8) or not 1 <= stages <= 6
             or (maxnreg is not None and not 32 <= maxnreg <= 255)):
         raise ValueError(f"MLA decode tiles {text!r} (DEEPSERVE_MLA_DECODE_TILES): keys a power of two >= 16, "
                          "warps 1/2/4/8, stages 1-6, registers 32-255")
-    return block_n, warps, stages, maxnreg, bool(match[5])
+    return block_n, warps, stages, maxnreg
 
 
 FORCED_TILES = parse_tiles(envs.DEEPSERVE_MLA_DECODE_TILES)
 PROGRAMS_PER_SM = envs.DEEPSERVE_MLA_PROGRAMS_PER_SM
 if PROGRAMS_PER_SM < 1:
     raise ValueError(f"MLA decode programs an SM (DEEPSERVE_MLA_PROGRAMS_PER_SM): {PROGRAMS_PER_SM}, expected >= 1")
-DEFAULT_TILES = (MLA_BLOCK_N, 4, 3, None, False)
+DEFAULT_TILES = (MLA_BLOCK_N, 4, 3, None)
 
 
 def launch_tiles(block_n: Optional[int], num_warps: Optional[int], num_stages: Optional[int],
-                 maxnreg: Optional[int] = None, token_major: Optional[bool] = None) -> tuple:
-    """A launch's (keys per tile, warps, stages, register cap or None, token-major): the caller's where given, else
+                 maxnreg: Optional[int] = None) -> tuple:
+    """A launch's (keys per tile, warps, stages, register cap or None): the caller's where given, else
     DEEPSERVE_MLA_DECODE_TILES', else the default."""
     base = FORCED_TILES or DEFAULT_TILES
-    return (block_n or base[0], num_warps or base[1], num_stages or base[2], maxnreg or base[3],
-            base[4] if token_major is None else token_major)
+    return (block_n or base[0], num_warps or base[1], num_stages or base[2], maxnreg or base[3])
 
 
 @triton.jit
@@ -313,91 +311,6 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
     store_columns(o_rows, 3 * CHUNK, c, h_ok, acc3 / l_i[:, None], RANK)
 
 
-@triton.jit(do_not_specialize=_PER_STEP_ARGS + ["stride_bt"])
-def _mla_decode_token_major_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
-                                   out_ptr, part_out_ptr, part_lse_ptr,
-                                   qk_scale,
-                                   stride_qlb, stride_qlh, stride_qpb, stride_qph,
-                                   stride_c_block, stride_c_slot, stride_bt, stride_ob, stride_oh,
-                                   stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
-                                   num_heads, block_size,
-                                   RANK: tl.constexpr, ROPE: tl.constexpr, CHUNK: tl.constexpr,
-                                   BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   SPLIT: tl.constexpr, PRECISION: tl.constexpr, INPUTS_READY: tl.constexpr,
-                                   USE_PDL: tl.constexpr):
-    """`_mla_decode_kernel`'s work with every product transposed, tokens as the rows: scores^T [BLOCK_N, BLOCK_H] =
-    C q^T and out^T [RANK, BLOCK_H] += C^T p^T. Why: 16 heads (V2-Lite) give the head-major products 16 rows, which
-    Hopper runs as warp MMAs fed through ldmatrix; 64 token rows are a warpgroup MMA's shape, which reads its operands
-    from shared memory itself. Same arithmetic (float32 scores, statistics and accumulators; probabilities in the
-    cache's product dtype), another summation order inside the products."""
-    b = tl.program_id(0).to(tl.int64)
-    head_tile = tl.program_id(1)
-    split = tl.program_id(2)
-    table = block_tables_ptr + b * stride_bt
-    pdl_wait_for_inputs(INPUTS_READY, USE_PDL)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
-    blk = tile_blocks(table, start + tl.arange(0, BLOCK_N), end, block_size)
-    pdl_wait_after_inputs(INPUTS_READY, USE_PDL)
-    if SPLIT:
-        if start >= end:
-            return
-
-    heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < num_heads
-    c = tl.arange(0, CHUNK)
-    p = tl.arange(0, BLOCK_P)
-    p_ok = p < ROPE
-    q_rows = q_lat_ptr + b * stride_qlb + heads[:, None] * stride_qlh
-    q0 = tl.trans(for_products(load_columns(q_rows, 0 * CHUNK, c, h_ok, RANK), cache_ptr))     # [CHUNK, BLOCK_H]
-    q1 = tl.trans(for_products(load_columns(q_rows, 1 * CHUNK, c, h_ok, RANK), cache_ptr))
-    q2 = tl.trans(for_products(load_columns(q_rows, 2 * CHUNK, c, h_ok, RANK), cache_ptr))
-    q3 = tl.trans(for_products(load_columns(q_rows, 3 * CHUNK, c, h_ok, RANK), cache_ptr))
-    q_pe = tl.trans(for_products(tl.load(q_pe_ptr + b * stride_qpb + heads[:, None] * stride_qph + p[None, :],
-                                         mask=h_ok[:, None] & p_ok[None, :], other=0.0), cache_ptr))
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([CHUNK, BLOCK_H], tl.float32)
-    acc1 = tl.zeros([CHUNK, BLOCK_H], tl.float32)
-    acc2 = tl.zeros([CHUNK, BLOCK_H], tl.float32)
-    acc3 = tl.zeros([CHUNK, BLOCK_H], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N)
-        t_ok = tok < end
-        slot = (cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot)[:, None]
-        blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
-        c0 = widen_values(load_columns(slot, 0 * CHUNK, c, t_ok, RANK), q0.dtype)           # [BLOCK_N, CHUNK]
-        c1 = widen_values(load_columns(slot, 1 * CHUNK, c, t_ok, RANK), q0.dtype)
-        c2 = widen_values(load_columns(slot, 2 * CHUNK, c, t_ok, RANK), q0.dtype)
-        c3 = widen_values(load_columns(slot, 3 * CHUNK, c, t_ok, RANK), q0.dtype)
-        k_pe = tl.load(slot + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0).to(q_pe.dtype)
-        s = ((tl.dot(c0, q0, input_precision=PRECISION) + tl.dot(c1, q1, input_precision=PRECISION))
-             + (tl.dot(c2, q2, input_precision=PRECISION) + tl.dot(c3, q3, input_precision=PRECISION))
-             + tl.dot(k_pe, q_pe, input_precision=PRECISION))                                 # [BLOCK_N, BLOCK_H]
-        s = tl.where(t_ok[:, None], s * qk_scale, float("-inf"))               # log2 domain
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.math.exp2(m_i - m_new)
-        prob = tl.math.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(prob, 0)
-        prob = prob.to(c0.dtype)
-        acc0 = tl.dot(tl.trans(c0), prob, acc0 * alpha[None, :], input_precision=PRECISION)   # [CHUNK, BLOCK_H]
-        acc1 = tl.dot(tl.trans(c1), prob, acc1 * alpha[None, :], input_precision=PRECISION)
-        acc2 = tl.dot(tl.trans(c2), prob, acc2 * alpha[None, :], input_precision=PRECISION)
-        acc3 = tl.dot(tl.trans(c3), prob, acc3 * alpha[None, :], input_precision=PRECISION)
-        m_i = m_new
-
-    if SPLIT:
-        o_rows = part_out_ptr + b * stride_po_b + heads[:, None] * stride_po_h + split * stride_po_s
-        tl.store(part_lse_ptr + b * stride_pl_b + heads * stride_pl_h + split, m_i + tl.math.log2(l_i), mask=h_ok)
-    else:
-        o_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh
-    store_columns(o_rows, 0 * CHUNK, c, h_ok, tl.trans(acc0 / l_i[None, :]), RANK)
-    store_columns(o_rows, 1 * CHUNK, c, h_ok, tl.trans(acc1 / l_i[None, :]), RANK)
-    store_columns(o_rows, 2 * CHUNK, c, h_ok, tl.trans(acc2 / l_i[None, :]), RANK)
-    store_columns(o_rows, 3 * CHUNK, c, h_ok, tl.trans(acc3 / l_i[None, :]), RANK)
-
-
 @triton.jit(do_not_specialize=_PER_STEP_ARGS + ["num_splits"])
 def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
                        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_ob, stride_oh,
@@ -447,21 +360,19 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
                seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None,
                max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, block_n: Optional[int] = None,
                num_warps: Optional[int] = None, num_stages: Optional[int] = None, maxnreg: Optional[int] = None,
-               token_major: Optional[bool] = None, inputs_ready: bool = False) -> torch.Tensor:
+               inputs_ready: bool = False) -> torch.Tensor:
     """One query token per sequence b (row b) over its paged latents.
 
     q_lat: [B, H, R] (q_nope with W_UK absorbed), q_pe: [B, H, P] (any batch/head strides, unit last stride);
     kv_cache: [num_blocks, block_size, R + P]; block_tables [B, max_blocks]; seq_lens [B] (>= 1, this step's
     latent already written) -> [B, H, R] attention-weighted latents (in `out` if given, else q_lat's dtype).
     `max_seq_len` (host int) sizes the split without a device sync; `num_splits` forces it; `block_n`,
-    `num_warps`, `num_stages`, `maxnreg` (a register cap) and `token_major` (the transposed kernel) are the tile and
-    launch settings (tuning; None: `launch_tiles`). `inputs_ready`: seq_lens and block_tables were in place before
-    the kernel launched just before this call (the backend's per-step metadata), so they may be read before the PDL
-    wait.
+    `num_warps`, `num_stages`, `maxnreg` (a register cap) are the tile and launch settings (tuning; None:
+    `launch_tiles`). `inputs_ready`: seq_lens and block_tables were in place before the kernel launched just before
+    this call (the backend's per-step metadata), so they may be read before the PDL wait.
     """
     require_triton(q_lat)
-    block_n, num_warps, num_stages, maxnreg, token_major = launch_tiles(block_n, num_warps, num_stages, maxnreg,
-                                                                       token_major)
+    block_n, num_warps, num_stages, maxnreg = launch_tiles(block_n, num_warps, num_stages, maxnreg)
     bsz, heads, rank = q_lat.shape
     rope = q_pe.shape[-1]
     assert kv_cache.shape[-1] == rank + rope and kv_cache.stride(-1) == 1
@@ -494,8 +405,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     # 64-token tiles on 2 stages took the kernel alone from 101 to 87 us, but V2-Lite's decode step from 12.10-12.24
     # to 12.28-12.31 ms (two A/B pairs in one run, session23_steps_ab_h200.json): not taken.
     precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"      # fp32 inputs: no TF32 rounding
-    kernel = _mla_decode_token_major_kernel if token_major else _mla_decode_kernel
-    kernel[(bsz, cdiv(heads, MLA_BLOCK_H), num_splits)](
+    _mla_decode_kernel[(bsz, cdiv(heads, MLA_BLOCK_H), num_splits)](
         q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * _LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),

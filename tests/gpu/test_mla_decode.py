@@ -165,10 +165,9 @@ def test_decode_over_fp8_cache_matches_reference(device, cache_dtype, shape):
         assert_close_rel(out, ref, KERNEL_TOL[dtype])
 
 
-@pytest.mark.parametrize("tiles", [(16, 4, 3, None, False), (16, 4, 2, None, False), (32, 8, 3, None, False),
-                                   (64, 8, 2, None, False), (32, 4, 2, 168, False), (16, 4, 3, 128, False),
-                                   (64, 8, 2, None, True), (64, 4, 2, None, True)],
-                         ids=lambda t: "x".join(map(str, t[:3])) + (f"r{t[3]}" if t[3] else "") + ("t" if t[4] else ""))
+@pytest.mark.parametrize("tiles", [(16, 4, 3, None), (16, 4, 2, None), (32, 8, 3, None), (64, 8, 2, None),
+                                   (32, 4, 2, 168), (16, 4, 3, 128)], ids=lambda t: "x".join(map(str, t[:3])) +
+                         (f"r{t[3]}" if t[3] else ""))
 def test_forced_tiles_over_fp8_cache_with_splits(device, tiles, monkeypatch):
     """DEEPSERVE_MLA_DECODE_TILES' tiles (kernel_resources.py's candidates) in split launches: the partitions and
     the reduce follow the forced tile width."""
@@ -182,36 +181,6 @@ def test_forced_tiles_over_fp8_cache_with_splits(device, tiles, monkeypatch):
     for splits in (1, 3):
         out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 1 / math.sqrt(576),
                          max_seq_len=max(lens), num_splits=splits)
-        assert_close_rel(out, ref, KERNEL_TOL[dtype])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-R{}-P{}".format(*s))
-@pytest.mark.parametrize("block_n,warps", [(64, 8), (64, 4), (16, 4)])
-def test_token_major_kernel_matches_reference(device, dtype, shape, block_n, warps):
-    """The transposed kernel (tokens as the products' rows; 't' tiles): the reference's result with and without
-    splits, on the shapes with a partial head tile and a rank that is not a power of two."""
-    skip_bf16_in_interpreter(dtype)
-    heads, rank, rope = shape
-    batch, cache, q_lat, q_pe = _decode_case(device, dtype, heads, rank, rope, LENS, 16)
-    scale = 1 / math.sqrt(rank + rope)
-    ref = mla_decode_ref(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, scale)
-    for splits in (1, 3):
-        out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, scale, max_seq_len=max(LENS),
-                         num_splits=splits, block_n=block_n, num_warps=warps, num_stages=2, token_major=True)
-        assert_close_rel(out, ref, KERNEL_TOL[dtype])
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-def test_token_major_kernel_over_fp8_cache(device, cache_dtype):
-    dtype = torch.float16 if INTERPRET else torch.bfloat16
-    batch, cache, q_lat, q_pe = _decode_case(device, dtype, 16, 512, 64, LENS, 16)
-    cache = cache.to(cache_dtype)
-    ref = mla_decode_ref(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 1 / math.sqrt(576))
-    for splits in (1, 3):
-        out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 1 / math.sqrt(576),
-                         max_seq_len=max(LENS), num_splits=splits, block_n=64, num_warps=8, num_stages=2,
-                         token_major=True)
         assert_close_rel(out, ref, KERNEL_TOL[dtype])
 
 

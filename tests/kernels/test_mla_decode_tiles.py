@@ -12,16 +12,13 @@ from deepserve.kernels import mla_decode
 
 def test_parse_tiles():
     assert mla_decode.parse_tiles("") is None
-    assert mla_decode.parse_tiles("16x4x3") == (16, 4, 3, None, False)
-    assert mla_decode.parse_tiles("64X8X2") == (64, 8, 2, None, False)
-    assert mla_decode.parse_tiles("32x4x2r168") == (32, 4, 2, 168, False)
-    assert mla_decode.parse_tiles("64x8x2t") == (64, 8, 2, None, True)
-    assert mla_decode.parse_tiles("64x4x2r200T") == (64, 4, 2, 200, True)
+    assert mla_decode.parse_tiles("16x4x3") == (16, 4, 3, None)
+    assert mla_decode.parse_tiles("64X8X2") == (64, 8, 2, None)
+    assert mla_decode.parse_tiles("32x4x2r168") == (32, 4, 2, 168)
 
 
 @pytest.mark.parametrize("text", ["32x4", "16x4x3x1", "axbxc", "24x4x3", "8x4x3", "32x3x3", "32x4x0", "32x4x9",
-                                  "32x4x2r", "32x4x2r16", "32x4x2r300", "32x4x2rr", "64x8x2tr128", "64x8x2tt",
-                                  "t64x8x2"])
+                                  "32x4x2r", "32x4x2r16", "32x4x2r300", "32x4x2rr"])
 def test_parse_tiles_refuses_what_cannot_launch(text):
     with pytest.raises(ValueError, match="DEEPSERVE_MLA_DECODE_TILES"):
         mla_decode.parse_tiles(text)
@@ -30,21 +27,20 @@ def test_parse_tiles_refuses_what_cannot_launch(text):
 def test_launch_tiles_caller_then_variable_then_default(monkeypatch):
     monkeypatch.setattr(mla_decode, "FORCED_TILES", None)
     assert mla_decode.launch_tiles(None, None, None) == mla_decode.DEFAULT_TILES == (mla_decode.MLA_BLOCK_N, 4, 3,
-                                                                                     None, False)
-    monkeypatch.setattr(mla_decode, "FORCED_TILES", (16, 8, 2, 128, True))
-    assert mla_decode.launch_tiles(None, None, None) == (16, 8, 2, 128, True)
-    assert mla_decode.launch_tiles(64, None, 3) == (64, 8, 3, 128, True)
-    assert mla_decode.launch_tiles(None, 4, None, 168) == (16, 4, 2, 168, True)    # the caller's cap (a tile sweep's)
-    assert mla_decode.launch_tiles(None, None, None, token_major=False) == (16, 8, 2, 128, False)
+                                                                                     None)
+    monkeypatch.setattr(mla_decode, "FORCED_TILES", (16, 8, 2, 128))
+    assert mla_decode.launch_tiles(None, None, None) == (16, 8, 2, 128)
+    assert mla_decode.launch_tiles(64, None, 3) == (64, 8, 3, 128)
+    assert mla_decode.launch_tiles(None, 4, None, 168) == (16, 4, 2, 168)     # the caller's cap (a tile sweep's)
     monkeypatch.setattr(mla_decode, "FORCED_TILES", None)
-    assert mla_decode.launch_tiles(None, None, 2, 96) == (mla_decode.MLA_BLOCK_N, 4, 2, 96, False)
+    assert mla_decode.launch_tiles(None, None, 2, 96) == (mla_decode.MLA_BLOCK_N, 4, 2, 96)
 
 
 def test_variable_is_read_at_import():
     code = "from deepserve.kernels import mla_decode as m; print(m.FORCED_TILES)"
     env = {**os.environ, "DEEPSERVE_MLA_DECODE_TILES": "16x4x2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "(16, 4, 2, None, False)"
+    assert out.stdout.strip() == "(16, 4, 2, None)"
     bad = subprocess.run([sys.executable, "-c", code], env={**env, "DEEPSERVE_MLA_DECODE_TILES": "16x4"},
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "'16x4' (DEEPSERVE_MLA_DECODE_TILES)" in bad.stderr

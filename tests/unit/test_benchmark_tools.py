@@ -17,15 +17,14 @@ def benchmarks_on_path(monkeypatch):
 
 def test_attention_tile_specs(benchmarks_on_path):
     from fp8_attention_kernels import parse_tiles
-    def spec(n, w, st, early_v=False, maxnreg=None, num_splits=None, token_major=False):
+    def spec(n, w, st, early_v=False, maxnreg=None, num_splits=None):
         return {"block_n": n, "num_warps": w, "num_stages": st, "early_v": early_v, "maxnreg": maxnreg,
-                "num_splits": num_splits, "token_major": token_major}
+                "num_splits": num_splits}
     assert parse_tiles("32x4x3") == spec(32, 4, 3)
     assert parse_tiles("64x4x2e") == spec(64, 4, 2, early_v=True)         # GQA: values loaded with the keys
     assert parse_tiles("32x4x2r168") == spec(32, 4, 2, maxnreg=168)       # MLA: a register cap
     assert parse_tiles("16x4x3R128") == spec(16, 4, 3, maxnreg=128)
     assert parse_tiles("32x4x3s2r128") == spec(32, 4, 3, maxnreg=128, num_splits=2)
-    assert parse_tiles("64x8x2t") == spec(64, 8, 2, token_major=True)     # MLA: the token-major kernel
     with pytest.raises(ValueError, match="expected KEYSxWARPSxSTAGES"):
         parse_tiles("32x4")
 
