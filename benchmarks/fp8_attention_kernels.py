@@ -175,7 +175,7 @@ def plot(path: str, steps_path: str | None) -> None:
     with open(path) as f:
         data = json.load(f)
     panels = 2 if steps_path else 1
-    fig, axes = plt.subplots(1, panels, figsize=(8 * panels, 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(8 * panels, 6.4), squeeze=False)
     ax = axes[0][0]
     cases = list(data["cases"])
     # One bar per (setting, cache dtype [+ forced tiles]) that every case timed.
@@ -188,11 +188,12 @@ def plot(path: str, steps_path: str | None) -> None:
     width = 0.8 / len(bars)
     for j, (setting, label) in enumerate(bars):
         us = [data["by_setting"][setting][c][label]["us"] for c in cases]
-        ax.bar([i + j * width for i in range(len(cases))], us, width, label=f"{label}, {setting}")
+        many = len(data["by_setting"]) > 1
+        ax.bar([i + j * width for i in range(len(cases))], us, width, label=label + (f", {setting}" if many else ""))
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], cases, rotation=25, ha="right", fontsize=7)
     ax.set_ylabel("us per call (one layer)")
     ax.set_title(f"decode attention kernels, {data['gpu']}", fontsize=9)
-    ax.legend(fontsize=6, ncol=3)
+    ax.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     if steps_path:
         with open(steps_path) as f:
             steps = json.load(f)
