@@ -11,13 +11,14 @@
 #   bash benchmarks/gpu_pending.sh moe-ab    # ~9 min: MoE decode steps, DEEPSERVE_MOE_UNMASKED_K=0,1
 #   bash benchmarks/gpu_pending.sh mla-ab    # ~9 min: V2-Lite steps over an E4M3 cache, MLA decode tiles
 #   bash benchmarks/gpu_pending.sh mla-sm-ab   # ~6 min: the engine's MLA splits, then programs an SM x tiles
+#   bash benchmarks/gpu_pending.sh mla-keys    # ~3 min: DEEPSERVE_MLA_FP8_KEYS=registers,late, kernel calls and V2-Lite steps
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 # MLA_TILES="32x4x3,16x4x3" narrows mla-ab to the settings the kernels stage favoured (default: all four).
 set -u
-STAGE=${1:?"stage: kernels | tests | moe-ab | mla-ab | mla-splits | mla-sm-ab | combine-ab | combine-timeline | sweeps"}
+STAGE=${1:?"stage: kernels | tests | moe-ab | mla-ab | mla-splits | mla-sm-ab | mla-keys | combine-ab | combine-timeline | sweeps"}
 OUT=${OUT:-/tmp/gpu_pending_out}
 mkdir -p "$OUT"
 
@@ -121,6 +122,29 @@ mla-sm-ab)
         --output "$OUT/mla_programs_per_sm_ab.json" -- --shapes deepseek-v2-lite --batches 128,256 \
         --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_sm_ab.log 2>&1
     tail -3 /tmp/mla_sm_ab.log; summarise_steps "$OUT/mla_programs_per_sm_ab.json"; elapsed "mla-sm-ab"
+    ;;
+mla-keys)
+    # The score products widening the staged 8-bit codes (late) against reading the values' 16-bit tile (registers):
+    # the E4M3 kernel's shared-memory pipe was 75% busy at batch 256 (ncu_mla_b256_h100_s34.json).
+    timeout 150 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes float8_e4m3fn \
+        --settings "DEEPSERVE_MLA_FP8_KEYS=registers;DEEPSERVE_MLA_FP8_KEYS=late" --tiles 16x4x3 \
+        --cases "v2-lite b64 ctx1024,v2-lite b128,v2-lite b256" --output "$OUT/mla_fp8_keys_kernels.json" \
+        > /tmp/mla_keys.log 2>&1
+    python3 - "$OUT/mla_fp8_keys_kernels.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for setting, cases in d["by_setting"].items():
+    for case, rows in cases.items():
+        if case == "error":
+            print(setting, rows[-800:]); continue
+        for label, r in rows.items():
+            print(f"{setting:34s} {case:30s} {label:26s}", r.get("us"), "us", r.get("kv_TBps"), "TB/s")
+PY
+    elapsed "mla-keys kernels"
+    timeout 240 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MLA_FP8_KEYS=registers,late --passes 1 \
+        --timeout 110 --output "$OUT/mla_fp8_keys_ab.json" -- --shapes deepseek-v2-lite --batches 64,256 \
+        --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_keys_ab.log 2>&1
+    tail -3 /tmp/mla_keys_ab.log; summarise_steps "$OUT/mla_fp8_keys_ab.json"; elapsed "mla-keys steps"
     ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by

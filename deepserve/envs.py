@@ -135,6 +135,10 @@ _DECLARED = [
            "GPU MLA decode: every launch with these tiles, 'KEYSxWARPSxSTAGES[rREGISTERS]' (e.g. 16x4x3, or "
            "32x4x2r168 with a register cap), an A/B switch for decode steps (benchmarks/ab_env_sweep.py; "
            "kernel_resources.py prices each); unset: 32x4x3 (kernels/mla_decode.py, read at import)"),
+    EnvVar("DEEPSERVE_MLA_FP8_KEYS", "str", "registers",
+           "GPU MLA decode over an fp8 KV cache: where the score products' latent tiles widen, in registers with the "
+           "values' (one 16-bit tile in shared memory for both products) or late, from the staged 8-bit codes "
+           "(kernels/mla_decode.py; an A/B switch, read at import)", choices=("registers", "late")),
     EnvVar("DEEPSERVE_MLA_PROGRAMS_PER_SM", "int", 2,
            "GPU MLA decode: the context is split until (sequences x head tiles x splits) reaches this many programs "
            "an SM (kernels/mla_decode.py mla_num_splits; 2 measured best on an H200 with the unchunked kernel), an "
