@@ -11,14 +11,15 @@
 #   bash benchmarks/gpu_pending.sh moe-ab    # ~9 min: MoE decode steps, DEEPSERVE_MOE_UNMASKED_K=0,1
 #   bash benchmarks/gpu_pending.sh mla-ab    # ~9 min: V2-Lite steps over an E4M3 cache, MLA decode tiles
 #   bash benchmarks/gpu_pending.sh mla-sm-ab   # ~6 min: the engine's MLA splits, then programs an SM x tiles
-#   bash benchmarks/gpu_pending.sh mla-keys    # ~3 min: DEEPSERVE_MLA_FP8_KEYS=registers,late, kernel calls and V2-Lite steps
+#   bash benchmarks/gpu_pending.sh mla-keys    # ~3 min: DEEPSERVE_MLA_FP8_KEYS=registers,late, kernels and steps
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 # MLA_TILES="32x4x3,16x4x3" narrows mla-ab to the settings the kernels stage favoured (default: all four).
 set -u
-STAGE=${1:?"stage: kernels | tests | moe-ab | mla-ab | mla-splits | mla-sm-ab | mla-keys | combine-ab | combine-timeline | sweeps"}
+STAGE=${1:?"stage: kernels | tests | moe-ab | mla-ab | mla-splits | mla-sm-ab | mla-keys | combine-ab | combine-timeline
+| sweeps"}
 OUT=${OUT:-/tmp/gpu_pending_out}
 mkdir -p "$OUT"
 
