@@ -42,6 +42,20 @@ for setting, rows in d["results"].items():
 PY
 }
 
+summarise_kernels() {   # the calls of an fp8_attention_kernels.py JSON: setting, case, label, us, KV TB/s
+    python3 - "$1" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for setting, cases in d["by_setting"].items():
+    for case, rows in cases.items():
+        if case == "error":
+            print(setting, rows[-800:]); continue
+        for label, r in rows.items():
+            print(f"{setting:34s} {case:30s} {label:26s}", r.get("us"), "us", r.get("kv_TBps"), "TB/s",
+                  r.get("error", "")[:120])
+PY
+}
+
 case "$STAGE" in
 kernels)
     timeout 280 python3 benchmarks/tune_moe_decode.py --unmasked-k --shapes qwen3-moe,deepseek-v2-lite \
@@ -99,16 +113,7 @@ for r in rows:
 PY
         tail -3 /tmp/ncu_mla.err
     fi
-    python3 - "$OUT/mla_splits_kernels.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for setting, cases in d["by_setting"].items():
-    for case, rows in cases.items():
-        if case == "error":
-            print(setting, rows[-800:]); continue
-        for label, r in rows.items():
-            print(f"{case:32s} {label:40s}", r.get("us"), "us", r.get("kv_TBps"), "TB/s", r.get("error", "")[:120])
-PY
+    summarise_kernels "$OUT/mla_splits_kernels.json"
     elapsed "mla-splits"
     ;;
 mla-sm-ab)
@@ -131,16 +136,7 @@ mla-keys)
         --settings "DEEPSERVE_MLA_FP8_KEYS=registers;DEEPSERVE_MLA_FP8_KEYS=late" --tiles 16x4x3 \
         --cases "v2-lite b64 ctx1024,v2-lite b128,v2-lite b256" --output "$OUT/mla_fp8_keys_kernels.json" \
         > /tmp/mla_keys.log 2>&1
-    python3 - "$OUT/mla_fp8_keys_kernels.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for setting, cases in d["by_setting"].items():
-    for case, rows in cases.items():
-        if case == "error":
-            print(setting, rows[-800:]); continue
-        for label, r in rows.items():
-            print(f"{setting:34s} {case:30s} {label:26s}", r.get("us"), "us", r.get("kv_TBps"), "TB/s")
-PY
+    summarise_kernels "$OUT/mla_fp8_keys_kernels.json"
     elapsed "mla-keys kernels"
     timeout 240 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MLA_FP8_KEYS=registers,late --passes 1 \
         --timeout 110 --output "$OUT/mla_fp8_keys_ab.json" -- --shapes deepseek-v2-lite --batches 64,256 \

@@ -36,13 +36,17 @@ def test_launch_tiles_caller_then_variable_then_default(monkeypatch):
     assert mla_decode.launch_tiles(None, None, 2, 96) == (mla_decode.MLA_BLOCK_N, 4, 2, 96)
 
 
+def _import_under(variable: str, value: str, attribute: str) -> subprocess.CompletedProcess:
+    """`mla_decode.<attribute>` printed by a fresh interpreter with `variable=value` in its environment."""
+    code = f"from deepserve.kernels import mla_decode as m; print(m.{attribute})"
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, variable: value}, capture_output=True,
+                          text=True)
+
+
 def test_variable_is_read_at_import():
-    code = "from deepserve.kernels import mla_decode as m; print(m.FORCED_TILES)"
-    env = {**os.environ, "DEEPSERVE_MLA_DECODE_TILES": "16x4x2"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "(16, 4, 2, None)"
-    bad = subprocess.run([sys.executable, "-c", code], env={**env, "DEEPSERVE_MLA_DECODE_TILES": "16x4"},
-                         capture_output=True, text=True)
+    out = _import_under("DEEPSERVE_MLA_DECODE_TILES", "16x4x2", "FORCED_TILES")
+    assert out.returncode == 0 and out.stdout.strip() == "(16, 4, 2, None)"
+    bad = _import_under("DEEPSERVE_MLA_DECODE_TILES", "16x4", "FORCED_TILES")
     assert bad.returncode != 0 and "'16x4' (DEEPSERVE_MLA_DECODE_TILES)" in bad.stderr
 
 
@@ -59,10 +63,7 @@ def test_programs_per_sm_sets_the_split_count(monkeypatch):
 
 
 def test_programs_per_sm_is_read_at_import():
-    code = "from deepserve.kernels import mla_decode as m; print(m.PROGRAMS_PER_SM)"
-    env = {**os.environ, "DEEPSERVE_MLA_PROGRAMS_PER_SM": "3"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "3"
-    bad = subprocess.run([sys.executable, "-c", code], env={**env, "DEEPSERVE_MLA_PROGRAMS_PER_SM": "0"},
-                         capture_output=True, text=True)
+    out = _import_under("DEEPSERVE_MLA_PROGRAMS_PER_SM", "3", "PROGRAMS_PER_SM")
+    assert out.returncode == 0 and out.stdout.strip() == "3"
+    bad = _import_under("DEEPSERVE_MLA_PROGRAMS_PER_SM", "0", "PROGRAMS_PER_SM")
     assert bad.returncode != 0 and "(DEEPSERVE_MLA_PROGRAMS_PER_SM): 0, expected >= 1" in bad.stderr
