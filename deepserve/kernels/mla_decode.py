@@ -70,6 +70,8 @@ def parse_tiles(text: str) -> Optional[tuple[int, int, int, Optional[int]]]:
 
 FORCED_TILES = parse_tiles(envs.DEEPSERVE_MLA_DECODE_TILES)
 PROGRAMS_PER_SM = envs.DEEPSERVE_MLA_PROGRAMS_PER_SM
+if PROGRAMS_PER_SM < 1:
+    raise ValueError(f"MLA decode programs an SM (DEEPSERVE_MLA_PROGRAMS_PER_SM): {PROGRAMS_PER_SM}, expected >= 1")
 # DEEPSERVE_MLA_FP8_KEYS=late (an A/B switch): over an fp8 cache the score products widen the cp.async-staged codes
 # as they read them (one 8-bit tile read from shared memory) instead of reading the tile the values widened in
 # registers and stored as 16-bit (an ldmatrix of twice the bytes). Nsight Compute has the E4M3 kernel's shared
@@ -77,8 +79,6 @@ PROGRAMS_PER_SM = envs.DEEPSERVE_MLA_PROGRAMS_PER_SM
 # ldmatrix instead of 67 and holds 72 KB of shared memory instead of 89 (204 registers instead of 184, still two
 # programs an SM).
 FP8_KEYS_LATE = envs.DEEPSERVE_MLA_FP8_KEYS == "late"
-if PROGRAMS_PER_SM < 1:
-    raise ValueError(f"MLA decode programs an SM (DEEPSERVE_MLA_PROGRAMS_PER_SM): {PROGRAMS_PER_SM}, expected >= 1")
 DEFAULT_TILES = (MLA_BLOCK_N, 4, 3, None)
 
 
@@ -284,7 +284,6 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
         t_ok = tok < end
         slot = (cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot)[:, None]
         blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
-        # An fp8 cache's codes widen to q's dtype here (a no-op for a cache of q's dtype); they are values too.
         r0 = load_columns(slot, 0 * CHUNK, c, t_ok, RANK)
         r1 = load_columns(slot, 1 * CHUNK, c, t_ok, RANK)
         r2 = load_columns(slot, 2 * CHUNK, c, t_ok, RANK)
