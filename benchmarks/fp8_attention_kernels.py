@@ -186,9 +186,9 @@ def plot(path: str, steps_path: str | None) -> None:
         labels = [k for k, v in by_case[cases[0]].items() if isinstance(v, dict) and v.get("us")]
         bars += [(s, k) for k in labels if all(by_case[c].get(k, {}).get("us") for c in cases)]
     width = 0.8 / len(bars)
+    many = len(data["by_setting"]) > 1
     for j, (setting, label) in enumerate(bars):
         us = [data["by_setting"][setting][c][label]["us"] for c in cases]
-        many = len(data["by_setting"]) > 1
         ax.bar([i + j * width for i in range(len(cases))], us, width, label=label + (f", {setting}" if many else ""))
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], cases, rotation=25, ha="right", fontsize=7)
     ax.set_ylabel("us per call (one layer)")
@@ -232,9 +232,10 @@ def main() -> None:
     parser.add_argument("--steps", metavar="JSON", help="with --plot: merged decode-step sweeps to draw beside")
     parser.add_argument("--here", action="store_true", help="(internal) measure in this process, JSON to stdout")
     args = parser.parse_args()
+    dtypes = [d for d in args.cache_dtypes.split(",") if d]
+    if not dtypes or not set(dtypes) <= set(CACHE_DTYPES):
+        parser.error(f"--cache-dtypes {args.cache_dtypes!r}: comma-separated, of {', '.join(CACHE_DTYPES)}")
     if args.here:
-        dtypes = [d for d in args.cache_dtypes.split(",") if d]
-        assert set(dtypes) <= set(CACHE_DTYPES), f"--cache-dtypes {args.cache_dtypes!r}: of {CACHE_DTYPES}"
         print("RESULT " + json.dumps(measure_here([t for t in args.tiles.split(",") if t], chosen_cases(args.cases),
                                                   dtypes)))
         return
