@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu_pending.sh tests     # ~3 min: tests/gpu under pytest-xdist if present, then gpu_alone
 #   bash benchmarks/gpu_pending.sh moe-ab    # ~9 min: MoE decode steps, DEEPSERVE_MOE_UNMASKED_K=0,1
 #   bash benchmarks/gpu_pending.sh mla-ab    # ~9 min: V2-Lite steps over an E4M3 cache, MLA decode tiles
-#   bash benchmarks/gpu_pending.sh mla-sm-ab   # ~6 min: the engine's MLA splits, then programs an SM x tiles
+#   bash benchmarks/gpu_pending.sh mla-sm-ab   # ~6 min: V2-Lite steps, MLA programs an SM x tiles
 #   bash benchmarks/gpu_pending.sh mla-keys    # ~3 min: DEEPSERVE_MLA_FP8_KEYS=registers,late, kernels and steps
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -117,11 +117,8 @@ PY
     elapsed "mla-splits"
     ;;
 mla-sm-ab)
-    # First what the engine's MLA launches pick at V2-Lite batch 256 (session 34's step profile lists a split reduce
-    # per layer there, where the heuristic gives one split), then the split heuristic's programs an SM (2: one split
-    # at batch 256) against others, with and without a register cap; MLA_SM / MLA_SM_TILES set the values.
-    timeout 150 python3 benchmarks/mla_split_choices.py --output "$OUT/mla_split_choices.json" > /tmp/choices.log 2>&1
-    grep -v Warning /tmp/choices.log | tail -40; elapsed "mla_split_choices"
+    # The split heuristic's programs an SM (2: one split at batch 256) against others, with and without a register
+    # cap that lets more programs share an SM; MLA_SM / MLA_SM_TILES set the values.
     timeout 570 python3 benchmarks/ab_env_sweep.py --setting "DEEPSERVE_MLA_PROGRAMS_PER_SM=${MLA_SM:-2,4}" \
         --setting "DEEPSERVE_MLA_DECODE_TILES=${MLA_SM_TILES:-32x4x3,32x4x3r128}" --passes "${PASSES:-1}" \
         --timeout 130 \

@@ -74,11 +74,25 @@ def kernel_table(prof, divide: int, top: int = 25) -> dict:
             "top": [(k, round(v[0] / divide, 1), round(v[1] / divide, 2)) for k, v in rows[:top]]}
 
 
-def start_decoding(eng, batch: int, input_len: int, max_tokens: int, name: str, seed: int) -> None:
+def prefill_steps(eng, batch: int, input_len: int) -> int:
+    """About how many steps `batch` prompts of `input_len` tokens take to prefill: the step budget, capped while
+    something decodes (the scheduler's max_prefill_tokens_while_decoding), plus one."""
+    config = eng.scheduler.config
+    budget = min(config.max_num_batched_tokens, config.max_prefill_tokens_while_decoding or 1 << 62)
+    return -(-batch * input_len // budget) + 1
+
+
+def start_decoding(eng, batch: int, input_len: int, max_tokens: int, name: str, seed: int) -> list[str]:
     """`batch` random prompts of `input_len` tokens added to the engine and stepped until every one decodes (two
-    output tokens each), then three more steps: the batch in a steady decode."""
+    output tokens each), then three more steps: the batch in a steady decode, each sequence with at least
+    `max_tokens` tokens still to go. The first prompts decode while the later ones prefill, so each request asks
+    for `max_tokens` plus the prefill's steps; a sequence that finished all the same is an error (the steps after
+    would not run the batch asked for: session 34's batch-256 profiles did, at 1k context). Returns the request
+    ids."""
     prompts = random_prompts(batch, input_len, eng.vocab_size, seed)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # The first sequence decodes through the others' prefill steps, its first two tokens and three more steps.
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens + prefill_steps(eng, batch, input_len) + 8,
+                            ignore_eos=True)
     ids = [f"{name}-{batch}-{i}" for i in range(batch)]
     for rid, p in zip(ids, prompts):
         eng.add_request(rid, p, params, final_output_only=True)
@@ -88,12 +102,17 @@ def start_decoding(eng, batch: int, input_len: int, max_tokens: int, name: str, 
     for _ in range(3):
         eng.step()
     sync()
+    finished = sum(s.is_finished for s in seqs)
+    if finished:
+        raise RuntimeError(f"{finished} of {batch} sequences finished before the batch decoded in full: "
+                           "give them more max_tokens")
+    return ids
 
 
 def profile_steps(llm: LLM, batch: int, steps: int, input_len: int = 128) -> dict:
     """Kernel table of `steps` decode steps at `batch` (prefill and warm-up steps outside the profile)."""
     eng = llm.engine
-    start_decoding(eng, batch, input_len, steps + 8, "prof", 11)
+    ids = start_decoding(eng, batch, input_len, steps + 8, "prof", 11)
     acts = [torch.profiler.ProfilerActivity.CPU]
     if DEVICE == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -101,6 +120,7 @@ def profile_steps(llm: LLM, batch: int, steps: int, input_len: int = 128) -> dic
         for _ in range(steps):
             eng.step()
         sync()
+    eng.abort_request(ids)
     while eng.has_unfinished_requests():
         eng.step()
     return kernel_table(prof, steps)

@@ -49,3 +49,22 @@ def test_unmasked_k_ab_flips_the_switch_and_restores_it(benchmarks_on_path, monk
         (8, False, 1), (8, True, 1), (256, False, 1), (256, True, 1 + len(tune_moe_decode.DOWN_TILES))]
     assert all(labels[0] == "engine pick" for _, _, labels in timed)
     assert fused_moe.UNMASKED_K is False        # the process's switch is back where it was
+
+
+def test_start_decoding_holds_the_whole_batch_when_prefill_takes_many_steps(benchmarks_on_path, monkeypatch):
+    """profile_gpu_step.start_decoding: with prompts that take more steps to prefill than the decode steps asked for
+    (16 prompts of 48 tokens, 64 tokens a step: about 12 steps against 4), every sequence still decodes afterwards,
+    and `max_tokens` more steps run the whole batch. Session 34's batch-256 profiles at 1k context were taken after
+    the first sequences had finished."""
+    import h200_dense
+    import profile_gpu_step
+    monkeypatch.setattr(profile_gpu_step, "DEVICE", "cpu")
+    llm = profile_gpu_step.engine(h200_dense.write_config(h200_dense.SHAPES["tiny"]), device="cpu",
+                                  max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64)
+    eng = llm.engine
+    ids = profile_gpu_step.start_decoding(eng, 16, 48, 4, "t", 1)
+    seqs = [s for rid in ids for s in eng.requests[rid].seqs]
+    for _ in range(4):
+        eng.step()
+        assert len(eng.scheduler.running) == 16 and not any(s.is_finished for s in seqs)
+    eng.abort_request(ids)
