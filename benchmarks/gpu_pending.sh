@@ -18,8 +18,7 @@
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 # MLA_TILES="32x4x3,16x4x3" narrows mla-ab to the settings the kernels stage favoured (default: all four).
 set -u
-STAGE=${1:?"stage: kernels | tests | moe-ab | mla-ab | mla-splits | mla-sm-ab | mla-keys | combine-ab | combine-timeline
-| sweeps"}
+STAGE=${1:?"a stage, one of those listed at the top of this script"}
 OUT=${OUT:-/tmp/gpu_pending_out}
 mkdir -p "$OUT"
 
@@ -121,8 +120,7 @@ mla-sm-ab)
     # cap that lets more programs share an SM; MLA_SM / MLA_SM_TILES set the values.
     timeout 570 python3 benchmarks/ab_env_sweep.py --setting "DEEPSERVE_MLA_PROGRAMS_PER_SM=${MLA_SM:-2,4}" \
         --setting "DEEPSERVE_MLA_DECODE_TILES=${MLA_SM_TILES:-32x4x3,32x4x3r128}" --passes "${PASSES:-1}" \
-        --timeout 130 \
-        --output "$OUT/mla_programs_per_sm_ab.json" -- --shapes deepseek-v2-lite --batches 128,256 \
+        --timeout 130 --output "$OUT/mla_programs_per_sm_ab.json" -- --shapes deepseek-v2-lite --batches 128,256 \
         --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_sm_ab.log 2>&1
     tail -3 /tmp/mla_sm_ab.log; summarise_steps "$OUT/mla_programs_per_sm_ab.json"; elapsed "mla-sm-ab"
     ;;
