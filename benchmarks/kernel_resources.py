@@ -51,8 +51,6 @@ OPCODES = ("LDL", "STL", "HMMA", "HGMMA", "LDG", "LDGSTS", "LDSM", "BAR", "F2FP"
 MLA_TILES = [(16, 4, 3, None), (16, 4, 2, None), (32, 4, 3, None), (32, 4, 2, None), (32, 8, 3, None),
              (32, 8, 2, None), (64, 4, 2, None), (64, 8, 2, None), (16, 4, 3, 128), (32, 4, 2, 128), (32, 4, 2, 168)]
 
-# DEEPSERVE_MLA_FP8_KEYS=late's builds (fp8 caches only): the score products read the staged 8-bit codes.
-MLA_KEYS_LATE_TILES = [(16, 4, 3, None), (32, 4, 3, None), (32, 4, 2, None)]
 
 
 def mla_cases() -> dict:
@@ -61,12 +59,10 @@ def mla_cases() -> dict:
     for cache in ("bf16", "fp8e4nv"):
         ptrs = {"cache_ptr": f"*{cache}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
-        late = [(t, True) for t in MLA_KEYS_LATE_TILES] if cache == "fp8e4nv" else []
-        for (block_n, warps, stages, cap), keys_late in [(t, False) for t in MLA_TILES] + late:
+        for block_n, warps, stages, cap in MLA_TILES:
             constexprs = dict(RANK=512, ROPE=64, CHUNK=128, BLOCK_P=64, BLOCK_H=16, BLOCK_N=block_n, SPLIT=False,
-                              PRECISION="tf32", KEYS_LATE=keys_late, INPUTS_READY=True, USE_PDL=True)
-            name = (f"mla_decode {cache} {block_n}x{warps}x{stages}" + (f"r{cap}" if cap else "")
-                    + (" keys-late" if keys_late else ""))
+                              PRECISION="tf32", INPUTS_READY=True, USE_PDL=True)
+            name = f"mla_decode {cache} {block_n}x{warps}x{stages}" + (f"r{cap}" if cap else "")
             out[name] = (_mla_decode_kernel, ptrs, constexprs, {"qk_scale": "fp32"}, warps, stages, cap)
     return out
 

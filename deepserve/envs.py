@@ -125,6 +125,11 @@ _DECLARED = [
            "GPU decode GEMMs of 2-32 rows (2-16 for narrow weights of rows 2049-4095 long) through the skinny "
            "Triton GEMM (kernels/skinny_gemm.py), the SwiGLU in the gate/up one's epilogue; 0: cuBLAS and the "
            "SiLU-and-mul kernel (read at import)"),
+    EnvVar("DEEPSERVE_SKINNY_64_ROWS", "bool", True,
+           "GPU decode GEMMs of 33-64 rows through the skinny Triton GEMM where it beat cuBLAS alone on an H100 "
+           "(SwiGLU gate/up weights of rows up to 2048 long, split-K weights; kernels/skinny_gemm.py "
+           "skinny_wide_tiles; Llama-3.2-1B batch 64 at 1k 2.30 -> 2.24 ms, skinny_64_rows_ab_h100_s35.json); "
+           "0: cuBLAS (read at import)"),
     EnvVar("DEEPSERVE_MLA_ABSORB_MMA", "bool", True,
            "GPU MLA decode of 3-16 rows: the W_UK / W_UV products on the tensor-core Triton kernels "
            "(kernels/mla_absorb.py); 0: cuBLAS's bmm, as at more rows (read at import)"),
@@ -135,10 +140,6 @@ _DECLARED = [
            "GPU MLA decode: every launch with these tiles, 'KEYSxWARPSxSTAGES[rREGISTERS]' (e.g. 16x4x3, or "
            "32x4x2r168 with a register cap), an A/B switch for decode steps (benchmarks/ab_env_sweep.py; "
            "kernel_resources.py prices each); unset: 32x4x3 (kernels/mla_decode.py, read at import)"),
-    EnvVar("DEEPSERVE_MLA_FP8_KEYS", "str", "registers",
-           "GPU MLA decode over an fp8 KV cache: where the score products' latent tiles widen, in registers with the "
-           "values' (one 16-bit tile in shared memory for both products) or late, from the staged 8-bit codes "
-           "(kernels/mla_decode.py; an A/B switch, read at import)", choices=("registers", "late")),
     EnvVar("DEEPSERVE_MLA_PROGRAMS_PER_SM", "int", 2,
            "GPU MLA decode: the context is split until (sequences x head tiles x splits) reaches this many programs "
            "an SM (kernels/mla_decode.py mla_num_splits; 2 measured best on an H200 with the unchunked kernel), an "

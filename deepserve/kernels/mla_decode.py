@@ -72,13 +72,6 @@ FORCED_TILES = parse_tiles(envs.DEEPSERVE_MLA_DECODE_TILES)
 PROGRAMS_PER_SM = envs.DEEPSERVE_MLA_PROGRAMS_PER_SM
 if PROGRAMS_PER_SM < 1:
     raise ValueError(f"MLA decode programs an SM (DEEPSERVE_MLA_PROGRAMS_PER_SM): {PROGRAMS_PER_SM}, expected >= 1")
-# DEEPSERVE_MLA_FP8_KEYS=late (an A/B switch): over an fp8 cache the score products widen the cp.async-staged codes
-# as they read them (one 8-bit tile read from shared memory) instead of reading the tile the values widened in
-# registers and stored as 16-bit (an ldmatrix of twice the bytes). Nsight Compute has the E4M3 kernel's shared
-# memory pipe 75% busy at V2-Lite batch 256 (ncu_mla_b256_h100_s34.json); the sm_90 build with keys late issues 27
-# ldmatrix instead of 67 and holds 72 KB of shared memory instead of 89 (204 registers instead of 184, still two
-# programs an SM).
-FP8_KEYS_LATE = envs.DEEPSERVE_MLA_FP8_KEYS == "late"
 DEFAULT_TILES = (MLA_BLOCK_N, 4, 3, None)
 
 
@@ -236,8 +229,7 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
                        num_heads, block_size,
                        RANK: tl.constexpr, ROPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       PRECISION: tl.constexpr, KEYS_LATE: tl.constexpr, INPUTS_READY: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       PRECISION: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
     """One (sequence, head tile, split). The latent is handled as four column chunks of CHUNK (a quarter of its
     padded width): the score is five products (four chunks and the RoPE part) summed, and the output four
     accumulators. Why: with one [BLOCK_H, 576] x [576, BLOCK_N] product every warp ran one chain of 36 dependent
@@ -284,24 +276,17 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
         t_ok = tok < end
         slot = (cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot)[:, None]
         blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
-        r0 = load_columns(slot, 0 * CHUNK, c, t_ok, RANK)
-        r1 = load_columns(slot, 1 * CHUNK, c, t_ok, RANK)
-        r2 = load_columns(slot, 2 * CHUNK, c, t_ok, RANK)
-        r3 = load_columns(slot, 3 * CHUNK, c, t_ok, RANK)
-        # An fp8 cache's codes widen to q's dtype (a no-op for a cache of q's dtype): in registers for the values,
-        # and for the keys too unless KEYS_LATE, where the key products widen the staged codes as they read them.
-        c0 = widen_values(r0, q0.dtype)
-        c1 = widen_values(r1, q0.dtype)
-        c2 = widen_values(r2, q0.dtype)
-        c3 = widen_values(r3, q0.dtype)
-        if KEYS_LATE:
-            k0, k1, k2, k3 = r0.to(q0.dtype), r1.to(q0.dtype), r2.to(q0.dtype), r3.to(q0.dtype)
-        else:
-            k0, k1, k2, k3 = c0, c1, c2, c3
+        # An fp8 cache's codes widen to q's dtype here (a no-op for a cache of q's dtype); they are values too. The
+        # score products widening the staged 8-bit codes instead (half the shared-memory bytes for the keys) was 27%
+        # slower at V2-Lite batch 256 on an H100 (session 35, mla_fp8_keys_kernels_h100_s35.json).
+        c0 = widen_values(load_columns(slot, 0 * CHUNK, c, t_ok, RANK), q0.dtype)
+        c1 = widen_values(load_columns(slot, 1 * CHUNK, c, t_ok, RANK), q0.dtype)
+        c2 = widen_values(load_columns(slot, 2 * CHUNK, c, t_ok, RANK), q0.dtype)
+        c3 = widen_values(load_columns(slot, 3 * CHUNK, c, t_ok, RANK), q0.dtype)
         k_pe = tl.load(slot + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0).to(q_pe.dtype)
-        s = ((tl.dot(q0, tl.trans(k0), input_precision=PRECISION) + tl.dot(q1, tl.trans(k1), input_precision=PRECISION))
-             + (tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
-                + tl.dot(q3, tl.trans(k3), input_precision=PRECISION))
+        s = ((tl.dot(q0, tl.trans(c0), input_precision=PRECISION) + tl.dot(q1, tl.trans(c1), input_precision=PRECISION))
+             + (tl.dot(q2, tl.trans(c2), input_precision=PRECISION)
+                + tl.dot(q3, tl.trans(c3), input_precision=PRECISION))
              + tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION))                       # [BLOCK_H, BLOCK_N]
         s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))               # log2 domain
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -430,7 +415,6 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         *po, *pl, heads, kv_cache.shape[1],
         RANK=rank, ROPE=rope, CHUNK=chunk, BLOCK_P=max(16, next_pow2(rope)),
         BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision,
-        KEYS_LATE=FP8_KEYS_LATE and kv_cache.element_size() == 1,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_launch_args(q_lat))
     if split:
