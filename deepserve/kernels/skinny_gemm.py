@@ -1,6 +1,7 @@
-"""GEMM for a few activation rows on the GPU: y = x W^T (+ bias) for 2 <= M <= skinny_max_rows(N, K) rows, optionally
-with the SwiGLU in the epilogue. The GPU twin of `F.linear` in decode steps of a small batch (deepserve/layers/linear.py
-dispatches to it; one row goes to the GEMV of kernels/gemv.py instead).
+"""GEMM for a few activation rows on the GPU: y = x W^T (+ bias) for 2 <= M <= skinny_max_rows(N, K) rows (33-64
+for the weights `skinny_wide_tiles` names), optionally with the SwiGLU in the epilogue. The GPU twin of `F.linear`
+in decode steps of a small batch (deepserve/layers/linear.py dispatches to it; one row goes to the GEMV of
+kernels/gemv.py instead).
 
 Why: a decode step of 8 sequences reads each weight once and multiplies it by 8 rows, so it is a weight stream, as
 at batch 1. cuBLAS runs such shapes at 1.4-2.0 TB/s for the 4-12 MB matrices of a small model's layer (latency, not
@@ -30,6 +31,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from deepserve import envs
 from deepserve.kernels import USE_LIBDEVICE, next_pow2, require_triton, tl, triton
 from deepserve.kernels.activation import silu_mul
 from deepserve.kernels.gemv import prefetch_rows_to_l2
@@ -40,6 +42,9 @@ SKINNY_MAX_ROWS_SHORT_K = 32    # ... except for rows of at most SHORT_K element
 SHORT_K = 2048                  # rows: up to 32 rows here
 WIDE_N = 4096
 SPLIT_K_MIN_K = 4096            # narrower weights of rows at least this long split K (skinny_tiles)
+# DEEPSERVE_SKINNY_64_ROWS (on; 0 for A/Bs): 33-64 rows here too, for the weights `skinny_wide_tiles` names.
+WIDE_ROWS = envs.DEEPSERVE_SKINNY_64_ROWS
+WIDE_MAX_ROWS = 64
 
 
 class SkinnyTiles(NamedTuple):
@@ -224,11 +229,38 @@ def skinny_max_rows(n: int, k: int) -> int:
     return SKINNY_MAX_ROWS_SHORT_K if short_or_wide else SKINNY_MAX_ROWS
 
 
-def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def skinny_wide_tiles(n: int, k: int, swiglu: bool) -> Optional[SkinnyTiles]:
+    """The tiles for 33-64 rows of an [n, k] weight under DEEPSERVE_SKINNY_64_ROWS, None where cuBLAS stays. Timed
+    alone on an H100 at 64 rows of Llama-3.2-1B's weights (tune_skinny_64rows_h100_s35.json, us, the skinny GEMM's
+    best against cuBLAS): the gate/up weight with the SwiGLU in the epilogue (16384 x 2048) 25.3 against cuBLAS +
+    SiLU-and-mul's 29.6, with 128-row tiles and 8 warps; the split-K down (2048 x 8192) 15.6 against 17.5; qkv and
+    o_proj 8.1 / 6.6 against 7.2 / 6.5 (they stay on cuBLAS). The engine's tiles for every weight at 64 rows made
+    decode steps slower (skinny_rows_64_h100_s35.json: Llama-3.2-1B batch 64 at 1k 2.31 -> 2.41 ms). K steps are
+    half these at more than 32 rows (`_launch`)."""
+    if swiglu and k <= SHORT_K:
+        return SkinnyTiles(128, 256, 8, 3)
+    if n < WIDE_N and k >= SPLIT_K_MIN_K:
+        return SkinnyTiles(64, 256, 4, 4, split_k=4)
+    return None
+
+
+def skinny_applies(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> bool:
     """x [M, K] with 2 <= M <= skinny_max_rows(N, K) of weight's half-precision dtype, no autograd (the caller
-    checked the device)."""
-    return (x.dim() == 2 and weight.dim() == 2 and 2 <= x.shape[0] <= skinny_max_rows(*weight.shape)
-            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled())
+    checked the device); under DEEPSERVE_SKINNY_64_ROWS also 33-64 rows of the weights `skinny_wide_tiles` names
+    (`swiglu`: weight is a gate/up one whose SwiGLU runs in the epilogue)."""
+    if not (x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()):
+        return False
+    rows = x.shape[0]
+    if 2 <= rows <= skinny_max_rows(*weight.shape):
+        return True
+    return WIDE_ROWS and 32 < rows <= WIDE_MAX_ROWS and skinny_wide_tiles(*weight.shape, swiglu) is not None
+
+
+def _tiles(rows: int, n: int, k: int, swiglu: bool) -> SkinnyTiles:
+    """The launch's tiles: `skinny_wide_tiles` past 32 rows where it names some, else `skinny_tiles`."""
+    wide = skinny_wide_tiles(n, k, swiglu) if rows > 32 else None
+    return wide or skinny_tiles(n, k)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -239,7 +271,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous()
-    _launch(x, weight, bias, y, n, tiles or skinny_tiles(n, k), swiglu=False, limit=None)
+    _launch(x, weight, bias, y, n, tiles or _tiles(x.shape[0], n, k, False), swiglu=False, limit=None)
     return y
 
 
@@ -250,7 +282,7 @@ def skinny_swiglu(x: torch.Tensor, w13: torch.Tensor, limit: Optional[float] = N
     two_i, k = w13.shape
     assert two_i % 2 == 0
     act = torch.empty(x.shape[0], two_i // 2, dtype=x.dtype, device=x.device)
-    _launch(x, w13, None, act, two_i // 2, tiles or skinny_tiles(two_i, k), swiglu=True, limit=limit)
+    _launch(x, w13, None, act, two_i // 2, tiles or _tiles(x.shape[0], two_i, k, True), swiglu=True, limit=limit)
     return act
 
 
@@ -310,6 +342,10 @@ def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, li
     programs_second = triton.cdiv(w2.shape[0], rows_per_program) if second is not None else 0
     num_tiles = programs + programs_second
     block_m = max(16, next_pow2(x.shape[0]))
+    if block_m > 32:
+        # 33-64 rows (DEEPSERVE_SKINNY_64_ROWS, or h200_decode_sweep.py --skinny-max-rows): half the K step, so that
+        # four stages of the weight and activation tiles fit in shared memory (64 x 256 tiles at 64 rows need 256 KB).
+        tiles = tiles._replace(block_k=max(16, tiles.block_k // 2))
     parts, per_part, counters = _k_split(k, tiles, num_tiles, x.device)
     if parts > 1:
         partials = torch.empty(parts, num_tiles, tiles.block_n, block_m, dtype=torch.float32, device=x.device)
@@ -325,6 +361,7 @@ def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, li
         num_stages=tiles.stages, **pdl_launch_args(x))
 
 
-__all__ = ["SKINNY_MAX_ROWS", "SKINNY_MAX_ROWS_SHORT_K", "SHORT_K", "SPLIT_COUNTERS", "SPLIT_K_MIN_K", "WIDE_N",
-           "SkinnyTiles", "skinny_applies", "skinny_linear", "skinny_linear_two", "skinny_max_rows", "skinny_swiglu",
-           "skinny_tiles", "split_counters"]
+__all__ = ["SKINNY_MAX_ROWS", "SKINNY_MAX_ROWS_SHORT_K", "SHORT_K", "SPLIT_COUNTERS", "SPLIT_K_MIN_K",
+           "WIDE_MAX_ROWS", "WIDE_N", "WIDE_ROWS", "SkinnyTiles", "skinny_applies", "skinny_linear",
+           "skinny_linear_two", "skinny_max_rows", "skinny_swiglu", "skinny_tiles", "skinny_wide_tiles",
+           "split_counters"]

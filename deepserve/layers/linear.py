@@ -40,13 +40,14 @@ def _one_row_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return one_row_on_gpu(x) and x.dtype == weight.dtype
 
 
-def _few_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _few_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> bool:
     """2-32 (2-16: skinny_max_rows) activation rows of weight's half-precision dtype on the GPU, no autograd: where the
-    skinny GEMM applies (a decode step of a small batch; kernels/skinny_gemm.py says why cuBLAS is slow there)."""
+    skinny GEMM applies (a decode step of a small batch; kernels/skinny_gemm.py says why cuBLAS is slow there); up
+    to 64 for some weights under DEEPSERVE_SKINNY_64_ROWS (`swiglu`: a gate/up weight with the SwiGLU fused)."""
     if not (_SKINNY and use_triton(x)):
         return False
     from deepserve.kernels.skinny_gemm import skinny_applies
-    return skinny_applies(x, weight)
+    return skinny_applies(x, weight, swiglu)
 
 
 def _plain(layer: nn.Module) -> bool:
@@ -141,7 +142,7 @@ def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None
     if _one_row_on_gpu(x, gate_up.weight) and _norm_fits(norm, x):
         from deepserve.kernels.gemv import swiglu_gemv
         return swiglu_gemv(x, gate_up.weight, limit, norm=norm)
-    if norm is None and _few_rows_on_gpu(x, gate_up.weight):
+    if norm is None and _few_rows_on_gpu(x, gate_up.weight, swiglu=True):
         from deepserve.kernels.skinny_gemm import skinny_swiglu
         return skinny_swiglu(x, gate_up.weight, limit)
     return None

@@ -1,13 +1,14 @@
-"""The skinny GEMM (2-32 rows) against F.linear in float32 on the same values (exact products, another summation
-order: within one rounding of the output dtype), its SwiGLU epilogue against the two-launch path, and the layers'
-dispatch to it."""
+"""The skinny GEMM (2-32 rows; 33-64 under DEEPSERVE_SKINNY_64_ROWS) against F.linear in float32 on the same values
+(exact products, another summation order: within one rounding of the output dtype), its SwiGLU epilogue against the
+two-launch path, and the layers' dispatch to it."""
 
 import pytest
 import torch
 from torch import nn
 
 from deepserve.kernels.activation import silu_and_mul
-from deepserve.kernels.skinny_gemm import (SHORT_K, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS_SHORT_K, SPLIT_K_MIN_K, WIDE_N,
+from deepserve.kernels.skinny_gemm import (SHORT_K, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS_SHORT_K, SPLIT_K_MIN_K,
+                                           WIDE_MAX_ROWS, WIDE_N,
                                            SkinnyTiles, skinny_linear, skinny_linear_two, skinny_max_rows,
                                            skinny_swiglu, skinny_tiles, split_counters)
 from deepserve.layers import linear as linear_module
@@ -23,9 +24,11 @@ def _scale(x, w):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", [(2, 40, 64), (8, 100, 300), (16, 33, 1024), (5, 512, 520), (3, 7, 16),
-                                   (32, 100, 300), (24, 64, 2048)])
+                                   (32, 100, 300), (24, 64, 2048), (64, 100, 600), (48, 64, 2048)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_linear_matches_linear(device, dtype, m, n, k, with_bias):
+    """Up to 64 rows: the engine sends at most 32, h200_decode_sweep.py --skinny-max-rows A/Bs more (at half the K
+    step, `_launch`)."""
     skip_bf16_in_interpreter(dtype)
     x = torch.randn(m, k, device=device).to(dtype)
     w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
@@ -129,8 +132,8 @@ def test_skinny_tiles():
 
 
 def test_linear_and_mlp_dispatch_few_rows(device, monkeypatch):
-    """2-16 half-precision rows on the GPU go to the skinny GEMM (the MLP's gate/up with its SwiGLU); one row to the
-    GEMV; more rows, float32 or autograd to F.linear. Results as the unfused path's, up to summation order."""
+    """2-16 half-precision rows on the GPU go to the skinny GEMM (the MLP's gate/up with its SwiGLU, up to
+    WIDE_MAX_ROWS); one row to the GEMV; more rows, float32 or autograd to F.linear. Results as the unfused path's, up to summation order."""
     monkeypatch.setattr(linear_module, "use_triton", lambda x: True)
     import deepserve.kernels.skinny_gemm as skinny_module
     calls = []
@@ -151,9 +154,44 @@ def test_linear_and_mlp_dispatch_few_rows(device, monkeypatch):
     with torch.inference_mode():
         fused = fused_swiglu_linear(x, mlp.gate_up_proj, None)
         assert fused is not None and fused.shape == (4, 24)
-        assert fused_swiglu_linear(torch.randn(skinny_max_rows(24, 40) + 1, 40, device=device).half(),
+        assert fused_swiglu_linear(torch.randn(WIDE_MAX_ROWS + 1, 40, device=device).half(),
                                    mlp.gate_up_proj, None) is None
         ref = swiglu_activation(torch.nn.functional.linear(x, mlp.gate_up_proj.weight), None)
+    assert_within_ulps(fused, ref, torch.float16, ulps=2, min_exact=0.8, atol=1e-4)
+
+
+def test_wide_rows_go_skinny_only_for_the_named_weights(device, monkeypatch):
+    """DEEPSERVE_SKINNY_64_ROWS: 33-64 rows take the skinny GEMM for SwiGLU gate/up weights of rows up to SHORT_K long
+    and for split-K weights only, at `skinny_wide_tiles`' tiles (the products as the unfused path's); off, or past
+    64 rows, or for other weights, they stay on cuBLAS."""
+    import deepserve.kernels.skinny_gemm as skinny_module
+    monkeypatch.setattr(linear_module, "use_triton", lambda x: True)
+    def applies(rows, weight_shape, swiglu=False):
+        with torch.inference_mode():      # shapes only: meta tensors
+            return skinny_module.skinny_applies(torch.empty(rows, weight_shape[1], device="meta", dtype=torch.bfloat16),
+                                                torch.empty(weight_shape, device="meta", dtype=torch.bfloat16), swiglu)
+    monkeypatch.setattr(skinny_module, "WIDE_ROWS", False)
+    assert not applies(48, (16384, 2048), swiglu=True)
+    monkeypatch.setattr(skinny_module, "WIDE_ROWS", True)
+    assert applies(48, (16384, 2048), swiglu=True) and applies(33, (2048, 8192)) and applies(64, (2048, 8192))
+    assert not applies(65, (2048, 8192)) and not applies(48, (16384, 2048)) and not applies(48, (3072, 2048))
+    assert skinny_module.skinny_wide_tiles(2048, 8192, False) == SkinnyTiles(64, 256, 4, 4, 1, split_k=4)
+    assert skinny_module.skinny_wide_tiles(16384, 2048, True) == SkinnyTiles(128, 256, 8, 3)
+    assert skinny_module.skinny_wide_tiles(16384, 2048, False) is None
+    assert skinny_module.skinny_wide_tiles(28672, 4096, True) is None
+
+    launched = []
+    real_launch = skinny_module._launch
+    monkeypatch.setattr(skinny_module, "_launch", lambda *a, **kw: launched.append(a[5]) or real_launch(*a, **kw))
+    mlp = GatedMLP(64, 48).to(device).half()
+    x = torch.randn(40, 64, device=device).half()
+    with torch.inference_mode():
+        fused = fused_swiglu_linear(x, mlp.gate_up_proj, None)
+        ref = swiglu_activation(torch.nn.functional.linear(x, mlp.gate_up_proj.weight), None)
+        assert fused_swiglu_linear(torch.randn(65, 64, device=device).half(), mlp.gate_up_proj, None) is None
+        plain = Linear(64, 24).to(device).half()(x)                        # not a named weight: cuBLAS
+    assert fused is not None and plain.shape == (40, 24)
+    assert launched == [SkinnyTiles(128, 256, 8, 3)]
     assert_within_ulps(fused, ref, torch.float16, ulps=2, min_exact=0.8, atol=1e-4)
 
 
