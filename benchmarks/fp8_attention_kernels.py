@@ -4,8 +4,9 @@ kernels/kv_rounding.py), in one run: each setting in a process of its own (they 
 and cache contents in each; with --tiles, every cache also under forced launch settings.
 
 Cases are real shapes at decode batch sizes: Llama-3-8B GQA (32 query / 8 KV heads of 128), Llama-3.2-1B (32 / 8
-of 64), DeepSeek-V2-Lite MLA (16 heads, 512-rank latents + 64 rope dims). Every sequence has `context` keys in
-shuffled 16-slot blocks; the caches (0.3-9 GB) are far larger than L2, so each call reads its keys from HBM.
+of 64), Qwen3-MoE (32 / 4 of 128), DeepSeek-V2-Lite MLA (16 heads, 512-rank latents + 64 rope dims). Every sequence
+has `context` keys in shuffled 16-slot blocks; the caches (0.3-9 GB) are far larger than L2, so each call reads its
+keys from HBM.
 Reported per case and cache dtype: microseconds a call (CUDA events over the replays of a CUDA graph of 20 calls,
 median of 5 runs; before session 30, back-to-back launches, which timed the host at small batches) and the KV bytes it
 reads over that time.
@@ -37,7 +38,10 @@ CASES = {   # name: (kind, batch, context, heads, kv_heads, head_dim)
     "llama-3-8b b64 ctx4096": ("gqa", 64, 4096, 32, 8, 128),
     "llama-3-8b b256 ctx1024": ("gqa", 256, 1024, 32, 8, 128),
     "llama-3.2-1b b64 ctx4096": ("gqa", 64, 4096, 32, 8, 64),     # no split, DEEP_PIPELINE_TILES
+    "llama-3.2-1b b64 ctx1024": ("gqa", 64, 1024, 32, 8, 64),
     "llama-3.2-1b b256 ctx1024": ("gqa", 256, 1024, 32, 8, 64),
+    "qwen3-moe b128 ctx1024": ("gqa", 128, 1024, 32, 4, 128),     # Qwen3-30B-A3B: 32 query / 4 KV heads of 128
+    "qwen3-moe b256 ctx1024": ("gqa", 256, 1024, 32, 4, 128),
     "deepseek-v2-lite b8 ctx1024": ("mla", 8, 1024, 16, 1, 576),
     "deepseek-v2-lite b64 ctx1024": ("mla", 64, 1024, 16, 1, 576),
     "deepseek-v2-lite b128 ctx1024": ("mla", 128, 1024, 16, 1, 576),

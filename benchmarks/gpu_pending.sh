@@ -11,7 +11,7 @@
 #   bash benchmarks/gpu_pending.sh moe-ab    # ~9 min: MoE decode steps, DEEPSERVE_MOE_UNMASKED_K=0,1
 #   bash benchmarks/gpu_pending.sh mla-ab    # ~9 min: V2-Lite steps over an E4M3 cache, MLA decode tiles
 #   bash benchmarks/gpu_pending.sh mla-sm-ab   # ~6 min: V2-Lite steps, MLA programs an SM x tiles
-#   bash benchmarks/gpu_pending.sh mla-keys    # ~3 min: DEEPSERVE_MLA_FP8_KEYS=registers,late, kernels and steps
+#   bash benchmarks/gpu_pending.sh profiles    # ~6 min: kernel tables with PDL off, MoE batch 256 and dense 1B
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
@@ -124,19 +124,16 @@ mla-sm-ab)
         --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_sm_ab.log 2>&1
     tail -3 /tmp/mla_sm_ab.log; summarise_steps "$OUT/mla_programs_per_sm_ab.json"; elapsed "mla-sm-ab"
     ;;
-mla-keys)
-    # The score products widening the staged 8-bit codes (late) against reading the values' 16-bit tile (registers):
-    # the E4M3 kernel's shared-memory pipe was 75% busy at batch 256 (ncu_mla_b256_h100_s34.json).
-    timeout 150 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes float8_e4m3fn \
-        --settings "DEEPSERVE_MLA_FP8_KEYS=registers;DEEPSERVE_MLA_FP8_KEYS=late" --tiles 16x4x3 \
-        --cases "v2-lite b64 ctx1024,v2-lite b128,v2-lite b256" --output "$OUT/mla_fp8_keys_kernels.json" \
-        > /tmp/mla_keys.log 2>&1
-    summarise_kernels "$OUT/mla_fp8_keys_kernels.json"
-    elapsed "mla-keys kernels"
-    timeout 240 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MLA_FP8_KEYS=registers,late --passes 1 \
-        --timeout 110 --output "$OUT/mla_fp8_keys_ab.json" -- --shapes deepseek-v2-lite --batches 64,256 \
-        --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_keys_ab.log 2>&1
-    tail -3 /tmp/mla_keys_ab.log; summarise_steps "$OUT/mla_fp8_keys_ab.json"; elapsed "mla-keys steps"
+profiles)
+    # Kernel tables with DEEPSERVE_PDL=0, where each kernel's duration is its own (under PDL it includes the wait for
+    # its predecessor): the MoE shapes at batch 256 over an E4M3 cache, Llama-3.2-1B at batch 8 and 64.
+    DEEPSERVE_PDL=0 timeout 280 python3 benchmarks/h200_decode_sweep.py --shapes qwen3-moe,deepseek-v2-lite \
+        --batches 256 --contexts 1024 --kv-cache-dtype fp8 --profile-batch 256 \
+        --output "$OUT/moe_b256_pdl_off_profile.json" > /tmp/moe_profile.log 2>&1
+    grep " profile " /tmp/moe_profile.log | cut -c1-600; elapsed "moe profiles"
+    DEEPSERVE_PDL=0 timeout 200 python3 benchmarks/h200_decode_sweep.py --shapes llama-3.2-1b --batches 8,64 \
+        --contexts 1024 --profile-batch 8,64 --profile-dense --output "$OUT/dense1b_pdl_off_profile.json" > /tmp/dense_profile.log 2>&1
+    grep " profile \|^llama" /tmp/dense_profile.log | cut -c1-1500; elapsed "dense profiles"
     ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by
