@@ -38,6 +38,8 @@
   tune_moe_decode_b8_h200.json  the aligned fused MoE's tiles at 8 / 16 tokens: the engine's pick against the best
   fused_norm_rows_ab_h200.json  steps with the norms in the skinny GEMM at 2-32 rows (dropped) against main
   ablate_rotary_ab_h200.json    steps with the rotary + KV-write launch skipped (a diagnostic) against the engine
+  tune_moe_down_h100_s35.json   Qwen3-MoE's fused MoE at 128 / 256 tokens, down tiles varied: engine pick, best
+  tune_skinny_64rows_h100_s35.json  the skinny GEMM at 64 rows of Llama-3.2-1B's weights: cuBLAS, engine, best
   decode_kv_prefetch_ab_h200.json  steps with the decode's KV tiles prefetched to L2 before the PDL wait (dropped)
   decode_small_batch_in_step_h200.json  paged GQA decode at batch 8-32: the engine's launch against the best of a
                                 grid, and by context at batch 8
@@ -330,6 +332,10 @@ def main() -> None:
                                                                  "blocks in order"),
         "tune_skinny_split_h200": lambda p: tuning_best(p, "skinny GEMM at M = 8 / 32 (H200): cuBLAS, the unsplit "
                                                            "pick, the best tiling of the sweep (split_k 1-8)"),
+        "tune_moe_down_h100_s35": lambda p: tuning_best(p, "fused MoE at 128 / 256 tokens, down tiles varied "
+                                                           "(Qwen3-MoE, H100): engine pick against the best"),
+        "tune_skinny_64rows_h100_s35": lambda p: tuning_best(p, "skinny GEMM at M = 64 (Llama-3.2-1B, H100): cuBLAS, "
+                                                                "the engine's tiles, the best tiling (split_k 1-4)"),
         "tune_moe_decode_b8_h200": lambda p: tuning_best(p, "aligned fused MoE at 8 / 16 tokens (H200): engine pick "
                                                             "against the best tiles"),
         "session20_steps_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): session 20's changes, each "
