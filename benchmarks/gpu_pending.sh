@@ -12,6 +12,8 @@
 #   bash benchmarks/gpu_pending.sh mla-ab    # ~9 min: V2-Lite steps over an E4M3 cache, MLA decode tiles
 #   bash benchmarks/gpu_pending.sh mla-sm-ab   # ~6 min: V2-Lite steps, MLA programs an SM x tiles
 #   bash benchmarks/gpu_pending.sh profiles    # ~6 min: kernel tables with PDL off, MoE batch 256 and dense 1B
+#   bash benchmarks/gpu_pending.sh skinny64-ab # ~8 min: DEEPSERVE_SKINNY_64_ROWS=0,1 in steps at batch 48 / 64
+#   bash benchmarks/gpu_pending.sh gqa-ncu     # ~2 min: Nsight Compute of the GQA decode kernel at large batch
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
@@ -55,6 +57,26 @@ for setting, cases in d["by_setting"].items():
 PY
 }
 
+ncu_attention() {   # KERNEL ARG CSV: Nsight Compute's view of ncu_decode_attention.py ARG's launches of KERNEL
+    command -v ncu > /dev/null || { echo "no ncu on this machine"; return; }
+    timeout 200 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis --section LaunchStats -k "regex:^$1\$" --csv --page details \
+        python3 benchmarks/ncu_decode_attention.py "$2" > "$3" 2> /tmp/ncu_attention.err
+    python3 - "$3" <<'PY'
+import csv, sys
+lines = open(sys.argv[1]).read().splitlines()
+rows = csv.DictReader(lines[next(i for i, l in enumerate(lines) if l.startswith('"ID"')):])
+keys = ("Duration", "DRAM Throughput", "Registers Per Thread", "Achieved Occupancy", "Theoretical Occupancy",
+        "Warp Cycles Per Issued Instruction", "Dynamic Shared Memory Per Block", "Block Limit Registers",
+        "Block Limit Shared Mem", "Issue Slots Busy", "Compute (SM) Throughput", "L2 Hit Rate",
+        "Eligible Warps Per Scheduler")
+for r in rows:
+    if r["Metric Name"] in keys:
+        print(r["ID"], r["Grid Size"], r["Metric Name"], r["Metric Value"], r["Metric Unit"])
+PY
+    tail -3 /tmp/ncu_attention.err
+}
+
 case "$STAGE" in
 kernels)
     timeout 280 python3 benchmarks/tune_moe_decode.py --unmasked-k --shapes qwen3-moe,deepseek-v2-lite \
@@ -94,24 +116,7 @@ mla-splits)
         --cases "v2-lite b128,v2-lite b256" --output "$OUT/mla_splits_kernels.json" \
         --tiles "${MLA_SPLIT_TILES:-32x4x3s1,32x4x3s2,32x4x4,32x8x3}" \
         > /tmp/mla_splits.log 2>&1
-    if command -v ncu > /dev/null; then     # where batch 256's kernel stalls (bf16 then E4M3 cache, two calls each)
-        timeout 200 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
-            --section MemoryWorkloadAnalysis --section LaunchStats -k regex:_mla_decode_kernel --csv --page details \
-            python3 benchmarks/ncu_decode_attention.py --mla-large > "$OUT/ncu_mla_b256.csv" 2> /tmp/ncu_mla.err
-        python3 - "$OUT/ncu_mla_b256.csv" <<'PY'
-import csv, sys
-lines = open(sys.argv[1]).read().splitlines()
-rows = csv.DictReader(lines[next(i for i, l in enumerate(lines) if l.startswith('"ID"')):])
-keys = ("Duration", "DRAM Throughput", "Registers Per Thread", "Achieved Occupancy", "Theoretical Occupancy",
-        "Warp Cycles Per Issued Instruction", "Dynamic Shared Memory Per Block", "Block Limit Registers",
-        "Block Limit Shared Mem", "Issue Slots Busy", "Compute (SM) Throughput", "L2 Hit Rate",
-        "Eligible Warps Per Scheduler")
-for r in rows:
-    if r["Metric Name"] in keys:
-        print(r["ID"], r["Grid Size"], r["Metric Name"], r["Metric Value"], r["Metric Unit"])
-PY
-        tail -3 /tmp/ncu_mla.err
-    fi
+    ncu_attention _mla_decode_kernel --mla-large "$OUT/ncu_mla_b256.csv"   # bf16 then E4M3, two calls each
     summarise_kernels "$OUT/mla_splits_kernels.json"
     elapsed "mla-splits"
     ;;
@@ -132,8 +137,24 @@ profiles)
         --output "$OUT/moe_b256_pdl_off_profile.json" > /tmp/moe_profile.log 2>&1
     grep " profile " /tmp/moe_profile.log | cut -c1-600; elapsed "moe profiles"
     DEEPSERVE_PDL=0 timeout 200 python3 benchmarks/h200_decode_sweep.py --shapes llama-3.2-1b --batches 8,64 \
-        --contexts 1024 --profile-batch 8,64 --profile-dense --output "$OUT/dense1b_pdl_off_profile.json" > /tmp/dense_profile.log 2>&1
+        --contexts 1024 --profile-batch 8,64 --profile-dense --output "$OUT/dense1b_pdl_off_profile.json" \
+        > /tmp/dense_profile.log 2>&1
     grep " profile \|^llama" /tmp/dense_profile.log | cut -c1-1500; elapsed "dense profiles"
+    ;;
+skinny64-ab)
+    # The skinny GEMM at 33-64 rows (DEEPSERVE_SKINNY_64_ROWS, on since session 35 from Llama-3.2-1B's steps alone):
+    # the MoE shapes' steps at batch 48 / 64 (Qwen3-MoE's split-K o_proj, V2-Lite's dense first layer), and a
+    # second pass of the 1B.
+    timeout 560 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_SKINNY_64_ROWS=0,1 --passes 1 --timeout 130 \
+        --output "$OUT/skinny_64_rows_ab.json" -- --shapes llama-3.2-1b,qwen3-moe,deepseek-v2-lite --batches 48,64 \
+        --contexts 1024 --profile-batch 0 > /tmp/skinny64_ab.log 2>&1
+    tail -3 /tmp/skinny64_ab.log; summarise_steps "$OUT/skinny_64_rows_ab.json"; elapsed "skinny64-ab"
+    ;;
+gqa-ncu)
+    # The paged GQA decode kernel where it reads below the copy bandwidth (H100, session 35): Qwen3-MoE batch 256
+    # over E4M3 at 2.41 TB/s (bf16 2.81; qwen3_attention_tiles_h100_s35.json), Llama-3.2-1B batch 64 over bf16 at
+    # 2.46 (dense1b_attention_tiles_h100_s35.json). Nsight Compute's view of each, two calls each.
+    ncu_attention _decode_kernel --gqa-large "$OUT/ncu_gqa_large.csv"; elapsed "gqa-ncu"
     ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by

@@ -9,7 +9,9 @@ Run (GPU machine):
       -k regex:'_decode_kernel|_mla_decode_kernel|_mla_reduce_kernel|_decode_reduce_kernel' \
       python benchmarks/ncu_decode_attention.py            (--large: Llama-3-8B batch 64, Qwen3-MoE batch 128 at 1k;
                                                             --mla-large: the MLA kernel at batch 256, 1k, over a
-                                                            bf16 and an E4M3 cache, two calls each)
+                                                            bf16 and an E4M3 cache, two calls each;
+                                                            --gqa-large: the GQA kernel at Qwen3-MoE batch 256 over
+                                                            bf16 and E4M3, Llama-3.2-1B batch 64 over bf16, 1k)
 """
 import os
 import sys
@@ -37,10 +39,10 @@ def mla(batch, ctx, reps=4, cache_dtype=torch.bfloat16):
     torch.cuda.synchronize()
 
 
-def gqa(batch, ctx, h, hkv, d, reps=4):
+def gqa(batch, ctx, h, hkv, d, reps=4, cache_dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(0)
     nb, table, lens = paged_inputs(batch, ctx, g)
-    cache = torch.randn(2, nb, 16, hkv, d, dtype=torch.bfloat16, device="cuda")
+    cache = torch.randn(2, nb, 16, hkv, d, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
     q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
     for _ in range(reps):
@@ -52,6 +54,11 @@ def main() -> None:
     if sys.argv[1:] == ["--large"]:      # the no-split launches of 512 programs (decode_attention_in_step.py)
         gqa(64, 1046, 32, 8, 128)      # Llama-3-8B batch 64
         gqa(128, 1046, 32, 4, 128)     # Qwen3-30B-A3B batch 128
+        return
+    if sys.argv[1:] == ["--gqa-large"]:  # no split: 1024 programs at Qwen3-MoE batch 256, 512 at the 1B's batch 64
+        gqa(256, 1024, 32, 4, 128, reps=2)
+        gqa(256, 1024, 32, 4, 128, reps=2, cache_dtype=torch.float8_e4m3fn)
+        gqa(64, 1024, 32, 8, 64, reps=2)
         return
     if sys.argv[1:] == ["--mla-large"]:  # one split, 256 programs: V2-Lite's batch-256 step, bf16 against fp8 KV
         mla(256, 1024, reps=2)
