@@ -52,7 +52,6 @@ MLA_TILES = [(16, 4, 3, None), (16, 4, 2, None), (32, 4, 3, None), (32, 4, 2, No
              (32, 8, 2, None), (64, 4, 2, None), (64, 8, 2, None), (16, 4, 3, 128), (32, 4, 2, 128), (32, 4, 2, 168)]
 
 
-
 def mla_cases() -> dict:
     from deepserve.kernels.mla_decode import _mla_decode_kernel
     out = {}

@@ -27,8 +27,7 @@ def _scale(x, w):
                                    (32, 100, 300), (24, 64, 2048), (64, 100, 600), (48, 64, 2048)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_linear_matches_linear(device, dtype, m, n, k, with_bias):
-    """Up to 64 rows: the engine sends at most 32, h200_decode_sweep.py --skinny-max-rows A/Bs more (at half the K
-    step, `_launch`)."""
+    """Up to 64 rows (past 32 for the weights `skinny_wide_tiles` names, at half the K step: `_launch`)."""
     skip_bf16_in_interpreter(dtype)
     x = torch.randn(m, k, device=device).to(dtype)
     w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
@@ -133,7 +132,8 @@ def test_skinny_tiles():
 
 def test_linear_and_mlp_dispatch_few_rows(device, monkeypatch):
     """2-16 half-precision rows on the GPU go to the skinny GEMM (the MLP's gate/up with its SwiGLU, up to
-    WIDE_MAX_ROWS); one row to the GEMV; more rows, float32 or autograd to F.linear. Results as the unfused path's, up to summation order."""
+    WIDE_MAX_ROWS); one row to the GEMV; more rows, float32 or autograd to F.linear. Results as the unfused path's,
+    up to summation order."""
     monkeypatch.setattr(linear_module, "use_triton", lambda x: True)
     import deepserve.kernels.skinny_gemm as skinny_module
     calls = []
@@ -166,6 +166,7 @@ def test_wide_rows_go_skinny_only_for_the_named_weights(device, monkeypatch):
     64 rows, or for other weights, they stay on cuBLAS."""
     import deepserve.kernels.skinny_gemm as skinny_module
     monkeypatch.setattr(linear_module, "use_triton", lambda x: True)
+
     def applies(rows, weight_shape, swiglu=False):
         with torch.inference_mode():      # shapes only: meta tensors
             return skinny_module.skinny_applies(torch.empty(rows, weight_shape[1], device="meta", dtype=torch.bfloat16),
