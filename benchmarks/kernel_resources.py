@@ -74,8 +74,10 @@ def gqa_cases() -> dict:
                 **{n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "q_rows_ptr", "seq_ids_ptr")}}
         # 128-wide heads (Llama-3-8B, Qwen3-MoE) in a split launch; 64-wide (Llama-3.2-1B) split (batch 8-32) and
         # not (batch 64 at 4k: the deep pipeline).
+        # Unsplit 128-wide launches too (Qwen3-MoE batch 256: 1024 programs), at two and three stages.
         for head_dim, tiles, split in ((128, DecodeTiles(), True), (64, DecodeTiles(), True),
-                                       (64, DEEP_PIPELINE_TILES, False)):
+                                       (64, DEEP_PIPELINE_TILES, False), (128, DecodeTiles(), False),
+                                       (128, DecodeTiles(num_stages=3), False)):
             constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_G=16, BLOCK_N=tiles.block_n, SPLIT=split,
                               EARLY_V=tiles.early_v, INPUTS_READY=True, USE_PDL=True)
             name = f"gqa_decode d{head_dim} {cache} {tiles.block_n}x{tiles.num_warps}x{tiles.num_stages}" + \
