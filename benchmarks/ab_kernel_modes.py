@@ -89,7 +89,8 @@ for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switch
         skinny.skinny_tiles = lambda n, k: (skinny.SkinnyTiles(32, 512, 4, 4) if n >= 4096 and k >= 4096
                                             else _tiles(n, k))
     elif mode == "decode_tiles_s20":
-        paged_attention.decode_tiles = lambda num_programs, head_dim, split, device: paged_attention.DecodeTiles()
+        paged_attention.decode_tiles = lambda num_programs, head_dim, split, device, fp8_cache=False: \
+            paged_attention.DecodeTiles()
     elif mode == "int64_decode_inputs":
         attention_triton.INT32_DECODE_INPUTS_MIN_ROWS = 1 << 30
         _graph_metadata = attention_triton.TritonPagedAttention.build_graph_metadata

@@ -40,6 +40,13 @@ TILES = [DecodeTiles(64, 4, 2, True), DecodeTiles(64, 4, 3, True), DecodeTiles(3
 EXTRA_KEYS = 22          # the sweep's sequences sit at context + 20-24 keys when timed
 
 
+def forced_tiles(spec: str) -> DecodeTiles:
+    """'64x4x3eh' (fp8_attention_kernels.parse_tiles' notation, no split or register cap) -> DecodeTiles."""
+    from fp8_attention_kernels import parse_tiles
+    t = parse_tiles(spec)
+    return DecodeTiles(t["block_n"], t["num_warps"], t["num_stages"], t["early_v"], t["heads_first"])
+
+
 def block_table(batch: int, keys: int, layout: str, gen: torch.Generator):
     per_seq = -(-keys // BLOCK)
     total = batch * per_seq
@@ -74,34 +81,36 @@ def kernel_us(fn, calls: int = 6) -> dict:
     return {name: round(v[0] / v[1], 2) for name, v in sums.items()}
 
 
-def layer_caches(num_blocks: int, hkv: int, d: int, layers: int, pool_gb: float) -> list:
+def layer_caches(num_blocks: int, hkv: int, d: int, layers: int, pool_gb: float,
+                 dtype: torch.dtype = torch.bfloat16) -> list:
     """One cache, or (--layers) one per layer as the engine allocates them: each sized to its share of a pool of
-    pool_gb GB, the blocks in use at its start (random values there, zeros beyond)."""
+    pool_gb GB, the blocks in use at its start (random values there, zeros beyond); `dtype` the cache's."""
     if layers <= 1:
-        return [torch.randn(2, num_blocks, BLOCK, hkv, d, dtype=torch.bfloat16, device="cuda")]
-    per_block = 2 * BLOCK * hkv * d * 2
+        return [torch.randn(2, num_blocks, BLOCK, hkv, d, dtype=torch.bfloat16, device="cuda").to(dtype)]
+    per_block = 2 * BLOCK * hkv * d * dtype.itemsize
     pool_blocks = max(num_blocks, int(pool_gb * 1e9 / layers / per_block))
     caches = []
     for _ in range(layers):
-        c = torch.zeros(2, pool_blocks, BLOCK, hkv, d, dtype=torch.bfloat16, device="cuda")
-        c[:, :num_blocks].normal_()
+        c = torch.zeros(2, pool_blocks, BLOCK, hkv, d, dtype=dtype, device="cuda")
+        c[:, :num_blocks] = torch.randn(2, num_blocks, BLOCK, hkv, d, dtype=torch.bfloat16, device="cuda").to(dtype)
         caches.append(c)
     return caches
 
 
 def run_case(shape, batch: int, context: int, layout: str, candidates, weights, x, layers: int = 1,
-             pool_gb: float = 0.0) -> dict:
+             pool_gb: float = 0.0, cache_dtype: torch.dtype = torch.bfloat16) -> dict:
     h, hkv, d = shape
     keys = context + EXTRA_KEYS
     gen = torch.Generator().manual_seed(batch + context)
     num_blocks, table = block_table(batch, keys, layout, gen)
-    caches = layer_caches(num_blocks, hkv, d, layers, pool_gb)
+    caches = layer_caches(num_blocks, hkv, d, layers, pool_gb, cache_dtype)
     q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
     rows = torch.arange(batch, device="cuda")
     lens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
-    kv_bytes = batch * keys * 2 * hkv * d * 2
-    res = {"batch": batch, "context": keys, "layout": layout, "kv_MB": round(kv_bytes / 1e6, 1), "layers": len(caches),
+    kv_bytes = batch * keys * 2 * hkv * d * cache_dtype.itemsize
+    res = {"batch": batch, "context": keys, "layout": layout, "cache_dtype": str(cache_dtype),
+           "kv_MB": round(kv_bytes / 1e6, 1), "layers": len(caches),
            "engine_splits": decode_num_splits(batch, hkv, keys, q.device, d), "us": {}}
     for splits, tiles in candidates:
         def step():
@@ -132,6 +141,9 @@ def main() -> None:
     ap.add_argument("--pool-gb", type=float, default=0.0, help="with --layers: the caches' total size, as the engine's")
     ap.add_argument("--weights", type=int, default=1, help="distinct 235 MB GEMM weights, cycled over the layers")
     ap.add_argument("--few-tiles", action="store_true", help="only the first two tile candidates")
+    ap.add_argument("--tiles", default="", help="the tile candidates in fp8_attention_kernels.py's notation, e.g. "
+                    "64x4x2,64x4x3h (default: TILES)")
+    ap.add_argument("--cache-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn", "float8_e5m2"])
     ap.add_argument("--output", default="decode_attention_in_step.json")
     args = ap.parse_args()
     out = {"command": "DEEPSERVE_PDL=" + os.environ.get("DEEPSERVE_PDL", "1") + " python " + " ".join(sys.argv),
@@ -139,16 +151,16 @@ def main() -> None:
     weights = [torch.randn(28672, 4096, dtype=torch.bfloat16, device="cuda") * 0.01 for _ in range(args.weights)]
     layouts = ["runs", "shuffled"] if args.layout == "both" else [args.layout]
     splits = [int(s) for s in args.splits.split(",")]
+    tiles = [forced_tiles(t) for t in args.tiles.split(",")] if args.tiles else TILES[:2] if args.few_tiles else TILES
     for case in args.cases.split(";"):
         name, batches, contexts = case.split(":")
         for context in map(int, contexts.split(",")):
             for batch in map(int, batches.split(",")):
                 x = torch.randn(batch, 4096, dtype=torch.bfloat16, device="cuda")
-                candidates = [(None, None)] + [(s, t) for s in splits for t in (TILES if not args.few_tiles else
-                                                                                 TILES[:2])]
+                candidates = [(None, None)] + [(s, t) for s in splits for t in tiles]
                 for layout in layouts:
                     r = run_case(SHAPES[name], batch, context, layout, candidates, weights, x, args.layers,
-                                 args.pool_gb)
+                                 args.pool_gb, getattr(torch, args.cache_dtype))
                     r["shape"] = name
                     out["results"].append(r)
                     print(name, batch, context, layout, "engine", r["us"]["None None"], "best", r["best"], flush=True)

@@ -91,13 +91,14 @@ def time_call(fn, reps: int = 20) -> tuple[float, str]:
 
 
 def parse_tiles(spec: str) -> dict:
-    """'KEYSxWARPSxSTAGES' + optional suffixes in this order: 'e' (GQA: values loaded with keys), 'sN' (N context
-    splits), 'rN' (MLA: a register cap) -> the launch's keywords."""
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(e?)(?:s(\d+))?(?:r(\d+))?", spec.lower())
+    """'KEYSxWARPSxSTAGES' + optional suffixes in this order: 'e' (GQA: values loaded with keys), 'h' (GQA: a row's
+    KV heads launched side by side), 'sN' (N context splits), 'rN' (MLA: a register cap) -> the launch's keywords."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(e?)(h?)(?:s(\d+))?(?:r(\d+))?", spec.lower())
     if not match:
-        raise ValueError(f"tiles {spec!r}: expected KEYSxWARPSxSTAGES[e][sSPLITS][rREGISTERS], e.g. 32x4x3s2r128")
-    n, w, st, early, splits, cap = match.groups()
+        raise ValueError(f"tiles {spec!r}: expected KEYSxWARPSxSTAGES[e][h][sSPLITS][rREGISTERS], e.g. 32x4x3s2r128")
+    n, w, st, early, heads_first, splits, cap = match.groups()
     return {"block_n": int(n), "num_warps": int(w), "num_stages": int(st), "early_v": bool(early),
+            "heads_first": bool(heads_first),
             "maxnreg": int(cap) if cap else None, "num_splits": int(splits) if splits else None}
 
 
@@ -120,15 +121,16 @@ def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
         if launch.get("maxnreg"):
             raise ValueError(f"tiles {tiles!r}: a register cap is for the MLA kernel only")
         forced = DecodeTiles(block_n=launch["block_n"], num_warps=launch["num_warps"],
-                             num_stages=launch["num_stages"], early_v=launch["early_v"]) if tiles else None
+                             num_stages=launch["num_stages"], early_v=launch["early_v"],
+                             heads_first=launch["heads_first"]) if tiles else None
 
         def call():
             decode_attention(q, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, tiles=forced,
                              num_splits=launch.get("num_splits"))
     else:
         q_lat, q_pe = q[..., :512], q[..., 512:]
-        if launch.pop("early_v", False):
-            raise ValueError(f"tiles {tiles!r}: 'e' (values with keys) is the GQA kernel's only")
+        if launch.pop("early_v", False) or launch.pop("heads_first", False):
+            raise ValueError(f"tiles {tiles!r}: 'e' (values with keys) and 'h' (heads first) are the GQA kernel's")
 
         def call():
             mla_decode(q_lat, q_pe, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, **launch)

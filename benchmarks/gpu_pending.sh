@@ -14,6 +14,9 @@
 #   bash benchmarks/gpu_pending.sh profiles    # ~6 min: kernel tables with PDL off, MoE batch 256 and dense 1B
 #   bash benchmarks/gpu_pending.sh skinny64-ab # ~8 min: DEEPSERVE_SKINNY_64_ROWS=0,1 in steps at batch 48 / 64
 #   bash benchmarks/gpu_pending.sh gqa-ncu     # ~2 min: Nsight Compute of the GQA decode kernel at large batch
+#   bash benchmarks/gpu_pending.sh gqa-order   # ~3 min: the GQA decode kernel with a row's KV heads launched together
+#   bash benchmarks/gpu_pending.sh gqa-launch-ab  # ~3 min: steps, DEEPSERVE_GQA_DECODE_LAUNCH=rows-first,heads-first
+#   bash benchmarks/gpu_pending.sh gqa-in-step # ~2 min: the launch orders with a cache a layer, between GEMMs
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
@@ -61,6 +64,7 @@ ncu_attention() {   # KERNEL ARG CSV: Nsight Compute's view of ncu_decode_attent
     command -v ncu > /dev/null || { echo "no ncu on this machine"; return; }
     timeout 200 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis --section LaunchStats -k "regex:^$1\$" --csv --page details \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         python3 benchmarks/ncu_decode_attention.py "$2" > "$3" 2> /tmp/ncu_attention.err
     python3 - "$3" <<'PY'
 import csv, sys
@@ -70,8 +74,9 @@ keys = ("Duration", "DRAM Throughput", "Registers Per Thread", "Achieved Occupan
         "Warp Cycles Per Issued Instruction", "Dynamic Shared Memory Per Block", "Block Limit Registers",
         "Block Limit Shared Mem", "Issue Slots Busy", "Compute (SM) Throughput", "L2 Hit Rate",
         "Eligible Warps Per Scheduler")
-for r in rows:
-    if r["Metric Name"] in keys:
+for r in rows:       # the stall reasons: warps stalled for each, per issued instruction (the larger ones)
+    stall = "issue_stalled" in r["Metric Name"]
+    if r["Metric Name"] in keys or (stall and float(r["Metric Value"].replace(",", "") or 0) >= 0.2):
         print(r["ID"], r["Grid Size"], r["Metric Name"], r["Metric Value"], r["Metric Unit"])
 PY
     tail -3 /tmp/ncu_attention.err
@@ -144,10 +149,11 @@ profiles)
 skinny64-ab)
     # The skinny GEMM at 33-64 rows (DEEPSERVE_SKINNY_64_ROWS, on since session 35 from Llama-3.2-1B's steps alone):
     # the MoE shapes' steps at batch 48 / 64 (Qwen3-MoE's split-K o_proj, V2-Lite's dense first layer), and a
-    # second pass of the 1B.
-    timeout 560 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_SKINNY_64_ROWS=0,1 --passes 1 --timeout 130 \
-        --output "$OUT/skinny_64_rows_ab.json" -- --shapes llama-3.2-1b,qwen3-moe,deepseek-v2-lite --batches 48,64 \
-        --contexts 1024 --profile-batch 0 > /tmp/skinny64_ab.log 2>&1
+    # second pass of the 1B (SKINNY_SHAPES narrows the shapes, SKINNY_LIMIT the seconds).
+    timeout "${SKINNY_LIMIT:-560}" python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_SKINNY_64_ROWS=0,1 \
+        --passes 1 --timeout 130 --output "$OUT/skinny_64_rows_ab.json" -- \
+        --shapes "${SKINNY_SHAPES:-llama-3.2-1b,qwen3-moe,deepseek-v2-lite}" --batches 48,64 --contexts 1024 \
+        --profile-batch 0 > /tmp/skinny64_ab.log 2>&1
     tail -3 /tmp/skinny64_ab.log; summarise_steps "$OUT/skinny_64_rows_ab.json"; elapsed "skinny64-ab"
     ;;
 gqa-ncu)
@@ -155,6 +161,50 @@ gqa-ncu)
     # over E4M3 at 2.41 TB/s (bf16 2.81; qwen3_attention_tiles_h100_s35.json), Llama-3.2-1B batch 64 over bf16 at
     # 2.46 (dense1b_attention_tiles_h100_s35.json). Nsight Compute's view of each, two calls each.
     ncu_attention _decode_kernel --gqa-large "$OUT/ncu_gqa_large.csv"; elapsed "gqa-ncu"
+    ;;
+gqa-order)
+    # A row's KV heads launched side by side (DecodeTiles.heads_first): their programs read neighbouring pieces of
+    # the same cache rows (one token's heads are contiguous) at about the same time. Qwen3-MoE's E4M3 cache reads at
+    # 2.41 TB/s at batch 256 where bf16 reads at 2.81 (a head's 128-byte piece of a 512-byte row, H100, session 35).
+    timeout 280 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes float8_e4m3fn,bfloat16 \
+        --settings "DEEPSERVE_FP8_PRODUCTS=f16" --cases "qwen3-moe,llama-3.2-1b b64 ctx1024,llama-3-8b b256" \
+        --tiles 64x4x2h,64x4x3,64x4x3h,64x4x3e,64x4x3eh --output "$OUT/gqa_heads_first_kernels.json" \
+        > /tmp/gqa_order.log 2>&1
+    tail -3 /tmp/gqa_order.log | cut -c1-300; summarise_kernels "$OUT/gqa_heads_first_kernels.json"
+    elapsed "gqa-order"
+    ;;
+gqa-launch-ab)
+    # The launch rule gqa-order's kernel timings chose (heads first; three stages past one wave over E4M3) in decode
+    # steps: Qwen3-MoE over an E4M3 cache, Llama-3.2-1B over bf16 (split launches at batch 8), after its own tests.
+    timeout 100 python3 -m pytest -q -n 8 tests/gpu/test_paged_attention.py tests/gpu/test_gemv.py \
+        -p no:cacheprovider 2>&1 | tail -2
+    for shape in qwen3-moe llama-3.2-1b; do
+        if [ $shape = qwen3-moe ]; then args="--batches 64,128,256 --kv-cache-dtype fp8"; t=150; total=300
+        else args="--batches 8,64 --contexts 1024,4096"; t=100; total=200; fi
+        timeout $total python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_GQA_DECODE_LAUNCH=rows-first,heads-first \
+            --passes 1 --timeout $t --output "$OUT/gqa_decode_launch_ab_$shape.json" -- --shapes $shape $args \
+            --profile-batch 0 > /tmp/gqa_launch_ab.log 2>&1
+        tail -2 /tmp/gqa_launch_ab.log; summarise_steps "$OUT/gqa_decode_launch_ab_$shape.json"
+    done
+    elapsed "gqa-launch-ab"
+    ;;
+gqa-in-step)
+    # Heads first took Qwen3-MoE batch 256's E4M3 call from 110.7 to 104.9 us alone (gqa-order) but its step only
+    # from 9.794 to 9.761 ms (gqa-launch-ab): is it the step's surroundings (a cache a layer, blocks in runs, GEMMs
+    # between)? Kernel durations with PDL off, each tiling with blocks in runs and shuffled.
+    DEEPSERVE_PDL=0 timeout 150 python3 benchmarks/decode_attention_in_step.py --cases "qwen3-moe:128,256:1024" \
+        --layout both --splits 1 --layers 48 --tiles 64x4x2,64x4x2h,64x4x3,64x4x3h --cache-dtype float8_e4m3fn \
+        --output "$OUT/gqa_in_step_qwen3_e4m3.json" 2>&1 | tail -4 | cut -c1-400
+    DEEPSERVE_PDL=0 timeout 100 python3 benchmarks/decode_attention_in_step.py --cases "llama-3.2-1b:64:1024" \
+        --layout both --splits 1 --layers 16 --tiles 64x4x3e,64x4x3eh --output "$OUT/gqa_in_step_1b_bf16.json" \
+        2>&1 | tail -2 | cut -c1-400
+    python3 - "$OUT"/gqa_in_step_*.json <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    for r in json.load(open(path))["results"]:
+        print(r["shape"], r["batch"], r["layout"], {k: v[0] if isinstance(v, list) else v for k, v in r["us"].items()})
+PY
+    elapsed "gqa-in-step"
     ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by

@@ -176,6 +176,12 @@ _DECLARED = [
            "instruction per pair of E4M3 codes; kernels/kv_rounding.py; H200: Llama-3-8B batch 64 at 4k 12.71 -> "
            "10.60 ms a step, fp8_products_ab_h200.json), or in the activations' dtype (read at import)",
            choices=("activations", "f16")),
+    EnvVar("DEEPSERVE_GQA_DECODE_LAUNCH", "str", "heads-first",
+           "GPU paged decode kernel's launch rule: a row's KV heads side by side, and unsplit launches past the deep "
+           "pipeline's range over an fp8 cache at three stages (H100, one layer's call: Qwen3-MoE batch 256 over "
+           "E4M3 110.7 -> 104.9 us, gqa_heads_first_kernels_h100_s36.json), or session 35's rule: one KV head's "
+           "rows side by side, two stages there (read at import)",
+           choices=("heads-first", "rows-first")),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
     EnvVar("DEEPSERVE_GC_FREEZE", "bool", True,

@@ -13,7 +13,7 @@ for the P @ V product (as flash attention does), the output is rounded once to t
 widened to the query's dtype, exactly, before the products.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -272,9 +272,14 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
                    block_size, group,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, EARLY_V: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
-    i = tl.program_id(0)           # decode row
-    kvh = tl.program_id(1)
+                   SPLIT: tl.constexpr, EARLY_V: tl.constexpr, HEADS_FIRST: tl.constexpr, INPUTS_READY: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    if HEADS_FIRST:                # the KV heads of one row launch side by side (DecodeTiles.heads_first)
+        kvh = tl.program_id(0)
+        i = tl.program_id(1)
+    else:
+        i = tl.program_id(0)       # decode row
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     # With INPUTS_READY (the step's inputs were in place before its first kernel) their loads, and the first tile's
     # block ids, overlap the previous kernel instead of adding three round trips after the wait (kernels/pdl.py).
@@ -389,12 +394,15 @@ DECODE_BLOCK_N = 64
 
 @dataclass(frozen=True)
 class DecodeTiles:
-    """Launch settings of the paged decode kernel: keys per tile, warps, pipeline stages, and whether a tile's
-    values load together with its keys (`early_v`) or after the scores."""
+    """Launch settings of the paged decode kernel: keys per tile, warps, pipeline stages, whether a tile's values
+    load together with its keys (`early_v`) or after the scores, and the launch order (`heads_first`: the programs
+    of one row's KV heads side by side, which read neighbouring pieces of the same cache rows at about the same
+    time; else one KV head's rows side by side)."""
     block_n: int = DECODE_BLOCK_N
     num_warps: int = 4
     num_stages: int = 2
     early_v: bool = False
+    heads_first: bool = False
 
 # A no-split launch whose programs fit on the SMs two at a time (in 128-wide heads): a third pipeline stage, the value
 # tile loaded with the key tile. Three stages of key + value tiles (64 x 128 bf16 each) are 96 KB of shared memory,
@@ -408,14 +416,30 @@ class DecodeTiles:
 # Llama-3.2-1B batch 64 3.85 -> 3.66 at 4k; Qwen3-MoE batch 64 6.11 -> 6.03.
 DEEP_PIPELINE_TILES = DecodeTiles(num_stages=3, early_v=True)
 
+# DEEPSERVE_GQA_DECODE_LAUNCH=heads-first (the default): the programs of one row's KV heads launch side by side. One
+# token's heads lie side by side in the cache (a 128-wide E4M3 head is a 128-byte piece of Qwen3-MoE's 512-byte
+# row), so programs launched together then read whole rows at about the same time instead of one piece of rows far
+# apart. And unsplit launches past the deep pipeline's range over an fp8 cache take three stages: a tile there is
+# half a bf16 tile's bytes, so two tiles in flight a program read faster than one (4 programs an SM instead of 5).
+# One layer's call on an H100 (benchmarks/fp8_attention_kernels.py, gqa_heads_first_kernels_h100_s36.json; us,
+# rows-first default -> rows-first 3 stages -> heads-first 3 stages): Qwen3-MoE over E4M3 at 1k, batch 256
+# 110.7 -> 109.2 -> 104.9, batch 128 59.0 -> 57.8 -> 56.2; Llama-3-8B batch 256 211.5 -> 205.1 -> 202.2. Over bf16
+# two stages stay (Qwen3-MoE batch 128: 97.1 rows-first, 96.4 heads-first, 105.9 at three stages); heads-first alone
+# there: Qwen3-MoE batch 256 190.5 -> 190.0, Llama-3.2-1B batch 64 in the deep pipeline 55.3 -> 53.4.
+HEADS_FIRST = envs.DEEPSERVE_GQA_DECODE_LAUNCH == "heads-first"
 
-def decode_tiles(num_programs: int, head_dim: int, split: bool, device: torch.device) -> DecodeTiles:
+
+def decode_tiles(num_programs: int, head_dim: int, split: bool, device: torch.device,
+                 fp8_cache: bool = False) -> DecodeTiles:
     """The decode kernel's launch setting for `num_programs` programs (rows x KV heads x splits) of `head_dim`-wide
-    heads: DEEP_PIPELINE_TILES for a launch without a split that fits the SMs at two 128-wide programs each, else the
-    default (split launches are sized for about four programs an SM)."""
+    heads: DEEP_PIPELINE_TILES for a launch without a split that fits the SMs at two 128-wide programs each; past
+    that, without a split, three stages over an fp8 cache (`fp8_cache`); else the default (split launches are sized
+    for about four programs an SM). All with HEADS_FIRST's launch order."""
     if not split and num_programs * head_dim <= 2 * num_sms(device) * 128:
-        return DEEP_PIPELINE_TILES
-    return DecodeTiles()
+        return replace(DEEP_PIPELINE_TILES, heads_first=HEADS_FIRST)
+    if not split and fp8_cache and HEADS_FIRST:
+        return DecodeTiles(num_stages=3, heads_first=True)
+    return DecodeTiles(heads_first=HEADS_FIRST)
 
 
 # DEEPSERVE_EARLY_INPUTS=0: decode, reduce and rotary-write programs load the step's inputs after the PDL wait
@@ -483,7 +507,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     block_n = (tiles or DecodeTiles()).block_n
     partition = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_seq_len, partition))
-    tiles = tiles or decode_tiles(n * hkv * num_splits, d, num_splits > 1, q.device)
+    tiles = tiles or decode_tiles(n * hkv * num_splits, d, num_splits > 1, q.device,
+                                  fp8_cache=kv_cache.element_size() == 1)
     assert tiles.block_n == block_n
     bs = kv_cache.shape[2]
     block_d = next_pow2(d)
@@ -496,7 +521,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         part_out = part_lse = out   # unused
     po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
     pl_strides = (part_lse.stride(0), part_lse.stride(1)) if split else (0, 0)
-    _decode_kernel[(n, hkv, num_splits)](
+    assert not tiles.heads_first or n < 65536, "a grid's second dimension holds fewer than 65536 programs"
+    _decode_kernel[(hkv, n, num_splits) if tiles.heads_first else (n, hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, q_rows, seq_ids, out, part_out, part_lse,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -504,8 +530,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         block_tables.stride(0), *po_strides, *pl_strides,
         bs, group,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split, EARLY_V=tiles.early_v,
-        INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **pdl_launch_args(q))
+        HEADS_FIRST=tiles.heads_first, INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl_launch_args(q))
     if split:
         # The decode kernel, the reduce's predecessor, writes none of the inputs: they are ready for it.
         decode_reduce(part_out, part_lse, q_rows, seq_ids, seq_lens, out, inputs_ready=EARLY_INPUTS,

@@ -7,7 +7,7 @@ from torch import nn
 
 from deepserve.kernels.activation import silu_and_mul
 from deepserve.kernels.gemv import gemv, gemv_config, swiglu_gemv
-from deepserve.kernels.skinny_gemm import skinny_max_rows
+from deepserve.kernels.skinny_gemm import WIDE_MAX_ROWS, WIDE_ROWS, skinny_max_rows, skinny_wide_tiles
 from deepserve.layers import linear as linear_module
 from deepserve.layers.linear import Linear, fused_swiglu_linear, linear
 from deepserve.layers.mlp import GatedMLP, swiglu_activation
@@ -96,8 +96,12 @@ def test_gated_mlp_fuses_only_one_row_through_a_plain_linear(device, monkeypatch
     with torch.inference_mode():
         fused = fused_swiglu_linear(x, mlp.gate_up_proj, None)
         assert fused is not None and fused.shape == (1, 24)
-        # More rows: the skinny GEMM's (tests/gpu/test_skinny_gemm.py) up to skinny_max_rows, None beyond.
-        too_many = skinny_max_rows(48, 40) + 1     # gate_up: 48 x 40
+        # More rows: the skinny GEMM's (tests/gpu/test_skinny_gemm.py) up to skinny_max_rows, or WIDE_MAX_ROWS for
+        # the gate/up weights it takes past 32 rows (DEEPSERVE_SKINNY_64_ROWS), None beyond.
+        wide = WIDE_ROWS and skinny_wide_tiles(48, 40, swiglu=True) is not None     # gate_up: 48 x 40
+        too_many = (WIDE_MAX_ROWS if wide else skinny_max_rows(48, 40)) + 1
+        assert fused_swiglu_linear(torch.randn(too_many - 1, 40, device=device).half(), mlp.gate_up_proj,
+                                   None) is not None
         assert fused_swiglu_linear(torch.randn(too_many, 40, device=device).half(), mlp.gate_up_proj, None) is None
         plain = nn.Linear(40, 48, bias=False).to(device).half()
         assert fused_swiglu_linear(x, plain, None) is None                 # e.g. a quantized stand-in

@@ -3,13 +3,14 @@ and the TritonPagedAttention backend (with the prefill kernel of test_paged_pref
 reference backend."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from deepserve.kernels import INTERPRET
 from deepserve.layers.attention_triton import TritonPagedAttention
-from deepserve.kernels.paged_attention import (DECODE_BLOCK_N, DEEP_PIPELINE_TILES, active_splits_ref,
+from deepserve.kernels.paged_attention import (DECODE_BLOCK_N, DEEP_PIPELINE_TILES, HEADS_FIRST, active_splits_ref,
                                                decode_attention, DecodeTiles, decode_attention_ref,
                                                decode_num_splits, decode_reduce, decode_tiles, num_sms,
                                                decode_reduce_ref, rotary_write_kv, rotary_write_kv_ref, write_kv,
@@ -279,10 +280,11 @@ def test_decode_other_block_sizes(device, block_size):
 
 
 @pytest.mark.parametrize("tiles", [DecodeTiles(64, 4, 2, True), DecodeTiles(32, 4, 3, True),
-                                   DecodeTiles(128, 8, 2, False), DEEP_PIPELINE_TILES], ids=str)
+                                   DecodeTiles(128, 8, 2, False), DEEP_PIPELINE_TILES,
+                                   DecodeTiles(64, 4, 3, False, heads_first=True)], ids=str)
 def test_decode_tile_settings_match_reference(device, tiles):
-    """Every launch setting the engine may pick (keys per tile, warps, stages, values loaded with the keys), with
-    and without split-K: the same attention as the reference."""
+    """Every launch setting the engine may pick (keys per tile, warps, stages, values loaded with the keys, the
+    launch order), with and without split-K: the same attention as the reference."""
     dtype = torch.float16
     lens = [1, 33, 64, 129, 700]
     batch, cache, q = _decode_case(device, dtype, 64, 4, lens, 16, cdiv_total(lens, 16) + 8)
@@ -296,13 +298,19 @@ def test_decode_tile_settings_match_reference(device, tiles):
 
 def test_decode_tiles_deepen_the_pipeline_only_for_one_wave_without_split(device):
     """A launch without split-K whose programs fit the SMs two 128-wide (four 64-wide) ones at a time gets the
-    three-stage tiles; more programs, or a split launch, the default (the measured rule)."""
+    three-stage tiles; more programs, or a split launch, the default, except past one wave without a split over an
+    fp8 cache: three stages (the measured rule). Every launch in HEADS_FIRST's order."""
     dev = torch.device(device)
     two_a_sm = 2 * num_sms(dev)
-    assert decode_tiles(two_a_sm, 128, False, dev) == decode_tiles(2 * two_a_sm, 64, False, dev) == DEEP_PIPELINE_TILES
+    order = dict(heads_first=HEADS_FIRST)
+    deep = replace(DEEP_PIPELINE_TILES, **order)
+    for fp8 in (False, True):
+        assert decode_tiles(two_a_sm, 128, False, dev, fp8) == decode_tiles(2 * two_a_sm, 64, False, dev, fp8) == deep
+        assert decode_tiles(8, 128, True, dev, fp8) == DecodeTiles(**order)
     assert (decode_tiles(two_a_sm + 1, 128, False, dev) == decode_tiles(2 * two_a_sm + 1, 64, False, dev)
-            == DecodeTiles())
-    assert decode_tiles(8, 128, True, dev) == DecodeTiles()
+            == DecodeTiles(**order))
+    past_one_wave = decode_tiles(two_a_sm + 1, 128, False, dev, fp8_cache=True)
+    assert past_one_wave == (DecodeTiles(num_stages=3, heads_first=True) if HEADS_FIRST else DecodeTiles())
     assert DEEP_PIPELINE_TILES.block_n == DecodeTiles().block_n      # the split partition does not depend on it
 
 
