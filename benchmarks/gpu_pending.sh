@@ -21,6 +21,7 @@
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
+#   (two stages in one call: `for s in tests sweeps; do bash benchmarks/gpu_pending.sh $s; done`)
 # MLA_TILES="32x4x3,16x4x3" narrows mla-ab to the settings the kernels stage favoured (default: all four).
 set -u
 STAGE=${1:?"a stage, one of those listed at the top of this script"}
@@ -178,11 +179,13 @@ gqa-launch-ab)
     # steps: Qwen3-MoE over an E4M3 cache, Llama-3.2-1B over bf16 (split launches at batch 8), after its own tests.
     timeout 100 python3 -m pytest -q -n 8 tests/gpu/test_paged_attention.py tests/gpu/test_gemv.py \
         -p no:cacheprovider 2>&1 | tail -2
+    # PASSES (default 1) and the shapes' batches (MOE_BATCHES, DENSE_BATCHES) narrow or widen it.
     for shape in qwen3-moe llama-3.2-1b; do
-        if [ $shape = qwen3-moe ]; then args="--batches 64,128,256 --kv-cache-dtype fp8"; t=150; total=300
-        else args="--batches 8,64 --contexts 1024,4096"; t=100; total=200; fi
-        timeout $total python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_GQA_DECODE_LAUNCH=rows-first,heads-first \
-            --passes 1 --timeout $t --output "$OUT/gqa_decode_launch_ab_$shape.json" -- --shapes $shape $args \
+        if [ $shape = qwen3-moe ]; then args="--batches ${MOE_BATCHES:-64,128,256} --kv-cache-dtype fp8"; t=150
+        else args="--batches ${DENSE_BATCHES:-8,64} --contexts 1024,4096"; t=100; fi
+        timeout $(( ${PASSES:-1} * 2 * t )) python3 benchmarks/ab_env_sweep.py \
+            --setting DEEPSERVE_GQA_DECODE_LAUNCH=rows-first,heads-first --passes "${PASSES:-1}" --timeout $t \
+            --output "$OUT/gqa_decode_launch_ab_$shape.json" -- --shapes $shape $args \
             --profile-batch 0 > /tmp/gqa_launch_ab.log 2>&1
         tail -2 /tmp/gqa_launch_ab.log; summarise_steps "$OUT/gqa_decode_launch_ab_$shape.json"
     done
@@ -223,7 +226,7 @@ combine-timeline)
     tail -30 /tmp/combine_timeline.log | cut -c1-300; elapsed "combine-timeline"
     ;;
 sweeps)
-    for kv in fp8 auto; do
+    for kv in ${SWEEP_KV:-fp8 auto}; do       # SWEEP_KV=fp8: the MoE sweep over an E4M3 cache only
         timeout 140 python3 benchmarks/h200_decode_sweep.py --shapes qwen3-moe,deepseek-v2-lite --batches 8,64,128,256 \
             --contexts 1024 --kv-cache-dtype $kv --output "$OUT/moe_$kv.json" > /tmp/moe_$kv.log 2>&1
         elapsed "moe sweep, $kv cache"
