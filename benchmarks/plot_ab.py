@@ -45,6 +45,8 @@
                                 grid, and by context at batch 8
   inflight_patch_ab_h200.json   steps with the in-flight token patch as one device copy, against the index path
   step_outside_graph_h200.json  the device operations between two graph replays of a steady decode, on a timeline
+  gqa_in_step_qwen3_e4m3_h100_s36.json, gqa_in_step_1b_bf16_h100_s36.json  paged GQA decode between GEMMs, a cache
+                                a layer: the engine's launch and each tiling, rows first and heads first
 
 Run:  python benchmarks/plot_ab.py [name ...]   (writes <name>.png beside each JSON, or the named ones; needs
       matplotlib)
@@ -229,6 +231,31 @@ def decode_in_step(path: Path, title: str) -> plt.Figure:
     return fig
 
 
+def in_step_candidates(path: Path, title: str) -> plt.Figure:
+    """decode_attention_in_step.py's results with --tiles: per (shape, batch, block layout) a bar per candidate
+    launch (the engine's, then each forced tiling: keys x warps x stages, e = values early, h = heads first)."""
+    data = json.loads(path.read_text())
+    fig, ax = plt.subplots(figsize=(11, 4))
+    groups = {}
+    for r in data["results"]:
+        bars = {}
+        for key, v in r["us"].items():
+            if not isinstance(v, list):
+                continue
+            if key == "None None":
+                bars["engine"] = v[0]
+                continue
+            t = key.split(" ", 1)[1]     # "DecodeTiles(block_n=64, num_warps=4, ...)"
+            f = dict(kv.split("=") for kv in t[t.index("(") + 1:-1].split(", "))
+            label = f"{f['block_n']}x{f['num_warps']}x{f['num_stages']}" + ("e" if f["early_v"] == "True" else "") + \
+                ("h" if f.get("heads_first") == "True" else "")
+            bars[label] = v[0]
+        groups[f"{r.get('shape', '')} b{r['batch']} {r['layout']}"] = bars
+    grouped_bars(ax, groups, "decode kernel, us per layer", title)
+    fig.tight_layout()
+    return fig
+
+
 def outside_graph(path: Path) -> plt.Figure:
     """step_outside_graph.py's last interval per (shape, batch): each operation as a bar at its offset from the end
     of the previous graph replay."""
@@ -356,6 +383,10 @@ def main() -> None:
                                                              "skipped (diagnostic) vs the engine"),
         "decode_kv_prefetch_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): KV tiles prefetched to "
                                                                   "L2 before the PDL wait (dropped) vs main"),
+        "gqa_in_step_qwen3_e4m3_h100_s36": lambda p: in_step_candidates(p, "paged GQA decode, Qwen3-MoE over E4M3 "
+                                                                           "(H100, 1k, 48 layer caches, PDL off)"),
+        "gqa_in_step_1b_bf16_h100_s36": lambda p: in_step_candidates(p, "paged GQA decode, Llama-3.2-1B over bf16 "
+                                                                        "(H100, 1k, 16 layer caches, PDL off)"),
         "decode_small_batch_in_step_h200": lambda p: decode_in_step(p, "paged GQA decode at small batch (H200, 1k, "
                                                                        "PDL off)"),
         "inflight_patch_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): the in-flight token patch "

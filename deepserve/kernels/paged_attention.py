@@ -425,7 +425,13 @@ DEEP_PIPELINE_TILES = DecodeTiles(num_stages=3, early_v=True)
 # rows-first default -> rows-first 3 stages -> heads-first 3 stages): Qwen3-MoE over E4M3 at 1k, batch 256
 # 110.7 -> 109.2 -> 104.9, batch 128 59.0 -> 57.8 -> 56.2; Llama-3-8B batch 256 211.5 -> 205.1 -> 202.2. Over bf16
 # two stages stay (Qwen3-MoE batch 128: 97.1 rows-first, 96.4 heads-first, 105.9 at three stages); heads-first alone
-# there: Qwen3-MoE batch 256 190.5 -> 190.0, Llama-3.2-1B batch 64 in the deep pipeline 55.3 -> 53.4.
+# there: Qwen3-MoE batch 256 190.5 -> 190.0, Llama-3.2-1B batch 64 in the deep pipeline 55.3 -> 53.4. Between GEMMs
+# with a cache a layer (decode_attention_in_step.py, PDL off, gqa_in_step_qwen3_e4m3_h100_s36.json) the Qwen3-MoE
+# batch-256 call goes 113.1 -> 109.0 us; in its PDL-off step 111.9 -> 107.2 us a layer (graph replay 9.729 -> 9.651
+# ms, qwen3_b256_pdl_off_*_h100_s36.json). With PDL on, most of that was already hidden: decode steps, 3 passes
+# (gqa_decode_launch_ab_*_3passes_h100_s36.json, ms, rows-first -> heads-first): Qwen3-MoE over E4M3 batch 256
+# 9.760 -> 9.737 (replay 9.649 -> 9.621), batch 128 8.515 -> 8.524; Llama-3.2-1B over bf16 batch 64 2.219 -> 2.195
+# (1k), 4.779 -> 4.707 (4k), batch 8 (split launches) 1.323 -> 1.314 (1k), 1.639 -> 1.653 (4k).
 HEADS_FIRST = envs.DEEPSERVE_GQA_DECODE_LAUNCH == "heads-first"
 
 

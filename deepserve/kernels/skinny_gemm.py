@@ -235,8 +235,11 @@ def skinny_wide_tiles(n: int, k: int, swiglu: bool) -> Optional[SkinnyTiles]:
     best against cuBLAS): the gate/up weight with the SwiGLU in the epilogue (16384 x 2048) 25.3 against cuBLAS +
     SiLU-and-mul's 29.6, with 128-row tiles and 8 warps; the split-K down (2048 x 8192) 15.6 against 17.5; qkv and
     o_proj 8.1 / 6.6 against 7.2 / 6.5 (they stay on cuBLAS). The engine's tiles for every weight at 64 rows made
-    decode steps slower (skinny_rows_64_h100_s35.json: Llama-3.2-1B batch 64 at 1k 2.31 -> 2.41 ms). K steps are
-    half these at more than 32 rows (`_launch`)."""
+    decode steps slower (skinny_rows_64_h100_s35.json: Llama-3.2-1B batch 64 at 1k 2.31 -> 2.41 ms). This rule's
+    steps (ms, off -> on): Llama-3.2-1B batch 64 at 1k 2.298 -> 2.237 (skinny_64_rows_ab_h100_s35.json); the MoE
+    shapes unchanged within 0.3% (skinny_64_rows_moe_ab_h100_s36.json: Qwen3-MoE batch 48 / 64 7.885 / 8.163 ->
+    7.861 / 8.169, V2-Lite 12.268 / 12.607 -> 12.278 / 12.616). K steps are half these at more than 32 rows
+    (`_launch`)."""
     if swiglu and k <= SHORT_K:
         return SkinnyTiles(128, 256, 8, 3)
     if n < WIDE_N and k >= SPLIT_K_MIN_K:
