@@ -420,7 +420,8 @@ DEEP_PIPELINE_TILES = DecodeTiles(num_stages=3, early_v=True)
 # token's heads lie side by side in the cache (a 128-wide E4M3 head is a 128-byte piece of Qwen3-MoE's 512-byte
 # row), so programs launched together then read whole rows at about the same time instead of one piece of rows far
 # apart. And unsplit launches past the deep pipeline's range over an fp8 cache take three stages: a tile there is
-# half a bf16 tile's bytes, so two tiles in flight a program read faster than one (4 programs an SM instead of 5).
+# half a bf16 tile's bytes, so two tiles in flight a program read faster than one (and cost no occupancy: the
+# device's two-stage build already holds 4 programs an SM at 110 registers, ncu_gqa_large_h100_s36.json).
 # One layer's call on an H100 (benchmarks/fp8_attention_kernels.py, gqa_heads_first_kernels_h100_s36.json; us,
 # rows-first default -> rows-first 3 stages -> heads-first 3 stages): Qwen3-MoE over E4M3 at 1k, batch 256
 # 110.7 -> 109.2 -> 104.9, batch 128 59.0 -> 57.8 -> 56.2; Llama-3-8B batch 256 211.5 -> 205.1 -> 202.2. Over bf16

@@ -17,16 +17,27 @@ def benchmarks_on_path(monkeypatch):
 
 def test_attention_tile_specs(benchmarks_on_path):
     from fp8_attention_kernels import parse_tiles
-    def spec(n, w, st, early_v=False, maxnreg=None, num_splits=None):
-        return {"block_n": n, "num_warps": w, "num_stages": st, "early_v": early_v, "maxnreg": maxnreg,
-                "num_splits": num_splits}
+    def spec(n, w, st, early_v=False, heads_first=False, maxnreg=None, num_splits=None):
+        return {"block_n": n, "num_warps": w, "num_stages": st, "early_v": early_v, "heads_first": heads_first,
+                "maxnreg": maxnreg, "num_splits": num_splits}
     assert parse_tiles("32x4x3") == spec(32, 4, 3)
     assert parse_tiles("64x4x2e") == spec(64, 4, 2, early_v=True)         # GQA: values loaded with the keys
+    assert parse_tiles("64x4x3eh") == spec(64, 4, 3, early_v=True, heads_first=True)    # GQA: heads side by side
+    assert parse_tiles("64x4x3h") == spec(64, 4, 3, heads_first=True)
     assert parse_tiles("32x4x2r168") == spec(32, 4, 2, maxnreg=168)       # MLA: a register cap
     assert parse_tiles("16x4x3R128") == spec(16, 4, 3, maxnreg=128)
     assert parse_tiles("32x4x3s2r128") == spec(32, 4, 3, maxnreg=128, num_splits=2)
     with pytest.raises(ValueError, match="expected KEYSxWARPSxSTAGES"):
         parse_tiles("32x4")
+    with pytest.raises(ValueError, match="expected KEYSxWARPSxSTAGES"):
+        parse_tiles("64x4x3he")        # the suffixes' order is fixed
+
+
+def test_in_step_tiles_parse_into_decode_tiles(benchmarks_on_path):
+    from decode_attention_in_step import forced_tiles
+    from deepserve.kernels.paged_attention import DecodeTiles
+    assert forced_tiles("64x4x3eh") == DecodeTiles(64, 4, 3, early_v=True, heads_first=True)
+    assert forced_tiles("32x4x2") == DecodeTiles(32, 4, 2)
 
 
 def test_unmasked_k_ab_flips_the_switch_and_restores_it(benchmarks_on_path, monkeypatch):
