@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu_pending.sh gqa-order   # ~3 min: the GQA decode kernel with a row's KV heads launched together
 #   bash benchmarks/gpu_pending.sh gqa-launch-ab  # ~3 min: steps, DEEPSERVE_GQA_DECODE_LAUNCH=rows-first,heads-first
 #   bash benchmarks/gpu_pending.sh gqa-in-step # ~2 min: the launch orders with a cache a layer, between GEMMs
+#   bash benchmarks/gpu_pending.sh moe-ncu     # ~2 min: Nsight Compute of the fused MoE's GEMMs at 256 tokens
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
@@ -61,13 +62,13 @@ for setting, cases in d["by_setting"].items():
 PY
 }
 
-ncu_attention() {   # KERNEL ARG CSV: Nsight Compute's view of ncu_decode_attention.py ARG's launches of KERNEL
+ncu_kernels() {   # KERNELS CSV COMMAND...: Nsight Compute's view of COMMAND's launches of KERNELS (a regex)
     command -v ncu > /dev/null || { echo "no ncu on this machine"; return; }
     timeout 200 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis --section LaunchStats -k "regex:^$1\$" --csv --page details \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-        python3 benchmarks/ncu_decode_attention.py "$2" > "$3" 2> /tmp/ncu_attention.err
-    python3 - "$3" <<'PY'
+        "${@:3}" > "$2" 2> /tmp/ncu_kernels.err
+    python3 - "$2" <<'PY'
 import csv, sys
 lines = open(sys.argv[1]).read().splitlines()
 rows = csv.DictReader(lines[next(i for i, l in enumerate(lines) if l.startswith('"ID"')):])
@@ -78,9 +79,10 @@ keys = ("Duration", "DRAM Throughput", "Registers Per Thread", "Achieved Occupan
 for r in rows:       # the stall reasons: warps stalled for each, per issued instruction (the larger ones)
     stall = "issue_stalled" in r["Metric Name"]
     if r["Metric Name"] in keys or (stall and float(r["Metric Value"].replace(",", "") or 0) >= 0.2):
-        print(r["ID"], r["Grid Size"], r["Metric Name"], r["Metric Value"], r["Metric Unit"])
+        print(r["ID"], r.get("Kernel Name", "")[:16], r["Grid Size"], r["Metric Name"], r["Metric Value"],
+              r["Metric Unit"])
 PY
-    tail -3 /tmp/ncu_attention.err
+    tail -3 /tmp/ncu_kernels.err
 }
 
 case "$STAGE" in
@@ -122,7 +124,8 @@ mla-splits)
         --cases "v2-lite b128,v2-lite b256" --output "$OUT/mla_splits_kernels.json" \
         --tiles "${MLA_SPLIT_TILES:-32x4x3s1,32x4x3s2,32x4x4,32x8x3}" \
         > /tmp/mla_splits.log 2>&1
-    ncu_attention _mla_decode_kernel --mla-large "$OUT/ncu_mla_b256.csv"   # bf16 then E4M3, two calls each
+    # bf16 then E4M3, two calls each
+    ncu_kernels _mla_decode_kernel "$OUT/ncu_mla_b256.csv" python3 benchmarks/ncu_decode_attention.py --mla-large
     summarise_kernels "$OUT/mla_splits_kernels.json"
     elapsed "mla-splits"
     ;;
@@ -161,7 +164,8 @@ gqa-ncu)
     # The paged GQA decode kernel where it reads below the copy bandwidth (H100, session 35): Qwen3-MoE batch 256
     # over E4M3 at 2.41 TB/s (bf16 2.81; qwen3_attention_tiles_h100_s35.json), Llama-3.2-1B batch 64 over bf16 at
     # 2.46 (dense1b_attention_tiles_h100_s35.json). Nsight Compute's view of each, two calls each.
-    ncu_attention _decode_kernel --gqa-large "$OUT/ncu_gqa_large.csv"; elapsed "gqa-ncu"
+    ncu_kernels _decode_kernel "$OUT/ncu_gqa_large.csv" python3 benchmarks/ncu_decode_attention.py --gqa-large
+    elapsed "gqa-ncu"
     ;;
 gqa-order)
     # A row's KV heads launched side by side (DecodeTiles.heads_first): their programs read neighbouring pieces of
@@ -208,6 +212,14 @@ for path in sys.argv[1:]:
         print(r["shape"], r["batch"], r["layout"], {k: v[0] if isinstance(v, list) else v for k, v in r["us"].items()})
 PY
     elapsed "gqa-in-step"
+    ;;
+moe-ncu)
+    # Qwen3-MoE batch 256's MoE GEMMs read their experts at 96% (gate/up) and 89% (down) of the copy bandwidth in
+    # the step (H100, qwen3_b256_pdl_off_heads-first_h100_s36.json), and no down tiling moved the down GEMM
+    # (tune_moe_down_h100_s35.json): Nsight Compute's view of both at 256 tokens, stall reasons included.
+    ncu_kernels "(_gate_up_kernel|_down_kernel)" "$OUT/ncu_moe_b256.csv" python3 benchmarks/ncu_fused_moe.py \
+        --shapes qwen3-moe,deepseek-v2-lite --tokens 256
+    elapsed "moe-ncu"
     ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by
