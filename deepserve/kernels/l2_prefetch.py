@@ -9,7 +9,7 @@ the chain ask L2 for that weight with `cp.async.bulk.prefetch.L2` (Hopper's bulk
 PIECE bytes, no registers, no wait), so the bytes move while the attention runs and o_proj reads them from L2.
 
 Where (`DEEPSERVE_L2_PREFETCH`, a site and a policy):
-  rotary   the GQA rotary + KV-write kernel (paged_attention.rotary_write_kv): its programs start under PDL while
+  rotary   the GQA rotary + KV-write kernel (kv_write.rotary_write_kv): its programs start under PDL while
            the qkv projection drains, some 12-15 us before o_proj; steps of 2-64 rows (batch 1 fuses that kernel
            into its qkv GEMV and has none)
   reduce   the split decode's reduce (paged_attention.decode_reduce): its programs start under PDL while the decode

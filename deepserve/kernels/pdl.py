@@ -90,5 +90,10 @@ def pdl_launch_args(tensor: torch.Tensor) -> dict:
     return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(tensor.device) else {"USE_PDL": False}
 
 
-__all__ = ["pdl_enabled", "pdl_launch_args", "pdl_launch_dependents", "pdl_wait", "pdl_wait_after_inputs",
+# DEEPSERVE_EARLY_INPUTS=0: decode, reduce and rotary-write programs load the step's inputs after the PDL wait
+# (an A/B switch, see benchmarks/ab_env.py; the launchers' inputs_ready arguments say where early loads are allowed
+# at all, and pass `inputs_ready and EARLY_INPUTS` as INPUTS_READY).
+EARLY_INPUTS = envs.DEEPSERVE_EARLY_INPUTS
+
+__all__ = ["EARLY_INPUTS", "pdl_enabled", "pdl_launch_args", "pdl_launch_dependents", "pdl_wait", "pdl_wait_after_inputs",
            "pdl_wait_for_inputs"]

@@ -129,7 +129,7 @@ def qkv_rotary_write(x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.
 def qkv_rotary_write_ref(x, w_qkv, bias, kv_cache, slot_mapping, positions, cos_cache, sin_cache, num_heads,
                          num_kv_heads, norm=None):
     """The two-step path: (the reference RMSNorm,) F.linear, then rotary_write_kv's PyTorch twin."""
-    from deepserve.kernels.paged_attention import rotary_write_kv_ref
+    from deepserve.kernels.kv_write import rotary_write_kv_ref
     d = kv_cache.shape[-1]
     qkv = torch.nn.functional.linear(x if norm is None else norm_ref(x, norm), w_qkv, bias)
     q = qkv[:, :num_heads * d].view(1, num_heads, d)

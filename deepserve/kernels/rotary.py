@@ -13,7 +13,7 @@ Two variants for DeepSeek's MLA (deepserve/layers/mla.py):
 
 The rotation (`cos_sin_row` + `rotate_heads`, with `rotary_constexprs` for its settings; `rotate_normed_heads` with
 Qwen3's per-head RMSNorm first) is shared with the kernels that rotate and write the cache in one launch:
-`rotary_write_kv` (deepserve/kernels/paged_attention.py) and `rotary_write_latents` (deepserve/kernels/mla_decode.py).
+`rotary_write_kv` (deepserve/kernels/kv_write.py) and `rotary_write_latents` (deepserve/kernels/mla_decode.py).
 """
 
 import torch

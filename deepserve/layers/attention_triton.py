@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from deepserve.kernels.paged_attention import decode_attention, rotary_write_kv, write_kv
+from deepserve.kernels.kv_write import rotary_write_kv, write_kv
+from deepserve.kernels.paged_attention import decode_attention
 from deepserve.kernels.paged_prefill import PREFILL_BLOCK_M, prefill_attention, prefill_tiles
 
 

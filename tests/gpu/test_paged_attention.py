@@ -13,8 +13,8 @@ from deepserve.layers.attention_triton import TritonPagedAttention
 from deepserve.kernels.paged_attention import (DECODE_BLOCK_N, DEEP_PIPELINE_TILES, HEADS_FIRST, active_splits_ref,
                                                decode_attention, DecodeTiles, decode_attention_ref,
                                                decode_num_splits, decode_reduce, decode_tiles, num_sms,
-                                               decode_reduce_ref, rotary_write_kv, rotary_write_kv_ref, write_kv,
-                                               write_kv_ref)
+                                               decode_reduce_ref)
+from deepserve.kernels.kv_write import rotary_write_kv, rotary_write_kv_ref, write_kv, write_kv_ref
 from deepserve.kernels import l2_prefetch
 from deepserve.kernels.l2_prefetch import (L2_PREFETCH_MAX_ROWS, L2_PREFETCH_PIECE, L2_PREFETCH_PIECES,
                                           l2_prefetch_plan)

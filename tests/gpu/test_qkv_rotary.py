@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepserve.kernels.qkv_rotary import qkv_rotary_write
-from deepserve.kernels.paged_attention import rotary_write_kv_ref
+from deepserve.kernels.kv_write import rotary_write_kv_ref
 from deepserve.layers.rotary import RotaryEmbedding
 
 from kernel_testing import DTYPES, assert_within_ulps, skip_bf16_in_interpreter

@@ -16,7 +16,7 @@ INDEX = {"pos_ptr": "*i64", "slot_ptr": "*i64"}
 
 def writers(cache: str) -> dict:
     from deepserve.kernels.mla_decode import _rotary_write_latent_kernel, _write_latent_kernel
-    from deepserve.kernels.paged_attention import _rotary_write_kv_kernel, _write_kv_kernel
+    from deepserve.kernels.kv_write import _rotary_write_kv_kernel, _write_kv_kernel
     from deepserve.kernels.qkv_rotary import _qkv_rotary_write_kernel
     c = {"cache_ptr": f"*{cache}"}
     return {

@@ -39,7 +39,8 @@ def test_prefetching_kernels_compile_for_hopper(policy, monkeypatch):
     evict-last) go through ptxas for sm_90, and their PTX holds the bulk prefetch (with the L2 policy) exactly
     where a policy asks for it."""
     pytest.importorskip("triton")
-    from deepserve.kernels.paged_attention import _decode_reduce_kernel, _rotary_write_kv_kernel
+    from deepserve.kernels.kv_write import _rotary_write_kv_kernel
+    from deepserve.kernels.paged_attention import _decode_reduce_kernel
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     rotary = compile_for_sm90(
         _rotary_write_kv_kernel, {"pos_ptr": "*i64", "slot_ptr": "*i64"},
