@@ -2,7 +2,7 @@
 and the write of k and v into the paged cache (Llama/Qwen-style layers with a fused `qkv_proj`).
 
 Unfused, a layer runs the qkv GEMV (one activation row, deepserve/kernels/gemv.py) and then `rotary_write_kv`
-(deepserve/kernels/paged_attention.py): two launches, the second a 2-3 us latency-bound kernel on 16 KB of data,
+(deepserve/kernels/kv_write.py): two launches, the second a 2-3 us latency-bound kernel on 16 KB of data,
 16 times per Llama-3.2-1B step. Here each GEMV program computes the two columns a NeoX rotation pairs, j and
 j + D/2 of one head, so it can rotate them itself: a query head's pair goes to q_out, a key head's pair into the
 cache slot, rotated, and a value head's pair into the cache as is.

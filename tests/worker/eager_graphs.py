@@ -44,7 +44,8 @@ def install_eager_replay_graphs(llm, buckets: list[int], sizes: tuple[int, ...] 
 def install_twin_triton_attention(llm):
     """Every attention layer's backend becomes TritonPagedAttention running the kernels' PyTorch twins (CPU): the GPU
     backend's metadata and dispatch (decode rows, prefill tiles, the mixed-step graph metadata) on the CPU."""
-    from deepserve.kernels import paged_attention as kernels
+    from deepserve.kernels.kv_write import rotary_write_kv_ref, write_kv_ref
+    from deepserve.kernels.paged_attention import decode_attention_ref
     from deepserve.kernels.paged_prefill import prefill_attention_ref
     from deepserve.layers.attention_triton import TritonPagedAttention, decode_inputs
 
@@ -54,15 +55,15 @@ def install_twin_triton_attention(llm):
             if qk_norm is not None:      # (Qwen3) the norms the GPU kernel applies before rotating
                 q, k = qk_norm[0](q), qk_norm[1](k)
             if rotary is not None:
-                q = kernels.rotary_write_kv_ref(kv_cache, q, k, v, batch.slot_mapping, batch.positions,
-                                                rotary.cos_cache, rotary.sin_cache)
+                q = rotary_write_kv_ref(kv_cache, q, k, v, batch.slot_mapping, batch.positions,
+                                        rotary.cos_cache, rotary.sin_cache)
             else:
                 keep = batch.slot_mapping >= 0
-                kernels.write_kv_ref(kv_cache, k[keep], v[keep], batch.slot_mapping[keep])
+                write_kv_ref(kv_cache, k[keep], v[keep], batch.slot_mapping[keep])
             out = q.new_zeros(q.shape)
             if meta.num_decodes:      # the int32 copies where the GPU backend reads them (decode_inputs)
                 tables, lens, rows, seqs = decode_inputs(meta, batch)
-                kernels.decode_attention_ref(q, kv_cache, tables, lens, scale, out=out, q_rows=rows, seq_ids=seqs)
+                decode_attention_ref(q, kv_cache, tables, lens, scale, out=out, q_rows=rows, seq_ids=seqs)
             if meta.num_prefill_tiles:
                 prefill_attention_ref(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                                       scale, meta.tile_seq, meta.tile_m0, out=out)
