@@ -22,15 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from deepserve.kernels.fused_moe import fused_moe  # noqa: E402
 from tune_fused_moe import SHAPES  # noqa: E402
+from tune_moe_pair import moe_inputs  # noqa: E402
 
 
-def run(shape: dict, tokens: int, reps: int, device: str = "cuda") -> None:
-    e, k, h, i = shape["experts"], shape["top_k"], shape["hidden"], shape["inter"]
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16, generator=gen)
-    w13 = torch.randn(e, 2 * i, h, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
-    w2 = torch.randn(e, h, i, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
-    weights, ids = torch.randn(tokens, e, device=device, generator=gen).softmax(-1).topk(k, dim=-1)
+def run(shape: dict, tokens: int, reps: int) -> None:
+    x, w13, w2, weights, ids = moe_inputs(shape, tokens)
     for _ in range(reps):
         fused_moe(x, w13, w2, weights, ids)
     torch.cuda.synchronize()

@@ -36,15 +36,22 @@ def run(name: str, s: dict, tokens: int) -> dict:
                         [(str(c), c) for c in CANDIDATES])
 
 
-def time_configs(name: str, s: dict, tokens: int, configs: list) -> dict:
-    """fused_moe at `tokens` random tokens for each (label, config) of `configs` (None: the engine's pick)."""
-    dev = "cuda"
+def moe_inputs(s: dict, tokens: int, dev: str = "cuda") -> tuple[torch.Tensor, ...]:
+    """(x, w13, w2, router weights, expert ids): random bf16 tokens and expert weights of shape `s`, a random
+    top-k routing (seeded: the same every call)."""
     e, k, h, i = s["experts"], s["top_k"], s["hidden"], s["inter"]
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(tokens, h, device=dev, dtype=torch.bfloat16, generator=gen)
     w13 = torch.randn(e, 2 * i, h, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
     w2 = torch.randn(e, h, i, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
     weights, ids = torch.randn(tokens, e, device=dev, generator=gen).softmax(-1).topk(k, dim=-1)
+    return x, w13, w2, weights, ids
+
+
+def time_configs(name: str, s: dict, tokens: int, configs: list) -> dict:
+    """fused_moe at `tokens` random tokens for each (label, config) of `configs` (None: the engine's pick)."""
+    h, i = s["hidden"], s["inter"]
+    x, w13, w2, weights, ids = moe_inputs(s, tokens)
     bytes_read = ids.unique().numel() * 3 * h * i * 2
     res = {"tokens": tokens, "weight_MB": round(bytes_read / 1e6, 1), "configs": {}}
     for label, cfg in configs:

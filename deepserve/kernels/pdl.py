@@ -95,5 +95,5 @@ def pdl_launch_args(tensor: torch.Tensor) -> dict:
 # at all, and pass `inputs_ready and EARLY_INPUTS` as INPUTS_READY).
 EARLY_INPUTS = envs.DEEPSERVE_EARLY_INPUTS
 
-__all__ = ["EARLY_INPUTS", "pdl_enabled", "pdl_launch_args", "pdl_launch_dependents", "pdl_wait", "pdl_wait_after_inputs",
-           "pdl_wait_for_inputs"]
+__all__ = ["EARLY_INPUTS", "pdl_enabled", "pdl_launch_args", "pdl_launch_dependents", "pdl_wait",
+           "pdl_wait_after_inputs", "pdl_wait_for_inputs"]
