@@ -18,8 +18,6 @@
 #   bash benchmarks/gpu_pending.sh gqa-launch-ab  # ~3 min: steps, DEEPSERVE_GQA_DECODE_LAUNCH=rows-first,heads-first
 #   bash benchmarks/gpu_pending.sh gqa-in-step # ~2 min: the launch orders with a cache a layer, between GEMMs
 #   bash benchmarks/gpu_pending.sh moe-ncu     # ~2 min: Nsight Compute of the fused MoE's GEMMs at 256 tokens
-#   bash benchmarks/gpu_pending.sh persistent  # ~4 min: the persistent down GEMM: its tests, tiles, Nsight Compute
-#   bash benchmarks/gpu_pending.sh persistent-ab  # ~6 min: MoE decode steps, DEEPSERVE_MOE_PERSISTENT_DOWN=0,1
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
@@ -218,27 +216,12 @@ PY
 moe-ncu)
     # Qwen3-MoE batch 256's MoE GEMMs read their experts at 96% (gate/up) and 89% (down) of the copy bandwidth in
     # the step (H100, qwen3_b256_pdl_off_heads-first_h100_s36.json), and no down tiling moved the down GEMM
-    # (tune_moe_down_h100_s35.json): Nsight Compute's view of both at 256 tokens, stall reasons included.
+    # (tune_moe_down_h100_s35.json): Nsight Compute's view of both at 256 tokens, stall reasons included. (Session 37,
+    # ncu_moe_b256_h100_s37.json: down at 86% of DRAM peak, gate/up at 90%. A persistent down GEMM, one wave over a
+    # flat K loop, lost by 2-4%: moe_persistent_down_h100_s37.json, code at commit 4785c04.)
     ncu_kernels "(_gate_up_kernel|_down_kernel)" "$OUT/ncu_moe_b256.csv" python3 benchmarks/ncu_fused_moe.py \
         --shapes qwen3-moe,deepseek-v2-lite --tokens 256
     elapsed "moe-ncu"
-    ;;
-persistent)
-    # The down GEMM as one wave of programs over a flat K loop (kernels/moe_persistent.py): the moe-ncu stage found
-    # the grid kernel at 86% of DRAM peak at 256 tokens where the gate/up GEMM reached 90% (H100, session 37).
-    timeout 120 python3 -m pytest -q tests/gpu/test_fused_moe.py -k persistent -p no:cacheprovider 2>&1 | tail -3
-    timeout 300 python3 benchmarks/tune_moe_decode.py --persistent --shapes qwen3-moe,deepseek-v2-lite \
-        --tokens ${PERSISTENT_TOKENS:-128,256} --output "$OUT/moe_persistent_kernels.json" > /tmp/persistent.log 2>&1
-    grep -v "^\s*$" /tmp/persistent.log | tail -40; elapsed "persistent tiles"
-    DEEPSERVE_MOE_PERSISTENT_DOWN=1 ncu_kernels "(_gate_up_kernel|_down_persistent_kernel)" "$OUT/ncu_moe_persistent.csv" \
-        python3 benchmarks/ncu_fused_moe.py --shapes qwen3-moe --tokens 256
-    elapsed "persistent ncu"
-    ;;
-persistent-ab)
-    timeout 570 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_PERSISTENT_DOWN=0,1 --passes "${PASSES:-2}" \
-        --timeout 140 --output "$OUT/moe_persistent_down_ab.json" -- --shapes qwen3-moe \
-        --batches ${MOE_BATCHES:-64,128,256} --kv-cache-dtype fp8 --profile-batch 0 > /tmp/persistent_ab.log 2>&1
-    tail -3 /tmp/persistent_ab.log; summarise_steps "$OUT/moe_persistent_down_ab.json"; elapsed "persistent-ab"
     ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by

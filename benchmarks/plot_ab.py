@@ -38,6 +38,7 @@
   tune_moe_decode_b8_h200.json  the aligned fused MoE's tiles at 8 / 16 tokens: the engine's pick against the best
   fused_norm_rows_ab_h200.json  steps with the norms in the skinny GEMM at 2-32 rows (dropped) against main
   ablate_rotary_ab_h200.json    steps with the rotary + KV-write launch skipped (a diagnostic) against the engine
+  moe_persistent_down_h100_s37.json  the fused MoE with the grid down GEMM against a persistent one (dropped)
   tune_moe_down_h100_s35.json   Qwen3-MoE's fused MoE at 128 / 256 tokens, down tiles varied: engine pick, best
   tune_skinny_64rows_h100_s35.json  the skinny GEMM at 64 rows of Llama-3.2-1B's weights: cuBLAS, engine, best
   decode_kv_prefetch_ab_h200.json  steps with the decode's KV tiles prefetched to L2 before the PDL wait (dropped)
@@ -303,6 +304,23 @@ def kernel_sequences(path: Path) -> plt.Figure:
     return fig
 
 
+def persistent_down(path: Path) -> plt.Figure:
+    """moe_persistent_down_h100_s37.json: per version, shape and tokens, the grid down GEMM against the best tile of
+    the persistent one (each version was timed on its own machine)."""
+    groups: dict[str, dict[str, float]] = {}
+    for tag, run in json.loads(path.read_text())["runs"].items():
+        for shape, rows in run["results"].items():
+            for r in rows:
+                timed = {k: v["us"] for k, v in r["configs"].items() if isinstance(v, dict)}
+                g = groups.setdefault(f"{tag[:2]} {shape} {r['tokens']}", {})
+                g["grid down GEMM"] = next(v for k, v in timed.items() if k.startswith("grid"))
+                g["best persistent tile"] = min(v for k, v in timed.items() if k.startswith("persistent"))
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    grouped_bars(ax, groups, "us per fused_moe call", "fused MoE, grid vs persistent down GEMM (H100)")
+    ax.tick_params(axis="x", labelrotation=45)
+    return fig
+
+
 def main() -> None:
     figures = {
         "moe_align_ab_h200": lambda p: per_tokens(p, {"before_us": "before", "after_us": "one-program tile sized "
@@ -392,6 +410,7 @@ def main() -> None:
         "inflight_patch_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): the in-flight token patch "
                                                               "as one device copy vs the index path"),
         "step_outside_graph_h200": lambda p: outside_graph(p),
+        "moe_persistent_down_h100_s37": persistent_down,
         "qk_norm_fusion_h200": lambda p: qk_norm_fusion(p),
         "skinny_pdl_ab_h200": lambda p: mode_ab(p, "skinny GEMM launch modes (H200)"),
         "moe_fused_combine_ab_h200": lambda p: mode_ab(p, "MoE pair mode: down + combine fused or apart (H200)"),

@@ -12,9 +12,6 @@ Run (GPU machine):  python benchmarks/tune_moe_decode.py --output tune_moe_decod
     (DEEPSERVE_MOE_UNMASKED_K, switched in this process), at 8 / 64 / 128 / 256 tokens; without the mask, also the
     down tiles of --down from 128 tokens (their best was found with the mask):
     python benchmarks/tune_moe_decode.py --unmasked-k --shapes qwen3-moe,deepseek-v2-lite --output moe_unmasked_k.json
-  --persistent: the engine's pick with its grid down GEMM and with the persistent one (kernels/moe_persistent.py)
-    over PERSISTENT_TILES, at 64 / 128 / 256 tokens:
-    python benchmarks/tune_moe_decode.py --persistent --shapes qwen3-moe,deepseek-v2-lite --output moe_persistent.json
 """
 
 from __future__ import annotations
@@ -55,25 +52,6 @@ def down_candidates(pick: MoEConfig) -> list:
                                                       num_stages_down=st) for n, k, w, st in DOWN_TILES)]
 
 
-# --persistent: (block_n_down, block_k_down, warps, stages, programs an SM). Shared memory a program (sm_90 build,
-# Triton 3.9: stages - 1 buffers of BLOCK_M x BLOCK_K + BLOCK_K x BLOCK_N): 128x128x3 84 KB, x4 125 KB, x5 166 KB;
-# 64x128x4 76 KB; 64x256x3 96 KB; 128x64x5 82 KB.
-PERSISTENT_TILES = [(128, 128, 4, 3, 2), (128, 128, 8, 3, 2), (64, 256, 4, 3, 2), (64, 128, 4, 4, 3),
-                    (128, 128, 4, 5, 1)]
-
-
-def run_persistent(name: str, s: dict, tokens: int) -> dict:
-    pick = pick_config(tokens * s["top_k"], s["experts"], s["inter"], s["hidden"], torch.device("cuda"))
-    grid = dataclasses.replace(pick, persistent_down=False)
-    configs = [("grid down (session 36)", grid)] + [
-        (f"persistent n{n} k{k} w{w} s{st} x{p}", dataclasses.replace(
-            grid, persistent_down=True, block_n_down=n, block_k_down=k, num_warps_down=w, num_stages_down=st,
-            down_programs_per_sm=p)) for n, k, w, st, p in PERSISTENT_TILES]
-    res = time_configs(name, s, tokens, configs)
-    res["engine_pick"] = str(pick)
-    return res
-
-
 def run_unmasked_k(name: str, s: dict, tokens: int) -> dict:
     """The engine's pick with the K mask and without it (the module's switch flipped between the two: Triton
     compiles each variant once), and without it the down tiles too from 128 tokens."""
@@ -104,9 +82,6 @@ if __name__ == "__main__":
     if "--down" in sys.argv:
         sys.argv.remove("--down")
         sweep(run_down, "64,128,256", "tune_moe_down.json", mode="--down")
-    elif "--persistent" in sys.argv:
-        sys.argv.remove("--persistent")
-        sweep(run_persistent, "64,128,256", "moe_persistent.json", mode="--persistent")
     elif "--unmasked-k" in sys.argv:
         sys.argv.remove("--unmasked-k")
         sweep(run_unmasked_k, "8,64,128,256", "moe_unmasked_k.json", mode="--unmasked-k")

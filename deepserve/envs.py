@@ -149,10 +149,6 @@ _DECLARED = [
            "so Triton stages them through cp.async (kernels/fused_moe.py; fewer registers, "
            "kernel_resources.json); an A/B switch, no step faster with it on an H100 (moe_unmasked_k_ab_h100_s32.json; "
            "read at import)"),
-    EnvVar("DEEPSERVE_MOE_PERSISTENT_DOWN", "bool", False,
-           "GPU MoE grouped down GEMM at decode batches without shared experts: one wave of programs, each walking "
-           "its share of (block, N tile) items in one flat K loop (kernels/moe_persistent.py); an A/B switch "
-           "(read at import)"),
     EnvVar("DEEPSERVE_MOE_FUSED_SHARED", "bool", True,
            "GPU MoE layers in the aligned (grouped GEMM) mode, up to 64 tokens, run the shared experts as extra blocks "
            "of the routed experts' GEMMs; 0: their own launches, before the routed experts"),

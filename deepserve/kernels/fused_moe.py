@@ -46,7 +46,6 @@ from deepserve import envs
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_rows, prefetch_rows_to_l2, swiglu, swiglu_rows
 from deepserve.kernels.moe_align import align_max_rows, aligned_launch_args, moe_align
-from deepserve.kernels.moe_persistent import persistent_down
 from deepserve.kernels.paged_attention import num_sms
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from deepserve.kernels.reference.moe import PairRows, expert_swiglu, moe_experts
@@ -61,7 +60,6 @@ from deepserve.kernels.reference.moe import PairRows, expert_swiglu, moe_experts
 # no cp.async); without it the loads become cp.async copies into three shared-memory stages (149 / 135 registers,
 # 80 KB: benchmarks/kernel_resources.json). Not yet timed on a GPU, so off: an A/B switch (ab_env_sweep.py).
 UNMASKED_K = envs.DEEPSERVE_MOE_UNMASKED_K
-PERSISTENT_DOWN = envs.DEEPSERVE_MOE_PERSISTENT_DOWN     # pick_config's decode tiles: moe_persistent.py's down GEMM
 
 
 @triton.jit
@@ -306,10 +304,6 @@ class MoEConfig:
     block_k_down: Optional[int] = None
     num_warps_down: Optional[int] = None
     num_stages_down: Optional[int] = None
-    # The down GEMM as one wave of persistent programs, this many an SM (kernels/moe_persistent.py); only without
-    # fused shared experts (their K differs from the routed experts').
-    persistent_down: bool = False
-    down_programs_per_sm: int = 2
 
     def down_tiles(self) -> tuple[int, int, int]:
         """(BLOCK_K, warps, stages) of the down GEMM."""
@@ -331,7 +325,7 @@ def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, devic
     when few blocks are active, so that a decode step still has enough programs to pull weights at full
     bandwidth (it is bound by reading the active experts' weights, not by arithmetic)."""
     per_expert = num_pairs / max(1, min(num_experts, num_pairs))
-    if per_expert > 256:      # prefill: big square tiles (measured best on an H200 at 8k tokens), a grid per GEMM
+    if per_expert > 256:      # prefill: big square tiles (measured best on an H200 at 8k tokens)
         return MoEConfig(128, 128, 128, num_warps=8)
     block_m = 16 if per_expert <= 12 else 32 if per_expert <= 48 else 64
     blocks = cdiv(align_max_rows(num_pairs, num_experts, block_m), block_m)
@@ -341,7 +335,7 @@ def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, devic
     # Few rows per block: long K steps keep more weight bytes in flight per program. At 256 decode tokens (16-24
     # rows per expert) 32-row blocks with 128-wide down tiles and K steps were 3% faster than the next best on an
     # H200 (benchmarks/tune_moe_decode.py, tune_moe_decode.json).
-    return MoEConfig(block_m, n_up, n_down, block_k=128 if block_m <= 32 else 64, persistent_down=PERSISTENT_DOWN)
+    return MoEConfig(block_m, n_up, n_down, block_k=128 if block_m <= 32 else 64)
 
 
 PAIR_MODE_MAX_PAIRS = 32
@@ -480,12 +474,8 @@ def _aligned_experts(x, w13, w2, weights, topk_ids, swiglu_limit, cfg: MoEConfig
         PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k,
         EVEN_K=UNMASKED_K and hidden % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **aligned_launch_args(x))
-    down_k, down_warps, down_stages = cfg.down_tiles()
-    if cfg.persistent_down and shared_out is None:
-        persistent_down(act, w2, pair_out, align, weights, precision, cfg.block_n_down, down_k, down_warps,
-                        down_stages, cfg.down_programs_per_sm)
-        return pair_out, None
     shared_dst = shared_out if shared_out is not None else pair_out
+    down_k, down_warps, down_stages = cfg.down_tiles()
     _down_kernel[(token_blocks + align.num_blocks, cdiv(hidden, cfg.block_n_down))](
         act, w2, pair_out, align.sorted_pairs, align.block_expert, weights, act_s, ws2, shared_dst,
         num_pairs, num_tokens, hidden, inter, shared_inter,

@@ -161,48 +161,6 @@ def test_unmasked_k_loads_match_reference(device, dtype, case, config, monkeypat
     _check(out, fused_moe_ref(x, w13, w2, weights, ids, shared_weights=shared), dtype)
 
 
-# (T, E, top_k, H, I): K a multiple of the K step or not, N tiles partial or not, a program's items over several
-# blocks (8 programs on the CPU with one an SM, 24 with three: from about 1 to about 25 items each).
-PERSISTENT_CASES = [(37, 6, 2, 80, 72), (70, 8, 2, 128, 192), (20, 16, 6, 96, 64), (1, 8, 2, 64, 32)]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=lambda c: "T{}-E{}-k{}-H{}-I{}".format(*c))
-@pytest.mark.parametrize("programs_per_sm", [1, 3])
-def test_persistent_down_matches_reference(device, dtype, case, programs_per_sm, monkeypatch):
-    """kernels/moe_persistent.py: the down GEMM as one wave of programs, each over a contiguous share of the (block,
-    N tile) items in one K loop, against the reference; with fused shared experts it gives way to the grid kernel."""
-    skip_bf16_in_interpreter(dtype)
-    import deepserve.kernels.moe_persistent as persistent_module
-    launches = []
-    kernel = persistent_module._down_persistent_kernel
-
-    class Spy:        # records each launch's grid, so the test knows the persistent kernel ran
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-    monkeypatch.setattr(persistent_module, "_down_persistent_kernel", Spy())
-    config = MoEConfig(16, 32, 32, 32, persistent_down=True, down_programs_per_sm=programs_per_sm)
-    _run(device, dtype, *case, config=config)
-    assert len(launches) == 1
-    t, num_experts, top_k, hidden, inter = case
-    x, w13, w2, weights, ids, _ = _inputs(device, dtype, 20, 8, 2, 64, 48)
-    shared = ((torch.randn(96, 64, device=device) / 8).to(dtype), (torch.randn(64, 48, device=device) / 7).to(dtype))
-    out = fused_moe(x, w13, w2, weights, ids, config=config, shared_weights=shared)
-    assert len(launches) == 1
-    _check(out, fused_moe_ref(x, w13, w2, weights, ids, shared_weights=shared), dtype)
-
-
-def test_persistent_down_is_the_switchs_decode_pick(monkeypatch):
-    """DEEPSERVE_MOE_PERSISTENT_DOWN reaches pick_config's decode tiles, never its prefill tiles."""
-    monkeypatch.setattr(fused_moe_module, "PERSISTENT_DOWN", True)
-    cpu = torch.device("cpu")
-    assert fused_moe_module.pick_config(2048, 128, 768, 2048, cpu).persistent_down
-    assert not fused_moe_module.pick_config(8192 * 8, 128, 768, 2048, cpu).persistent_down
-    monkeypatch.setattr(fused_moe_module, "PERSISTENT_DOWN", False)
-    assert not fused_moe_module.pick_config(2048, 128, 768, 2048, cpu).persistent_down
-
-
 # --- pair mode ------------------------------------------------------------------------------------
 
 # Tiles small enough that the test shapes take several K steps, N tiles and masked tails in both GEMVs.
