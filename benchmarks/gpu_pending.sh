@@ -235,6 +235,8 @@ values-t)
         --tiles "${VALUES_T_TILES:-64x4x3h,64x4x3ht,64x4x2ht,64x4x4ht,64x4x3eht}" \
         --output "$OUT/values_t_kernels.json" > /tmp/values_t.log 2>&1
     tail -3 /tmp/values_t.log | cut -c1-300; summarise_kernels "$OUT/values_t_kernels.json"; elapsed "values-t"
+    ncu_kernels "_decode_kernel" "$OUT/ncu_values_t.csv" python3 benchmarks/ncu_decode_attention.py --values-t
+    elapsed "values-t ncu"
     ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by
