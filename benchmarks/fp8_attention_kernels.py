@@ -15,8 +15,7 @@ Run (GPU machine):  python benchmarks/fp8_attention_kernels.py --output fp8_atte
                     [--settings "DEEPSERVE_FP8_WIDEN=values;DEEPSERVE_FP8_PRODUCTS=f16"] [--tiles 64x4x2,128x4x2]
                     [--cases mla]   (the cases whose name or kind holds one of these words; default: all)
   (--settings: ";" between settings, "+" between the variables of one; a bare value is a DEEPSERVE_FP8_WIDEN one;
-   --tiles: keys per tile x warps x stages, an "e" suffix loads a tile's values with its keys (GQA only), "t"
-   reads the values from a copy of the cache with each block's values stored transposed (GQA only), "sN"
+   --tiles: keys per tile x warps x stages, an "e" suffix loads a tile's values with its keys (GQA only), "sN"
    forces N context splits, an "rN" suffix caps the registers a thread at N (MLA only: DEEPSERVE_MLA_DECODE_TILES'
    form, e.g. 32x4x2r168; with a split count 32x4x3s2r128))
 Plot (anywhere):    python benchmarks/fp8_attention_kernels.py --plot fp8_attention_kernels_h200.json
@@ -94,12 +93,12 @@ def time_call(fn, reps: int = 20) -> tuple[float, str]:
 def parse_tiles(spec: str) -> dict:
     """'KEYSxWARPSxSTAGES' + optional suffixes in this order: 'e' (GQA: values loaded with keys), 'h' (GQA: a row's
     KV heads launched side by side), 'sN' (N context splits), 'rN' (MLA: a register cap) -> the launch's keywords."""
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(e?)(h?)(t?)(?:s(\d+))?(?:r(\d+))?", spec.lower())
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(e?)(h?)(?:s(\d+))?(?:r(\d+))?", spec.lower())
     if not match:
-        raise ValueError(f"tiles {spec!r}: expected KEYSxWARPSxSTAGES[e][h][t][sSPLITS][rREGISTERS], e.g. 32x4x3s2r128")
-    n, w, st, early, heads_first, values_t, splits, cap = match.groups()
+        raise ValueError(f"tiles {spec!r}: expected KEYSxWARPSxSTAGES[e][h][sSPLITS][rREGISTERS], e.g. 32x4x3s2r128")
+    n, w, st, early, heads_first, splits, cap = match.groups()
     return {"block_n": int(n), "num_warps": int(w), "num_stages": int(st), "early_v": bool(early),
-            "heads_first": bool(heads_first), "values_t": bool(values_t),
+            "heads_first": bool(heads_first),
             "maxnreg": int(cap) if cap else None, "num_splits": int(splits) if splits else None}
 
 
@@ -123,23 +122,15 @@ def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
             raise ValueError(f"tiles {tiles!r}: a register cap is for the MLA kernel only")
         forced = DecodeTiles(block_n=launch["block_n"], num_warps=launch["num_warps"],
                              num_stages=launch["num_stages"], early_v=launch["early_v"],
-                             heads_first=launch["heads_first"], values_t=launch["values_t"]) if tiles else None
-        used = cache
-        if forced is not None and forced.values_t:     # the same values, each block's stored [KV heads, dim, slots]
-            used = cache.clone()
-            used[1] = cache[1].permute(0, 2, 3, 1).contiguous().view(cache[1].shape)
+                             heads_first=launch["heads_first"]) if tiles else None
 
         def call():
-            return decode_attention(q, used, tables, seq_lens, dim ** -0.5, max_seq_len=context, tiles=forced,
-                                    num_splits=launch.get("num_splits"))
-        if forced is not None and forced.values_t:     # the same output as the launcher's own layout, near enough
-            same = decode_attention(q, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context)
-            diff = (call().float() - same.float()).abs().max().item()
-            assert diff < 2e-2, f"values-transposed output differs by {diff}"
+            decode_attention(q, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, tiles=forced,
+                             num_splits=launch.get("num_splits"))
     else:
         q_lat, q_pe = q[..., :512], q[..., 512:]
-        if launch.pop("early_v", False) or launch.pop("heads_first", False) or launch.pop("values_t", False):
-            raise ValueError(f"tiles {tiles!r}: 'e', 'h' and 't' (values transposed) are the GQA kernel's")
+        if launch.pop("early_v", False) or launch.pop("heads_first", False):
+            raise ValueError(f"tiles {tiles!r}: 'e' (values with keys) and 'h' (heads first) are the GQA kernel's")
 
         def call():
             mla_decode(q_lat, q_pe, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, **launch)

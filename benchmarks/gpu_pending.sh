@@ -18,7 +18,6 @@
 #   bash benchmarks/gpu_pending.sh gqa-launch-ab  # ~3 min: steps, DEEPSERVE_GQA_DECODE_LAUNCH=rows-first,heads-first
 #   bash benchmarks/gpu_pending.sh gqa-in-step # ~2 min: the launch orders with a cache a layer, between GEMMs
 #   bash benchmarks/gpu_pending.sh moe-ncu     # ~2 min: Nsight Compute of the fused MoE's GEMMs at 256 tokens
-#   bash benchmarks/gpu_pending.sh values-t    # ~3 min: the GQA decode kernel over caches with values stored transposed
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
@@ -223,20 +222,6 @@ moe-ncu)
     ncu_kernels "(_gate_up_kernel|_down_kernel)" "$OUT/ncu_moe_b256.csv" python3 benchmarks/ncu_fused_moe.py \
         --shapes qwen3-moe,deepseek-v2-lite --tokens 256
     elapsed "moe-ncu"
-    ;;
-values-t)
-    # An E4M3 cache's value tiles take a round trip through registers and shared memory (ldmatrix transposes only
-    # 16-bit elements; ncu_gqa_large_h100_s36.json: 68% of DRAM peak against bf16's 83%). Stored transposed in each
-    # block ([KV heads, head_dim, slots]) they load like keys: the kernel's VALUES_T ('t' in the tiles), timed here
-    # on a transposed copy of the cache, its output checked against the launcher's own.
-    timeout 100 python3 -m pytest -q tests/gpu/test_paged_attention.py -k transposed -p no:cacheprovider 2>&1 | tail -2
-    timeout 300 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes "${VALUES_T_DTYPES:-float8_e4m3fn}" \
-        --settings "DEEPSERVE_FP8_PRODUCTS=f16" --cases "${VALUES_T_CASES:-qwen3-moe,llama-3-8b}" \
-        --tiles "${VALUES_T_TILES:-64x4x3h,64x4x3ht,64x4x2ht,64x4x4ht,64x4x3eht}" \
-        --output "$OUT/values_t_kernels.json" > /tmp/values_t.log 2>&1
-    tail -3 /tmp/values_t.log | cut -c1-300; summarise_kernels "$OUT/values_t_kernels.json"; elapsed "values-t"
-    ncu_kernels "_decode_kernel" "$OUT/ncu_values_t.csv" python3 benchmarks/ncu_decode_attention.py --values-t
-    elapsed "values-t ncu"
     ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by

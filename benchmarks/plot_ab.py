@@ -39,6 +39,7 @@
   fused_norm_rows_ab_h200.json  steps with the norms in the skinny GEMM at 2-32 rows (dropped) against main
   ablate_rotary_ab_h200.json    steps with the rotary + KV-write launch skipped (a diagnostic) against the engine
   moe_persistent_down_h100_s37.json  the fused MoE with the grid down GEMM against a persistent one (dropped)
+  gqa_values_transposed_h200_s37.json  GQA decode over E4M3 with each block's values stored transposed (dropped)
   tune_moe_down_h100_s35.json   Qwen3-MoE's fused MoE at 128 / 256 tokens, down tiles varied: engine pick, best
   tune_skinny_64rows_h100_s35.json  the skinny GEMM at 64 rows of Llama-3.2-1B's weights: cuBLAS, engine, best
   decode_kv_prefetch_ab_h200.json  steps with the decode's KV tiles prefetched to L2 before the PDL wait (dropped)
@@ -321,6 +322,26 @@ def persistent_down(path: Path) -> plt.Figure:
     return fig
 
 
+def values_transposed(path: Path) -> plt.Figure:
+    """gqa_values_transposed_h200_s37.json: per case, the engine's value layout against the best tiling of the
+    transposed one (fp8_attention_kernels.py's 't' tiles)."""
+    d = json.loads(path.read_text())
+    groups: dict[str, dict[str, float]] = {}
+    for part in ("kernels", "more_tilings"):
+        for cases in d[part]["by_setting"].values():
+            for case, rows in cases.items():
+                timed = {k: v["us"] for k, v in rows.items() if isinstance(v, dict) and "us" in v}
+                g = groups.setdefault(case, {})
+                plain = min(v for k, v in timed.items() if not k.endswith("t"))
+                best_t = min(v for k, v in timed.items() if k.endswith("t"))
+                g["engine's layout"] = min(g.get("engine's layout", plain), plain)
+                g["values transposed (best tiling)"] = min(g.get("values transposed (best tiling)", best_t), best_t)
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    grouped_bars(ax, groups, "us per decode-attention call", "GQA decode over E4M3: values transposed (H200)")
+    ax.tick_params(axis="x", labelrotation=30)
+    return fig
+
+
 def main() -> None:
     figures = {
         "moe_align_ab_h200": lambda p: per_tokens(p, {"before_us": "before", "after_us": "one-program tile sized "
@@ -411,6 +432,7 @@ def main() -> None:
                                                               "as one device copy vs the index path"),
         "step_outside_graph_h200": lambda p: outside_graph(p),
         "moe_persistent_down_h100_s37": persistent_down,
+        "gqa_values_transposed_h200_s37": values_transposed,
         "qk_norm_fusion_h200": lambda p: qk_norm_fusion(p),
         "skinny_pdl_ab_h200": lambda p: mode_ab(p, "skinny GEMM launch modes (H200)"),
         "moe_fused_combine_ab_h200": lambda p: mode_ab(p, "MoE pair mode: down + combine fused or apart (H200)"),

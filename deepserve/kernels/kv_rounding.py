@@ -72,7 +72,9 @@ def widen_values(x, dtype: tl.constexpr):
     8-bit elements go one byte a load (ldmatrix transposes only 16-bit ones). Widened in registers first, the
     tile reaches shared memory as 16-bit elements that ldmatrix transposes. On an H200 (one layer's decode call,
     E4M3 cache, fp8_attention_kernels_h200.json): Llama-3-8B batch 64 at 4k 437 -> 256 us (bf16 cache: 254),
-    DeepSeek-V2-Lite batch 256 at 1k 186 -> 118 us (bf16: 104)."""
+    DeepSeek-V2-Lite batch 256 at 1k 186 -> 118 us (bf16: 104). Values stored transposed in each block instead
+    ([KV heads, head_dim, slots], read like keys, no round trip) lost on an H200 in session 37: Qwen3-MoE batch 256
+    88.8 -> 103.3 us, Llama-3-8B batch 256 170.1 -> 195.2 (gqa_values_transposed_h200_s37.json, code at 88144c6)."""
     return widen_in_registers(x, dtype, FP8_WIDEN >= 1)
 
 
