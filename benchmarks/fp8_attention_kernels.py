@@ -16,8 +16,8 @@ Run (GPU machine):  python benchmarks/fp8_attention_kernels.py --output fp8_atte
                     [--cases mla]   (the cases whose name or kind holds one of these words; default: all)
   (--settings: ";" between settings, "+" between the variables of one; a bare value is a DEEPSERVE_FP8_WIDEN one;
    --tiles: keys per tile x warps x stages, an "e" suffix loads a tile's values with its keys (GQA only), "sN"
-   forces N context splits, an "rN" suffix caps the registers a thread at N (MLA only: DEEPSERVE_MLA_DECODE_TILES'
-   form, e.g. 32x4x2r168; with a split count 32x4x3s2r128))
+   forces N context splits, an "rN" suffix caps the registers a thread at N (DEEPSERVE_MLA_DECODE_TILES' form, e.g.
+   32x4x2r168; with a split count 32x4x3s2r128))
 Plot (anywhere):    python benchmarks/fp8_attention_kernels.py --plot fp8_attention_kernels_h200.json
                     [--steps kv_fp8_sweep_s29_h200.json]   (decode steps, bf16 against fp8 caches, beside it)
 """
@@ -92,7 +92,7 @@ def time_call(fn, reps: int = 20) -> tuple[float, str]:
 
 def parse_tiles(spec: str) -> dict:
     """'KEYSxWARPSxSTAGES' + optional suffixes in this order: 'e' (GQA: values loaded with keys), 'h' (GQA: a row's
-    KV heads launched side by side), 'sN' (N context splits), 'rN' (MLA: a register cap) -> the launch's keywords."""
+    KV heads launched side by side), 'sN' (N context splits), 'rN' (a register cap) -> the launch's keywords."""
     match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(e?)(h?)(?:s(\d+))?(?:r(\d+))?", spec.lower())
     if not match:
         raise ValueError(f"tiles {spec!r}: expected KEYSxWARPSxSTAGES[e][h][sSPLITS][rREGISTERS], e.g. 32x4x3s2r128")
@@ -118,11 +118,9 @@ def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
     cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(dtype)
     launch = parse_tiles(tiles) if tiles else {}
     if kind == "gqa":
-        if launch.get("maxnreg"):
-            raise ValueError(f"tiles {tiles!r}: a register cap is for the MLA kernel only")
         forced = DecodeTiles(block_n=launch["block_n"], num_warps=launch["num_warps"],
                              num_stages=launch["num_stages"], early_v=launch["early_v"],
-                             heads_first=launch["heads_first"]) if tiles else None
+                             heads_first=launch["heads_first"], maxnreg=launch["maxnreg"]) if tiles else None
 
         def call():
             decode_attention(q, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, tiles=forced,

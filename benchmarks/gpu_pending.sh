@@ -18,6 +18,7 @@
 #   bash benchmarks/gpu_pending.sh gqa-launch-ab  # ~3 min: steps, DEEPSERVE_GQA_DECODE_LAUNCH=rows-first,heads-first
 #   bash benchmarks/gpu_pending.sh gqa-in-step # ~2 min: the launch orders with a cache a layer, between GEMMs
 #   bash benchmarks/gpu_pending.sh moe-ncu     # ~2 min: Nsight Compute of the fused MoE's GEMMs at 256 tokens
+#   bash benchmarks/gpu_pending.sh gqa-regs    # ~3 min: the GQA decode kernel at large batch under register caps
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
@@ -222,6 +223,16 @@ moe-ncu)
     ncu_kernels "(_gate_up_kernel|_down_kernel)" "$OUT/ncu_moe_b256.csv" python3 benchmarks/ncu_fused_moe.py \
         --shapes qwen3-moe,deepseek-v2-lite --tokens 256
     elapsed "moe-ncu"
+    ;;
+gqa-regs)
+    # The E4M3 kernel of an unsplit large-batch launch holds 110 registers a thread on the device (4 programs an SM;
+    # ncu_gqa_large_h100_s36.json): capped at 96 (80) with two stages (39 KB of shared memory, 20 KB at 32 keys),
+    # 5 (6) fit an SM. The engine's pick (64x4x3h over E4M3) first; bf16 beside it.
+    timeout 300 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes "${REGS_DTYPES:-float8_e4m3fn,bfloat16}" \
+        --settings "DEEPSERVE_FP8_PRODUCTS=f16" --cases "${REGS_CASES:-qwen3-moe,llama-3-8b b256}" \
+        --tiles "${REGS_TILES:-64x4x3h,64x4x2h,64x4x2hr96,64x4x2hr80,32x4x3h,32x4x3hr80,32x4x2hr64}" \
+        --output "$OUT/gqa_regs_kernels.json" > /tmp/gqa_regs.log 2>&1
+    tail -3 /tmp/gqa_regs.log | cut -c1-300; summarise_kernels "$OUT/gqa_regs_kernels.json"; elapsed "gqa-regs"
     ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by

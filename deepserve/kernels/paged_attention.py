@@ -236,6 +236,7 @@ class DecodeTiles:
     num_stages: int = 2
     early_v: bool = False
     heads_first: bool = False
+    maxnreg: Optional[int] = None     # a register cap a thread (Triton's maxnreg; None: ptxas's choice)
 
 # A no-split launch whose programs fit on the SMs two at a time (in 128-wide heads): a third pipeline stage, the value
 # tile loaded with the key tile. Three stages of key + value tiles (64 x 128 bf16 each) are 96 KB of shared memory,
@@ -359,7 +360,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         bs, group,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split, EARLY_V=tiles.early_v,
         HEADS_FIRST=tiles.heads_first, INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **pdl_launch_args(q))
+        num_stages=tiles.num_stages, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}), **pdl_launch_args(q))
     if split:
         # The decode kernel, the reduce's predecessor, writes none of the inputs: they are ready for it.
         decode_reduce(part_out, part_lse, q_rows, seq_ids, seq_lens, out, inputs_ready=EARLY_INPUTS,

@@ -281,10 +281,11 @@ def test_decode_other_block_sizes(device, block_size):
 
 @pytest.mark.parametrize("tiles", [DecodeTiles(64, 4, 2, True), DecodeTiles(32, 4, 3, True),
                                    DecodeTiles(128, 8, 2, False), DEEP_PIPELINE_TILES,
-                                   DecodeTiles(64, 4, 3, False, heads_first=True)], ids=str)
+                                   DecodeTiles(64, 4, 3, False, heads_first=True),
+                                   DecodeTiles(64, 4, 2, False, heads_first=True, maxnreg=96)], ids=str)
 def test_decode_tile_settings_match_reference(device, tiles):
     """Every launch setting the engine may pick (keys per tile, warps, stages, values loaded with the keys, the
-    launch order), with and without split-K: the same attention as the reference."""
+    launch order, a register cap), with and without split-K: the same attention as the reference."""
     dtype = torch.float16
     lens = [1, 33, 64, 129, 700]
     batch, cache, q = _decode_case(device, dtype, 64, 4, lens, 16, cdiv_total(lens, 16) + 8)
