@@ -19,6 +19,7 @@
 #   bash benchmarks/gpu_pending.sh gqa-in-step # ~2 min: the launch orders with a cache a layer, between GEMMs
 #   bash benchmarks/gpu_pending.sh moe-ncu     # ~2 min: Nsight Compute of the fused MoE's GEMMs at 256 tokens
 #   bash benchmarks/gpu_pending.sh gqa-regs    # ~3 min: the GQA decode kernel at large batch under register caps
+#   bash benchmarks/gpu_pending.sh align-gather  # ~5 min: DEEPSERVE_MOE_ALIGN_GATHER: tests, the align alone, steps
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
@@ -233,6 +234,19 @@ gqa-regs)
         --tiles "${REGS_TILES:-64x4x3h,64x4x2h,64x4x2hr96,64x4x2hr80,32x4x3h,32x4x3hr80,32x4x2hr64}" \
         --output "$OUT/gqa_regs_kernels.json" > /tmp/gqa_regs.log 2>&1
     tail -3 /tmp/gqa_regs.log | cut -c1-300; summarise_kernels "$OUT/gqa_regs_kernels.json"; elapsed "gqa-regs"
+    ;;
+align-gather)
+    # The one-program MoE align with its run starts gathered in registers and its blocks labelled by stores (no
+    # scratch round trip, no binary search of 8 dependent loads): 120 us a Qwen3-MoE batch-256 step on an H100,
+    # 7.5 us a layer on the critical path (h100_moe_b256_pdl_off_profile_s35.json).
+    timeout 100 python3 -m pytest -q tests/gpu/test_fused_moe.py -k "align or cuda_graph" -p no:cacheprovider 2>&1 | tail -2
+    sed 's/^ALIGN_GATHER = .*/ALIGN_GATHER = False/' deepserve/kernels/moe_align.py > /tmp/moe_align_before.py
+    DEEPSERVE_MOE_ALIGN_GATHER=1 timeout 120 python3 benchmarks/moe_align_ab.py --before /tmp/moe_align_before.py \
+        --tokens 8,16,32,64,128,256 --output "$OUT/moe_align_gather_ab.json" 2>&1 | tail -12; elapsed "align alone"
+    timeout 400 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_ALIGN_GATHER=0,1 --passes "${PASSES:-1}" \
+        --timeout 140 --output "$OUT/moe_align_gather_steps_ab.json" -- --shapes qwen3-moe,deepseek-v2-lite \
+        --batches ${MOE_BATCHES:-64,256} --kv-cache-dtype fp8 --profile-batch 0 > /tmp/align_ab.log 2>&1
+    tail -3 /tmp/align_ab.log; summarise_steps "$OUT/moe_align_gather_steps_ab.json"; elapsed "align-gather steps"
     ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepserve import envs
 from deepserve.kernels import cdiv, next_pow2, tl, triton
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
@@ -105,7 +106,7 @@ def _align_place_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_pairs_ptr, block_e
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])   # the batch size: no new variant per step
 def _align_single_kernel(ids_ptr, scratch_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
                          BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, LOG_E: tl.constexpr, PAIRS: tl.constexpr,
-                         BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
+                         BLOCKS: tl.constexpr, GATHER: tl.constexpr, USE_PDL: tl.constexpr):
     """The whole align in one program, for a decode batch's pairs (up to SINGLE_ALIGN_MAX_PAIRS): what the memset,
     the count kernel and the place kernel do in three launches, with the block's barriers between the phases.
     scratch: [2 * BLOCK_E] int32, the counts then the run starts (zeroed here first: no memset launch).
@@ -130,24 +131,35 @@ def _align_single_kernel(ids_ptr, scratch_ptr, sorted_pairs_ptr, block_expert_pt
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     run_end = tl.cumsum(padded, 0)
     run_start = run_end - padded
-    tl.store(scratch_ptr + BLOCK_E + e, run_start)
-    tl.debug_barrier()
-    start = tl.load(scratch_ptr + BLOCK_E + ids, mask=p_ok, other=0, cache_modifier=".cg")
+    if GATHER:        # a pair's run start gathered in the program's registers and shared memory: no round trip
+        start = tl.gather(run_start, ids, 0)
+    else:
+        tl.store(scratch_ptr + BLOCK_E + e, run_start)
+        tl.debug_barrier()
+        start = tl.load(scratch_ptr + BLOCK_E + ids, mask=p_ok, other=0, cache_modifier=".cg")
     tl.store(sorted_pairs_ptr + start + rank, p, mask=p_ok)
-    # Blocks: the expert is the number of runs that end at or before the block's first row, found by binary lifting
-    # over the run ends (run_end[j] = run_start[j + 1]; the last one, the total, is past every used block's first row
-    # only for blocks past the runs, which get -1).
     b = tl.arange(0, BLOCKS)
-    first_row = b * BLOCK_M
     total = tl.sum(padded, 0)
-    owner = tl.zeros([BLOCKS], tl.int32)
-    for i in tl.static_range(LOG_E + 1):
-        cand = owner + (BLOCK_E >> i)
-        # run_end[cand - 1] = run_start[cand] for cand < num_experts; the total for cand == num_experts.
-        end = tl.load(scratch_ptr + BLOCK_E + cand, mask=cand < num_experts, other=0, cache_modifier=".cg")
-        end = tl.where(cand == num_experts, total, end)
-        owner = tl.where((cand <= num_experts) & (end <= first_row), cand, owner)
-    tl.store(block_expert_ptr + b, tl.where(owner < num_experts, owner, -1), mask=b < num_blocks)
+    if GATHER:
+        # Blocks: each expert's run of blocks labelled with it, one [experts] store per block of the longest run
+        # (stores only: nothing waits on a load); the blocks past the runs get -1.
+        tl.store(block_expert_ptr + b, tl.full([BLOCKS], -1, tl.int32), mask=(b * BLOCK_M >= total) & (b < num_blocks))
+        run_blocks = padded // BLOCK_M
+        for j in range(0, tl.max(run_blocks, 0)):
+            tl.store(block_expert_ptr + run_start // BLOCK_M + j, e, mask=j < run_blocks)
+    else:
+        # Blocks: the expert is the number of runs that end at or before the block's first row, found by binary
+        # lifting over the run ends (run_end[j] = run_start[j + 1]; the last one, the total, is past every used
+        # block's first row only for blocks past the runs, which get -1).
+        first_row = b * BLOCK_M
+        owner = tl.zeros([BLOCKS], tl.int32)
+        for i in tl.static_range(LOG_E + 1):
+            cand = owner + (BLOCK_E >> i)
+            # run_end[cand - 1] = run_start[cand] for cand < num_experts; the total for cand == num_experts.
+            end = tl.load(scratch_ptr + BLOCK_E + cand, mask=cand < num_experts, other=0, cache_modifier=".cg")
+            end = tl.where(cand == num_experts, total, end)
+            owner = tl.where((cand <= num_experts) & (end <= first_row), cand, owner)
+        tl.store(block_expert_ptr + b, tl.where(owner < num_experts, owner, -1), mask=b < num_blocks)
     # Padding: the rows after each expert's pairs up to the end of its run, one [experts, BLOCK_M] store.
     j = tl.arange(0, BLOCK_M)
     pad_rows = (run_start + counts)[:, None] + j[None, :]
@@ -168,6 +180,10 @@ SINGLE_ALIGN_MAX_PAIRS = 2048
 # Qwen3-MoE at 6 / 8 5.5 against 3.0 / 2.9; Qwen3-MoE batch-8 steps 2.879 / 2.890 -> 2.846 / 2.846 ms, V2-Lite
 # batch 16 graph replays 7.140 -> 7.052 ms (session25_steps_ab_h200.json).
 ONE_HOT_MAX_PAIRS = 0
+# DEEPSERVE_MOE_ALIGN_GATHER: the one-program align looks a pair's run start up with tl.gather and labels the blocks
+# with stores (each expert's run of blocks), instead of a store + barrier + load round trip through its scratch and
+# a binary search of 8 dependent loads over it. An A/B switch until a GPU run times it.
+ALIGN_GATHER = envs.DEEPSERVE_MOE_ALIGN_GATHER
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
@@ -195,7 +211,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
         pairs = max(16, next_pow2(num_pairs))
         _align_single_kernel[(1,)](flat, scratch, sorted_pairs, block_expert, num_pairs, num_experts, num_blocks,
                                    BLOCK_M=block_m, BLOCK_E=block_e, LOG_E=block_e.bit_length() - 1, PAIRS=pairs,
-                                   BLOCKS=max(16, next_pow2(num_blocks)), num_warps=8,
+                                   BLOCKS=max(16, next_pow2(num_blocks)), GATHER=ALIGN_GATHER, num_warps=8,
                                    **aligned_launch_args(flat))
         return MoEAlignment(sorted_pairs, block_expert, block_m, num_pairs)
     if one_program:
