@@ -270,9 +270,11 @@ sweeps)
             --contexts 1024 --kv-cache-dtype $kv --output "$OUT/moe_$kv.json" > /tmp/moe_$kv.log 2>&1
         elapsed "moe sweep, $kv cache"
     done
-    timeout 160 python3 benchmarks/h200_decode_sweep.py --shapes llama-3.2-1b,llama-3-8b --batches 1,8,64,256 \
-        --contexts 1024,4096 --output "$OUT/dense_auto.json" > /tmp/dense.log 2>&1
-    elapsed "dense sweep"
+    if [ "${SWEEP_DENSE:-1}" = 1 ]; then       # SWEEP_DENSE=0: the MoE sweeps only
+        timeout 160 python3 benchmarks/h200_decode_sweep.py --shapes llama-3.2-1b,llama-3-8b --batches 1,8,64,256 \
+            --contexts 1024,4096 --output "$OUT/dense_auto.json" > /tmp/dense.log 2>&1
+        elapsed "dense sweep"
+    fi
     python3 - "$OUT" <<'PY'
 import json, os, sys
 for name in ("moe_fp8", "moe_auto", "dense_auto"):

@@ -40,6 +40,7 @@
   ablate_rotary_ab_h200.json    steps with the rotary + KV-write launch skipped (a diagnostic) against the engine
   moe_persistent_down_h100_s37.json  the fused MoE with the grid down GEMM against a persistent one (dropped)
   gqa_values_transposed_h200_s37.json  GQA decode over E4M3 with each block's values stored transposed (dropped)
+  moe_align_gather_ab_h100_s37.json  the one-program MoE align with tl.gather and block stores against before
   tune_moe_down_h100_s35.json   Qwen3-MoE's fused MoE at 128 / 256 tokens, down tiles varied: engine pick, best
   tune_skinny_64rows_h100_s35.json  the skinny GEMM at 64 rows of Llama-3.2-1B's weights: cuBLAS, engine, best
   decode_kv_prefetch_ab_h200.json  steps with the decode's KV tiles prefetched to L2 before the PDL wait (dropped)
@@ -432,6 +433,9 @@ def main() -> None:
                                                               "as one device copy vs the index path"),
         "step_outside_graph_h200": lambda p: outside_graph(p),
         "moe_persistent_down_h100_s37": persistent_down,
+        "moe_align_gather_ab_h100_s37": lambda p: per_tokens(p, {"before_us": "scratch round trips + binary search",
+                                                                 "after_us": "tl.gather + block stores"},
+                                                             "one-program MoE align (H100)"),
         "gqa_values_transposed_h200_s37": values_transposed,
         "qk_norm_fusion_h200": lambda p: qk_norm_fusion(p),
         "skinny_pdl_ab_h200": lambda p: mode_ab(p, "skinny GEMM launch modes (H200)"),

@@ -109,13 +109,16 @@ def _align_single_kernel(ids_ptr, scratch_ptr, sorted_pairs_ptr, block_expert_pt
                          BLOCKS: tl.constexpr, GATHER: tl.constexpr, USE_PDL: tl.constexpr):
     """The whole align in one program, for a decode batch's pairs (up to SINGLE_ALIGN_MAX_PAIRS): what the memset,
     the count kernel and the place kernel do in three launches, with the block's barriers between the phases.
-    scratch: [2 * BLOCK_E] int32, the counts then the run starts (zeroed here first: no memset launch).
+    scratch: [2 * BLOCK_E] int32, the counts then (without GATHER) the run starts (zeroed here first: no memset
+    launch).
 
     Counting is one atomic per pair on the scratch counters (its old value is the pair's rank among its expert's
-    pairs, as in _align_count_kernel); a pair's run start and a block's expert are gathers from the scratch (a
-    binary search over the run ends for the block), not [pairs, experts] one-hot tiles, so registers stay
-    [PAIRS] + [BLOCKS] + [BLOCK_E, BLOCK_M]. The barriers order the scratch's writes before its reads within the
-    program (what __syncthreads guarantees for global memory); the reads skip L1 all the same (.cg)."""
+    pairs, as in _align_count_kernel). GATHER (ALIGN_GATHER, the default): a pair's run start is a tl.gather from
+    the run starts in registers, and each expert's blocks are labelled by stores. Else both are gathers from the
+    scratch (a binary search over the run ends for a block's expert). Neither builds [pairs, experts] one-hot
+    tiles, so registers stay [PAIRS] + [BLOCKS] + [BLOCK_E, BLOCK_M]. The barriers order the scratch's writes before
+    its reads within the program (what __syncthreads guarantees for global memory); the reads skip L1 all the same
+    (.cg)."""
     pdl_wait(USE_PDL)              # the ids come from the routing kernel just before
     pdl_launch_dependents(USE_PDL)
     e = tl.arange(0, BLOCK_E)
@@ -180,9 +183,14 @@ SINGLE_ALIGN_MAX_PAIRS = 2048
 # Qwen3-MoE at 6 / 8 5.5 against 3.0 / 2.9; Qwen3-MoE batch-8 steps 2.879 / 2.890 -> 2.846 / 2.846 ms, V2-Lite
 # batch 16 graph replays 7.140 -> 7.052 ms (session25_steps_ab_h200.json).
 ONE_HOT_MAX_PAIRS = 0
-# DEEPSERVE_MOE_ALIGN_GATHER: the one-program align looks a pair's run start up with tl.gather and labels the blocks
-# with stores (each expert's run of blocks), instead of a store + barrier + load round trip through its scratch and
-# a binary search of 8 dependent loads over it. An A/B switch until a GPU run times it.
+# DEEPSERVE_MOE_ALIGN_GATHER (on; 0 for A/Bs): the one-program align looks a pair's run start up with tl.gather and
+# labels the blocks with stores (each expert's run of blocks), instead of a store + barrier + load round trip through
+# its scratch and a binary search of 8 dependent loads over it. The align is on a MoE layer's critical path (the
+# gate/up GEMM waits for it). H100, us per align in a CUDA graph (moe_align_gather_ab_h100_s37.json), before -> after:
+# Qwen3-MoE 8 / 64 / 256 tokens 2.77 / 3.52 / 7.26 -> 1.81 / 2.23 / 4.79, V2-Lite 2.77 / 2.90 / 5.79 -> 1.94 / 1.89 /
+# 3.71. Decode steps over E4M3, two passes (moe_align_gather_steps_ab_h100_s37.json), ms: Qwen3-MoE batch 256 9.757 /
+# 9.743 -> 9.710 / 9.704, batch 64 8.108 / 8.109 -> 8.091 / 8.098; V2-Lite batch 256 15.612 / 15.614 -> 15.588 /
+# 15.572, batch 64 12.535 / 12.540 -> 12.515 / 12.511.
 ALIGN_GATHER = envs.DEEPSERVE_MOE_ALIGN_GATHER
 
 
