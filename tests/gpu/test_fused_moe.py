@@ -334,15 +334,15 @@ def _check_alignment(align, ids, num_experts):
                                                            (64, 4, 64), (5000, 128, 64), (700, 256, 16),
                                                            (768, 64, 32), (2048, 128, 32), (1000, 60, 64),
                                                            (SINGLE_ALIGN_MAX_PAIRS, 128, 16)])
-@pytest.mark.parametrize("mode", ["engine", "one-hot", "gather"])
+@pytest.mark.parametrize("mode", ["gather", "scratch", "one-hot"])
 def test_align_matches_reference(device, num_pairs, num_experts, block_m, mode, monkeypatch):
     """The Triton align and the stable-sort torch twin: both valid layouts with the same blocks (expert of
     every block). Inside a run the Triton order may differ (atomic ranks on the GPU), which no result sees.
     Covers its launch shapes: one program with atomics (up to 2048 pairs: V2-Lite's batch 128 is 768 pairs of 64
-    experts, Qwen3-MoE's batch 256 2048 of 128), three launches (5000), and with `one_hot` (ONE_HOT_MAX_PAIRS
-    raised, as ab_kernel_modes' align_one_hot does) one program counting in registers where its tiles hold every
-    pair and block (up to 40 pairs here), and with `gather` the one program with DEEPSERVE_MOE_ALIGN_GATHER's
-    register gather and block stores."""
+    experts, Qwen3-MoE's batch 256 2048 of 128), its run starts gathered in registers and its blocks stored
+    (`gather`, DEEPSERVE_MOE_ALIGN_GATHER, the default) or both looked up in its scratch (`scratch`), three
+    launches (5000), and with `one-hot` (ONE_HOT_MAX_PAIRS raised, as ab_kernel_modes' align_one_hot does) one
+    program counting in registers where its tiles hold every pair and block (up to 40 pairs here)."""
     if mode == "one-hot":
         monkeypatch.setattr(moe_align_module, "ONE_HOT_MAX_PAIRS", 1 << 30)
     monkeypatch.setattr(moe_align_module, "ALIGN_GATHER", mode == "gather")
