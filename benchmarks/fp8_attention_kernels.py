@@ -5,8 +5,8 @@ and cache contents in each; with --tiles, every cache also under forced launch s
 
 Cases are real shapes at decode batch sizes: Llama-3-8B GQA (32 query / 8 KV heads of 128), Llama-3.2-1B (32 / 8
 of 64), Qwen3-MoE (32 / 4 of 128), DeepSeek-V2-Lite MLA (16 heads, 512-rank latents + 64 rope dims). Every sequence
-has `context` keys in shuffled 16-slot blocks; the caches (0.3-9 GB) are far larger than L2, so each call reads its
-keys from HBM.
+has `context` keys in shuffled 16-slot blocks (--block-size); the caches (0.3-9 GB) are far larger than L2, so
+each call reads its keys from HBM.
 Reported per case and cache dtype: microseconds a call (CUDA events over the replays of a CUDA graph of 20 calls,
 median of 5 runs; before session 30, back-to-back launches, which timed the host at small batches) and the KV bytes it
 reads over that time.
@@ -15,7 +15,8 @@ Run (GPU machine):  python benchmarks/fp8_attention_kernels.py --output fp8_atte
                     [--settings "DEEPSERVE_FP8_WIDEN=values;DEEPSERVE_FP8_PRODUCTS=f16"] [--tiles 64x4x2,128x4x2]
                     [--cases mla]   (the cases whose name or kind holds one of these words; default: all)
   (--settings: ";" between settings, "+" between the variables of one; a bare value is a DEEPSERVE_FP8_WIDEN one;
-   --tiles: keys per tile x warps x stages, an "e" suffix loads a tile's values with its keys (GQA only), "sN"
+   --tiles: keys per tile x warps x stages, an "e" suffix loads a tile's values with its keys (GQA only), "t"
+   reads the values from a copy of the cache with each block's values stored transposed (GQA only), "sN"
    forces N context splits, an "rN" suffix caps the registers a thread at N (DEEPSERVE_MLA_DECODE_TILES' form, e.g.
    32x4x2r168; with a split count 32x4x3s2r128))
 Plot (anywhere):    python benchmarks/fp8_attention_kernels.py --plot fp8_attention_kernels_h200.json
@@ -92,13 +93,14 @@ def time_call(fn, reps: int = 20) -> tuple[float, str]:
 
 def parse_tiles(spec: str) -> dict:
     """'KEYSxWARPSxSTAGES' + optional suffixes in this order: 'e' (GQA: values loaded with keys), 'h' (GQA: a row's
-    KV heads launched side by side), 'sN' (N context splits), 'rN' (a register cap) -> the launch's keywords."""
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(e?)(h?)(?:s(\d+))?(?:r(\d+))?", spec.lower())
+    KV heads launched side by side), 't' (GQA: values stored transposed in each block), 'sN' (N context splits), 'rN'
+    (a register cap) -> the launch's keywords."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(e?)(h?)(t?)(?:s(\d+))?(?:r(\d+))?", spec.lower())
     if not match:
-        raise ValueError(f"tiles {spec!r}: expected KEYSxWARPSxSTAGES[e][h][sSPLITS][rREGISTERS], e.g. 32x4x3s2r128")
-    n, w, st, early, heads_first, splits, cap = match.groups()
+        raise ValueError(f"tiles {spec!r}: expected KEYSxWARPSxSTAGES[e][h][t][sSPLITS][rREGISTERS], e.g. 32x4x3s2r128")
+    n, w, st, early, heads_first, values_t, splits, cap = match.groups()
     return {"block_n": int(n), "num_warps": int(w), "num_stages": int(st), "early_v": bool(early),
-            "heads_first": bool(heads_first),
+            "heads_first": bool(heads_first), "values_t": bool(values_t),
             "maxnreg": int(cap) if cap else None, "num_splits": int(splits) if splits else None}
 
 
@@ -120,15 +122,24 @@ def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
     if kind == "gqa":
         forced = DecodeTiles(block_n=launch["block_n"], num_warps=launch["num_warps"],
                              num_stages=launch["num_stages"], early_v=launch["early_v"],
-                             heads_first=launch["heads_first"], maxnreg=launch["maxnreg"]) if tiles else None
+                             heads_first=launch["heads_first"], values_t=launch["values_t"],
+                             maxnreg=launch["maxnreg"]) if tiles else None
+        used = cache
+        if forced is not None and forced.values_t:     # the same values, each block's stored [KV heads, dim, slots]
+            used = cache.clone()
+            used[1] = cache[1].permute(0, 2, 3, 1).contiguous().view(cache[1].shape)
 
         def call():
-            decode_attention(q, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, tiles=forced,
-                             num_splits=launch.get("num_splits"))
+            return decode_attention(q, used, tables, seq_lens, dim ** -0.5, max_seq_len=context, tiles=forced,
+                                    num_splits=launch.get("num_splits"))
+        if forced is not None and forced.values_t:     # the same output as the launcher's own layout, near enough
+            same = decode_attention(q, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context)
+            diff = (call().float() - same.float()).abs().max().item()
+            assert diff < 2e-2, f"values-transposed output differs by {diff}"
     else:
         q_lat, q_pe = q[..., :512], q[..., 512:]
-        if launch.pop("early_v", False) or launch.pop("heads_first", False):
-            raise ValueError(f"tiles {tiles!r}: 'e' (values with keys) and 'h' (heads first) are the GQA kernel's")
+        if launch.pop("early_v", False) or launch.pop("heads_first", False) or launch.pop("values_t", False):
+            raise ValueError(f"tiles {tiles!r}: 'e', 'h' and 't' (values transposed) are the GQA kernel's")
 
         def call():
             mla_decode(q_lat, q_pe, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, **launch)
@@ -225,6 +236,7 @@ def plot(path: str, steps_path: str | None) -> None:
 
 
 def main() -> None:
+    global BLOCK
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", default="late;values;all", help="one process each (see the docstring)")
     parser.add_argument("--tiles", default="", help="forced launch settings, every cache (see the docstring)")
@@ -234,8 +246,10 @@ def main() -> None:
     parser.add_argument("--output", default="fp8_attention_kernels.json")
     parser.add_argument("--plot", metavar="JSON", help="draw JSON's PNG beside it, measure nothing")
     parser.add_argument("--steps", metavar="JSON", help="with --plot: merged decode-step sweeps to draw beside")
+    parser.add_argument("--block-size", type=int, default=BLOCK, help="slots a cache block (the engine's default: 16)")
     parser.add_argument("--here", action="store_true", help="(internal) measure in this process, JSON to stdout")
     args = parser.parse_args()
+    BLOCK = args.block_size
     dtypes = [d for d in args.cache_dtypes.split(",") if d]
     if not dtypes or not set(dtypes) <= set(CACHE_DTYPES):
         parser.error(f"--cache-dtypes {args.cache_dtypes!r}: comma-separated, of {', '.join(CACHE_DTYPES)}")
@@ -249,12 +263,14 @@ def main() -> None:
     import torch
     fields = ("kind", "batch", "context", "heads", "kv_heads", "head_dim")
     result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "cases": {k: dict(zip(fields, CASES[k])) for k in chosen_cases(args.cases)},
+              "torch": torch.__version__, "block_size": BLOCK,
+              "cases": {k: dict(zip(fields, CASES[k])) for k in chosen_cases(args.cases)},
               "by_setting": {}}
     for setting in split_settings(args.settings):
         env = dict(os.environ, **setting_env(setting))
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--here", "--tiles", args.tiles,
-                               "--cases", args.cases, "--cache-dtypes", args.cache_dtypes], env=env,
+                               "--cases", args.cases, "--cache-dtypes", args.cache_dtypes,
+                               "--block-size", str(args.block_size)], env=env,
                               capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:

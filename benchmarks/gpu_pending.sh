@@ -20,6 +20,7 @@
 #   bash benchmarks/gpu_pending.sh moe-ncu     # ~2 min: Nsight Compute of the fused MoE's GEMMs at 256 tokens
 #   bash benchmarks/gpu_pending.sh gqa-regs    # ~3 min: the GQA decode kernel at large batch under register caps
 #   bash benchmarks/gpu_pending.sh align-gather  # ~5 min: DEEPSERVE_MOE_ALIGN_GATHER: tests, the align alone, steps
+#   bash benchmarks/gpu_pending.sh values-t64  # ~3 min: GQA decode over E4M3, values transposed, 16- and 64-slot blocks
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
@@ -239,7 +240,8 @@ align-gather)
     # The one-program MoE align with its run starts gathered in registers and its blocks labelled by stores (no
     # scratch round trip, no binary search of 8 dependent loads): 120 us a Qwen3-MoE batch-256 step on an H100,
     # 7.5 us a layer on the critical path (h100_moe_b256_pdl_off_profile_s35.json).
-    timeout 100 python3 -m pytest -q tests/gpu/test_fused_moe.py -k "align or cuda_graph" -p no:cacheprovider 2>&1 | tail -2
+    timeout 100 python3 -m pytest -q tests/gpu/test_fused_moe.py -k "align or cuda_graph" -p no:cacheprovider 2>&1 \
+        | tail -2
     sed 's/^ALIGN_GATHER = .*/ALIGN_GATHER = False/' deepserve/kernels/moe_align.py > /tmp/moe_align_before.py
     DEEPSERVE_MOE_ALIGN_GATHER=1 timeout 120 python3 benchmarks/moe_align_ab.py --before /tmp/moe_align_before.py \
         --tokens 8,16,32,64,128,256 --output "$OUT/moe_align_gather_ab.json" 2>&1 | tail -12; elapsed "align alone"
@@ -247,6 +249,21 @@ align-gather)
         --timeout 140 --output "$OUT/moe_align_gather_steps_ab.json" -- --shapes qwen3-moe,deepseek-v2-lite \
         --batches ${MOE_BATCHES:-64,256} --kv-cache-dtype fp8 --profile-batch 0 > /tmp/align_ab.log 2>&1
     tail -3 /tmp/align_ab.log; summarise_steps "$OUT/moe_align_gather_steps_ab.json"; elapsed "align-gather steps"
+    ;;
+values-t64)
+    # Each block's values stored transposed lost with 16-slot blocks (gqa_values_transposed_h200_s37.json): a value
+    # row's run is then 16 bytes, half a DRAM sector, and the L2 hit rate went 3% -> 37%. With 64-slot blocks a run
+    # is 64 bytes. The engine's layout and the transposed one (DecodeTiles.values_t, on a transposed copy of the
+    # cache, outputs checked) at both block sizes. If it wins, every KV writer and reader needs the layout first.
+    timeout 100 python3 -m pytest -q tests/gpu/test_paged_attention.py -k transposed -p no:cacheprovider 2>&1 | tail -2
+    for bs in 16 64; do
+        timeout 200 python3 benchmarks/fp8_attention_kernels.py --block-size $bs --cache-dtypes float8_e4m3fn \
+            --settings "DEEPSERVE_FP8_PRODUCTS=f16" --cases "qwen3-moe b256,llama-3-8b b256,llama-3-8b b64" \
+            --tiles 64x4x3h,64x4x3ht,64x4x3eht,64x4x2ht --output "$OUT/values_t_block$bs.json" \
+            > /tmp/values_t$bs.log 2>&1
+        tail -2 /tmp/values_t$bs.log | cut -c1-300; summarise_kernels "$OUT/values_t_block$bs.json"
+        elapsed "values-t, $bs-slot blocks"
+    done
     ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by

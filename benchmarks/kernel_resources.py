@@ -79,8 +79,8 @@ def gqa_cases() -> dict:
                                        (64, DEEP_PIPELINE_TILES, False), (128, DecodeTiles(), False),
                                        (128, DecodeTiles(num_stages=3), False)):
             constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_G=16, BLOCK_N=tiles.block_n, SPLIT=split,
-                              EARLY_V=tiles.early_v, HEADS_FIRST=tiles.heads_first, INPUTS_READY=True,
-                              USE_PDL=True)
+                              EARLY_V=tiles.early_v, HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t,
+                              INPUTS_READY=True, USE_PDL=True)
             name = f"gqa_decode d{head_dim} {cache} {tiles.block_n}x{tiles.num_warps}x{tiles.num_stages}" + \
                 ("" if split else " unsplit")
             out[name] = (_decode_kernel, ptrs, constexprs, {"qk_scale": "fp32"}, tiles.num_warps, tiles.num_stages,

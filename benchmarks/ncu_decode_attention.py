@@ -11,7 +11,9 @@ Run (GPU machine):
                                                             --mla-large: the MLA kernel at batch 256, 1k, over a
                                                             bf16 and an E4M3 cache, two calls each;
                                                             --gqa-large: the GQA kernel at Qwen3-MoE batch 256 over
-                                                            bf16 and E4M3, Llama-3.2-1B batch 64 over bf16, 1k)
+                                                            bf16 and E4M3, Llama-3.2-1B batch 64 over bf16, 1k;
+                                                            --values-t: Qwen3-MoE batch 256 over E4M3, values
+                                                            stored as the cache's or transposed in each block)
 """
 import os
 import sys
@@ -39,14 +41,16 @@ def mla(batch, ctx, reps=4, cache_dtype=torch.bfloat16):
     torch.cuda.synchronize()
 
 
-def gqa(batch, ctx, h, hkv, d, reps=4, cache_dtype=torch.bfloat16):
+def gqa(batch, ctx, h, hkv, d, reps=4, cache_dtype=torch.bfloat16, tiles=None):
     g = torch.Generator().manual_seed(0)
     nb, table, lens = paged_inputs(batch, ctx, g)
     cache = torch.randn(2, nb, 16, hkv, d, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
+    if tiles is not None and tiles.values_t:     # each block's values stored [KV heads, head_dim, slots]
+        cache[1] = cache[1].permute(0, 2, 3, 1).contiguous().view(cache[1].shape)
     q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
     for _ in range(reps):
-        decode_attention(q, cache, table, lens, 0.1, out=out, max_seq_len=ctx)
+        decode_attention(q, cache, table, lens, 0.1, out=out, max_seq_len=ctx, tiles=tiles)
     torch.cuda.synchronize()
 
 
@@ -59,6 +63,13 @@ def main() -> None:
         gqa(256, 1024, 32, 4, 128, reps=2)
         gqa(256, 1024, 32, 4, 128, reps=2, cache_dtype=torch.float8_e4m3fn)
         gqa(64, 1024, 32, 8, 64, reps=2)
+        return
+    if sys.argv[1:] == ["--values-t"]:   # Qwen3-MoE batch 256 over E4M3: the engine's tiles, then values transposed
+        from deepserve.kernels.paged_attention import DecodeTiles
+        gqa(256, 1024, 32, 4, 128, reps=2, cache_dtype=torch.float8_e4m3fn,
+            tiles=DecodeTiles(num_stages=3, heads_first=True))
+        gqa(256, 1024, 32, 4, 128, reps=2, cache_dtype=torch.float8_e4m3fn,
+            tiles=DecodeTiles(num_stages=3, heads_first=True, values_t=True))
         return
     if sys.argv[1:] == ["--mla-large"]:  # one split, 256 programs: V2-Lite's batch-256 step, bf16 against fp8 KV
         mla(256, 1024, reps=2)

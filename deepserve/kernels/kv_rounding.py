@@ -74,7 +74,8 @@ def widen_values(x, dtype: tl.constexpr):
     E4M3 cache, fp8_attention_kernels_h200.json): Llama-3-8B batch 64 at 4k 437 -> 256 us (bf16 cache: 254),
     DeepSeek-V2-Lite batch 256 at 1k 186 -> 118 us (bf16: 104). Values stored transposed in each block instead
     ([KV heads, head_dim, slots], read like keys, no round trip) lost on an H200 in session 37: Qwen3-MoE batch 256
-    88.8 -> 103.3 us, Llama-3-8B batch 256 170.1 -> 195.2 (gqa_values_transposed_h200_s37.json, code at 88144c6)."""
+    88.8 -> 103.3 us, Llama-3-8B batch 256 170.1 -> 195.2 (gqa_values_transposed_h200_s37.json; the kernel keeps that
+    read as DecodeTiles.values_t for a test with 64-slot blocks, gpu_pending.sh values-t64)."""
     return widen_in_registers(x, dtype, FP8_WIDEN >= 1)
 
 

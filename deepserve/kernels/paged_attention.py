@@ -90,6 +90,19 @@ def decode_row_inputs(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, block_tables_ptr, s
     return row, seq, seq_len, table, tile_blocks(table, start + tl.arange(0, BLOCK_N), end, block_size)
 
 
+@triton.jit
+def _value_tile(v_base, off, v_off, d, kv_mask, run_mask, dtype: tl.constexpr, VALUES_T: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] values of a tile in `dtype`. VALUES_T: read from a tokens-contiguous layout (offsets
+    v_off), so the product's operand is contiguous along its reduced dimension and an 8-bit tile can widen wherever
+    Triton puts it (as keys do). Its mask (run_mask) keeps whole runs of 16 tokens, so the loads stay vectors: the
+    slots past the sequence's end in its last run are read (a zeroed cache's, or older tokens': finite), and their
+    probabilities are 0."""
+    if VALUES_T:
+        return widen_keys(tl.load(v_base + v_off, mask=run_mask, other=0.0), dtype)
+    else:
+        return widen_values(tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0), dtype)
+
+
 # Arguments that change from step to step (block-table width, split layout) are not specialised on: Triton would
 # otherwise compile a new variant whenever one of them changes between "divisible by 16" and not, mid-serving.
 _PER_STEP_ARGS = ["stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "stride_pl_h"]
@@ -105,8 +118,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
                    block_size, group,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, EARLY_V: tl.constexpr, HEADS_FIRST: tl.constexpr, INPUTS_READY: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   SPLIT: tl.constexpr, EARLY_V: tl.constexpr, HEADS_FIRST: tl.constexpr, VALUES_T: tl.constexpr,
+                   INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
     if HEADS_FIRST:                # the KV heads of one row launch side by side (DecodeTiles.heads_first)
         kvh = tl.program_id(0)
         i = tl.program_id(1)
@@ -134,7 +147,10 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                              mask=gmask[:, None] & dmask[None, :], other=0.0), cache_ptr)
 
     k_base = cache_ptr + kvh * stride_c_head
-    v_base = k_base + stride_c_kv
+    if VALUES_T:    # each block's values stored [KV heads, head_dim, block_size]: a value tile loads tokens-contiguous
+        v_base = cache_ptr + stride_c_kv + kvh * (HEAD_DIM * block_size)
+    else:
+        v_base = k_base + stride_c_kv
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -144,12 +160,20 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < end
         off = blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
+        if VALUES_T:
+            slot = blk * stride_c_block + (tok % block_size).to(tl.int64)
+            # Runs of 16 tokens lie side by side (block_size >= 16, a multiple of 16 bytes apart): vector loads.
+            v_off = tl.max_contiguous(tl.multiple_of(slot[:, None] + d[None, :].to(tl.int64) * block_size, [16, 16]),
+                                      [16, 1])
+            run_mask = ((tok // 16 * 16) < end)[:, None] & dmask[None, :]
+        else:
+            run_mask = None
         blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
         kv_mask = tmask[:, None] & dmask[None, :]
         # An fp8 cache's codes widen to q's dtype here (a no-op for a cache of q's dtype).
         k = widen_keys(tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
         if EARLY_V:     # the value tile's load issued with the key tile's: twice the bytes in flight
-            v = widen_values(tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
+            v = _value_tile(v_base, off, v_off if VALUES_T else off, d, kv_mask, run_mask, q.dtype, VALUES_T)
         s = tl.dot(q, tl.trans(k)) * qk_scale                      # [BLOCK_G, BLOCK_N], log2 domain
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -157,7 +181,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if not EARLY_V:
-            v = widen_values(tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
+            v = _value_tile(v_base, off, v_off if VALUES_T else off, d, kv_mask, run_mask, q.dtype, VALUES_T)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -237,6 +261,10 @@ class DecodeTiles:
     early_v: bool = False
     heads_first: bool = False
     maxnreg: Optional[int] = None     # a register cap a thread (Triton's maxnreg; None: ptxas's choice)
+    # Values stored transposed in each block ([KV heads, head_dim, slots]): an experiment's cache layout, which no
+    # KV writer produces yet (benchmarks/fp8_attention_kernels.py times it on a transposed copy; lost with 16-slot
+    # blocks, gqa_values_transposed_h200_s37.json; the gpu_pending stage values-t64 times it with 64-slot blocks).
+    values_t: bool = False
 
 # A no-split launch whose programs fit on the SMs two at a time (in 128-wide heads): a third pipeline stage, the value
 # tile loaded with the key tile. Three stages of key + value tiles (64 x 128 bf16 each) are 96 KB of shared memory,
@@ -339,6 +367,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     tiles = tiles or decode_tiles(n * hkv * num_splits, d, num_splits > 1, q.device,
                                   fp8_cache=kv_cache.element_size() == 1)
     assert tiles.block_n == block_n
+    assert not tiles.values_t or kv_cache.shape[2] % 16 == 0, "values stored transposed need blocks of 16k slots"
     bs = kv_cache.shape[2]
     block_d = next_pow2(d)
     block_g = max(16, next_pow2(group))
@@ -359,8 +388,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         block_tables.stride(0), *po_strides, *pl_strides,
         bs, group,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split, EARLY_V=tiles.early_v,
-        HEADS_FIRST=tiles.heads_first, INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}), **pdl_launch_args(q))
+        HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t, INPUTS_READY=inputs_ready and EARLY_INPUTS,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
+        **pdl_launch_args(q))
     if split:
         # The decode kernel, the reduce's predecessor, writes none of the inputs: they are ready for it.
         decode_reduce(part_out, part_lse, q_rows, seq_ids, seq_lens, out, inputs_ready=EARLY_INPUTS,

@@ -596,3 +596,24 @@ def test_decode_over_fp8_cache_matches_reference(device, cache_dtype, head_dim, 
         decode_attention(q, cache, batch.block_tables, batch.seq_lens, scale, out=out, max_seq_len=max(lens),
                          num_splits=splits)
         assert_attention_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, None], ids=["e4m3", "act-dtype"])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_decode_values_transposed_matches_reference(device, cache_dtype, block_size):
+    """DecodeTiles.values_t: the same cache with each block's values stored [KV heads, head_dim, slots] gives the
+    same attention, over tiles that span several blocks (or half of one), with and without split-K; the slots past a
+    sequence's end in its last run of 16 are read and weigh nothing."""
+    dtype = _act_dtype()
+    lens = [1, 15, 17, 100, 333]
+    batch, cache, q = _decode_case(device, dtype, 128, 8, lens, block_size, cdiv_total(lens, block_size) + 8)
+    cache = cache.to(cache_dtype or dtype)
+    ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.1)
+    transposed = cache.clone()
+    transposed[1] = cache[1].permute(0, 2, 3, 1).contiguous().view(cache[1].shape)
+    for tiles in (DecodeTiles(values_t=True), DecodeTiles(64, 4, 3, True, heads_first=True, values_t=True)):
+        for splits in (1, 3):
+            out = torch.full_like(q, float("nan"))
+            decode_attention(q, transposed, batch.block_tables, batch.seq_lens, 0.1, out=out, max_seq_len=max(lens),
+                             num_splits=splits, tiles=tiles)
+            assert_attention_close(out, ref, dtype)
