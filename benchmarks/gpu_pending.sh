@@ -21,6 +21,8 @@
 #   bash benchmarks/gpu_pending.sh gqa-regs    # ~3 min: the GQA decode kernel at large batch under register caps
 #   bash benchmarks/gpu_pending.sh align-gather  # ~5 min: DEEPSERVE_MOE_ALIGN_GATHER: tests, the align alone, steps
 #   bash benchmarks/gpu_pending.sh values-t64  # ~3 min: GQA decode over E4M3, values transposed, 16- and 64-slot blocks
+#   bash benchmarks/gpu_pending.sh norms-few-rows  # ~8 min: DEEPSERVE_FUSED_NORMS_MAX_ROWS=1,16: tests, dense steps
+#   bash benchmarks/gpu_pending.sh l2-prefetch # ~9 min: DEEPSERVE_L2_PREFETCH (session 27's, never timed), dense steps
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
@@ -264,6 +266,29 @@ values-t64)
         tail -2 /tmp/values_t$bs.log | cut -c1-300; summarise_kernels "$OUT/values_t_block$bs.json"
         elapsed "values-t, $bs-slot blocks"
     done
+    ;;
+norms-few-rows)
+    # Decode steps of 2-16 rows with each RMSNorm in the K loop of the skinny GEMM that reads it and each residual
+    # add in an epilogue (9 launches a Llama layer -> 7; at batch 1 the same fusion gave 5%, ab_b1_session6.json).
+    # Llama-3.2-1B batch 8 at 1k reads at 0.70 of the roofline (h100_decode_sweep_dense_auto_s36.json).
+    timeout 150 python3 -m pytest -q -n 4 tests/gpu/test_skinny_gemm.py tests/gpu/test_engine_gpu.py \
+        -k "skinny or norm or residual or few_rows" -p no:cacheprovider 2>&1 | tail -3
+    elapsed "tests"
+    timeout 420 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_FUSED_NORMS_MAX_ROWS=1,16 \
+        --passes "${PASSES:-2}" --timeout 100 --output "$OUT/fused_norms_few_rows_ab.json" -- \
+        --shapes "${NORM_SHAPES:-llama-3.2-1b,llama-3-8b}" --batches 2,4,8,16 --contexts 1024 --profile-batch 0 \
+        > /tmp/norms_ab.log 2>&1
+    tail -3 /tmp/norms_ab.log; summarise_steps "$OUT/fused_norms_few_rows_ab.json"; elapsed "norms-few-rows"
+    ;;
+l2-prefetch)
+    # Session 27's switch (docs/gpu.md), written without a GPU and never timed: extra programs of the rotary + KV-write
+    # kernel or of the split reduce ask L2 for o_proj's weight while the latency-bound attention runs.
+    timeout 100 python3 -m pytest -q -n 4 tests/gpu -k "l2_prefetch or prefetch" -p no:cacheprovider 2>&1 | tail -2
+    timeout 480 python3 benchmarks/ab_env_sweep.py \
+        --setting DEEPSERVE_L2_PREFETCH=off,rotary,rotary_evict_last,reduce --passes 1 --timeout 110 \
+        --output "$OUT/l2_prefetch_ab.json" -- --shapes llama-3.2-1b --contexts 1024 --batches 1,8,16,64 \
+        --profile-batch 0 > /tmp/l2_prefetch_ab.log 2>&1
+    tail -3 /tmp/l2_prefetch_ab.log; summarise_steps "$OUT/l2_prefetch_ab.json"; elapsed "l2-prefetch"
     ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by

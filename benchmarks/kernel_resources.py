@@ -88,25 +88,32 @@ def gqa_cases() -> dict:
     return out
 
 
-# Llama-3.2-1B's weights (N x K) and whether the gate/up one runs the SwiGLU in its epilogue.
-SKINNY_WEIGHTS = {"qkv": (3072, 2048, False), "o_proj": (2048, 2048, False), "gate_up": (16384, 2048, True),
-                  "down": (2048, 8192, False), "lm_head": (128256, 2048, False)}
+# Llama-3.2-1B's weights (N x K), whether the gate/up one runs the SwiGLU in its epilogue, and which fused mode its
+# layer's few-row path (DEEPSERVE_FUSED_NORMS_MAX_ROWS) gives it: the RMSNorm in the K loop (qkv, gate/up) or the
+# residual add in the epilogue (o_proj, down).
+SKINNY_WEIGHTS = {"qkv": (3072, 2048, False, "norm"), "o_proj": (2048, 2048, False, "residual"),
+                  "gate_up": (16384, 2048, True, "norm"), "down": (2048, 8192, False, "residual"),
+                  "lm_head": (128256, 2048, False, None)}
 
 
 def skinny_cases() -> dict:
     """The skinny GEMM (kernels/skinny_gemm.py) at 8 activation rows on Llama-3.2-1B's weights, at the engine's
     tiles (`skinny_tiles`): the small-batch decode path of the dense 1B, whose steps read at 0.67-0.76 of the
-    bandwidth roofline at batch 8-64 (H100, session 30)."""
+    bandwidth roofline at batch 8-64 (H100, session 30); each weight also with its fused mode (NORM / RESIDUAL)."""
     from deepserve.kernels.skinny_gemm import _skinny_kernel, skinny_tiles
     out = {}
-    for name, (n, k, swiglu) in SKINNY_WEIGHTS.items():
+    for name, (n, k, swiglu, fused) in SKINNY_WEIGHTS.items():
         tiles = skinny_tiles(n, k)
-        constexprs = dict(HAS_BIAS=False, SWIGLU=swiglu, HAS_LIMIT=False, TWO=False, ACCURATE_EXP=True,
-                          EVEN_K=k % tiles.block_k == 0, BLOCK_M=16, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                          PREFETCH=tiles.prefetch, SPLIT_K=tiles.split_k, USE_PDL=True)
-        out[f"skinny {name} {n}x{k} n{tiles.block_n} k{tiles.block_k} split{tiles.split_k}"] = (
-            _skinny_kernel, {"part_ptr": "*fp32", "counter_ptr": "*i32"}, constexprs, {"limit": "fp32"},
-            tiles.warps, tiles.stages, None, ("n_out", "k_len", "n_out2", "k_per_split"))
+        for mode in (None, fused) if fused else (None,):
+            constexprs = dict(HAS_BIAS=False, SWIGLU=swiglu, HAS_LIMIT=False, TWO=False, ACCURATE_EXP=True,
+                              EVEN_K=k % tiles.block_k == 0, BLOCK_M=16, BLOCK_N=tiles.block_n,
+                              BLOCK_K=tiles.block_k, PREFETCH=tiles.prefetch, SPLIT_K=tiles.split_k,
+                              NORM=mode == "norm", RESIDUAL=mode == "residual", USE_PDL=True)
+            tag = f" {mode}" if mode else ""
+            out[f"skinny {name} {n}x{k} n{tiles.block_n} k{tiles.block_k} split{tiles.split_k}{tag}"] = (
+                _skinny_kernel, {"part_ptr": "*fp32", "counter_ptr": "*i32"}, constexprs,
+                {"limit": "fp32", "eps": "fp32"}, tiles.warps, tiles.stages, None,
+                ("n_out", "k_len", "n_out2", "k_per_split", "stride_rm"))
     return out
 
 

@@ -22,6 +22,12 @@ from deepserve.layers.kernel_dispatch import use_triton
 
 # A/B switch (DEEPSERVE_SKINNY_GEMM=0): GEMMs of 2-32 rows on the GPU stay on cuBLAS.
 _SKINNY = envs.DEEPSERVE_SKINNY_GEMM
+# DEEPSERVE_FUSED_NORMS_MAX_ROWS (1: batch 1 only): the most rows whose RMSNorms and residual adds run inside the
+# skinny GEMMs (`few_rows_fuse_norms`); at most 16, the rows every weight's skinny GEMM takes (skinny_max_rows).
+_FUSED_NORMS_MAX_ROWS = min(envs.DEEPSERVE_FUSED_NORMS_MAX_ROWS, 16)
+# bf16 only: the K loop multiplies the un-normalised x by the norm weight (kernels/skinny_gemm.py `_normed_tile`),
+# which can overflow fp16 where the normalised x would not.
+_NORM_IN_K_LOOP_DTYPES = (torch.bfloat16,)
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -58,6 +64,27 @@ def _plain(layer: nn.Module) -> bool:
 def _norm_fits(norm: nn.Module | None, x: torch.Tensor) -> bool:
     """A GEMV can run `norm` (an RMSNorm) in its prologue: its weight has x's dtype."""
     return norm is None or norm.weight.dtype == x.dtype
+
+
+def few_rows_fuse_norms(x: torch.Tensor, projections) -> bool:
+    """A decoder layer's few-row fused path (models/base.py DecoderLayer) applies to x: 2 to
+    DEEPSERVE_FUSED_NORMS_MAX_ROWS bf16 rows on the GPU, the skinny GEMM on, and every one of the layer's
+    `projections` a plain bf16 Linear, so that each norm runs in the K loop of the projection that reads it and each
+    residual add in an epilogue (bf16 rows: `_NORM_IN_K_LOOP_DTYPES`)."""
+    return (x.dim() == 2 and 2 <= x.shape[0] <= _FUSED_NORMS_MAX_ROWS and x.dtype in _NORM_IN_K_LOOP_DTYPES
+            and all(_plain(p) and _few_rows_on_gpu(x, p.weight) for p in projections))
+
+
+def _skinny_bias_fits(layer: nn.Module, x: torch.Tensor) -> bool:
+    return layer.bias is None or (layer.bias.dtype == x.dtype and layer.bias.is_contiguous())
+
+
+def _norm_in_k_loop(x: torch.Tensor, layer: nn.Module, norm: nn.Module | None, swiglu: bool = False) -> bool:
+    """`norm` (an RMSNorm, not None) can run in the K loop of `layer`'s skinny GEMM over x (`few_rows_fuse_norms`'
+    rules for one projection)."""
+    return (norm is not None and 2 <= x.shape[0] <= _FUSED_NORMS_MAX_ROWS and x.dtype in _NORM_IN_K_LOOP_DTYPES
+            and _plain(layer) and _norm_fits(norm, x) and _few_rows_on_gpu(x, layer.weight, swiglu)
+            and _skinny_bias_fits(layer, x))
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -123,28 +150,46 @@ def apply_linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = N
 
 def linear_residual(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor) -> torch.Tensor:
     """layer(x) + residual; for one row on the GPU through a plain `Linear`, the add runs in the GEMV's epilogue
-    (the same two roundings: the product's, the sum's)."""
-    if _plain(layer) and _one_row_on_gpu(x, layer.weight) and \
-            (layer.bias is None or layer.bias.dtype == x.dtype) and residual.dtype == x.dtype:
+    (the same two roundings: the product's, the sum's); for 2 to DEEPSERVE_FUSED_NORMS_MAX_ROWS rows, in the skinny
+    GEMM's."""
+    if not (_plain(layer) and residual.dtype == x.dtype):
+        return layer(x) + residual
+    if _one_row_on_gpu(x, layer.weight) and (layer.bias is None or layer.bias.dtype == x.dtype):
         from deepserve.kernels.gemv import gemv
         return gemv(x, layer.weight, layer.bias, residual=residual)
+    if 2 <= x.shape[0] <= _FUSED_NORMS_MAX_ROWS and _few_rows_on_gpu(x, layer.weight) and \
+            _skinny_bias_fits(layer, x) and residual.shape == (x.shape[0], layer.weight.shape[0]):
+        from deepserve.kernels.skinny_gemm import skinny_linear
+        return skinny_linear(x, layer.weight, layer.bias, residual=residual if residual.stride(-1) == 1
+                             else residual.contiguous())
     return layer(x) + residual
+
+
+def normed_linear(x: torch.Tensor, layer: nn.Module, norm: nn.Module | None) -> torch.Tensor:
+    """layer(norm(x)) (layer(x) when norm is None); for 2 to DEEPSERVE_FUSED_NORMS_MAX_ROWS bf16 rows on the GPU
+    through a plain `Linear`, the RMSNorm runs in the skinny GEMM's K loop: one launch."""
+    if _norm_in_k_loop(x, layer, norm):
+        from deepserve.kernels.skinny_gemm import skinny_linear
+        return skinny_linear(x, layer.weight, layer.bias, norm=norm)
+    return layer(x if norm is None else norm(x))
 
 
 def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None,
                         norm: nn.Module | None = None) -> torch.Tensor | None:
     """swiglu_activation(gate_up(x), limit) in one GEMV launch (the SwiGLU in its epilogue) for one row on the GPU
     through a plain `Linear` without bias; of norm(x) with `norm` (an RMSNorm, run in the GEMV's prologue). For 2-32
-    rows (skinny_max_rows) without `norm`, the skinny GEMM with the SwiGLU in its epilogue. None otherwise (a
-    quantized layer, more rows, the CPU): the caller then runs the steps one by one."""
+    rows (skinny_max_rows), the skinny GEMM with the SwiGLU in its epilogue; with `norm`, for up to
+    DEEPSERVE_FUSED_NORMS_MAX_ROWS bf16 rows, the norm in its K loop. None otherwise (a quantized layer, more rows,
+    the CPU): the caller then runs the steps one by one."""
     if not (_plain(gate_up) and gate_up.bias is None):
         return None
     if _one_row_on_gpu(x, gate_up.weight) and _norm_fits(norm, x):
         from deepserve.kernels.gemv import swiglu_gemv
         return swiglu_gemv(x, gate_up.weight, limit, norm=norm)
-    if norm is None and _few_rows_on_gpu(x, gate_up.weight, swiglu=True):
+    if (norm is None and _few_rows_on_gpu(x, gate_up.weight, swiglu=True)) or \
+            _norm_in_k_loop(x, gate_up, norm, swiglu=True):
         from deepserve.kernels.skinny_gemm import skinny_swiglu
-        return skinny_swiglu(x, gate_up.weight, limit)
+        return skinny_swiglu(x, gate_up.weight, limit, norm=norm)
     return None
 
 

@@ -1,0 +1,39 @@
+"""The skinny GEMM's fused modes (kernels/skinny_gemm.py NORM, RESIDUAL: the few-row decode path of
+DEEPSERVE_FUSED_NORMS_MAX_ROWS) on the sm_90 build, without a GPU: each compiles at the tiles the engine gives
+Llama-3.2-1B's weights, and with the norm in the K loop the weight tiles still stream through cp.async copies into
+shared memory (the pipeline the kernel's speed rests on), the x tile too."""
+
+import pytest
+
+from tests.kernels.sm90_compile import aligned, compile_for_sm90
+
+
+@pytest.fixture(autouse=True)
+def _triton(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")      # the default today; Triton 3.9 warns when unset
+
+
+def _ptx(n: int, k: int, swiglu: bool, norm: bool, residual: bool) -> str:
+    from deepserve.kernels.skinny_gemm import _skinny_kernel, skinny_tiles
+    tiles = skinny_tiles(n, k)
+    constexprs = dict(HAS_BIAS=False, SWIGLU=swiglu, HAS_LIMIT=False, TWO=False, ACCURATE_EXP=True,
+                      EVEN_K=k % tiles.block_k == 0, BLOCK_M=16, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                      PREFETCH=tiles.prefetch, SPLIT_K=tiles.split_k, NORM=norm, RESIDUAL=residual, USE_PDL=True)
+    return compile_for_sm90(_skinny_kernel, {"part_ptr": "*fp32", "counter_ptr": "*i32"}, constexprs,
+                            {"limit": "fp32", "eps": "fp32"},
+                            divisible_by_16=aligned(_skinny_kernel) + ("n_out", "k_len", "k_per_split"))
+
+
+@pytest.mark.parametrize("n,k,swiglu", [(3072, 2048, False), (16384, 2048, True)])
+def test_norm_in_the_k_loop_keeps_the_async_copies(n, k, swiglu):
+    ptx = _ptx(n, k, swiglu, norm=True, residual=False)
+    copies = ptx.count("cp.async.cg.shared.global") + ptx.count("cp.async.ca.shared.global")
+    plain = _ptx(n, k, swiglu, norm=False, residual=False)
+    assert copies >= plain.count("cp.async.cg.shared.global") + plain.count("cp.async.ca.shared.global") > 0
+    assert "sqrt" in ptx and "sqrt" not in plain        # rstd, once the loop has seen every column
+
+
+@pytest.mark.parametrize("n,k", [(2048, 2048), (2048, 8192)])      # o_proj; down, split in 4 along K
+def test_residual_epilogue_compiles(n, k):
+    assert "cp.async" in _ptx(n, k, False, norm=False, residual=True)
