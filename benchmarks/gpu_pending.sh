@@ -21,7 +21,7 @@
 #   bash benchmarks/gpu_pending.sh gqa-regs    # ~3 min: the GQA decode kernel at large batch under register caps
 #   bash benchmarks/gpu_pending.sh align-gather  # ~5 min: DEEPSERVE_MOE_ALIGN_GATHER: tests, the align alone, steps
 #   bash benchmarks/gpu_pending.sh values-t64  # ~3 min: GQA decode over E4M3, values transposed, 16- and 64-slot blocks
-#   bash benchmarks/gpu_pending.sh norms-few-rows  # ~8 min: DEEPSERVE_FUSED_NORMS_MAX_ROWS=1,16: tests, dense steps
+#   bash benchmarks/gpu_pending.sh norms-few-rows  # ~7 min: few-row fused norms / qkv + rotary: tests, 1B steps
 #   bash benchmarks/gpu_pending.sh l2-prefetch # ~9 min: DEEPSERVE_L2_PREFETCH (session 27's, never timed), dense steps
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -269,15 +269,17 @@ values-t64)
     ;;
 norms-few-rows)
     # Decode steps of 2-16 rows with each RMSNorm in the K loop of the skinny GEMM that reads it and each residual
-    # add in an epilogue (9 launches a Llama layer -> 7; at batch 1 the same fusion gave 5%, ab_b1_session6.json).
-    # Llama-3.2-1B batch 8 at 1k reads at 0.70 of the roofline (h100_decode_sweep_dense_auto_s36.json).
+    # add in an epilogue (DEEPSERVE_FUSED_NORMS_MAX_ROWS), and the qkv projection, rotary and KV write in one launch
+    # (DEEPSERVE_QKV_ROTARY_MAX_ROWS): 9 launches a Llama layer -> 7 -> 6; at batch 1 the norm fusion gave 5%
+    # (ab_b1_session6.json). Llama-3.2-1B batch 8 at 1k reads at 0.70 of the roofline
+    # (h100_decode_sweep_dense_auto_s36.json). Four settings; NORM_SHAPES=llama-3.2-1b,llama-3-8b adds the 8B.
     timeout 150 python3 -m pytest -q -n 4 tests/gpu/test_skinny_gemm.py tests/gpu/test_engine_gpu.py \
-        -k "skinny or norm or residual or few_rows" -p no:cacheprovider 2>&1 | tail -3
+        tests/gpu/test_qkv_rotary.py -k "skinny or norm or residual or few_row" -p no:cacheprovider 2>&1 | tail -3
     elapsed "tests"
     timeout 420 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_FUSED_NORMS_MAX_ROWS=1,16 \
-        --passes "${PASSES:-2}" --timeout 100 --output "$OUT/fused_norms_few_rows_ab.json" -- \
-        --shapes "${NORM_SHAPES:-llama-3.2-1b,llama-3-8b}" --batches 2,4,8,16 --contexts 1024 --profile-batch 0 \
-        > /tmp/norms_ab.log 2>&1
+        --setting DEEPSERVE_QKV_ROTARY_MAX_ROWS=1,16 --passes "${PASSES:-1}" --timeout 100 \
+        --output "$OUT/fused_norms_few_rows_ab.json" -- --shapes "${NORM_SHAPES:-llama-3.2-1b}" \
+        --batches 2,4,8,16 --contexts 1024 --profile-batch 0 > /tmp/norms_ab.log 2>&1
     tail -3 /tmp/norms_ab.log; summarise_steps "$OUT/fused_norms_few_rows_ab.json"; elapsed "norms-few-rows"
     ;;
 l2-prefetch)

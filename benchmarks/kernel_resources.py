@@ -99,7 +99,8 @@ SKINNY_WEIGHTS = {"qkv": (3072, 2048, False, "norm"), "o_proj": (2048, 2048, Fal
 def skinny_cases() -> dict:
     """The skinny GEMM (kernels/skinny_gemm.py) at 8 activation rows on Llama-3.2-1B's weights, at the engine's
     tiles (`skinny_tiles`): the small-batch decode path of the dense 1B, whose steps read at 0.67-0.76 of the
-    bandwidth roofline at batch 8-64 (H100, session 30); each weight also with its fused mode (NORM / RESIDUAL)."""
+    bandwidth roofline at batch 8-64 (H100, session 30); each weight also with its fused mode (NORM / RESIDUAL), and
+    the qkv one as the qkv + rotary + KV-write launch."""
     from deepserve.kernels.skinny_gemm import _skinny_kernel, skinny_tiles
     out = {}
     for name, (n, k, swiglu, fused) in SKINNY_WEIGHTS.items():
@@ -114,6 +115,17 @@ def skinny_cases() -> dict:
                 _skinny_kernel, {"part_ptr": "*fp32", "counter_ptr": "*i32"}, constexprs,
                 {"limit": "fp32", "eps": "fp32"}, tiles.warps, tiles.stages, None,
                 ("n_out", "k_len", "n_out2", "k_per_split", "stride_rm"))
+    # The qkv projection + rotary + KV write on the same K loop (kernels/qkv_rotary.py, DEEPSERVE_QKV_ROTARY_MAX_ROWS),
+    # with the norm in it, into a bf16 cache.
+    from deepserve.kernels.qkv_rotary import _skinny_qkv_rotary_write_kernel
+    n, k = SKINNY_WEIGHTS["qkv"][:2]
+    tiles = skinny_tiles(n, k)
+    out[f"skinny qkv_rotary {n}x{k} n{tiles.block_n} k{tiles.block_k} norm"] = (
+        _skinny_qkv_rotary_write_kernel,
+        {"pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
+        dict(HEAD_DIM=64, HALF_CACHE=False, HAS_BIAS=False, NORM=True, EVEN_K=True, BLOCK_M=16, BLOCK_N=tiles.block_n,
+             BLOCK_K=tiles.block_k, PREFETCH=tiles.prefetch, USE_PDL=True),
+        {"eps": "fp32"}, tiles.warps, tiles.stages, None, ("k_len",))
     return out
 
 

@@ -126,6 +126,11 @@ _DECLARED = [
            "GEMMs that read them and its residual adds in their epilogues, as at batch 1 (kernels/skinny_gemm.py "
            "NORM / RESIDUAL): 9 launches a layer become 7. 1 (the default): batch 1 only, until a GPU session "
            "times it (benchmarks/gpu_pending.sh norms-few-rows) (read at import)"),
+    EnvVar("DEEPSERVE_QKV_ROTARY_MAX_ROWS", "int", 1,
+           "GPU decode steps of up to this many rows (2-16, one token each): a Llama/Qwen2 layer's qkv projection, "
+           "rotary embedding and KV-cache write in one skinny-GEMM launch (kernels/qkv_rotary.py "
+           "skinny_qkv_rotary_write), as at batch 1. 1 (the default): batch 1 only, until a GPU session times it "
+           "(benchmarks/gpu_pending.sh norms-few-rows) (read at import)"),
     EnvVar("DEEPSERVE_SKINNY_GEMM", "bool", True,
            "GPU decode GEMMs of 2-32 rows (2-16 for narrow weights of rows 2049-4095 long) through the skinny "
            "Triton GEMM (kernels/skinny_gemm.py), the SwiGLU in the gate/up one's epilogue; 0: cuBLAS and the "

@@ -108,6 +108,47 @@ def _normed_tile(x, sum_sq, norm_ptrs, k_ok):
 
 
 @triton.jit
+def skinny_product(x_ptr, w_ptr, rows, rows_ok, m, m_ok, k_start, k_end, k_len, stride_xm, stride_wn, norm_ptr, eps,
+                   EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PREFETCH: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
+    """[BLOCK_N, BLOCK_M] float32: w[rows, k_start:k_end] . x[m, k_start:k_end] for the program's weight rows and the
+    activation rows m (x^T the MMA's right operand); of rms_norm(x) * norm weight when NORM (`_normed_tile`: then
+    k_start:k_end must be all of k_len). Waits for the previous kernel (PDL) after asking L2 for its first weights;
+    shared with the qkv + rotary kernel of kernels/qkv_rotary.py."""
+    k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + k_start + k[None, :]
+    x_ptrs = x_ptr + m[None, :].to(tl.int64) * stride_xm + k_start + k[:, None]          # x^T: [BLOCK_K, BLOCK_M]
+    # x comes from the previous kernel (rule 1 of kernels/pdl.py). The weights are constant: while that kernel
+    # drains, the program asks L2 for them (loading them into registers would take the first stage out of the K
+    # loop's software pipeline), so the loop's first loads hit L2.
+    if USE_PDL and PREFETCH == 1:
+        prefetch_rows_to_l2(w_ptr + k_start, rows, rows_ok, tl.minimum(k_end - k_start, BLOCK_K), stride_wn, BLOCK_K)
+    if USE_PDL and PREFETCH == 2:
+        prefetch_rows_to_l2(w_ptr + k_start, rows, rows_ok, k_end - k_start, stride_wn, BLOCK_K)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    sum_sq = tl.zeros([BLOCK_M], tl.float32)          # NORM: each row's sum of squares, along the K loop
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            k_ok = k < BLOCK_K
+            w = tl.load(w_ptrs, mask=rows_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+        else:
+            k_ok = k < k_end - k0
+            w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        if NORM:
+            x, sum_sq = _normed_tile(x, sum_sq, norm_ptr + k0 + k, k_ok)
+        acc = tl.dot(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if NORM:
+        acc *= (1.0 / tl.sqrt(sum_sq / k_len + eps))[None, :]
+    return acc
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, m_rows, n_out, k_len, stride_xm, stride_wn, stride_ym, limit,
                    w2_ptr, y2_ptr, n_out2, stride_w2n, stride_y2m, programs_first,
                    part_ptr, counter_ptr, k_per_split, norm_ptr, eps, res_ptr, stride_rm,
@@ -142,42 +183,14 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, m_rows, n_out, k_len, stride_x
         rows_ok = rows < n_out
     m = tl.arange(0, BLOCK_M)
     m_ok = m < m_rows
-    k = tl.arange(0, BLOCK_K)
     k_start = 0
     k_end = k_len
     if SPLIT_K > 1:
         k_start = tl.program_id(1) * k_per_split
         k_end = tl.minimum(k_start + k_per_split, k_len)
-    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + k_start + k[None, :]
-    x_ptrs = x_ptr + m[None, :].to(tl.int64) * stride_xm + k_start + k[:, None]          # x^T: [BLOCK_K, BLOCK_M]
-    # x comes from the previous kernel (rule 1 of kernels/pdl.py). The weights are constant: while that kernel
-    # drains, the program asks L2 for them (loading them into registers would take the first stage out of the K
-    # loop's software pipeline), so the loop's first loads hit L2.
-    if USE_PDL and PREFETCH == 1:
-        prefetch_rows_to_l2(w_ptr + k_start, rows, rows_ok, tl.minimum(k_end - k_start, BLOCK_K), stride_wn, BLOCK_K)
-    if USE_PDL and PREFETCH == 2:
-        prefetch_rows_to_l2(w_ptr + k_start, rows, rows_ok, k_end - k_start, stride_wn, BLOCK_K)
-    pdl_wait(USE_PDL)
-    pdl_launch_dependents(USE_PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    sum_sq = tl.zeros([BLOCK_M], tl.float32)          # NORM: each row's sum of squares, along the K loop
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            k_ok = k < BLOCK_K
-            w = tl.load(w_ptrs, mask=rows_ok[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
-        else:
-            k_ok = k < k_end - k0
-            w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        if NORM:
-            x, sum_sq = _normed_tile(x, sum_sq, norm_ptr + k0 + k, k_ok)
-        acc = tl.dot(w, x, acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    if NORM:
-        tl.static_assert(SPLIT_K == 1, "an RMSNorm prologue needs all of K in one program")
-        acc *= (1.0 / tl.sqrt(sum_sq / k_len + eps))[None, :]
+    tl.static_assert(not NORM or SPLIT_K == 1, "an RMSNorm in the K loop needs all of K in one program")
+    acc = skinny_product(x_ptr, w_ptr, rows, rows_ok, m, m_ok, k_start, k_end, k_len, stride_xm, stride_wn,
+                         norm_ptr, eps, EVEN_K, BLOCK_N, BLOCK_M, BLOCK_K, PREFETCH, NORM, USE_PDL)
     if SPLIT_K > 1:
         acc, last = _split_k_sum(acc, part_ptr, counter_ptr, tile, tl.program_id(1), tl.num_programs(0), r, m, m_ok,
                                  SPLIT_K, BLOCK_N, BLOCK_M)

@@ -22,7 +22,7 @@ from deepserve.kernels import cpu as cpu_kernels
 from deepserve.kernels.reference.attention import (causal_prefill_attention, gather_blocks,  # noqa: F401
                                                   masked_decode_attention, write_kv)
 from deepserve.layers.forward_batch import ForwardBatch
-from deepserve.layers.linear import fused_qkv_rotary_write
+from deepserve.layers.linear import fused_qkv_rotary_rows, fused_qkv_rotary_write
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import RotaryEmbedding
 
@@ -206,11 +206,12 @@ class Attention(nn.Module):
                             rotary: RotaryEmbedding, norm: nn.Module | None = None,
                             prefetch: torch.Tensor | None = None) -> torch.Tensor | None:
         """`forward` of qkv_proj(x) (of qkv_proj(norm(x)) given an RMSNorm `norm`) split into q, k, v, when one
-        launch can normalise, project, rotate and write the cache (one decode token on the GPU, a backend that can
-        attend to an already written cache, a plain NeoX rotary embedding); None otherwise, and the caller takes
-        the usual path. `prefetch` as in `forward`."""
+        launch can normalise, project, rotate and write the cache (decode tokens on the GPU: one, or up to
+        DEEPSERVE_QKV_ROTARY_MAX_ROWS; a backend that can attend to an already written cache, a plain NeoX rotary
+        embedding); None otherwise, and the caller takes the usual path. `prefetch` as in `forward` (the fused
+        launches do not take it)."""
         attend_cached = getattr(self.backend, "attend_cached", None)
-        if attend_cached is None or x.shape[0] != 1 or type(rotary) is not RotaryEmbedding \
+        if attend_cached is None or not fused_qkv_rotary_rows(x) or type(rotary) is not RotaryEmbedding \
                 or not batch.is_decode_only:
             return None
         q = fused_qkv_rotary_write(x, qkv_proj, self.kv_cache, batch, rotary, self.num_heads, self.num_kv_heads,

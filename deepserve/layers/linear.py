@@ -25,6 +25,9 @@ _SKINNY = envs.DEEPSERVE_SKINNY_GEMM
 # DEEPSERVE_FUSED_NORMS_MAX_ROWS (1: batch 1 only): the most rows whose RMSNorms and residual adds run inside the
 # skinny GEMMs (`few_rows_fuse_norms`); at most 16, the rows every weight's skinny GEMM takes (skinny_max_rows).
 _FUSED_NORMS_MAX_ROWS = min(envs.DEEPSERVE_FUSED_NORMS_MAX_ROWS, 16)
+# DEEPSERVE_QKV_ROTARY_MAX_ROWS (1: batch 1 only): the most decode rows whose qkv projection, rotary embedding and
+# KV-cache write run in one skinny-GEMM launch (`fused_qkv_rotary_write`); at most 16, as above.
+_QKV_ROTARY_MAX_ROWS = min(envs.DEEPSERVE_QKV_ROTARY_MAX_ROWS, 16)
 # bf16 only: the K loop multiplies the un-normalised x by the norm weight (kernels/skinny_gemm.py `_normed_tile`),
 # which can overflow fp16 where the normalised x would not.
 _NORM_IN_K_LOOP_DTYPES = (torch.bfloat16,)
@@ -208,17 +211,31 @@ def fused_two_linear(x: torch.Tensor, a: nn.Module, b: nn.Module) -> tuple[torch
     return None
 
 
+def fused_qkv_rotary_rows(x: torch.Tensor) -> bool:
+    """x has a row count `fused_qkv_rotary_write` may take (a cheap first test: 1 to DEEPSERVE_QKV_ROTARY_MAX_ROWS)."""
+    return 1 <= x.shape[0] <= max(1, _QKV_ROTARY_MAX_ROWS)
+
+
 def fused_qkv_rotary_write(x: torch.Tensor, qkv_proj: nn.Module, kv_cache: torch.Tensor, batch, rotary,
                            num_heads: int, num_kv_heads: int, norm: nn.Module | None = None) -> torch.Tensor | None:
-    """Batch-1 decode on the GPU: (the RMSNorm `norm` of x,) the qkv projection (a plain `Linear`, q then k then v
-    rows), the NeoX rotary embedding of q and k at batch.positions, and the write of k and v at batch.slot_mapping,
-    in one launch (kernels/qkv_rotary.py) -> q rotated [1, H, D]; None where that path does not apply (the caller
-    runs the norm and the projection, then the attention backend's rotary + cache write)."""
-    if _plain(qkv_proj) and _one_row_on_gpu(x, qkv_proj.weight) and \
-            (qkv_proj.bias is None or qkv_proj.bias.dtype == x.dtype) and _norm_fits(norm, x):
+    """Decode on the GPU, one token a row: (the RMSNorm `norm` of x,) the qkv projection (a plain `Linear`, q then k
+    then v rows), the NeoX rotary embedding of q and k at batch.positions, and the write of k and v at
+    batch.slot_mapping, in one launch (kernels/qkv_rotary.py) -> q rotated [T, H, D]: the GEMV at one row, the skinny
+    GEMM at 2 to DEEPSERVE_QKV_ROTARY_MAX_ROWS (with `norm` only where it can run in the K loop). None where that
+    path does not apply (the caller runs the norm and the projection, then the attention backend's rotary + cache
+    write)."""
+    if not (_plain(qkv_proj) and _norm_fits(norm, x)):
+        return None
+    if _one_row_on_gpu(x, qkv_proj.weight) and (qkv_proj.bias is None or qkv_proj.bias.dtype == x.dtype):
         from deepserve.kernels.qkv_rotary import qkv_rotary_write
         return qkv_rotary_write(x, qkv_proj.weight, qkv_proj.bias, kv_cache, batch.slot_mapping, batch.positions,
                                 rotary.cos_cache, rotary.sin_cache, num_heads, num_kv_heads, norm=norm)
+    if x.dim() == 2 and 2 <= x.shape[0] <= _QKV_ROTARY_MAX_ROWS and _few_rows_on_gpu(x, qkv_proj.weight) and \
+            _skinny_bias_fits(qkv_proj, x) and (norm is None or _norm_in_k_loop(x, qkv_proj, norm)):
+        from deepserve.kernels.qkv_rotary import skinny_qkv_rotary_write
+        return skinny_qkv_rotary_write(x, qkv_proj.weight, qkv_proj.bias, kv_cache, batch.slot_mapping,
+                                       batch.positions, rotary.cos_cache, rotary.sin_cache, num_heads, num_kv_heads,
+                                       norm=norm)
     return None
 
 

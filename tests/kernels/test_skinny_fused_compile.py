@@ -37,3 +37,19 @@ def test_norm_in_the_k_loop_keeps_the_async_copies(n, k, swiglu):
 @pytest.mark.parametrize("n,k", [(2048, 2048), (2048, 8192)])      # o_proj; down, split in 4 along K
 def test_residual_epilogue_compiles(n, k):
     assert "cp.async" in _ptx(n, k, False, norm=False, residual=True)
+
+
+@pytest.mark.parametrize("n,k,head_dim,norm", [(3072, 2048, 64, True), (6144, 4096, 128, False)])
+def test_qkv_rotary_few_rows_compiles(n, k, head_dim, norm):
+    """kernels/qkv_rotary.py's skinny version (DEEPSERVE_QKV_ROTARY_MAX_ROWS) at Llama-3.2-1B's qkv (with the norm
+    in the K loop) and Llama-3-8B's, into an E4M3 cache: its weight tiles through cp.async copies too."""
+    from deepserve.kernels.qkv_rotary import _skinny_qkv_rotary_write_kernel as kernel
+    from deepserve.kernels.skinny_gemm import skinny_tiles
+    tiles = skinny_tiles(n, k)
+    ptx = compile_for_sm90(kernel, {"pos_ptr": "*i64", "slot_ptr": "*i64", "cache_ptr": "*fp8e4nv",
+                                    "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
+                           dict(HEAD_DIM=head_dim, HALF_CACHE=False, HAS_BIAS=False, NORM=norm,
+                                EVEN_K=k % tiles.block_k == 0, BLOCK_M=16, BLOCK_N=tiles.block_n,
+                                BLOCK_K=tiles.block_k, PREFETCH=tiles.prefetch, USE_PDL=True),
+                           {"eps": "fp32"}, divisible_by_16=aligned(kernel) + ("k_len",))
+    assert "cp.async.cg.shared.global" in ptx or "cp.async.ca.shared.global" in ptx
