@@ -23,6 +23,7 @@
 #   bash benchmarks/gpu_pending.sh values-t64  # ~3 min: GQA decode over E4M3, values transposed, 16- and 64-slot blocks
 #   bash benchmarks/gpu_pending.sh norms-few-rows  # ~7 min: few-row fused norms / qkv + rotary: tests, 1B steps
 #   bash benchmarks/gpu_pending.sh l2-prefetch # ~9 min: DEEPSERVE_L2_PREFETCH (session 27's, never timed), dense steps
+#   bash benchmarks/gpu_pending.sh graph-tokens-1b  # ~4 min: DEEPSERVE_GRAPH_TOKENS=0,1 in Llama-3.2-1B steps
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
@@ -291,6 +292,16 @@ l2-prefetch)
         --output "$OUT/l2_prefetch_ab.json" -- --shapes llama-3.2-1b --contexts 1024 --batches 1,8,16,64 \
         --profile-batch 0 > /tmp/l2_prefetch_ab.log 2>&1
     tail -3 /tmp/l2_prefetch_ab.log; summarise_steps "$OUT/l2_prefetch_ab.json"; elapsed "l2-prefetch"
+    ;;
+graph-tokens-1b)
+    # Llama-3.2-1B's batch-1 step at 1k takes 1.102 ms of which the graph replay is 1.075 (H100,
+    # h100_decode_sweep_dense_auto_s36.json): 27 us a step outside the graph, 2.5% of it. DEEPSERVE_GRAPH_TOKENS
+    # (session 27) ends each graph with the greedy argmax and starts it with the token patch; it was timed on
+    # Qwen3-MoE only (batch 8 / 128, within noise: graph_inputs_ab_h200.json).
+    timeout 300 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_GRAPH_TOKENS=0,1 --passes "${PASSES:-2}" \
+        --timeout 70 --output "$OUT/graph_tokens_1b_ab.json" -- --shapes llama-3.2-1b --batches 1,8 \
+        --contexts 1024 --profile-batch 0 > /tmp/graph_tokens_ab.log 2>&1
+    tail -3 /tmp/graph_tokens_ab.log; summarise_steps "$OUT/graph_tokens_1b_ab.json"; elapsed "graph-tokens-1b"
     ;;
 combine-ab)
     # The MoE combine summed inside the next add + RMSNorm (one launch a MoE layer fewer; bit-identical, checked by
