@@ -363,3 +363,37 @@ def test_few_rows_path_runs_the_norm_and_the_add_in_the_gemms(device, monkeypatc
     for out, ref in ((fused, exact), (q, q_exact)):
         rel = ((out.double() - ref).norm() / ref.norm()).item()
         assert rel < 4 * u, f"relative error {rel:.2e}"
+
+
+def test_few_rows_path_through_a_cpu_engine_in_the_interpreter(tiny_llama, monkeypatch):
+    """The engine's few-row fused path end to end on the CPU through Triton's interpreter (fp16: the interpreter's
+    bf16 products are wrong): decode steps of 4 rows run every layer's norms and residual adds inside the skinny
+    GEMMs, and the greedy tokens are the plain CPU engine's up to a near tie. On a GPU, test_engine_gpu.py's
+    test_few_rows_fused_norms_keep_the_greedy_tokens runs the bf16 engine instead."""
+    from deepserve import LLM, SamplingParams
+    from deepserve.kernels import INTERPRET
+    import deepserve.kernels.skinny_gemm as skinny_module
+    from tests.engine.near_tie import first_divergence_is_a_near_tie
+    if not INTERPRET:
+        pytest.skip("the interpreter's run of the CPU engine (on a GPU: test_engine_gpu.py)")
+    prompts = [{"prompt_token_ids": list(range(5 + i, 20 + 3 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+    def run():
+        llm = LLM(tiny_llama, skip_tokenizer_init=True, device="cpu", dtype="float16", max_model_len=128)
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = run()
+    launched = []
+    real_launch = skinny_module._launch
+    monkeypatch.setattr(skinny_module, "_launch", lambda *a, **kw: launched.append(
+        (kw.get("norm") is not None, kw.get("residual") is not None)) or real_launch(*a, **kw))
+    monkeypatch.setattr(linear_module, "use_triton", lambda x: True)
+    monkeypatch.setattr(linear_module, "_FUSED_NORMS_MAX_ROWS", 16)
+    monkeypatch.setattr(linear_module, "_NORM_IN_K_LOOP_DTYPES", (torch.float16,))
+    got = [o.token_ids for o in run()]
+    norms, adds = sum(n for n, _ in launched), sum(r for _, r in launched)
+    assert norms == adds > 0          # per layer and step: qkv and gate/up take a norm, o_proj and down an add
+    parted = [i for i, (w, g) in enumerate(zip(want, got)) if w.token_ids != g]
+    assert all(first_divergence_is_a_near_tie(want[i].token_ids, got[i], want[i].logprobs) for i in parted)
+    assert len(parted) <= 1, parted
