@@ -27,7 +27,7 @@ from deepserve.kernels.gemv import (norm_eps, norm_ref, norm_weight_or, normed_g
 from deepserve.kernels.kv_rounding import store_rounded
 from deepserve.kernels.pdl import pdl_launch_args
 from deepserve.kernels.rotary import half_width_caches
-from deepserve.kernels.skinny_gemm import skinny_product, skinny_tiles
+from deepserve.kernels.skinny_gemm import rows_tiles, skinny_product, skinny_tiles
 
 
 @triton.jit
@@ -191,7 +191,7 @@ def skinny_qkv_rotary_write(x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional
                             kv_cache: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
                             cos_cache: torch.Tensor, sin_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                             norm=None) -> torch.Tensor:
-    """`qkv_rotary_write` for M rows, one decode token each (2 <= M <= the skinny GEMM's rows): x [M, K] -> q
+    """`qkv_rotary_write` for M rows, one decode token each (2 <= M <= 64): x [M, K] -> q
     rotated [M, H, D]; each row's k rotated and v written at its slot (a negative slot writes nothing). With `norm`
     (an RMSNorm), of norm(x), the norm in the K loop (kernels/skinny_gemm.py `_normed_tile`: bf16 rows in the
     engine). The skinny GEMM's tiling of the qkv weight (`skinny_tiles`), whose rows per program must hold whole
@@ -206,7 +206,7 @@ def skinny_qkv_rotary_write(x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional
     assert kv_cache.stride(-1) == 1 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == num_kv_heads
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
     assert positions.shape[0] >= rows and slot_mapping.shape[0] >= rows
-    tiles = skinny_tiles(n, k)._replace(split_k=1)
+    block_m, tiles = rows_tiles(rows, skinny_tiles(n, k)._replace(split_k=1))
     q_out = torch.empty(rows, num_heads, d, dtype=x.dtype, device=x.device)
     _skinny_qkv_rotary_write_kernel[(triton.cdiv(n // 2, tiles.block_n // 2),)](
         x, norm_weight_or(norm, x), w_qkv, bias if bias is not None else x, positions, slot_mapping, q_out,
@@ -214,7 +214,7 @@ def skinny_qkv_rotary_write(x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), cos_cache.stride(0), kv_cache.shape[2],
         num_heads, num_kv_heads, norm_eps(norm),
         HEAD_DIM=d, HALF_CACHE=half_width_caches(d, cos_cache, sin_cache), HAS_BIAS=bias is not None,
-        NORM=norm is not None, EVEN_K=k % tiles.block_k == 0, BLOCK_M=max(16, next_pow2(rows)),
+        NORM=norm is not None, EVEN_K=k % tiles.block_k == 0, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PREFETCH=tiles.prefetch, num_warps=tiles.warps,
         num_stages=tiles.stages, **pdl_launch_args(x))
     return q_out

@@ -290,15 +290,17 @@ def skinny_wide_tiles(n: int, k: int, swiglu: bool) -> Optional[SkinnyTiles]:
     return None
 
 
-def skinny_applies(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> bool:
+def skinny_applies(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, fused: bool = False) -> bool:
     """x [M, K] with 2 <= M <= skinny_max_rows(N, K) of weight's half-precision dtype, no autograd (the caller
     checked the device); under DEEPSERVE_SKINNY_64_ROWS also 33-64 rows of the weights `skinny_wide_tiles` names
-    (`swiglu`: weight is a gate/up one whose SwiGLU runs in the epilogue)."""
+    (`swiglu`: weight is a gate/up one whose SwiGLU runs in the epilogue). `fused`: the launch also takes a norm,
+    a residual add or the rotary write (DEEPSERVE_FUSED_NORMS_MAX_ROWS, DEEPSERVE_QKV_ROTARY_MAX_ROWS), which saves
+    launches of their own: then any weight takes up to WIDE_MAX_ROWS rows (not yet timed past 16)."""
     if not (x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()):
         return False
     rows = x.shape[0]
-    if 2 <= rows <= skinny_max_rows(*weight.shape):
+    if 2 <= rows <= skinny_max_rows(*weight.shape) or (fused and 2 <= rows <= WIDE_MAX_ROWS):
         return True
     return WIDE_ROWS and 32 < rows <= WIDE_MAX_ROWS and skinny_wide_tiles(*weight.shape, swiglu) is not None
 
@@ -376,6 +378,17 @@ def split_counters(device: torch.device) -> Optional[torch.Tensor]:
     return counters
 
 
+def rows_tiles(rows: int, tiles: SkinnyTiles) -> tuple[int, SkinnyTiles]:
+    """(BLOCK_M, tiles) of a launch over `rows` activation rows: rows padded to a power of two of at least 16 (an
+    MMA's side); past 32 rows (DEEPSERVE_SKINNY_64_ROWS, the fused modes, or h200_decode_sweep.py --skinny-max-rows)
+    half the K step, so that four stages of the weight and activation tiles fit in shared memory (64 x 256 tiles
+    at 64 rows need 256 KB)."""
+    block_m = max(16, next_pow2(rows))
+    if block_m > 32:
+        tiles = tiles._replace(block_k=max(16, tiles.block_k // 2))
+    return block_m, tiles
+
+
 def _k_split(k: int, tiles: SkinnyTiles, num_tiles: int, device: torch.device):
     """(parts, K elements per part, counters) of a launch: whole K steps per part, no empty part; one part when
     the tiling asks for none, the tiles outnumber the counters, or the counters cannot be made now."""
@@ -396,11 +409,7 @@ def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, li
     w2, y2 = second if second is not None else (weight, y)
     programs_second = triton.cdiv(w2.shape[0], rows_per_program) if second is not None else 0
     num_tiles = programs + programs_second
-    block_m = max(16, next_pow2(x.shape[0]))
-    if block_m > 32:
-        # 33-64 rows (DEEPSERVE_SKINNY_64_ROWS, or h200_decode_sweep.py --skinny-max-rows): half the K step, so that
-        # four stages of the weight and activation tiles fit in shared memory (64 x 256 tiles at 64 rows need 256 KB).
-        tiles = tiles._replace(block_k=max(16, tiles.block_k // 2))
+    block_m, tiles = rows_tiles(x.shape[0], tiles)
     parts, per_part, counters = _k_split(k, tiles, num_tiles, x.device)
     if norm is not None:
         weight_norm = norm_weight_or(norm, x)
@@ -423,6 +432,6 @@ def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, li
 
 
 __all__ = ["SKINNY_MAX_ROWS", "SKINNY_MAX_ROWS_SHORT_K", "SHORT_K", "SPLIT_COUNTERS", "SPLIT_K_MIN_K",
-           "WIDE_MAX_ROWS", "WIDE_N", "WIDE_ROWS", "SkinnyTiles", "skinny_applies", "skinny_linear",
+           "WIDE_MAX_ROWS", "WIDE_N", "WIDE_ROWS", "SkinnyTiles", "rows_tiles", "skinny_applies", "skinny_linear",
            "skinny_linear_two", "skinny_max_rows", "skinny_swiglu", "skinny_tiles", "skinny_wide_tiles",
            "split_counters"]

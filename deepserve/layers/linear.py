@@ -23,11 +23,11 @@ from deepserve.layers.kernel_dispatch import use_triton
 # A/B switch (DEEPSERVE_SKINNY_GEMM=0): GEMMs of 2-32 rows on the GPU stay on cuBLAS.
 _SKINNY = envs.DEEPSERVE_SKINNY_GEMM
 # DEEPSERVE_FUSED_NORMS_MAX_ROWS (1: batch 1 only): the most rows whose RMSNorms and residual adds run inside the
-# skinny GEMMs (`few_rows_fuse_norms`); at most 16, the rows every weight's skinny GEMM takes (skinny_max_rows).
-_FUSED_NORMS_MAX_ROWS = min(envs.DEEPSERVE_FUSED_NORMS_MAX_ROWS, 16)
+# skinny GEMMs (`few_rows_fuse_norms`); at most 64, the skinny GEMM's most (skinny_gemm.WIDE_MAX_ROWS).
+_FUSED_NORMS_MAX_ROWS = min(envs.DEEPSERVE_FUSED_NORMS_MAX_ROWS, 64)
 # DEEPSERVE_QKV_ROTARY_MAX_ROWS (1: batch 1 only): the most decode rows whose qkv projection, rotary embedding and
-# KV-cache write run in one skinny-GEMM launch (`fused_qkv_rotary_write`); at most 16, as above.
-_QKV_ROTARY_MAX_ROWS = min(envs.DEEPSERVE_QKV_ROTARY_MAX_ROWS, 16)
+# KV-cache write run in one skinny-GEMM launch (`fused_qkv_rotary_write`); at most 64, as above.
+_QKV_ROTARY_MAX_ROWS = min(envs.DEEPSERVE_QKV_ROTARY_MAX_ROWS, 64)
 # bf16 only: the K loop multiplies the un-normalised x by the norm weight (kernels/skinny_gemm.py `_normed_tile`),
 # which can overflow fp16 where the normalised x would not.
 _NORM_IN_K_LOOP_DTYPES = (torch.bfloat16,)
@@ -49,14 +49,15 @@ def _one_row_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return one_row_on_gpu(x) and x.dtype == weight.dtype
 
 
-def _few_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> bool:
+def _few_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, fused: bool = False) -> bool:
     """2-32 (2-16: skinny_max_rows) activation rows of weight's half-precision dtype on the GPU, no autograd: where the
     skinny GEMM applies (a decode step of a small batch; kernels/skinny_gemm.py says why cuBLAS is slow there); up
-    to 64 for some weights under DEEPSERVE_SKINNY_64_ROWS (`swiglu`: a gate/up weight with the SwiGLU fused)."""
+    to 64 for some weights under DEEPSERVE_SKINNY_64_ROWS (`swiglu`: a gate/up weight with the SwiGLU fused), and
+    for every weight in a fused mode (`fused`: a norm, residual add or rotary write rides along)."""
     if not (_SKINNY and use_triton(x)):
         return False
     from deepserve.kernels.skinny_gemm import skinny_applies
-    return skinny_applies(x, weight, swiglu)
+    return skinny_applies(x, weight, swiglu, fused)
 
 
 def _plain(layer: nn.Module) -> bool:
@@ -75,7 +76,7 @@ def few_rows_fuse_norms(x: torch.Tensor, projections) -> bool:
     `projections` a plain bf16 Linear, so that each norm runs in the K loop of the projection that reads it and each
     residual add in an epilogue (bf16 rows: `_NORM_IN_K_LOOP_DTYPES`)."""
     return (x.dim() == 2 and 2 <= x.shape[0] <= _FUSED_NORMS_MAX_ROWS and x.dtype in _NORM_IN_K_LOOP_DTYPES
-            and all(_plain(p) and _few_rows_on_gpu(x, p.weight) for p in projections))
+            and all(_plain(p) and _few_rows_on_gpu(x, p.weight, fused=True) for p in projections))
 
 
 def _skinny_bias_fits(layer: nn.Module, x: torch.Tensor) -> bool:
@@ -86,7 +87,7 @@ def _norm_in_k_loop(x: torch.Tensor, layer: nn.Module, norm: nn.Module | None, s
     """`norm` (an RMSNorm, not None) can run in the K loop of `layer`'s skinny GEMM over x (`few_rows_fuse_norms`'
     rules for one projection)."""
     return (norm is not None and 2 <= x.shape[0] <= _FUSED_NORMS_MAX_ROWS and x.dtype in _NORM_IN_K_LOOP_DTYPES
-            and _plain(layer) and _norm_fits(norm, x) and _few_rows_on_gpu(x, layer.weight, swiglu)
+            and _plain(layer) and _norm_fits(norm, x) and _few_rows_on_gpu(x, layer.weight, swiglu, fused=True)
             and _skinny_bias_fits(layer, x))
 
 
@@ -160,7 +161,7 @@ def linear_residual(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor) -
     if _one_row_on_gpu(x, layer.weight) and (layer.bias is None or layer.bias.dtype == x.dtype):
         from deepserve.kernels.gemv import gemv
         return gemv(x, layer.weight, layer.bias, residual=residual)
-    if 2 <= x.shape[0] <= _FUSED_NORMS_MAX_ROWS and _few_rows_on_gpu(x, layer.weight) and \
+    if 2 <= x.shape[0] <= _FUSED_NORMS_MAX_ROWS and _few_rows_on_gpu(x, layer.weight, fused=True) and \
             _skinny_bias_fits(layer, x) and residual.shape == (x.shape[0], layer.weight.shape[0]):
         from deepserve.kernels.skinny_gemm import skinny_linear
         return skinny_linear(x, layer.weight, layer.bias, residual=residual if residual.stride(-1) == 1
@@ -230,8 +231,8 @@ def fused_qkv_rotary_write(x: torch.Tensor, qkv_proj: nn.Module, kv_cache: torch
         from deepserve.kernels.qkv_rotary import qkv_rotary_write
         return qkv_rotary_write(x, qkv_proj.weight, qkv_proj.bias, kv_cache, batch.slot_mapping, batch.positions,
                                 rotary.cos_cache, rotary.sin_cache, num_heads, num_kv_heads, norm=norm)
-    if x.dim() == 2 and 2 <= x.shape[0] <= _QKV_ROTARY_MAX_ROWS and _few_rows_on_gpu(x, qkv_proj.weight) and \
-            _skinny_bias_fits(qkv_proj, x) and (norm is None or _norm_in_k_loop(x, qkv_proj, norm)):
+    if x.dim() == 2 and 2 <= x.shape[0] <= _QKV_ROTARY_MAX_ROWS and _few_rows_on_gpu(x, qkv_proj.weight, fused=True) \
+            and _skinny_bias_fits(qkv_proj, x) and (norm is None or _norm_in_k_loop(x, qkv_proj, norm)):
         from deepserve.kernels.qkv_rotary import skinny_qkv_rotary_write
         return skinny_qkv_rotary_write(x, qkv_proj.weight, qkv_proj.bias, kv_cache, batch.slot_mapping,
                                        batch.positions, rotary.cos_cache, rotary.sin_cache, num_heads, num_kv_heads,

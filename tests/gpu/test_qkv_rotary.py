@@ -101,7 +101,7 @@ def test_rejects_wrong_row_count(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,heads,kv_heads,head_dim", [(2, 8, 2, 64), (5, 4, 4, 128), (16, 6, 1, 32),
-                                                          (8, 12, 4, 64)])
+                                                          (8, 12, 4, 64), (40, 4, 2, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("half_cache", [False, True])
 def test_few_rows_match_two_step_path(device, dtype, rows, heads, kv_heads, head_dim, with_bias, half_cache):

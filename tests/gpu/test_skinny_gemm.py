@@ -243,7 +243,7 @@ def _assert_normed_close(out, exact, scale, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k,with_bias", [(2, 40, 64, False), (8, 100, 300, True), (16, 96, 1024, False),
-                                             (5, 64, 520, True)])
+                                             (5, 64, 520, True), (40, 72, 512, False), (64, 48, 256, True)])
 def test_norm_in_the_k_loop_is_the_normed_product(device, dtype, m, n, k, with_bias):
     """NORM: F.linear(rms_norm(x), W, bias) with the statistics gathered along the K loop and rstd applied to the
     accumulator: within the operand roundings of the exact product, as the two-launch path (norm kernel, GEMM) is."""
@@ -279,7 +279,7 @@ def test_norm_with_a_split_k_tiling_runs_the_norm_first(device, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,inter,k", [(2, 5, 40), (8, 48, 1100), (16, 300, 64)])
+@pytest.mark.parametrize("m,inter,k", [(2, 5, 40), (8, 48, 1100), (16, 300, 64), (48, 40, 256)])
 def test_norm_before_the_swiglu(device, dtype, m, inter, k):
     """NORM in SwiGLU mode: the gate and up products of rms_norm(x), each rounded to the dtype, then the SwiGLU:
     within the operand roundings of the exact products pushed through the activation."""
@@ -303,7 +303,7 @@ def test_norm_before_the_swiglu(device, dtype, m, inter, k):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k,tiles", [(2, 40, 64, None), (8, 100, 300, None),
+@pytest.mark.parametrize("m,n,k,tiles", [(2, 40, 64, None), (8, 100, 300, None), (64, 40, 128, None),
                                          (6, 64, 1024, SkinnyTiles(16, 128, 4, 4, 1, split_k=4))])
 def test_residual_in_the_epilogue(device, dtype, m, n, k, tiles):
     """RESIDUAL: the product rounded to the dtype, plus the residual in float32, rounded again: bit for bit the
@@ -347,6 +347,10 @@ def test_few_rows_path_runs_the_norm_and_the_add_in_the_gemms(device, monkeypatc
         assert launched == [("swiglu", True, False), ("linear", False, True), ("linear", True, False)]
         assert linear_module.few_rows_fuse_norms(h, mlp.projections() + (qkv,))
         assert not linear_module.few_rows_fuse_norms(torch.cat([h, h, h[:1]]), mlp.projections())     # 17 rows
+        monkeypatch.setattr(linear_module, "_FUSED_NORMS_MAX_ROWS", 64)     # any weight up to 64 rows when fused
+        assert linear_module.few_rows_fuse_norms(torch.cat([h] * 8), mlp.projections() + (qkv,))
+        assert not linear_module.few_rows_fuse_norms(torch.cat([h] * 8 + [h[:1]]), mlp.projections())   # 65
+        monkeypatch.setattr(linear_module, "_FUSED_NORMS_MAX_ROWS", 16)
         assert not linear_module.few_rows_fuse_norms(h.float(), mlp.projections())
         assert not linear_module.few_rows_fuse_norms(h, (nn.Linear(hidden, 8).to(device).to(dtype),))
         monkeypatch.setattr(linear_module, "_FUSED_NORMS_MAX_ROWS", 1)

@@ -5,7 +5,7 @@ shared memory (the pipeline the kernel's speed rests on), the x tile too."""
 
 import pytest
 
-from tests.kernels.sm90_compile import aligned, compile_for_sm90
+from tests.kernels.sm90_compile import aligned, compile_for_sm90, compile_sm90_kernel
 
 
 @pytest.fixture(autouse=True)
@@ -14,22 +14,26 @@ def _triton(monkeypatch):
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")      # the default today; Triton 3.9 warns when unset
 
 
-def _ptx(n: int, k: int, swiglu: bool, norm: bool, residual: bool) -> str:
-    from deepserve.kernels.skinny_gemm import _skinny_kernel, skinny_tiles
-    tiles = skinny_tiles(n, k)
+def _ptx(n: int, k: int, swiglu: bool, norm: bool, residual: bool, rows: int = 8) -> str:
+    from deepserve.kernels.skinny_gemm import _skinny_kernel, rows_tiles, skinny_tiles, skinny_wide_tiles
+    block_m, tiles = rows_tiles(rows, (skinny_wide_tiles(n, k, swiglu) if rows > 32 else None) or skinny_tiles(n, k))
     constexprs = dict(HAS_BIAS=False, SWIGLU=swiglu, HAS_LIMIT=False, TWO=False, ACCURATE_EXP=True,
-                      EVEN_K=k % tiles.block_k == 0, BLOCK_M=16, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                      EVEN_K=k % tiles.block_k == 0, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                       PREFETCH=tiles.prefetch, SPLIT_K=tiles.split_k, NORM=norm, RESIDUAL=residual, USE_PDL=True)
-    return compile_for_sm90(_skinny_kernel, {"part_ptr": "*fp32", "counter_ptr": "*i32"}, constexprs,
-                            {"limit": "fp32", "eps": "fp32"},
-                            divisible_by_16=aligned(_skinny_kernel) + ("n_out", "k_len", "k_per_split"))
+    compiled = compile_sm90_kernel(_skinny_kernel, {"part_ptr": "*fp32", "counter_ptr": "*i32"}, constexprs,
+                                   {"limit": "fp32", "eps": "fp32"},
+                                   aligned(_skinny_kernel) + ("n_out", "k_len", "k_per_split"),
+                                   tiles.warps, tiles.stages)
+    assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an sm_90 program may take"
+    return compiled.asm["ptx"]
 
 
-@pytest.mark.parametrize("n,k,swiglu", [(3072, 2048, False), (16384, 2048, True)])
-def test_norm_in_the_k_loop_keeps_the_async_copies(n, k, swiglu):
-    ptx = _ptx(n, k, swiglu, norm=True, residual=False)
+@pytest.mark.parametrize("n,k,swiglu,rows", [(3072, 2048, False, 8), (16384, 2048, True, 8), (3072, 2048, False, 64),
+                                             (16384, 2048, True, 64)])
+def test_norm_in_the_k_loop_keeps_the_async_copies(n, k, swiglu, rows):
+    ptx = _ptx(n, k, swiglu, norm=True, residual=False, rows=rows)
     copies = ptx.count("cp.async.cg.shared.global") + ptx.count("cp.async.ca.shared.global")
-    plain = _ptx(n, k, swiglu, norm=False, residual=False)
+    plain = _ptx(n, k, swiglu, norm=False, residual=False, rows=rows)
     assert copies >= plain.count("cp.async.cg.shared.global") + plain.count("cp.async.ca.shared.global") > 0
     assert "sqrt" in ptx and "sqrt" not in plain        # rstd, once the loop has seen every column
 
