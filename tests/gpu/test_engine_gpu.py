@@ -110,16 +110,17 @@ def test_moe_combine_in_norm_gives_the_same_bits(model, request, monkeypatch):
     assert not combines
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
-def test_few_rows_fused_norms_keep_the_greedy_tokens(model, request, monkeypatch):
-    """DEEPSERVE_FUSED_NORMS_MAX_ROWS=16: decode steps of 2-16 rows run each RMSNorm in the K loop of the skinny
+@pytest.mark.parametrize("model,batch", [("tiny_llama", 6), ("tiny_qwen3", 6), ("tiny_llama", 40)])
+def test_few_rows_fused_norms_keep_the_greedy_tokens(model, batch, request, monkeypatch):
+    """DEEPSERVE_FUSED_NORMS_MAX_ROWS=64: decode steps of 2-64 rows run each RMSNorm in the K loop of the skinny
     GEMM that reads it and each residual add in an epilogue (kernels/skinny_gemm.py NORM / RESIDUAL). The norm's
     roundings move (g * x is the rounded operand, not the normalised x), so the tokens are the unfused path's up to
-    a near tie where they first part (tests/engine/near_tie.py), eager and in CUDA graphs; no KV block leaks."""
+    a near tie where they first part (tests/engine/near_tie.py; at most one prompt in six parts), eager and in CUDA
+    graphs; no KV block leaks."""
     import deepserve.kernels.skinny_gemm as skinny_module
     from deepserve.layers import linear as linear_module
     path = request.getfixturevalue(model)
-    prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(6)]
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 250 + 3 for j in range(30 + i % 7)]} for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     fused = []
     real_launch = skinny_module._launch
@@ -136,14 +137,14 @@ def test_few_rows_fused_norms_keep_the_greedy_tokens(model, request, monkeypatch
 
     want = run(True)
     assert not any(fused)
-    monkeypatch.setattr(linear_module, "_FUSED_NORMS_MAX_ROWS", 16)
+    monkeypatch.setattr(linear_module, "_FUSED_NORMS_MAX_ROWS", 64)
     for eager in (True, False):
         fused.clear()
         got = [o.token_ids for o in run(eager)]
         assert any(fused), "no fused launch"
         parted = [i for i, (w, g) in enumerate(zip(want, got)) if w.token_ids != g]
         assert all(first_divergence_is_a_near_tie(want[i].token_ids, got[i], want[i].logprobs) for i in parted)
-        assert len(parted) <= 1, parted
+        assert len(parted) <= max(1, batch // 6), parted
 
 
 def test_gpu_seeded_sampling_batch_invariant(tiny_llama):
