@@ -44,7 +44,8 @@ def forced_tiles(spec: str) -> DecodeTiles:
     """'64x4x3eh' (fp8_attention_kernels.parse_tiles' notation, no split or register cap) -> DecodeTiles."""
     from fp8_attention_kernels import parse_tiles
     t = parse_tiles(spec)
-    return DecodeTiles(t["block_n"], t["num_warps"], t["num_stages"], t["early_v"], t["heads_first"])
+    return DecodeTiles(t["block_n"], t["num_warps"], t["num_stages"], t["early_v"], t["heads_first"],
+                       kv_heads=t["kv_heads"])
 
 
 def block_table(batch: int, keys: int, layout: str, gen: torch.Generator):

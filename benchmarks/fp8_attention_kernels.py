@@ -16,7 +16,8 @@ Run (GPU machine):  python benchmarks/fp8_attention_kernels.py --output fp8_atte
                     [--cases mla]   (the cases whose name or kind holds one of these words; default: all)
   (--settings: ";" between settings, "+" between the variables of one; a bare value is a DEEPSERVE_FP8_WIDEN one;
    --tiles: keys per tile x warps x stages, an "e" suffix loads a tile's values with its keys (GQA only), "t"
-   reads the values from a copy of the cache with each block's values stored transposed (GQA only), "sN"
+   reads the values from a copy of the cache with each block's values stored transposed (GQA only), "p" reads
+   two KV heads a program (GQA only, DecodeTiles.kv_heads), "sN"
    forces N context splits, an "rN" suffix caps the registers a thread at N (DEEPSERVE_MLA_DECODE_TILES' form, e.g.
    32x4x2r168; with a split count 32x4x3s2r128))
 Plot (anywhere):    python benchmarks/fp8_attention_kernels.py --plot fp8_attention_kernels_h200.json
@@ -38,6 +39,7 @@ CASES = {   # name: (kind, batch, context, heads, kv_heads, head_dim)
     "llama-3-8b b8 ctx4096": ("gqa", 8, 4096, 32, 8, 128),
     "llama-3-8b b64 ctx4096": ("gqa", 64, 4096, 32, 8, 128),
     "llama-3-8b b256 ctx1024": ("gqa", 256, 1024, 32, 8, 128),
+    "llama-3.2-1b b8 ctx1024": ("gqa", 8, 1024, 32, 8, 64),       # split
     "llama-3.2-1b b64 ctx4096": ("gqa", 64, 4096, 32, 8, 64),     # no split, DEEP_PIPELINE_TILES
     "llama-3.2-1b b64 ctx1024": ("gqa", 64, 1024, 32, 8, 64),
     "llama-3.2-1b b256 ctx1024": ("gqa", 256, 1024, 32, 8, 64),
@@ -93,14 +95,15 @@ def time_call(fn, reps: int = 20) -> tuple[float, str]:
 
 def parse_tiles(spec: str) -> dict:
     """'KEYSxWARPSxSTAGES' + optional suffixes in this order: 'e' (GQA: values loaded with keys), 'h' (GQA: a row's
-    KV heads launched side by side), 't' (GQA: values stored transposed in each block), 'sN' (N context splits), 'rN'
-    (a register cap) -> the launch's keywords."""
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(e?)(h?)(t?)(?:s(\d+))?(?:r(\d+))?", spec.lower())
+    KV heads launched side by side), 't' (GQA: values stored transposed in each block), 'p' (GQA: two KV heads a
+    program, DecodeTiles.kv_heads), 'sN' (N context splits), 'rN' (a register cap) -> the launch's keywords."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)(e?)(h?)(t?)(p?)(?:s(\d+))?(?:r(\d+))?", spec.lower())
     if not match:
-        raise ValueError(f"tiles {spec!r}: expected KEYSxWARPSxSTAGES[e][h][t][sSPLITS][rREGISTERS], e.g. 32x4x3s2r128")
-    n, w, st, early, heads_first, values_t, splits, cap = match.groups()
+        raise ValueError(f"tiles {spec!r}: expected KEYSxWARPSxSTAGES[e][h][t][p][sSPLITS][rREGISTERS], e.g. "
+                         "32x4x3s2r128")
+    n, w, st, early, heads_first, values_t, pairs, splits, cap = match.groups()
     return {"block_n": int(n), "num_warps": int(w), "num_stages": int(st), "early_v": bool(early),
-            "heads_first": bool(heads_first), "values_t": bool(values_t),
+            "heads_first": bool(heads_first), "values_t": bool(values_t), "kv_heads": 2 if pairs else 1,
             "maxnreg": int(cap) if cap else None, "num_splits": int(splits) if splits else None}
 
 
@@ -123,7 +126,7 @@ def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
         forced = DecodeTiles(block_n=launch["block_n"], num_warps=launch["num_warps"],
                              num_stages=launch["num_stages"], early_v=launch["early_v"],
                              heads_first=launch["heads_first"], values_t=launch["values_t"],
-                             maxnreg=launch["maxnreg"]) if tiles else None
+                             kv_heads=launch["kv_heads"], maxnreg=launch["maxnreg"]) if tiles else None
         used = cache
         if forced is not None and forced.values_t:     # the same values, each block's stored [KV heads, dim, slots]
             used = cache.clone()
@@ -138,8 +141,10 @@ def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
             assert diff < 2e-2, f"values-transposed output differs by {diff}"
     else:
         q_lat, q_pe = q[..., :512], q[..., 512:]
-        if launch.pop("early_v", False) or launch.pop("heads_first", False) or launch.pop("values_t", False):
-            raise ValueError(f"tiles {tiles!r}: 'e', 'h' and 't' (values transposed) are the GQA kernel's")
+        if launch.pop("early_v", False) or launch.pop("heads_first", False) or launch.pop("values_t", False) \
+                or launch.pop("kv_heads", 1) > 1:
+            raise ValueError(f"tiles {tiles!r}: 'e', 'h', 't' (values transposed) and 'p' (KV head pairs) are the "
+                             "GQA kernel's")
 
         def call():
             mla_decode(q_lat, q_pe, cache, tables, seq_lens, dim ** -0.5, max_seq_len=context, **launch)

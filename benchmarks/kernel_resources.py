@@ -67,6 +67,7 @@ def mla_cases() -> dict:
 
 
 def gqa_cases() -> dict:
+    from dataclasses import replace
     from deepserve.kernels.paged_attention import _decode_kernel, DEEP_PIPELINE_TILES, DecodeTiles
     out = {}
     for cache in ("bf16", "fp8e4nv"):
@@ -75,14 +76,16 @@ def gqa_cases() -> dict:
         # 128-wide heads (Llama-3-8B, Qwen3-MoE) in a split launch; 64-wide (Llama-3.2-1B) split (batch 8-32) and
         # not (batch 64 at 4k: the deep pipeline).
         # Unsplit 128-wide launches too (Qwen3-MoE batch 256: 1024 programs), at two and three stages.
+        # And 64-wide heads two KV heads a program (DecodeTiles.kv_heads, DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2).
         for head_dim, tiles, split in ((128, DecodeTiles(), True), (64, DecodeTiles(), True),
                                        (64, DEEP_PIPELINE_TILES, False), (128, DecodeTiles(), False),
-                                       (128, DecodeTiles(num_stages=3), False)):
-            constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_G=16, BLOCK_N=tiles.block_n, SPLIT=split,
-                              EARLY_V=tiles.early_v, HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t,
-                              INPUTS_READY=True, USE_PDL=True)
+                                       (128, DecodeTiles(num_stages=3), False), (64, DecodeTiles(kv_heads=2), True),
+                                       (64, replace(DEEP_PIPELINE_TILES, kv_heads=2), False)):
+            constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim * tiles.kv_heads, BLOCK_G=16, BLOCK_N=tiles.block_n,
+                              SPLIT=split, EARLY_V=tiles.early_v, HEADS_FIRST=tiles.heads_first,
+                              VALUES_T=tiles.values_t, KV_HEADS=tiles.kv_heads, INPUTS_READY=True, USE_PDL=True)
             name = f"gqa_decode d{head_dim} {cache} {tiles.block_n}x{tiles.num_warps}x{tiles.num_stages}" + \
-                ("" if split else " unsplit")
+                ("" if split else " unsplit") + (" kv-pairs" if tiles.kv_heads > 1 else "")
             out[name] = (_decode_kernel, ptrs, constexprs, {"qk_scale": "fp32"}, tiles.num_warps, tiles.num_stages,
                          None)
     return out

@@ -196,6 +196,11 @@ _DECLARED = [
            "E4M3 110.7 -> 104.9 us, gqa_heads_first_kernels_h100_s36.json), or session 35's rule: one KV head's "
            "rows side by side, two stages there (read at import)",
            choices=("heads-first", "rows-first")),
+    EnvVar("DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM", "int", 1,
+           "GPU paged decode attention: 2 reads two adjacent KV heads of at most 64 columns in one program "
+           "(kernels/paged_attention.py DecodeTiles.kv_heads: 256-byte pieces of a token's bf16 row instead of 128), "
+           "where the KV heads are even; 1 (the default): one, until a GPU session times it "
+           "(benchmarks/gpu_pending.sh gqa-pairs) (read at import)", choices=(1, 2)),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
     EnvVar("DEEPSERVE_GC_FREEZE", "bool", True,

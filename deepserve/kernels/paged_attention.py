@@ -103,6 +103,16 @@ def _value_tile(v_base, off, v_off, d, kv_mask, run_mask, dtype: tl.constexpr, V
         return widen_values(tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0), dtype)
 
 
+@triton.jit
+def _own_columns(gmask, dmask, g, d, group, HEAD_DIM: tl.constexpr, KV_HEADS: tl.constexpr):
+    """[BLOCK_G, BLOCK_D] mask of a decode program's q (and output) tile: live rows and columns, and with KV_HEADS 2
+    only the columns of each row's own KV head (rows g of KV head g // group, columns d of head d // HEAD_DIM)."""
+    mask = gmask[:, None] & dmask[None, :]
+    if KV_HEADS > 1:
+        mask = mask & ((g // group)[:, None] == (d // HEAD_DIM)[None, :])
+    return mask
+
+
 # Arguments that change from step to step (block-table width, split layout) are not specialised on: Triton would
 # otherwise compile a new variant whenever one of them changes between "divisible by 16" and not, mid-serving.
 _PER_STEP_ARGS = ["stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "stride_pl_h"]
@@ -119,13 +129,17 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    block_size, group,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, EARLY_V: tl.constexpr, HEADS_FIRST: tl.constexpr, VALUES_T: tl.constexpr,
-                   INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
+                   KV_HEADS: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
+    """One (decode row, KV_HEADS adjacent KV heads, split). KV_HEADS 2 (DecodeTiles.kv_heads): a tile row holds
+    both heads' HEAD_DIM columns side by side (one load of 2 * HEAD_DIM contiguous elements a token), and the q tile
+    stacks both heads' query groups, each row zero outside its own head's columns (`_own_columns`): the scores are
+    each head's own, and of the [rows, 2 * HEAD_DIM] output each row keeps its own head's half."""
     if HEADS_FIRST:                # the KV heads of one row launch side by side (DecodeTiles.heads_first)
-        kvh = tl.program_id(0)
+        kvh = tl.program_id(0) * KV_HEADS
         i = tl.program_id(1)
     else:
         i = tl.program_id(0)       # decode row
-        kvh = tl.program_id(1)
+        kvh = tl.program_id(1) * KV_HEADS
     split = tl.program_id(2)
     # With INPUTS_READY (the step's inputs were in place before its first kernel) their loads, and the first tile's
     # block ids, overlap the previous kernel instead of adding three round trips after the wait (kernels/pdl.py).
@@ -140,11 +154,13 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    gmask = g < group
-    dmask = d < HEAD_DIM
-    heads = kvh * group + g
-    q = for_products(tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                             mask=gmask[:, None] & dmask[None, :], other=0.0), cache_ptr)
+    gmask = g < KV_HEADS * group
+    dmask = d < KV_HEADS * HEAD_DIM
+    heads = kvh * group + g        # the query heads of KV heads kvh .. kvh + KV_HEADS - 1 are consecutive
+    qo_mask = _own_columns(gmask, dmask, g, d, group, HEAD_DIM, KV_HEADS)
+    hd = d % HEAD_DIM if KV_HEADS > 1 else d
+    q = for_products(tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + hd[None, :],
+                             mask=qo_mask, other=0.0), cache_ptr)
 
     k_base = cache_ptr + kvh * stride_c_head
     if VALUES_T:    # each block's values stored [KV heads, head_dim, block_size]: a value tile loads tokens-contiguous
@@ -189,13 +205,13 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
         # Partial result of this (non-empty) split: normalised output and log2-sum-exp.
         o = acc / l_i[:, None]
         lse = m_i + tl.math.log2(l_i)
-        tl.store(part_out_ptr + i * stride_po_r + heads[:, None] * stride_po_h + split * stride_po_s + d[None, :],
-                 o, mask=gmask[:, None] & dmask[None, :])
+        tl.store(part_out_ptr + i * stride_po_r + heads[:, None] * stride_po_h + split * stride_po_s + hd[None, :],
+                 o, mask=qo_mask)
         tl.store(part_lse_ptr + i * stride_pl_r + heads * stride_pl_h + split, lse, mask=gmask)
     else:
         o = acc / l_i[:, None]
-        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + hd[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
 @triton.jit(do_not_specialize=_PER_STEP_ARGS[1:] + ["num_splits", "pf_bytes", "num_rows"])
@@ -265,6 +281,10 @@ class DecodeTiles:
     # KV writer produces yet (benchmarks/fp8_attention_kernels.py times it on a transposed copy; lost with 16-slot
     # blocks, gqa_values_transposed_h200_s37.json; the gpu_pending stage values-t64 times it with 64-slot blocks).
     values_t: bool = False
+    # KV heads a program reads side by side (2: `_decode_kernel`'s KV_HEADS, for 64-wide heads, whose 128-byte bf16
+    # pieces of a token's row read at 81% of the copy bandwidth where Qwen3-MoE's 256-byte ones read at 93%: H100,
+    # dense1b_attention_tiles_h100_s35.json, qwen3_attention_tiles_h100_s35.json). DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM.
+    kv_heads: int = 1
 
 # A no-split launch whose programs fit on the SMs two at a time (in 128-wide heads): a third pipeline stage, the value
 # tile loaded with the key tile. Three stages of key + value tiles (64 x 128 bf16 each) are 96 KB of shared memory,
@@ -287,6 +307,10 @@ DEEP_PIPELINE_TILES = DecodeTiles(num_stages=3, early_v=True)
 # steps, three passes, 9.760 -> 9.737 ms (PDL hid most of the old launch's cost); Llama-3.2-1B batch 64 over bf16
 # 2.219 -> 2.195 ms. docs/gpu.md has the rest (bf16 keeps two stages there; steps at other batches).
 HEADS_FIRST = envs.DEEPSERVE_GQA_DECODE_LAUNCH == "heads-first"
+# DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2 (session 38, not yet timed; 1 the default): heads of at most PAIRED_HEAD_DIM
+# columns (Llama-3.2-1B's 64) are read two KV heads a program (DecodeTiles.kv_heads), where the KV heads are even.
+KV_HEADS_PER_PROGRAM = envs.DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM
+PAIRED_HEAD_DIM = 64
 
 
 def decode_tiles(num_programs: int, head_dim: int, split: bool, device: torch.device,
@@ -364,13 +388,18 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     block_n = (tiles or DecodeTiles()).block_n
     partition = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_seq_len, partition))
-    tiles = tiles or decode_tiles(n * hkv * num_splits, d, num_splits > 1, q.device,
-                                  fp8_cache=kv_cache.element_size() == 1)
+    if tiles is None:
+        tiles = decode_tiles(n * hkv * num_splits, d, num_splits > 1, q.device, fp8_cache=kv_cache.element_size() == 1)
+        if KV_HEADS_PER_PROGRAM == 2 and d <= PAIRED_HEAD_DIM and hkv % 2 == 0 and kv_cache.stride(3) == d:
+            tiles = replace(tiles, kv_heads=2)
     assert tiles.block_n == block_n
+    kvh_programs, rem = divmod(hkv, tiles.kv_heads)
+    assert tiles.kv_heads in (1, 2) and rem == 0 and (tiles.kv_heads == 1 or kv_cache.stride(3) == d), \
+        f"{tiles.kv_heads} KV heads a program: {hkv} KV heads side by side in the cache's rows"
     assert not tiles.values_t or kv_cache.shape[2] % 16 == 0, "values stored transposed need blocks of 16k slots"
     bs = kv_cache.shape[2]
-    block_d = next_pow2(d)
-    block_g = max(16, next_pow2(group))
+    block_d = next_pow2(tiles.kv_heads * d)
+    block_g = max(16, next_pow2(tiles.kv_heads * group))
     split = num_splits > 1
     if split:
         part_out = torch.empty(n, h, num_splits, d, dtype=torch.float32, device=q.device)
@@ -380,7 +409,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
     pl_strides = (part_lse.stride(0), part_lse.stride(1)) if split else (0, 0)
     assert not tiles.heads_first or n < 65536, "a grid's second dimension holds fewer than 65536 programs"
-    _decode_kernel[(hkv, n, num_splits) if tiles.heads_first else (n, hkv, num_splits)](
+    _decode_kernel[(kvh_programs, n, num_splits) if tiles.heads_first else (n, kvh_programs, num_splits)](
         q, kv_cache, block_tables, seq_lens, q_rows, seq_ids, out, part_out, part_lse,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -388,7 +417,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         block_tables.stride(0), *po_strides, *pl_strides,
         bs, group,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split, EARLY_V=tiles.early_v,
-        HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t, INPUTS_READY=inputs_ready and EARLY_INPUTS,
+        HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t, KV_HEADS=tiles.kv_heads,
+        INPUTS_READY=inputs_ready and EARLY_INPUTS,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
         **pdl_launch_args(q))
     if split:

@@ -2,6 +2,7 @@
 and the TritonPagedAttention backend (with the prefill kernel of test_paged_prefill.py) against the PyTorch
 reference backend."""
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -295,6 +296,57 @@ def test_decode_tile_settings_match_reference(device, tiles):
         decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, out=out, max_seq_len=max(lens),
                          num_splits=splits, tiles=tiles)
         assert_attention_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (64, 1), (32, 8), (64, 3)])
+@pytest.mark.parametrize("tiles", [DecodeTiles(kv_heads=2), DecodeTiles(64, 4, 3, True, heads_first=True, kv_heads=2)],
+                         ids=str)
+def test_decode_two_kv_heads_a_program_match_reference(device, head_dim, group, tiles):
+    """DecodeTiles.kv_heads 2: each program reads two adjacent KV heads' columns in one tile row and keeps each
+    query row to its own head's columns: the same attention as the reference, with and without split-K, for groups
+    that fill the stacked tile or not (3: rows 0-2 and 3-5 of a 16-row tile; 1: MQA-like pairs)."""
+    dtype = torch.float16
+    lens = [1, 33, 64, 129, 700]
+    num_kv_heads = 4
+    seqs = [(n - 1, 1) for n in lens]
+    batch = make_batch(seqs, 16, cdiv_total(lens, 16) + 8, device)
+    cache = random_cache(cdiv_total(lens, 16) + 8, 16, num_kv_heads, head_dim, dtype, device)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, device=device).to(dtype)
+    ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.2)
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, out=out, max_seq_len=max(lens),
+                         num_splits=splits, tiles=tiles)
+        assert_attention_close(out, ref, dtype)
+
+
+def test_two_kv_heads_a_program_only_where_they_pair(device, monkeypatch):
+    """DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2 pairs 64-wide heads of an even count; 128-wide heads or an odd count keep
+    one a program (the launch asserts a forced pairing of an odd count)."""
+    from deepserve.kernels import paged_attention
+    launched = []
+    real = paged_attention._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(kw["KV_HEADS"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(paged_attention, "_decode_kernel", Spy())
+    monkeypatch.setattr(paged_attention, "KV_HEADS_PER_PROGRAM", 2)
+    lens = [5, 40]
+    for head_dim, kv_heads, want in ((64, 4, 2), (128, 4, 1), (64, 3, 1)):
+        batch = make_batch([(n - 1, 1) for n in lens], 16, 12, device)
+        cache = random_cache(12, 16, kv_heads, head_dim, torch.float16, device)
+        q = torch.randn(len(lens), kv_heads * 2, head_dim, device=device).half()
+        out = decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, max_seq_len=max(lens))
+        assert launched[-1] == want
+        assert_attention_close(out, decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.2),
+                               torch.float16)
+    with pytest.raises(AssertionError, match="KV heads a program"):
+        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, tiles=DecodeTiles(kv_heads=2))
 
 
 def test_decode_tiles_deepen_the_pipeline_only_for_one_wave_without_split(device):
@@ -591,10 +643,11 @@ def test_decode_over_fp8_cache_matches_reference(device, cache_dtype, head_dim, 
     cache = cache.to(cache_dtype)
     scale = 1 / math.sqrt(head_dim)
     ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, scale)
-    for splits in (1, 3):
+    pairs = [None, DecodeTiles(kv_heads=2)] if head_dim == 64 else [None]      # two KV heads a program too
+    for splits, tiles in itertools.product((1, 3), pairs):
         out = torch.full_like(q, float("nan"))
         decode_attention(q, cache, batch.block_tables, batch.seq_lens, scale, out=out, max_seq_len=max(lens),
-                         num_splits=splits)
+                         num_splits=splits, tiles=tiles)
         assert_attention_close(out, ref, dtype)
 
 
@@ -611,7 +664,8 @@ def test_decode_values_transposed_matches_reference(device, cache_dtype, block_s
     ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.1)
     transposed = cache.clone()
     transposed[1] = cache[1].permute(0, 2, 3, 1).contiguous().view(cache[1].shape)
-    for tiles in (DecodeTiles(values_t=True), DecodeTiles(64, 4, 3, True, heads_first=True, values_t=True)):
+    for tiles in (DecodeTiles(values_t=True), DecodeTiles(64, 4, 3, True, heads_first=True, values_t=True),
+                  DecodeTiles(values_t=True, kv_heads=2)):
         for splits in (1, 3):
             out = torch.full_like(q, float("nan"))
             decode_attention(q, transposed, batch.block_tables, batch.seq_lens, 0.1, out=out, max_seq_len=max(lens),

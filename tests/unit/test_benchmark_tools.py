@@ -17,14 +17,15 @@ def benchmarks_on_path(monkeypatch):
 
 def test_attention_tile_specs(benchmarks_on_path):
     from fp8_attention_kernels import parse_tiles
-    def spec(n, w, st, early_v=False, heads_first=False, values_t=False, maxnreg=None, num_splits=None):
+    def spec(n, w, st, early_v=False, heads_first=False, values_t=False, kv_heads=1, maxnreg=None, num_splits=None):
         return {"block_n": n, "num_warps": w, "num_stages": st, "early_v": early_v, "heads_first": heads_first,
-                "values_t": values_t, "maxnreg": maxnreg, "num_splits": num_splits}
+                "values_t": values_t, "kv_heads": kv_heads, "maxnreg": maxnreg, "num_splits": num_splits}
     assert parse_tiles("32x4x3") == spec(32, 4, 3)
     assert parse_tiles("64x4x2e") == spec(64, 4, 2, early_v=True)         # GQA: values loaded with the keys
     assert parse_tiles("64x4x3eh") == spec(64, 4, 3, early_v=True, heads_first=True)    # GQA: heads side by side
     assert parse_tiles("64x4x3h") == spec(64, 4, 3, heads_first=True)
     assert parse_tiles("64x4x3eht") == spec(64, 4, 3, early_v=True, heads_first=True, values_t=True)  # values^T
+    assert parse_tiles("64x4x3ehp") == spec(64, 4, 3, early_v=True, heads_first=True, kv_heads=2)   # KV head pairs
     assert parse_tiles("64x4x2hr96") == spec(64, 4, 2, heads_first=True, maxnreg=96)     # GQA: a register cap
     assert parse_tiles("32x4x2r168") == spec(32, 4, 2, maxnreg=168)       # MLA: a register cap
     assert parse_tiles("16x4x3R128") == spec(16, 4, 3, maxnreg=128)
@@ -40,6 +41,7 @@ def test_in_step_tiles_parse_into_decode_tiles(benchmarks_on_path):
     from deepserve.kernels.paged_attention import DecodeTiles
     assert forced_tiles("64x4x3eh") == DecodeTiles(64, 4, 3, early_v=True, heads_first=True)
     assert forced_tiles("32x4x2") == DecodeTiles(32, 4, 2)
+    assert forced_tiles("64x4x3ehp") == DecodeTiles(64, 4, 3, early_v=True, heads_first=True, kv_heads=2)
 
 
 def test_unmasked_k_ab_flips_the_switch_and_restores_it(benchmarks_on_path, monkeypatch):
