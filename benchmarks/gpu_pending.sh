@@ -24,7 +24,8 @@
 #   bash benchmarks/gpu_pending.sh norms-few-rows  # ~7 min: few-row fused norms / qkv + rotary: tests, 1B steps
 #   bash benchmarks/gpu_pending.sh l2-prefetch # ~9 min: DEEPSERVE_L2_PREFETCH (session 27's, never timed), dense steps
 #   bash benchmarks/gpu_pending.sh graph-tokens-1b  # ~4 min: DEEPSERVE_GRAPH_TOKENS=0,1 in Llama-3.2-1B steps
-#   bash benchmarks/gpu_pending.sh gqa-pairs   # ~7 min: 64-wide heads two KV heads a program: tests, calls, 1B steps
+#   bash benchmarks/gpu_pending.sh gqa-pairs   # ~8 min: two KV heads a decode program: tests, calls, 1B steps
+#   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
@@ -298,21 +299,32 @@ l2-prefetch)
     ;;
 gqa-pairs)
     # Llama-3.2-1B's 64-wide heads are 128-byte pieces of a token's bf16 row; its decode kernel read them at 2.46
-    # TB/s (81% of the copy bandwidth, dense1b_attention_tiles_h100_s35.json) where Qwen3-MoE's 256-byte pieces read
-    # at 2.81 (93%). DecodeTiles.kv_heads 2 (DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2) reads two adjacent KV heads a
-    # program, 256 contiguous bytes a token. The kernel alone ('p' tilings beside their one-head twins), then steps.
+    # TB/s (81% of the copy bandwidth, dense1b_attention_tiles_h100_s35.json) where Qwen3-MoE's 256-byte bf16 pieces
+    # read at 2.81 (93%); over E4M3 Qwen3-MoE's heads are 128-byte pieces too (2.41-2.56 TB/s). DecodeTiles.kv_heads
+    # 2 (DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2) reads two adjacent KV heads a program, 256 contiguous bytes a token.
+    # The kernel alone ('p' tilings beside their one-head twins; the 1B over both caches, Qwen3-MoE and Llama-3-8B
+    # batch 256 over E4M3 too), then 1B steps.
     timeout 100 python3 -m pytest -q -n 4 tests/gpu/test_paged_attention.py \
-        -k "kv_heads or fp8_cache_matches or values_transposed or tile_settings" -p no:cacheprovider 2>&1 | tail -2
-    timeout 200 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes bfloat16,float8_e4m3fn \
-        --settings "DEEPSERVE_FP8_PRODUCTS=f16" --cases "llama-3.2-1b" \
-        --tiles 64x4x2h,64x4x2hp,64x4x3eh,64x4x3ehp,64x4x3h,64x4x3hp --output "$OUT/gqa_kv_pairs_kernels.json" \
-        > /tmp/gqa_pairs.log 2>&1
+        -k "kv_heads or pair or fp8_cache_matches or values_transposed or tile_settings" -p no:cacheprovider 2>&1 \
+        | tail -2
+    timeout 240 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes bfloat16,float8_e4m3fn \
+        --settings "DEEPSERVE_FP8_PRODUCTS=f16" --cases "llama-3.2-1b,qwen3-moe,llama-3-8b b256" \
+        --tiles 64x4x2h,64x4x2hp,64x4x3eh,64x4x3ehp,64x4x3h,64x4x3hp,32x4x3hp \
+        --output "$OUT/gqa_kv_pairs_kernels.json" > /tmp/gqa_pairs.log 2>&1
     tail -2 /tmp/gqa_pairs.log | cut -c1-300; summarise_kernels "$OUT/gqa_kv_pairs_kernels.json"
     elapsed "gqa-pairs calls"
     timeout 300 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=1,2 \
         --passes "${PASSES:-1}" --timeout 140 --output "$OUT/gqa_kv_pairs_ab.json" -- --shapes llama-3.2-1b \
         --batches 8,64,256 --contexts 1024,4096 --profile-batch 0 > /tmp/gqa_pairs_ab.log 2>&1
     tail -3 /tmp/gqa_pairs_ab.log; summarise_steps "$OUT/gqa_kv_pairs_ab.json"; elapsed "gqa-pairs steps"
+    ;;
+gqa-pairs-moe)
+    # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the
+    # decode attention is 1.7 ms of its 9.7 ms batch-256 step, at 81% of the copy bandwidth.
+    timeout 300 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=1,2 \
+        --passes "${PASSES:-1}" --timeout 140 --output "$OUT/gqa_kv_pairs_moe_ab.json" -- --shapes qwen3-moe \
+        --batches 128,256 --contexts 1024 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/gqa_pairs_moe_ab.log 2>&1
+    tail -3 /tmp/gqa_pairs_moe_ab.log; summarise_steps "$OUT/gqa_kv_pairs_moe_ab.json"; elapsed "gqa-pairs-moe"
     ;;
 graph-tokens-1b)
     # Llama-3.2-1B's batch-1 step at 1k takes 1.102 ms of which the graph replay is 1.075 (H100,

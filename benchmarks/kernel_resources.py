@@ -76,11 +76,14 @@ def gqa_cases() -> dict:
         # 128-wide heads (Llama-3-8B, Qwen3-MoE) in a split launch; 64-wide (Llama-3.2-1B) split (batch 8-32) and
         # not (batch 64 at 4k: the deep pipeline).
         # Unsplit 128-wide launches too (Qwen3-MoE batch 256: 1024 programs), at two and three stages.
-        # And 64-wide heads two KV heads a program (DecodeTiles.kv_heads, DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2).
+        # And two KV heads a program (DecodeTiles.kv_heads, DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2): 64-wide heads, and
+        # 128-wide ones unsplit (Qwen3-MoE batch 256 over E4M3).
         for head_dim, tiles, split in ((128, DecodeTiles(), True), (64, DecodeTiles(), True),
                                        (64, DEEP_PIPELINE_TILES, False), (128, DecodeTiles(), False),
                                        (128, DecodeTiles(num_stages=3), False), (64, DecodeTiles(kv_heads=2), True),
-                                       (64, replace(DEEP_PIPELINE_TILES, kv_heads=2), False)):
+                                       (64, replace(DEEP_PIPELINE_TILES, kv_heads=2), False),
+                                       (128, DecodeTiles(num_stages=3, heads_first=True, kv_heads=2), False),
+                                       (128, DecodeTiles(32, 4, 3, heads_first=True, kv_heads=2), False)):
             constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim * tiles.kv_heads, BLOCK_G=16, BLOCK_N=tiles.block_n,
                               SPLIT=split, EARLY_V=tiles.early_v, HEADS_FIRST=tiles.heads_first,
                               VALUES_T=tiles.values_t, KV_HEADS=tiles.kv_heads, INPUTS_READY=True, USE_PDL=True)

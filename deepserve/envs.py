@@ -197,9 +197,10 @@ _DECLARED = [
            "rows side by side, two stages there (read at import)",
            choices=("heads-first", "rows-first")),
     EnvVar("DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM", "int", 1,
-           "GPU paged decode attention: 2 reads two adjacent KV heads of at most 64 columns in one program "
-           "(kernels/paged_attention.py DecodeTiles.kv_heads: 256-byte pieces of a token's bf16 row instead of 128), "
-           "where the KV heads are even; 1 (the default): one, until a GPU session times it "
+           "GPU paged decode attention: 2 reads two adjacent KV heads of at most 128 bytes a token in one program "
+           "(kernels/paged_attention.py DecodeTiles.kv_heads: 256-byte pieces of a token's row instead of 128; "
+           "64-wide bf16 heads, 128-wide fp8 ones), where the KV heads are even; 1 (the default): one, until a GPU "
+           "session times it "
            "(benchmarks/gpu_pending.sh gqa-pairs) (read at import)", choices=(1, 2)),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),

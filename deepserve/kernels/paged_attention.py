@@ -307,10 +307,11 @@ DEEP_PIPELINE_TILES = DecodeTiles(num_stages=3, early_v=True)
 # steps, three passes, 9.760 -> 9.737 ms (PDL hid most of the old launch's cost); Llama-3.2-1B batch 64 over bf16
 # 2.219 -> 2.195 ms. docs/gpu.md has the rest (bf16 keeps two stages there; steps at other batches).
 HEADS_FIRST = envs.DEEPSERVE_GQA_DECODE_LAUNCH == "heads-first"
-# DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2 (session 38, not yet timed; 1 the default): heads of at most PAIRED_HEAD_DIM
-# columns (Llama-3.2-1B's 64) are read two KV heads a program (DecodeTiles.kv_heads), where the KV heads are even.
+# DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2 (session 38, not yet timed; 1 the default): heads of at most PAIRED_HEAD_BYTES
+# a token (Llama-3.2-1B's 64-wide bf16 heads; 128-wide ones over an fp8 cache, Qwen3-MoE's and Llama-3-8B's) are
+# read two KV heads a program (DecodeTiles.kv_heads), where the KV heads are even.
 KV_HEADS_PER_PROGRAM = envs.DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM
-PAIRED_HEAD_DIM = 64
+PAIRED_HEAD_BYTES = 128
 
 
 def decode_tiles(num_programs: int, head_dim: int, split: bool, device: torch.device,
@@ -390,7 +391,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     num_splits = max(1, cdiv(max_seq_len, partition))
     if tiles is None:
         tiles = decode_tiles(n * hkv * num_splits, d, num_splits > 1, q.device, fp8_cache=kv_cache.element_size() == 1)
-        if KV_HEADS_PER_PROGRAM == 2 and d <= PAIRED_HEAD_DIM and hkv % 2 == 0 and kv_cache.stride(3) == d:
+        if KV_HEADS_PER_PROGRAM == 2 and d * kv_cache.element_size() <= PAIRED_HEAD_BYTES and hkv % 2 == 0 \
+                and kv_cache.stride(3) == d:
             tiles = replace(tiles, kv_heads=2)
     assert tiles.block_n == block_n
     kvh_programs, rem = divmod(hkv, tiles.kv_heads)

@@ -321,8 +321,9 @@ def test_decode_two_kv_heads_a_program_match_reference(device, head_dim, group, 
 
 
 def test_two_kv_heads_a_program_only_where_they_pair(device, monkeypatch):
-    """DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2 pairs 64-wide heads of an even count; 128-wide heads or an odd count keep
-    one a program (the launch asserts a forced pairing of an odd count)."""
+    """DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2 pairs heads of at most 128 bytes a token (64-wide fp16, 128-wide fp8) of
+    an even count; wider heads or an odd count keep one a program (the launch asserts a forced pairing of an odd
+    count)."""
     from deepserve.kernels import paged_attention
     launched = []
     real = paged_attention._decode_kernel
@@ -337,16 +338,19 @@ def test_two_kv_heads_a_program_only_where_they_pair(device, monkeypatch):
     monkeypatch.setattr(paged_attention, "_decode_kernel", Spy())
     monkeypatch.setattr(paged_attention, "KV_HEADS_PER_PROGRAM", 2)
     lens = [5, 40]
-    for head_dim, kv_heads, want in ((64, 4, 2), (128, 4, 1), (64, 3, 1)):
+    for head_dim, kv_heads, cache_dtype, want in ((64, 4, torch.float16, 2), (128, 4, torch.float16, 1),
+                                                  (64, 3, torch.float16, 1), (128, 2, torch.float8_e4m3fn, 2)):
         batch = make_batch([(n - 1, 1) for n in lens], 16, 12, device)
-        cache = random_cache(12, 16, kv_heads, head_dim, torch.float16, device)
+        cache = random_cache(12, 16, kv_heads, head_dim, torch.float16, device).to(cache_dtype)
         q = torch.randn(len(lens), kv_heads * 2, head_dim, device=device).half()
         out = decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, max_seq_len=max(lens))
         assert launched[-1] == want
         assert_attention_close(out, decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.2),
                                torch.float16)
+    odd = random_cache(12, 16, 3, 64, torch.float16, device)
     with pytest.raises(AssertionError, match="KV heads a program"):
-        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, tiles=DecodeTiles(kv_heads=2))
+        decode_attention(torch.randn(len(lens), 6, 64, device=device).half(), odd, batch.block_tables,
+                         batch.seq_lens, 0.2, tiles=DecodeTiles(kv_heads=2))
 
 
 def test_decode_tiles_deepen_the_pipeline_only_for_one_wave_without_split(device):
