@@ -281,9 +281,10 @@ class DecodeTiles:
     # KV writer produces yet (benchmarks/fp8_attention_kernels.py times it on a transposed copy; lost with 16-slot
     # blocks, gqa_values_transposed_h200_s37.json; the gpu_pending stage values-t64 times it with 64-slot blocks).
     values_t: bool = False
-    # KV heads a program reads side by side (2: `_decode_kernel`'s KV_HEADS, for 64-wide heads, whose 128-byte bf16
-    # pieces of a token's row read at 81% of the copy bandwidth where Qwen3-MoE's 256-byte ones read at 93%: H100,
-    # dense1b_attention_tiles_h100_s35.json, qwen3_attention_tiles_h100_s35.json). DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM.
+    # KV heads a program reads side by side (2: `_decode_kernel`'s KV_HEADS, for heads of 128 bytes a token, whose
+    # pieces of a token's row read at 81% of the copy bandwidth where Qwen3-MoE's 256-byte bf16 ones read at 93%:
+    # H100, dense1b_attention_tiles_h100_s35.json, qwen3_attention_tiles_h100_s35.json).
+    # DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM, PAIRED_HEAD_BYTES.
     kv_heads: int = 1
 
 # A no-split launch whose programs fit on the SMs two at a time (in 128-wide heads): a third pipeline stage, the value
