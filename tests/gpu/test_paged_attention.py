@@ -290,10 +290,15 @@ def test_decode_tile_settings_match_reference(device, tiles):
     dtype = torch.float16
     lens = [1, 33, 64, 129, 700]
     batch, cache, q = _decode_case(device, dtype, 64, 4, lens, 16, cdiv_total(lens, 16) + 8)
-    ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.2)
+    _assert_splits_match_reference(q, cache, batch, max(lens), tiles, dtype)
+
+
+def _assert_splits_match_reference(q, cache, batch, max_len, tiles, dtype, scale=0.2):
+    """The decode kernel under `tiles`, unsplit and in 3 splits, against the reference (every output row written)."""
+    ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, scale)
     for splits in (1, 3):
         out = torch.full_like(q, float("nan"))
-        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, out=out, max_seq_len=max(lens),
+        decode_attention(q, cache, batch.block_tables, batch.seq_lens, scale, out=out, max_seq_len=max_len,
                          num_splits=splits, tiles=tiles)
         assert_attention_close(out, ref, dtype)
 
@@ -312,12 +317,7 @@ def test_decode_two_kv_heads_a_program_match_reference(device, head_dim, group, 
     batch = make_batch(seqs, 16, cdiv_total(lens, 16) + 8, device)
     cache = random_cache(cdiv_total(lens, 16) + 8, 16, num_kv_heads, head_dim, dtype, device)
     q = torch.randn(len(lens), num_kv_heads * group, head_dim, device=device).to(dtype)
-    ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.2)
-    for splits in (1, 3):
-        out = torch.full_like(q, float("nan"))
-        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, out=out, max_seq_len=max(lens),
-                         num_splits=splits, tiles=tiles)
-        assert_attention_close(out, ref, dtype)
+    _assert_splits_match_reference(q, cache, batch, max(lens), tiles, dtype)
 
 
 def test_two_kv_heads_a_program_only_where_they_pair(device, monkeypatch):
