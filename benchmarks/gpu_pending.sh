@@ -21,7 +21,7 @@
 #   bash benchmarks/gpu_pending.sh gqa-regs    # ~3 min: the GQA decode kernel at large batch under register caps
 #   bash benchmarks/gpu_pending.sh align-gather  # ~5 min: DEEPSERVE_MOE_ALIGN_GATHER: tests, the align alone, steps
 #   bash benchmarks/gpu_pending.sh values-t64  # ~3 min: GQA decode over E4M3, values transposed, 16- and 64-slot blocks
-#   bash benchmarks/gpu_pending.sh norms-few-rows  # ~7 min: few-row fused norms / qkv + rotary: tests, 1B steps
+#   bash benchmarks/gpu_pending.sh norms-few-rows  # ~8 min: few-row fused norms / qkv + rotary: tests, 1B steps
 #   bash benchmarks/gpu_pending.sh l2-prefetch # ~9 min: DEEPSERVE_L2_PREFETCH (session 27's, never timed), dense steps
 #   bash benchmarks/gpu_pending.sh graph-tokens-1b  # ~4 min: DEEPSERVE_GRAPH_TOKENS=0,1 in Llama-3.2-1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs   # ~8 min: two KV heads a decode program: tests, calls, 1B steps

@@ -411,11 +411,9 @@ def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, li
     num_tiles = programs + programs_second
     block_m, tiles = rows_tiles(x.shape[0], tiles)
     parts, per_part, counters = _k_split(k, tiles, num_tiles, x.device)
-    if norm is not None:
-        weight_norm = norm_weight_or(norm, x)
-        if parts > 1:           # a part sees a share of K: the norm kernel first, the GEMM of its output
-            from deepserve.kernels.norm import fused_add_rms_norm
-            x, norm = fused_add_rms_norm(x, None, norm.weight, norm.eps), None
+    if norm is not None and parts > 1:      # a part sees a share of K: the norm kernel first, the GEMM of its output
+        from deepserve.kernels.norm import fused_add_rms_norm
+        x, norm = fused_add_rms_norm(x, None, norm.weight, norm.eps), None
     if parts > 1:
         partials = torch.empty(parts, num_tiles, tiles.block_n, block_m, dtype=torch.float32, device=x.device)
     else:
@@ -423,7 +421,7 @@ def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, li
     _skinny_kernel[(num_tiles, parts)](
         x, weight, bias if bias is not None else y, y, x.shape[0], n_out, k, x.stride(0), weight.stride(0),
         y.stride(0), float(limit or 0.0), w2, y2, w2.shape[0], w2.stride(0), y2.stride(0), programs,
-        partials, counters, per_part, weight_norm if norm is not None else x, norm_eps(norm),
+        partials, counters, per_part, norm_weight_or(norm, x), norm_eps(norm),
         residual if residual is not None else y, residual.stride(0) if residual is not None else 0,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, HAS_LIMIT=limit is not None, TWO=second is not None,
         ACCURATE_EXP=USE_LIBDEVICE, EVEN_K=k % tiles.block_k == 0, BLOCK_M=block_m,

@@ -70,13 +70,17 @@ def _norm_fits(norm: nn.Module | None, x: torch.Tensor) -> bool:
     return norm is None or norm.weight.dtype == x.dtype
 
 
+def _norm_rows(x: torch.Tensor) -> bool:
+    """2 to DEEPSERVE_FUSED_NORMS_MAX_ROWS rows of a dtype whose norm may run in a K loop (`_NORM_IN_K_LOOP_DTYPES`)."""
+    return x.dim() == 2 and 2 <= x.shape[0] <= _FUSED_NORMS_MAX_ROWS and x.dtype in _NORM_IN_K_LOOP_DTYPES
+
+
 def few_rows_fuse_norms(x: torch.Tensor, projections) -> bool:
     """A decoder layer's few-row fused path (models/base.py DecoderLayer) applies to x: 2 to
     DEEPSERVE_FUSED_NORMS_MAX_ROWS bf16 rows on the GPU, the skinny GEMM on, and every one of the layer's
     `projections` a plain bf16 Linear, so that each norm runs in the K loop of the projection that reads it and each
     residual add in an epilogue (bf16 rows: `_NORM_IN_K_LOOP_DTYPES`)."""
-    return (x.dim() == 2 and 2 <= x.shape[0] <= _FUSED_NORMS_MAX_ROWS and x.dtype in _NORM_IN_K_LOOP_DTYPES
-            and all(_plain(p) and _few_rows_on_gpu(x, p.weight, fused=True) for p in projections))
+    return _norm_rows(x) and all(_plain(p) and _few_rows_on_gpu(x, p.weight, fused=True) for p in projections)
 
 
 def _skinny_bias_fits(layer: nn.Module, x: torch.Tensor) -> bool:
@@ -86,9 +90,8 @@ def _skinny_bias_fits(layer: nn.Module, x: torch.Tensor) -> bool:
 def _norm_in_k_loop(x: torch.Tensor, layer: nn.Module, norm: nn.Module | None, swiglu: bool = False) -> bool:
     """`norm` (an RMSNorm, not None) can run in the K loop of `layer`'s skinny GEMM over x (`few_rows_fuse_norms`'
     rules for one projection)."""
-    return (norm is not None and 2 <= x.shape[0] <= _FUSED_NORMS_MAX_ROWS and x.dtype in _NORM_IN_K_LOOP_DTYPES
-            and _plain(layer) and _norm_fits(norm, x) and _few_rows_on_gpu(x, layer.weight, swiglu, fused=True)
-            and _skinny_bias_fits(layer, x))
+    return (norm is not None and _norm_rows(x) and _plain(layer) and _norm_fits(norm, x)
+            and _few_rows_on_gpu(x, layer.weight, swiglu, fused=True) and _skinny_bias_fits(layer, x))
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
