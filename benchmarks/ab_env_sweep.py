@@ -8,7 +8,8 @@ Run (GPU machine; the sweep's arguments after --):
       --output benchmarks/l2_prefetch_ab_h200.json -- --shapes llama-3.2-1b --contexts 1024 --batches 1,8,16,32,64
   python benchmarks/ab_env_sweep.py --setting DEEPSERVE_GRAPH_TOKENS=0,1 --passes 2 \\
       --output benchmarks/graph_tokens_ab_h200.json -- --shapes qwen3-moe --batches 8,128
-Several --setting flags run every combination.
+Several --setting flags run every combination; --combo NAME=v,NAME2=v2 (repeatable) runs exactly the listed
+settings instead, e.g. a baseline, each switch alone and all of them in one call.
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ def settings(flags: list[str]) -> list[dict[str, str]]:
     return [dict(combo) for combo in itertools.product(*axes)]
 
 
+def combos(flags: list[str]) -> list[dict[str, str]]:
+    """Each flag one setting: ["A=1,B=2", "A=3"] -> [{A: 1, B: 2}, {A: 3}]."""
+    out = []
+    for flag in flags:
+        pairs = [item.partition("=") for item in flag.split(",")]
+        if not all(name and sep and value for name, sep, value in pairs):
+            raise SystemExit(f"--combo {flag!r}: expected NAME=value,NAME2=value2,...")
+        out.append({name: value for name, _, value in pairs})
+    return out
+
+
 def sweep_rows(result: dict) -> list[dict]:
     """The sweep JSON's rows, each labelled by shape, context (when the sweep ran several) and batch."""
     rows = []
@@ -54,7 +66,8 @@ def sweep_rows(result: dict) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--setting", action="append", required=True, help="NAME=value1,value2,... (repeatable)")
+    ap.add_argument("--setting", action="append", default=[], help="NAME=value1,value2,... (repeatable)")
+    ap.add_argument("--combo", action="append", default=[], help="NAME=value,NAME2=value2: one setting (repeatable)")
     ap.add_argument("--passes", type=int, default=1)
     ap.add_argument("--output", required=True)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per sweep process")
@@ -62,10 +75,13 @@ def main() -> None:
     ap.add_argument("sweep_args", nargs=argparse.REMAINDER, help="-- then the sweep's arguments")
     args = ap.parse_args()
     sweep_args = args.sweep_args[1:] if args.sweep_args[:1] == ["--"] else args.sweep_args
+    if bool(args.setting) == bool(args.combo):
+        raise SystemExit("give --setting flags (every combination) or --combo flags (those settings), one kind")
+    chosen = settings(args.setting) if args.setting else combos(args.combo)
     out = {"command": "python benchmarks/ab_env_sweep.py " + " ".join(sys.argv[1:]), "results": {}, "failed": []}
     with tempfile.TemporaryDirectory() as tmp:
         for p in range(1, args.passes + 1):
-            for setting in settings(args.setting):
+            for setting in chosen:
                 name = ", ".join(f"{k}={v}" for k, v in setting.items()) + f", pass {p}"
                 path = os.path.join(tmp, "sweep.json")
                 cmd = [sys.executable, args.sweep, *sweep_args, "--output", path]
@@ -91,7 +107,7 @@ def main() -> None:
     output = Path(args.output)
     output.write_text(json.dumps(out, indent=1))
     from plot_ab import steps_by_batch
-    fig = steps_by_batch(output, f"decode steps by setting: {', '.join(args.setting)}")
+    fig = steps_by_batch(output, f"decode steps by setting: {'; '.join(args.setting or args.combo)}")
     fig.tight_layout()
     fig.savefig(output.with_suffix(".png"), dpi=110)
     print("wrote", output, output.with_suffix(".png"))

@@ -21,6 +21,7 @@
 #   bash benchmarks/gpu_pending.sh gqa-regs    # ~3 min: the GQA decode kernel at large batch under register caps
 #   bash benchmarks/gpu_pending.sh align-gather  # ~5 min: DEEPSERVE_MOE_ALIGN_GATHER: tests, the align alone, steps
 #   bash benchmarks/gpu_pending.sh values-t64  # ~3 min: GQA decode over E4M3, values transposed, 16- and 64-slot blocks
+#   bash benchmarks/gpu_pending.sh s38-first   # ~8 min: session 38's three switches in one call: tests, 1B steps
 #   bash benchmarks/gpu_pending.sh norms-few-rows  # ~8 min: few-row fused norms / qkv + rotary: tests, 1B steps
 #   bash benchmarks/gpu_pending.sh l2-prefetch # ~9 min: DEEPSERVE_L2_PREFETCH (session 27's, never timed), dense steps
 #   bash benchmarks/gpu_pending.sh graph-tokens-1b  # ~4 min: DEEPSERVE_GRAPH_TOKENS=0,1 in Llama-3.2-1B steps
@@ -269,6 +270,22 @@ values-t64)
         tail -2 /tmp/values_t$bs.log | cut -c1-300; summarise_kernels "$OUT/values_t_block$bs.json"
         elapsed "values-t, $bs-slot blocks"
     done
+    ;;
+s38-first)
+    # Where a session may get one device call: the GPU tests of session 38's three switches (norms-few-rows and
+    # gqa-pairs below), then Llama-3.2-1B steps at batch 8 / 64 at 1k (0.70 / 0.71 of the roofline, session 36)
+    # with none, the two few-row fusions, the paired KV heads, and all three on.
+    timeout 170 python3 -m pytest -q -n 8 tests/gpu/test_skinny_gemm.py tests/gpu/test_engine_gpu.py \
+        tests/gpu/test_qkv_rotary.py tests/gpu/test_paged_attention.py -p no:cacheprovider \
+        -k "skinny or norm or residual or few_row or kv_heads or pair or fp8_cache_matches or tile_settings" 2>&1 \
+        | tail -4
+    elapsed "tests"
+    fused="DEEPSERVE_FUSED_NORMS_MAX_ROWS=64,DEEPSERVE_QKV_ROTARY_MAX_ROWS=64"
+    timeout 400 python3 benchmarks/ab_env_sweep.py --combo DEEPSERVE_FUSED_NORMS_MAX_ROWS=1 --combo "$fused" \
+        --combo DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2 --combo "$fused,DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2" \
+        --passes 1 --timeout 95 --output "$OUT/s38_switches_1b_ab.json" -- --shapes llama-3.2-1b --batches 8,64 \
+        --contexts 1024 --profile-batch 0 > /tmp/s38_ab.log 2>&1
+    tail -3 /tmp/s38_ab.log; summarise_steps "$OUT/s38_switches_1b_ab.json"; elapsed "s38-first"
     ;;
 norms-few-rows)
     # Decode steps of 2-64 rows with each RMSNorm in the K loop of the skinny GEMM that reads it and each residual

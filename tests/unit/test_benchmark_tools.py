@@ -83,3 +83,11 @@ def test_start_decoding_holds_the_whole_batch_when_prefill_takes_many_steps(benc
         eng.step()
         assert len(eng.scheduler.running) == 16 and not any(s.is_finished for s in seqs)
     eng.abort_request(ids)
+
+
+def test_env_sweep_settings_and_combos(benchmarks_on_path):
+    from ab_env_sweep import combos, settings
+    assert settings(["A=1,2", "B=x"]) == [{"A": "1", "B": "x"}, {"A": "2", "B": "x"}]
+    assert combos(["A=1,B=2", "A=3"]) == [{"A": "1", "B": "2"}, {"A": "3"}]
+    with pytest.raises(SystemExit):
+        combos(["A=1,B"])
