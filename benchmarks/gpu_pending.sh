@@ -280,11 +280,14 @@ s38-first)
         -k "skinny or norm or residual or few_row or kv_heads or pair or fp8_cache_matches or tile_settings" 2>&1 \
         | tail -4
     elapsed "tests"
+    # S38_SHORT=1 (a call with less device time left): none and all three only.
     fused="DEEPSERVE_FUSED_NORMS_MAX_ROWS=64,DEEPSERVE_QKV_ROTARY_MAX_ROWS=64"
-    timeout 400 python3 benchmarks/ab_env_sweep.py --combo DEEPSERVE_FUSED_NORMS_MAX_ROWS=1 --combo "$fused" \
-        --combo DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2 --combo "$fused,DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2" \
-        --passes 1 --timeout 95 --output "$OUT/s38_switches_1b_ab.json" -- --shapes llama-3.2-1b --batches 8,64 \
-        --contexts 1024 --profile-batch 0 > /tmp/s38_ab.log 2>&1
+    alone=(--combo "$fused" --combo DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2)
+    [ "${S38_SHORT:-0}" = 1 ] && alone=()
+    timeout 400 python3 benchmarks/ab_env_sweep.py --combo DEEPSERVE_FUSED_NORMS_MAX_ROWS=1 "${alone[@]}" \
+        --combo "$fused,DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2" --passes 1 --timeout 95 \
+        --output "$OUT/s38_switches_1b_ab.json" -- --shapes llama-3.2-1b --batches 8,64 --contexts 1024 \
+        --profile-batch 0 > /tmp/s38_ab.log 2>&1
     tail -3 /tmp/s38_ab.log; summarise_steps "$OUT/s38_switches_1b_ab.json"; elapsed "s38-first"
     ;;
 norms-few-rows)
