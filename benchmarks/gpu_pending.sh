@@ -26,6 +26,7 @@
 #   bash benchmarks/gpu_pending.sh l2-prefetch # ~9 min: DEEPSERVE_L2_PREFETCH (session 27's, never timed), dense steps
 #   bash benchmarks/gpu_pending.sh graph-tokens-1b  # ~4 min: DEEPSERVE_GRAPH_TOKENS=0,1 in Llama-3.2-1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs   # ~8 min: two KV heads a decode program: tests, calls, 1B steps
+#   bash benchmarks/gpu_pending.sh s40-check   # ~7 min: tests/gpu, then 1B steps: KV head pairs never / auto
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -337,6 +338,20 @@ gqa-pairs)
         --passes "${PASSES:-1}" --timeout 140 --output "$OUT/gqa_kv_pairs_ab.json" -- --shapes llama-3.2-1b \
         --batches 8,64,256 --contexts 1024,4096 --profile-batch 0 > /tmp/gqa_pairs_ab.log 2>&1
     tail -3 /tmp/gqa_pairs_ab.log; summarise_steps "$OUT/gqa_kv_pairs_ab.json"; elapsed "gqa-pairs steps"
+    ;;
+s40-check)
+    # Session 40's default DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=auto (KV head pairs in unsplit launches over a 16-bit
+    # cache) under all of tests/gpu, then Llama-3.2-1B steps: never / auto, and session 38's qkv + rotary launch at
+    # 2-64 rows alone (it lost together with the few-row fused norms, s38_switches_1b_ab_h100_s40.json).
+    n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
+    timeout 300 python3 -m pytest -q $n tests/gpu -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
+    tail -6 "$OUT/pytest_gpu.log"; grep -m 6 "^E .*Error\|^E  *assert" "$OUT/pytest_gpu.log" | cut -c1-300
+    elapsed "tests/gpu"
+    timeout 260 python3 benchmarks/ab_env_sweep.py --combo DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=1 \
+        --combo DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=auto --combo DEEPSERVE_QKV_ROTARY_MAX_ROWS=64 \
+        --passes "${PASSES:-2}" --timeout 120 --output "$OUT/gqa_pairs_auto_ab.json" -- --shapes llama-3.2-1b \
+        --batches 8,64,256 --contexts 1024,4096 --profile-batch 0 > /tmp/s40_ab.log 2>&1
+    tail -3 /tmp/s40_ab.log; summarise_steps "$OUT/gqa_pairs_auto_ab.json"; elapsed "s40-check"
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the

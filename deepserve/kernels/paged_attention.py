@@ -283,8 +283,7 @@ class DecodeTiles:
     values_t: bool = False
     # KV heads a program reads side by side (2: `_decode_kernel`'s KV_HEADS, for heads of 128 bytes a token, whose
     # pieces of a token's row read at 81% of the copy bandwidth where Qwen3-MoE's 256-byte bf16 ones read at 93%:
-    # H100, dense1b_attention_tiles_h100_s35.json, qwen3_attention_tiles_h100_s35.json).
-    # DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM, PAIRED_HEAD_BYTES.
+    # H100, dense1b_attention_tiles_h100_s35.json, qwen3_attention_tiles_h100_s35.json). kv_heads_a_program picks it.
     kv_heads: int = 1
 
 # A no-split launch whose programs fit on the SMs two at a time (in 128-wide heads): a third pipeline stage, the value
@@ -308,11 +307,30 @@ DEEP_PIPELINE_TILES = DecodeTiles(num_stages=3, early_v=True)
 # steps, three passes, 9.760 -> 9.737 ms (PDL hid most of the old launch's cost); Llama-3.2-1B batch 64 over bf16
 # 2.219 -> 2.195 ms. docs/gpu.md has the rest (bf16 keeps two stages there; steps at other batches).
 HEADS_FIRST = envs.DEEPSERVE_GQA_DECODE_LAUNCH == "heads-first"
-# DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2 (session 38, not yet timed; 1 the default): heads of at most PAIRED_HEAD_BYTES
-# a token (Llama-3.2-1B's 64-wide bf16 heads; 128-wide ones over an fp8 cache, Qwen3-MoE's and Llama-3-8B's) are
-# read two KV heads a program (DecodeTiles.kv_heads), where the KV heads are even.
+# DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM (session 38's; timed in session 40): heads of at most PAIRED_HEAD_BYTES a token
+# are read two KV heads a program (DecodeTiles.kv_heads), where the KV heads are even and lie side by side. "auto"
+# (the default) pairs them in launches without a split over a 16-bit cache: Llama-3.2-1B's 64-wide bf16 heads, H100,
+# decode steps (gqa_kv_pairs_ab_h100_s40.json, ms, one pass) batch 64 / 256 2.184 / 4.765 -> 2.135 / 4.661 at 1k,
+# 4.631 / 13.811 -> 4.429 / 13.323 at 4k; batch 8's split launches lost (1.316 -> 1.436 at 1k, 1.626 -> 1.772 at 4k:
+# half the programs where there are too few already), and so did 128-wide E4M3 heads at kernel level (Qwen3-MoE
+# batch 256 104.7 -> 106.4-127.5 us by tiling, gqa_kv_pairs_kernels_h100_s40.json). "2": wherever they pair; "1":
+# never.
 KV_HEADS_PER_PROGRAM = envs.DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM
 PAIRED_HEAD_BYTES = 128
+
+
+def kv_heads_a_program(head_dim: int, cache_elem_bytes: int, num_kv_heads: int, heads_adjacent: bool, split: bool,
+                       mode: str = "") -> int:
+    """KV heads one decode program reads (DecodeTiles.kv_heads) under `mode` (default KV_HEADS_PER_PROGRAM): 2 only
+    for heads of at most PAIRED_HEAD_BYTES a token, an even count, side by side in the cache's rows (`heads_adjacent`);
+    "auto" also asks for a launch without a split (`split` False) over a 16-bit cache (the measured rule above)."""
+    mode = mode or KV_HEADS_PER_PROGRAM
+    can_pair = head_dim * cache_elem_bytes <= PAIRED_HEAD_BYTES and num_kv_heads % 2 == 0 and heads_adjacent
+    if mode == "1" or not can_pair:
+        return 1
+    if mode == "auto" and (split or cache_elem_bytes != 2):
+        return 1
+    return 2
 
 
 def decode_tiles(num_programs: int, head_dim: int, split: bool, device: torch.device,
@@ -392,9 +410,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     num_splits = max(1, cdiv(max_seq_len, partition))
     if tiles is None:
         tiles = decode_tiles(n * hkv * num_splits, d, num_splits > 1, q.device, fp8_cache=kv_cache.element_size() == 1)
-        if KV_HEADS_PER_PROGRAM == 2 and d * kv_cache.element_size() <= PAIRED_HEAD_BYTES and hkv % 2 == 0 \
-                and kv_cache.stride(3) == d:
-            tiles = replace(tiles, kv_heads=2)
+        pairs = kv_heads_a_program(d, kv_cache.element_size(), hkv, kv_cache.stride(3) == d, num_splits > 1)
+        if pairs != 1:
+            tiles = replace(tiles, kv_heads=pairs)
     assert tiles.block_n == block_n
     kvh_programs, rem = divmod(hkv, tiles.kv_heads)
     assert tiles.kv_heads in (1, 2) and rem == 0 and (tiles.kv_heads == 1 or kv_cache.stride(3) == d), \

@@ -336,7 +336,7 @@ def test_two_kv_heads_a_program_only_where_they_pair(device, monkeypatch):
             return launch
 
     monkeypatch.setattr(paged_attention, "_decode_kernel", Spy())
-    monkeypatch.setattr(paged_attention, "KV_HEADS_PER_PROGRAM", 2)
+    monkeypatch.setattr(paged_attention, "KV_HEADS_PER_PROGRAM", "2")
     lens = [5, 40]
     for head_dim, kv_heads, cache_dtype, want in ((64, 4, torch.float16, 2), (128, 4, torch.float16, 1),
                                                   (64, 3, torch.float16, 1), (128, 2, torch.float8_e4m3fn, 2)):
@@ -351,6 +351,36 @@ def test_two_kv_heads_a_program_only_where_they_pair(device, monkeypatch):
     with pytest.raises(AssertionError, match="KV heads a program"):
         decode_attention(torch.randn(len(lens), 6, 64, device=device).half(), odd, batch.block_tables,
                          batch.seq_lens, 0.2, tiles=DecodeTiles(kv_heads=2))
+
+
+def test_auto_pairs_kv_heads_in_unsplit_launches_over_16_bit_caches(device, monkeypatch):
+    """DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=auto (the default): 64-wide 16-bit heads pair in a launch without a split
+    (enough rows x KV heads to fill the SMs) and not in a split one (two rows over a long context); both match the
+    reference."""
+    from deepserve.kernels import paged_attention
+    launched = []
+    real = paged_attention._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((kw["KV_HEADS"], grid[2]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(paged_attention, "_decode_kernel", Spy())
+    monkeypatch.setattr(paged_attention, "KV_HEADS_PER_PROGRAM", "auto")
+    kv_heads, head_dim = 8, 64
+    rows_to_fill = -(-2 * paged_attention.num_sms(torch.device(device)) * 128 // (kv_heads * head_dim))
+    for lens, want_pairs, want_split in (([100] * rows_to_fill, 2, False), ([900, 700], 1, True)):
+        blocks = cdiv_total(lens, 16) + 4
+        batch = make_batch([(n - 1, 1) for n in lens], 16, blocks, device)
+        cache = random_cache(blocks, 16, kv_heads, head_dim, torch.float16, device)   # fp16: the interpreter's too
+        q = torch.randn(len(lens), kv_heads * 4, head_dim, device=device).half()
+        out = decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, max_seq_len=max(lens))
+        assert launched[-1][0] == want_pairs and (launched[-1][1] > 1) == want_split
+        assert_attention_close(out, decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.2),
+                               torch.float16)
 
 
 def test_decode_tiles_deepen_the_pipeline_only_for_one_wave_without_split(device):
