@@ -199,9 +199,9 @@ _DECLARED = [
     EnvVar("DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM", "str", "auto",
            "GPU paged decode attention: KV heads of at most 128 bytes a token read two adjacent ones a program "
            "(kernels/paged_attention.py kv_heads_a_program: 256-byte pieces of a token's row instead of 128), where "
-           "the KV heads are even; auto (the default): in launches without a split over a 16-bit cache (H100: "
-           "Llama-3.2-1B batch 64 / 256 steps 2-4% faster, batch 8's split launches 9% slower), 2: wherever they "
-           "pair, 1: never (read at import)", choices=("auto", "1", "2")),
+           "the KV heads are even; auto (the default): in one-wave launches without a split over a 16-bit cache "
+           "(Llama-3.2-1B batch 64 steps 2-5% faster on an H100 and an H200; batch 8's split launches 9% slower, "
+           "batch 256 mixed), 2: wherever they pair, 1: never (read at import)", choices=("auto", "1", "2")),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
     EnvVar("DEEPSERVE_GC_FREEZE", "bool", True,

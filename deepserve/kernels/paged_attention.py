@@ -309,26 +309,36 @@ DEEP_PIPELINE_TILES = DecodeTiles(num_stages=3, early_v=True)
 HEADS_FIRST = envs.DEEPSERVE_GQA_DECODE_LAUNCH == "heads-first"
 # DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM (session 38's; timed in session 40): heads of at most PAIRED_HEAD_BYTES a token
 # are read two KV heads a program (DecodeTiles.kv_heads), where the KV heads are even and lie side by side. "auto"
-# (the default) pairs them in launches without a split over a 16-bit cache: Llama-3.2-1B's 64-wide bf16 heads, H100,
-# decode steps (gqa_kv_pairs_ab_h100_s40.json, ms, one pass) batch 64 / 256 2.184 / 4.765 -> 2.135 / 4.661 at 1k,
-# 4.631 / 13.811 -> 4.429 / 13.323 at 4k; batch 8's split launches lost (1.316 -> 1.436 at 1k, 1.626 -> 1.772 at 4k:
-# half the programs where there are too few already), and so did 128-wide E4M3 heads at kernel level (Qwen3-MoE
-# batch 256 104.7 -> 106.4-127.5 us by tiling, gqa_kv_pairs_kernels_h100_s40.json). "2": wherever they pair; "1":
-# never.
+# (the default) pairs them over a 16-bit cache in a launch without a split whose programs fit the SMs in one wave
+# (`fits_one_wave`, DEEP_PIPELINE_TILES' range): Llama-3.2-1B's 64-wide bf16 heads at batch 64, decode steps 2-5%
+# faster on an H100 and an H200 (ms, one head / two, 1k and 4k: H100 2.184 / 4.631 -> 2.135 / 4.429,
+# gqa_kv_pairs_ab_h100_s40.json; H200, two passes, 1.746-1.758 / 3.461-3.518 -> 1.713-1.715 / 3.293-3.313,
+# gqa_pairs_auto_b256_ab_h200_s40.json). Past one wave the machines disagreed (batch 256: H100 4.765 / 13.811 ->
+# 4.661 / 13.323; H200 3.756 / 9.874-9.987 -> 3.754-3.761 / 10.276-10.279), and split launches lost (batch 8: H100
+# 1.316 / 1.626 -> 1.436 / 1.772, half the programs where there are too few already), as did 128-wide E4M3 heads
+# at kernel level (Qwen3-MoE batch 256 104.7 -> 106.4-127.5 us by tiling, gqa_kv_pairs_kernels_h100_s40.json).
+# "2": wherever they pair; "1": never.
 KV_HEADS_PER_PROGRAM = envs.DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM
 PAIRED_HEAD_BYTES = 128
 
 
-def kv_heads_a_program(head_dim: int, cache_elem_bytes: int, num_kv_heads: int, heads_adjacent: bool, split: bool,
-                       mode: str = "") -> int:
+def fits_one_wave(num_programs: int, head_dim: int, split: bool, device: torch.device) -> bool:
+    """A launch without a split whose `num_programs` programs of `head_dim`-wide heads fit the SMs at two 128-wide
+    programs each: DEEP_PIPELINE_TILES' range, and where "auto" pairs KV heads."""
+    return not split and num_programs * head_dim <= 2 * num_sms(device) * 128
+
+
+def kv_heads_a_program(head_dim: int, cache_elem_bytes: int, num_kv_heads: int, heads_adjacent: bool,
+                       one_wave: bool, mode: str = "") -> int:
     """KV heads one decode program reads (DecodeTiles.kv_heads) under `mode` (default KV_HEADS_PER_PROGRAM): 2 only
     for heads of at most PAIRED_HEAD_BYTES a token, an even count, side by side in the cache's rows (`heads_adjacent`);
-    "auto" also asks for a launch without a split (`split` False) over a 16-bit cache (the measured rule above)."""
+    "auto" also asks for a one-wave launch without a split (`one_wave`, `fits_one_wave`) over a 16-bit cache (the
+    measured rule above)."""
     mode = mode or KV_HEADS_PER_PROGRAM
     can_pair = head_dim * cache_elem_bytes <= PAIRED_HEAD_BYTES and num_kv_heads % 2 == 0 and heads_adjacent
     if mode == "1" or not can_pair:
         return 1
-    if mode == "auto" and (split or cache_elem_bytes != 2):
+    if mode == "auto" and (not one_wave or cache_elem_bytes != 2):
         return 1
     return 2
 
@@ -339,7 +349,7 @@ def decode_tiles(num_programs: int, head_dim: int, split: bool, device: torch.de
     heads: DEEP_PIPELINE_TILES for a launch without a split that fits the SMs at two 128-wide programs each; past
     that, without a split, three stages over an fp8 cache (`fp8_cache`); else the default (split launches are sized
     for about four programs an SM). All with HEADS_FIRST's launch order."""
-    if not split and num_programs * head_dim <= 2 * num_sms(device) * 128:
+    if fits_one_wave(num_programs, head_dim, split, device):
         return replace(DEEP_PIPELINE_TILES, heads_first=HEADS_FIRST)
     if not split and fp8_cache and HEADS_FIRST:
         return DecodeTiles(num_stages=3, heads_first=True)
@@ -410,7 +420,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     num_splits = max(1, cdiv(max_seq_len, partition))
     if tiles is None:
         tiles = decode_tiles(n * hkv * num_splits, d, num_splits > 1, q.device, fp8_cache=kv_cache.element_size() == 1)
-        pairs = kv_heads_a_program(d, kv_cache.element_size(), hkv, kv_cache.stride(3) == d, num_splits > 1)
+        pairs = kv_heads_a_program(d, kv_cache.element_size(), hkv, kv_cache.stride(3) == d,
+                                   fits_one_wave(n * hkv, d, num_splits > 1, q.device))
         if pairs != 1:
             tiles = replace(tiles, kv_heads=pairs)
     assert tiles.block_n == block_n

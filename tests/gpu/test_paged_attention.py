@@ -353,10 +353,10 @@ def test_two_kv_heads_a_program_only_where_they_pair(device, monkeypatch):
                          batch.seq_lens, 0.2, tiles=DecodeTiles(kv_heads=2))
 
 
-def test_auto_pairs_kv_heads_in_unsplit_launches_over_16_bit_caches(device, monkeypatch):
+def test_auto_pairs_kv_heads_in_one_wave_unsplit_launches_over_16_bit_caches(device, monkeypatch):
     """DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=auto (the default): 64-wide 16-bit heads pair in a launch without a split
-    (enough rows x KV heads to fill the SMs) and not in a split one (two rows over a long context); both match the
-    reference."""
+    whose programs fit the SMs in one wave, not past one wave (four times the rows) nor in a split launch (two rows
+    over a long context); each matches the reference."""
     from deepserve.kernels import paged_attention
     launched = []
     real = paged_attention._decode_kernel
@@ -371,8 +371,9 @@ def test_auto_pairs_kv_heads_in_unsplit_launches_over_16_bit_caches(device, monk
     monkeypatch.setattr(paged_attention, "_decode_kernel", Spy())
     monkeypatch.setattr(paged_attention, "KV_HEADS_PER_PROGRAM", "auto")
     kv_heads, head_dim = 8, 64
-    rows_to_fill = -(-2 * paged_attention.num_sms(torch.device(device)) * 128 // (kv_heads * head_dim))
-    for lens, want_pairs, want_split in (([100] * rows_to_fill, 2, False), ([900, 700], 1, True)):
+    one_wave_rows = paged_attention.num_sms(torch.device(device)) // 2    # x 8 heads x 64 = two 128-wide an SM
+    for lens, want_pairs, want_split in (([100] * one_wave_rows, 2, False), ([100] * (4 * one_wave_rows), 1, False),
+                                         ([900, 700], 1, True)):
         blocks = cdiv_total(lens, 16) + 4
         batch = make_batch([(n - 1, 1) for n in lens], 16, blocks, device)
         cache = random_cache(blocks, 16, kv_heads, head_dim, torch.float16, device)   # fp16: the interpreter's too
