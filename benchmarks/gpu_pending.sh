@@ -340,9 +340,10 @@ gqa-pairs)
     tail -3 /tmp/gqa_pairs_ab.log; summarise_steps "$OUT/gqa_kv_pairs_ab.json"; elapsed "gqa-pairs steps"
     ;;
 s40-check)
-    # Session 40's default DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=auto (KV head pairs in unsplit launches over a 16-bit
-    # cache) under all of tests/gpu, then Llama-3.2-1B steps: never / auto, and session 38's qkv + rotary launch at
-    # 2-64 rows alone (it lost together with the few-row fused norms, s38_switches_1b_ab_h100_s40.json).
+    # Session 40's default DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=auto (KV head pairs over a 16-bit cache in one-wave
+    # launches without a split; when this stage first ran, in every unsplit launch) under all of tests/gpu, then
+    # Llama-3.2-1B steps: never / auto, and session 38's qkv + rotary launch at 2-64 rows alone (it lost together
+    # with the few-row fused norms, s38_switches_1b_ab_h100_s40.json).
     n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
     timeout 300 python3 -m pytest -q $n tests/gpu -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
     tail -6 "$OUT/pytest_gpu.log"; grep -m 6 "^E .*Error\|^E  *assert" "$OUT/pytest_gpu.log" | cut -c1-300

@@ -303,6 +303,23 @@ def _assert_splits_match_reference(q, cache, batch, max_len, tiles, dtype, scale
         assert_attention_close(out, ref, dtype)
 
 
+def spy_decode_launches(monkeypatch) -> list:
+    """(KV heads a program, splits) of each paged decode launch from now on, the launches still running."""
+    from deepserve.kernels import paged_attention
+    launched = []
+    real = paged_attention._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((kw["KV_HEADS"], grid[2]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(paged_attention, "_decode_kernel", Spy())
+    return launched
+
+
 @pytest.mark.parametrize("head_dim,group", [(64, 4), (64, 1), (32, 8), (64, 3)])
 @pytest.mark.parametrize("tiles", [DecodeTiles(kv_heads=2), DecodeTiles(64, 4, 3, True, heads_first=True, kv_heads=2)],
                          ids=str)
@@ -325,17 +342,7 @@ def test_two_kv_heads_a_program_only_where_they_pair(device, monkeypatch):
     an even count; wider heads or an odd count keep one a program (the launch asserts a forced pairing of an odd
     count)."""
     from deepserve.kernels import paged_attention
-    launched = []
-    real = paged_attention._decode_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launched.append(kw["KV_HEADS"])
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(paged_attention, "_decode_kernel", Spy())
+    launched = spy_decode_launches(monkeypatch)
     monkeypatch.setattr(paged_attention, "KV_HEADS_PER_PROGRAM", "2")
     lens = [5, 40]
     for head_dim, kv_heads, cache_dtype, want in ((64, 4, torch.float16, 2), (128, 4, torch.float16, 1),
@@ -344,7 +351,7 @@ def test_two_kv_heads_a_program_only_where_they_pair(device, monkeypatch):
         cache = random_cache(12, 16, kv_heads, head_dim, torch.float16, device).to(cache_dtype)
         q = torch.randn(len(lens), kv_heads * 2, head_dim, device=device).half()
         out = decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, max_seq_len=max(lens))
-        assert launched[-1] == want
+        assert launched[-1][0] == want
         assert_attention_close(out, decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.2),
                                torch.float16)
     odd = random_cache(12, 16, 3, 64, torch.float16, device)
@@ -358,17 +365,7 @@ def test_auto_pairs_kv_heads_in_one_wave_unsplit_launches_over_16_bit_caches(dev
     whose programs fit the SMs in one wave, not past one wave (four times the rows) nor in a split launch (two rows
     over a long context); each matches the reference."""
     from deepserve.kernels import paged_attention
-    launched = []
-    real = paged_attention._decode_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launched.append((kw["KV_HEADS"], grid[2]))
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(paged_attention, "_decode_kernel", Spy())
+    launched = spy_decode_launches(monkeypatch)
     monkeypatch.setattr(paged_attention, "KV_HEADS_PER_PROGRAM", "auto")
     kv_heads, head_dim = 8, 64
     one_wave_rows = paged_attention.num_sms(torch.device(device)) // 2    # x 8 heads x 64 = two 128-wide an SM
