@@ -94,49 +94,31 @@ def gqa_cases() -> dict:
     return out
 
 
-# Llama-3.2-1B's weights (N x K), whether the gate/up one runs the SwiGLU in its epilogue, and which fused mode its
-# layer's few-row path (DEEPSERVE_FUSED_NORMS_MAX_ROWS) gives it: the RMSNorm in the K loop (qkv, gate/up) or the
-# residual add in the epilogue (o_proj, down).
-SKINNY_WEIGHTS = {"qkv": (3072, 2048, False, "norm"), "o_proj": (2048, 2048, False, "residual"),
-                  "gate_up": (16384, 2048, True, "norm"), "down": (2048, 8192, False, "residual"),
-                  "lm_head": (128256, 2048, False, None)}
+# Llama-3.2-1B's weights (N x K) and whether the gate/up one runs the SwiGLU in its epilogue.
+SKINNY_WEIGHTS = {"qkv": (3072, 2048, False), "o_proj": (2048, 2048, False), "gate_up": (16384, 2048, True),
+                  "down": (2048, 8192, False), "lm_head": (128256, 2048, False)}
 
 
 def skinny_cases() -> dict:
-    """The skinny GEMM (kernels/skinny_gemm.py) at 8 activation rows on Llama-3.2-1B's weights, at the engine's
-    tiles (`skinny_tiles`): the small-batch decode path of the dense 1B, whose steps read at 0.67-0.76 of the
-    bandwidth roofline at batch 8-64 (H100, session 30); each weight also with its fused mode (NORM / RESIDUAL), and
-    the qkv one as the qkv + rotary + KV-write launch, at 8 and at 64 rows (the fused modes' most)."""
-    from deepserve.kernels.qkv_rotary import _skinny_qkv_rotary_write_kernel
+    """The skinny GEMM (kernels/skinny_gemm.py) on Llama-3.2-1B's weights at the engine's tiles: at 8 activation
+    rows (`skinny_tiles`), the small-batch decode path of the dense 1B, whose steps read at 0.69-0.72 of the
+    bandwidth roofline at batch 8-64 (H100, session 40); at 64 rows the weights `skinny_wide_tiles` takes (gate/up,
+    down)."""
     from deepserve.kernels.skinny_gemm import _skinny_kernel, rows_tiles, skinny_tiles, skinny_wide_tiles
     out = {}
     for rows in (8, 64):
-        for name, (n, k, swiglu, fused) in SKINNY_WEIGHTS.items():
-            block_m, tiles = rows_tiles(rows, (skinny_wide_tiles(n, k, swiglu) if rows > 32 else None)
-                                        or skinny_tiles(n, k))
-            # At 8 rows the plain launch and its fused mode; at 64 the fused mode only (plain 64-row launches of
-            # these weights stay on cuBLAS but gate/up and down, skinny_wide_tiles).
-            fused_modes = [fused] if fused else []
-            for mode in ([None] + fused_modes if rows == 8 else fused_modes):
-                constexprs = dict(HAS_BIAS=False, SWIGLU=swiglu, HAS_LIMIT=False, TWO=False, ACCURATE_EXP=True,
-                                  EVEN_K=k % tiles.block_k == 0, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
-                                  BLOCK_K=tiles.block_k, PREFETCH=tiles.prefetch, SPLIT_K=tiles.split_k,
-                                  NORM=mode == "norm", RESIDUAL=mode == "residual", USE_PDL=True)
-                tag = (f" {mode}" if mode else "") + (f" m{rows}" if rows > 8 else "")
-                out[f"skinny {name} {n}x{k} n{tiles.block_n} k{tiles.block_k} split{tiles.split_k}{tag}"] = (
-                    _skinny_kernel, {"part_ptr": "*fp32", "counter_ptr": "*i32"}, constexprs,
-                    {"limit": "fp32", "eps": "fp32"}, tiles.warps, tiles.stages, None,
-                    ("n_out", "k_len", "n_out2", "k_per_split", "stride_rm"))
-        # The qkv projection + rotary + KV write on the same K loop (kernels/qkv_rotary.py,
-        # DEEPSERVE_QKV_ROTARY_MAX_ROWS), with the norm in it, into a bf16 cache.
-        n, k = SKINNY_WEIGHTS["qkv"][:2]
-        block_m, tiles = rows_tiles(rows, skinny_tiles(n, k))
-        out[f"skinny qkv_rotary {n}x{k} n{tiles.block_n} k{tiles.block_k} norm" + (f" m{rows}" if rows > 8 else "")] = (
-            _skinny_qkv_rotary_write_kernel,
-            {"pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
-            dict(HEAD_DIM=64, HALF_CACHE=False, HAS_BIAS=False, NORM=True, EVEN_K=True, BLOCK_M=block_m,
-                 BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PREFETCH=tiles.prefetch, USE_PDL=True),
-            {"eps": "fp32"}, tiles.warps, tiles.stages, None, ("k_len",))
+        for name, (n, k, swiglu) in SKINNY_WEIGHTS.items():
+            wide = skinny_wide_tiles(n, k, swiglu)
+            if rows > 32 and wide is None:
+                continue                # cuBLAS's
+            block_m, tiles = rows_tiles(rows, (wide if rows > 32 else None) or skinny_tiles(n, k))
+            constexprs = dict(HAS_BIAS=False, SWIGLU=swiglu, HAS_LIMIT=False, TWO=False, ACCURATE_EXP=True,
+                              EVEN_K=k % tiles.block_k == 0, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+                              BLOCK_K=tiles.block_k, PREFETCH=tiles.prefetch, SPLIT_K=tiles.split_k, USE_PDL=True)
+            tag = f" m{rows}" if rows > 8 else ""
+            out[f"skinny {name} {n}x{k} n{tiles.block_n} k{tiles.block_k} split{tiles.split_k}{tag}"] = (
+                _skinny_kernel, {"part_ptr": "*fp32", "counter_ptr": "*i32"}, constexprs,
+                {"limit": "fp32"}, tiles.warps, tiles.stages, None, ("n_out", "k_len", "n_out2", "k_per_split"))
     return out
 
 

@@ -121,16 +121,6 @@ _DECLARED = [
            "default of EngineArgs.batch_invariant"),
     EnvVar("DEEPSERVE_FUSED_NORMS", "bool", True,
            "GPU batch-1 decode: RMSNorm in GEMV prologues, residual adds in GEMV epilogues (read at import)"),
-    EnvVar("DEEPSERVE_FUSED_NORMS_MAX_ROWS", "int", 1,
-           "GPU decode of up to this many rows (bf16, 2-64): a Llama/Qwen layer's RMSNorms run inside the skinny "
-           "GEMMs that read them and its residual adds in their epilogues, as at batch 1 (kernels/skinny_gemm.py "
-           "NORM / RESIDUAL): 9 launches a layer become 7. 1 (the default): batch 1 only, until a GPU session "
-           "times it (benchmarks/gpu_pending.sh norms-few-rows) (read at import)"),
-    EnvVar("DEEPSERVE_QKV_ROTARY_MAX_ROWS", "int", 1,
-           "GPU decode steps of up to this many rows (2-64, one token each): a Llama/Qwen2 layer's qkv projection, "
-           "rotary embedding and KV-cache write in one skinny-GEMM launch (kernels/qkv_rotary.py "
-           "skinny_qkv_rotary_write), as at batch 1. 1 (the default): batch 1 only, until a GPU session times it "
-           "(benchmarks/gpu_pending.sh norms-few-rows) (read at import)"),
     EnvVar("DEEPSERVE_SKINNY_GEMM", "bool", True,
            "GPU decode GEMMs of 2-32 rows (2-16 for narrow weights of rows 2049-4095 long) through the skinny "
            "Triton GEMM (kernels/skinny_gemm.py), the SwiGLU in the gate/up one's epilogue; 0: cuBLAS and the "

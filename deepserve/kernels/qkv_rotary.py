@@ -27,7 +27,6 @@ from deepserve.kernels.gemv import (norm_eps, norm_ref, norm_weight_or, normed_g
 from deepserve.kernels.kv_rounding import store_rounded
 from deepserve.kernels.pdl import pdl_launch_args
 from deepserve.kernels.rotary import half_width_caches
-from deepserve.kernels.skinny_gemm import rows_tiles, skinny_product, skinny_tiles
 
 
 @triton.jit
@@ -127,99 +126,6 @@ def qkv_rotary_write(x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.
     return q_out
 
 
-# positions and slot_mapping are views into the step's packed index buffer: not specialised on (see rotary.py).
-@triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])
-def _skinny_qkv_rotary_write_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, pos_ptr, slot_ptr, q_out_ptr, cache_ptr, cos_ptr,
-                                    sin_ptr, m_rows, k_len, stride_xm, stride_wn, stride_qm, stride_c_kv,
-                                    stride_c_block, stride_c_slot, stride_c_head, stride_cos, block_size,
-                                    num_q_heads, num_kv_heads, eps,
-                                    HEAD_DIM: tl.constexpr, HALF_CACHE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                    NORM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                                    USE_PDL: tl.constexpr):
-    """`_qkv_rotary_write_kernel` for a few rows (one token each) on the skinny GEMM's K loop (`skinny_product`):
-    the program's BLOCK_N weight rows are BLOCK_N // 2 rotation pairs (j, j + D/2 of a head) interleaved, as the
-    SwiGLU mode interleaves gate and up rows, so each pair's two columns end in the same program for every row."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    PAIRS: tl.constexpr = BLOCK_N // 2
-    n_pairs = (num_q_heads + 2 * num_kv_heads) * HALF
-    r = tl.arange(0, BLOCK_N)
-    pair = tl.program_id(0) * PAIRS + r // 2
-    rows = (pair // HALF) * HEAD_DIM + pair % HALF + (r % 2) * HALF
-    m = tl.arange(0, BLOCK_M)
-    m_ok = m < m_rows
-    acc = skinny_product(x_ptr, w_ptr, rows, pair < n_pairs, m, m_ok, 0, k_len, k_len, stride_xm, stride_wn,
-                         norm_ptr, eps, EVEN_K, BLOCK_N, BLOCK_M, BLOCK_K, PREFETCH, NORM, USE_PDL)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=pair < n_pairs, other=0.0).to(tl.float32)[:, None]
-    dtype = q_out_ptr.dtype.element_ty
-    acc = acc.to(dtype).to(tl.float32)                # the projection's output rounding
-    x1, x2 = tl.split(tl.permute(tl.reshape(acc, [PAIRS, 2, BLOCK_M]), [0, 2, 1]))       # [PAIRS, BLOCK_M] each
-    p = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
-    head = p // HALF
-    j = p % HALF
-    p_ok = p < n_pairs
-    pos = tl.load(pos_ptr + m, mask=m_ok, other=0).to(tl.int64)
-    slot = tl.load(slot_ptr + m, mask=m_ok, other=-1).to(tl.int64)
-    angle = pos[None, :] * stride_cos + j[:, None]
-    ok = p_ok[:, None] & m_ok[None, :]
-    cos1 = tl.load(cos_ptr + angle, mask=ok, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + angle, mask=ok, other=0.0).to(tl.float32)
-    if HALF_CACHE:
-        cos2 = cos1
-        sin2 = sin1
-    else:
-        cos2 = tl.load(cos_ptr + angle + HALF, mask=ok, other=0.0).to(tl.float32)
-        sin2 = tl.load(sin_ptr + angle + HALF, mask=ok, other=0.0).to(tl.float32)
-    rotate = (head < num_q_heads + num_kv_heads)[:, None]          # q and k; v as it is
-    o1 = tl.where(rotate, x1 * cos1 - x2 * sin1, x1).to(dtype)      # rotate_heads' arithmetic
-    o2 = tl.where(rotate, x2 * cos2 + x1 * sin2, x2).to(dtype)
-    is_q = (head < num_q_heads)[:, None]
-    q_dst = q_out_ptr + m[None, :].to(tl.int64) * stride_qm + (head * HEAD_DIM + j)[:, None]
-    tl.store(q_dst, o1, mask=ok & is_q)
-    tl.store(q_dst + HALF, o2, mask=ok & is_q)
-    kv = (head >= num_q_heads + num_kv_heads).to(tl.int64)          # 0: key, 1: value
-    kv_head = head - num_q_heads - kv * num_kv_heads
-    cache_dst = (cache_ptr + (kv * stride_c_kv + kv_head * stride_c_head + j)[:, None]
-                 + ((slot // block_size) * stride_c_block + (slot % block_size) * stride_c_slot)[None, :])
-    keep = ok & (head >= num_q_heads)[:, None] & (slot >= 0)[None, :]
-    store_rounded(cache_dst, o1, keep)                # into the cache's dtype (kernels/kv_rounding.py)
-    store_rounded(cache_dst + HALF, o2, keep)
-
-
-def skinny_qkv_rotary_write(x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor],
-                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
-                            cos_cache: torch.Tensor, sin_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
-                            norm=None) -> torch.Tensor:
-    """`qkv_rotary_write` for M rows, one decode token each (2 <= M <= 64): x [M, K] -> q
-    rotated [M, H, D]; each row's k rotated and v written at its slot (a negative slot writes nothing). With `norm`
-    (an RMSNorm), of norm(x), the norm in the K loop (kernels/skinny_gemm.py `_normed_tile`: bf16 rows in the
-    engine). The skinny GEMM's tiling of the qkv weight (`skinny_tiles`), whose rows per program must hold whole
-    rotation pairs: even, as every tiling's are."""
-    require_triton(x)
-    assert x.dim() == 2 and x.shape[1] == w_qkv.shape[1] and x.dtype == w_qkv.dtype
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w_qkv = w_qkv if w_qkv.stride(-1) == 1 else w_qkv.contiguous()
-    rows, (n, k) = x.shape[0], w_qkv.shape
-    d = kv_cache.shape[-1]
-    assert n == (num_heads + 2 * num_kv_heads) * d and d % 2 == 0, f"qkv rows {n} != (H + 2 Hkv) * {d}"
-    assert kv_cache.stride(-1) == 1 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == num_kv_heads
-    assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
-    assert positions.shape[0] >= rows and slot_mapping.shape[0] >= rows
-    block_m, tiles = rows_tiles(rows, skinny_tiles(n, k)._replace(split_k=1))
-    q_out = torch.empty(rows, num_heads, d, dtype=x.dtype, device=x.device)
-    _skinny_qkv_rotary_write_kernel[(triton.cdiv(n // 2, tiles.block_n // 2),)](
-        x, norm_weight_or(norm, x), w_qkv, bias if bias is not None else x, positions, slot_mapping, q_out,
-        kv_cache, cos_cache, sin_cache, rows, k, x.stride(0), w_qkv.stride(0), q_out.stride(0), kv_cache.stride(0),
-        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), cos_cache.stride(0), kv_cache.shape[2],
-        num_heads, num_kv_heads, norm_eps(norm),
-        HEAD_DIM=d, HALF_CACHE=half_width_caches(d, cos_cache, sin_cache), HAS_BIAS=bias is not None,
-        NORM=norm is not None, EVEN_K=k % tiles.block_k == 0, BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PREFETCH=tiles.prefetch, num_warps=tiles.warps,
-        num_stages=tiles.stages, **pdl_launch_args(x))
-    return q_out
-
-
 def qkv_rotary_write_ref(x, w_qkv, bias, kv_cache, slot_mapping, positions, cos_cache, sin_cache, num_heads,
                          num_kv_heads, norm=None):
     """The two-step path: (the reference RMSNorm,) F.linear, then rotary_write_kv's PyTorch twin."""
@@ -232,4 +138,4 @@ def qkv_rotary_write_ref(x, w_qkv, bias, kv_cache, slot_mapping, positions, cos_
     return rotary_write_kv_ref(kv_cache, q, k, v, slot_mapping, positions, cos_cache, sin_cache)
 
 
-__all__ = ["qkv_rotary_write", "qkv_rotary_write_ref", "skinny_qkv_rotary_write"]
+__all__ = ["qkv_rotary_write", "qkv_rotary_write_ref"]

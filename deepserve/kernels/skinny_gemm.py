@@ -34,7 +34,7 @@ import torch
 from deepserve import envs
 from deepserve.kernels import USE_LIBDEVICE, next_pow2, require_triton, tl, triton
 from deepserve.kernels.activation import silu_mul
-from deepserve.kernels.gemv import norm_eps, norm_weight_or, prefetch_rows_to_l2
+from deepserve.kernels.gemv import prefetch_rows_to_l2
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 SKINNY_MAX_ROWS = 16            # more rows stay on cuBLAS (whose larger tiles then do fill the tensor cores) ...
@@ -91,30 +91,12 @@ def _split_k_sum(acc, part_ptr, counter_ptr, tile, split, num_tiles, r, m, m_ok,
 
 
 @triton.jit
-def _normed_tile(x, sum_sq, norm_ptrs, k_ok):
-    """(the x^T tile [BLOCK_K, BLOCK_M] times the RMSNorm weight at its K positions, rounded to x's dtype; sum_sq plus
-    each row's squares over the tile).
-
-    The norm in a multi-step K loop without a first pass over x: y = (x * g) W^T * rstd, with rstd applied to the
-    float32 accumulator once the loop has seen every column. The unfused path rounds x * rstd to x's dtype before
-    g multiplies it and the product goes to the GEMM; here g * x is the rounded operand: the same error bound (one
-    rounding of each operand), not the same bits. At batch 1 a first pass over x (an L2 round trip before the first
-    K step) cost more than the norm's own launch (benchmarks/ab_b1_session6.json), hence no pass here. The caller
-    takes bf16 only: g * x of an fp16 residual stream can overflow where the normalised x would not."""
-    xf = x.to(tl.float32)
-    sum_sq += tl.sum(xf * xf, 0)
-    g = tl.load(norm_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-    return (xf * g[:, None]).to(x.dtype), sum_sq
-
-
-@triton.jit
-def skinny_product(x_ptr, w_ptr, rows, rows_ok, m, m_ok, k_start, k_end, k_len, stride_xm, stride_wn, norm_ptr, eps,
-                   EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PREFETCH: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
+def _skinny_product(x_ptr, w_ptr, rows, rows_ok, m, m_ok, k_start, k_end, stride_xm, stride_wn,
+                    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
     """[BLOCK_N, BLOCK_M] float32: w[rows, k_start:k_end] . x[m, k_start:k_end] for the program's weight rows and the
-    activation rows m (x^T the MMA's right operand); of rms_norm(x) * norm weight when NORM (`_normed_tile`: then
-    k_start:k_end must be all of k_len). Waits for the previous kernel (PDL) after asking L2 for its first weights;
-    shared with the qkv + rotary kernel of kernels/qkv_rotary.py."""
+    activation rows m (x^T the MMA's right operand). Waits for the previous kernel (PDL) after asking L2 for its
+    first weights."""
     k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + k_start + k[None, :]
     x_ptrs = x_ptr + m[None, :].to(tl.int64) * stride_xm + k_start + k[:, None]          # x^T: [BLOCK_K, BLOCK_M]
@@ -128,7 +110,6 @@ def skinny_product(x_ptr, w_ptr, rows, rows_ok, m, m_ok, k_start, k_end, k_len, 
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    sum_sq = tl.zeros([BLOCK_M], tl.float32)          # NORM: each row's sum of squares, along the K loop
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             k_ok = k < BLOCK_K
@@ -138,30 +119,23 @@ def skinny_product(x_ptr, w_ptr, rows, rows_ok, m, m_ok, k_start, k_end, k_len, 
             k_ok = k < k_end - k0
             w = tl.load(w_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        if NORM:
-            x, sum_sq = _normed_tile(x, sum_sq, norm_ptr + k0 + k, k_ok)
         acc = tl.dot(w, x, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if NORM:
-        acc *= (1.0 / tl.sqrt(sum_sq / k_len + eps))[None, :]
     return acc
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, m_rows, n_out, k_len, stride_xm, stride_wn, stride_ym, limit,
                    w2_ptr, y2_ptr, n_out2, stride_w2n, stride_y2m, programs_first,
-                   part_ptr, counter_ptr, k_per_split, norm_ptr, eps, res_ptr, stride_rm,
+                   part_ptr, counter_ptr, k_per_split,
                    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, TWO: tl.constexpr,
                    ACCURATE_EXP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr, NORM: tl.constexpr,
-                   RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
     """y[:m_rows, n] for this program's BLOCK_N weight rows (SWIGLU: BLOCK_N // 2 output columns, n_out = I).
     TWO: the programs from `programs_first` on compute y2 = x w2^T (n_out2 rows) instead: two weights that share
     their input (MLA's q and kv_a projections) in one launch. SPLIT_K > 1: program (tile, s) of grid axis 1 sums
-    K range [s * k_per_split, (s + 1) * k_per_split) and the tile's last part writes y (`_split_k_sum`).
-    NORM: of rms_norm(x) * norm weight (`_normed_tile`; whole K per program: SPLIT_K 1). RESIDUAL: plus
-    res[:m_rows, n], added to the product rounded to y's dtype, then rounded again (a separate add's roundings)."""
+    K range [s * k_per_split, (s + 1) * k_per_split) and the tile's last part writes y (`_split_k_sum`)."""
     tile = tl.program_id(0)
     pid = tile
     if TWO:
@@ -188,9 +162,8 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, m_rows, n_out, k_len, stride_x
     if SPLIT_K > 1:
         k_start = tl.program_id(1) * k_per_split
         k_end = tl.minimum(k_start + k_per_split, k_len)
-    tl.static_assert(not NORM or SPLIT_K == 1, "an RMSNorm in the K loop needs all of K in one program")
-    acc = skinny_product(x_ptr, w_ptr, rows, rows_ok, m, m_ok, k_start, k_end, k_len, stride_xm, stride_wn,
-                         norm_ptr, eps, EVEN_K, BLOCK_N, BLOCK_M, BLOCK_K, PREFETCH, NORM, USE_PDL)
+    acc = _skinny_product(x_ptr, w_ptr, rows, rows_ok, m, m_ok, k_start, k_end, stride_xm, stride_wn,
+                          EVEN_K, BLOCK_N, BLOCK_M, BLOCK_K, PREFETCH, USE_PDL)
     if SPLIT_K > 1:
         acc, last = _split_k_sum(acc, part_ptr, counter_ptr, tile, tl.program_id(1), tl.num_programs(0), r, m, m_ok,
                                  SPLIT_K, BLOCK_N, BLOCK_M)
@@ -211,11 +184,8 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, m_rows, n_out, k_len, stride_x
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)[:, None]
-        out_ok = rows_ok[:, None] & m_ok[None, :]
-        if RESIDUAL:
-            acc = acc.to(dtype).to(tl.float32) + tl.load(res_ptr + m[None, :].to(tl.int64) * stride_rm + rows[:, None],
-                                                         mask=out_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m[None, :].to(tl.int64) * stride_ym + rows[:, None], acc.to(dtype), mask=out_ok)
+        tl.store(y_ptr + m[None, :].to(tl.int64) * stride_ym + rows[:, None], acc.to(dtype),
+                 mask=rows_ok[:, None] & m_ok[None, :])
 
 
 def skinny_tiles(n: int, k: int) -> SkinnyTiles:
@@ -290,17 +260,15 @@ def skinny_wide_tiles(n: int, k: int, swiglu: bool) -> Optional[SkinnyTiles]:
     return None
 
 
-def skinny_applies(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, fused: bool = False) -> bool:
+def skinny_applies(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> bool:
     """x [M, K] with 2 <= M <= skinny_max_rows(N, K) of weight's half-precision dtype, no autograd (the caller
     checked the device); under DEEPSERVE_SKINNY_64_ROWS also 33-64 rows of the weights `skinny_wide_tiles` names
-    (`swiglu`: weight is a gate/up one whose SwiGLU runs in the epilogue). `fused`: the launch also takes a norm,
-    a residual add or the rotary write (DEEPSERVE_FUSED_NORMS_MAX_ROWS, DEEPSERVE_QKV_ROTARY_MAX_ROWS), which saves
-    launches of their own: then any weight takes up to WIDE_MAX_ROWS rows (not yet timed past 16)."""
+    (`swiglu`: weight is a gate/up one whose SwiGLU runs in the epilogue)."""
     if not (x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()):
         return False
     rows = x.shape[0]
-    if 2 <= rows <= skinny_max_rows(*weight.shape) or (fused and 2 <= rows <= WIDE_MAX_ROWS):
+    if 2 <= rows <= skinny_max_rows(*weight.shape):
         return True
     return WIDE_ROWS and 32 < rows <= WIDE_MAX_ROWS and skinny_wide_tiles(*weight.shape, swiglu) is not None
 
@@ -312,33 +280,25 @@ def _tiles(rows: int, n: int, k: int, swiglu: bool) -> SkinnyTiles:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  tiles: Optional[SkinnyTiles] = None, residual: Optional[torch.Tensor] = None,
-                  norm=None) -> torch.Tensor:
-    """x [M, K], weight [N, K] (same dtype), bias [N] or None -> [M, N] = F.linear(x, weight, bias), plus `residual`
-    [M, N] if given (the add in the epilogue: one rounding before it, one after); of norm(x) if `norm` (an RMSNorm
-    over K, its weight in x's dtype) is given (`_normed_tile`; a tiling that splits K runs the norm kernel first)."""
+                  tiles: Optional[SkinnyTiles] = None) -> torch.Tensor:
+    """x [M, K], weight [N, K] (same dtype), bias [N] or None -> [M, N] = F.linear(x, weight, bias)."""
     x, weight = _operands(x, weight)
     n, k = weight.shape
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous()
-    if residual is not None:
-        assert residual.shape == y.shape and residual.dtype == y.dtype and residual.stride(-1) == 1
-    _launch(x, weight, bias, y, n, tiles or _tiles(x.shape[0], n, k, False), swiglu=False, limit=None,
-            residual=residual, norm=norm)
+    _launch(x, weight, bias, y, n, tiles or _tiles(x.shape[0], n, k, False), swiglu=False, limit=None)
     return y
 
 
 def skinny_swiglu(x: torch.Tensor, w13: torch.Tensor, limit: Optional[float] = None,
-                  tiles: Optional[SkinnyTiles] = None, norm=None) -> torch.Tensor:
-    """x [M, K], w13 [2I, K] (gate rows then up rows) -> [M, I] = swiglu_activation(F.linear(x, w13), limit); of
-    norm(x) if `norm` (an RMSNorm) is given, as in `skinny_linear`."""
+                  tiles: Optional[SkinnyTiles] = None) -> torch.Tensor:
+    """x [M, K], w13 [2I, K] (gate rows then up rows) -> [M, I] = swiglu_activation(F.linear(x, w13), limit)."""
     x, w13 = _operands(x, w13)
     two_i, k = w13.shape
     assert two_i % 2 == 0
     act = torch.empty(x.shape[0], two_i // 2, dtype=x.dtype, device=x.device)
-    _launch(x, w13, None, act, two_i // 2, tiles or _tiles(x.shape[0], two_i, k, True), swiglu=True, limit=limit,
-            norm=norm)
+    _launch(x, w13, None, act, two_i // 2, tiles or _tiles(x.shape[0], two_i, k, True), swiglu=True, limit=limit)
     return act
 
 
@@ -380,7 +340,7 @@ def split_counters(device: torch.device) -> Optional[torch.Tensor]:
 
 def rows_tiles(rows: int, tiles: SkinnyTiles) -> tuple[int, SkinnyTiles]:
     """(BLOCK_M, tiles) of a launch over `rows` activation rows: rows padded to a power of two of at least 16 (an
-    MMA's side); past 32 rows (DEEPSERVE_SKINNY_64_ROWS, the fused modes, or h200_decode_sweep.py --skinny-max-rows)
+    MMA's side); past 32 rows (DEEPSERVE_SKINNY_64_ROWS or h200_decode_sweep.py --skinny-max-rows)
     half the K step, so that four stages of the weight and activation tiles fit in shared memory (64 x 256 tiles
     at 64 rows need 256 KB)."""
     block_m = max(16, next_pow2(rows))
@@ -401,8 +361,7 @@ def _k_split(k: int, tiles: SkinnyTiles, num_tiles: int, device: torch.device):
 
 
 def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, limit: Optional[float],
-            second: Optional[tuple[torch.Tensor, torch.Tensor]] = None, residual: Optional[torch.Tensor] = None,
-            norm=None) -> None:
+            second: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     k = weight.shape[1]
     rows_per_program = tiles.block_n // 2 if swiglu else tiles.block_n
     programs = triton.cdiv(n_out, rows_per_program)
@@ -411,9 +370,6 @@ def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, li
     num_tiles = programs + programs_second
     block_m, tiles = rows_tiles(x.shape[0], tiles)
     parts, per_part, counters = _k_split(k, tiles, num_tiles, x.device)
-    if norm is not None and parts > 1:      # a part sees a share of K: the norm kernel first, the GEMM of its output
-        from deepserve.kernels.norm import fused_add_rms_norm
-        x, norm = fused_add_rms_norm(x, None, norm.weight, norm.eps), None
     if parts > 1:
         partials = torch.empty(parts, num_tiles, tiles.block_n, block_m, dtype=torch.float32, device=x.device)
     else:
@@ -421,12 +377,11 @@ def _launch(x, weight, bias, y, n_out: int, tiles: SkinnyTiles, swiglu: bool, li
     _skinny_kernel[(num_tiles, parts)](
         x, weight, bias if bias is not None else y, y, x.shape[0], n_out, k, x.stride(0), weight.stride(0),
         y.stride(0), float(limit or 0.0), w2, y2, w2.shape[0], w2.stride(0), y2.stride(0), programs,
-        partials, counters, per_part, norm_weight_or(norm, x), norm_eps(norm),
-        residual if residual is not None else y, residual.stride(0) if residual is not None else 0,
+        partials, counters, per_part,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, HAS_LIMIT=limit is not None, TWO=second is not None,
         ACCURATE_EXP=USE_LIBDEVICE, EVEN_K=k % tiles.block_k == 0, BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PREFETCH=tiles.prefetch, SPLIT_K=parts, NORM=norm is not None,
-        RESIDUAL=residual is not None, num_warps=tiles.warps, num_stages=tiles.stages, **pdl_launch_args(x))
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PREFETCH=tiles.prefetch, SPLIT_K=parts,
+        num_warps=tiles.warps, num_stages=tiles.stages, **pdl_launch_args(x))
 
 
 __all__ = ["SKINNY_MAX_ROWS", "SKINNY_MAX_ROWS_SHORT_K", "SHORT_K", "SPLIT_COUNTERS", "SPLIT_K_MIN_K",

@@ -22,15 +22,6 @@ from deepserve.layers.kernel_dispatch import use_triton
 
 # A/B switch (DEEPSERVE_SKINNY_GEMM=0): GEMMs of 2-32 rows on the GPU stay on cuBLAS.
 _SKINNY = envs.DEEPSERVE_SKINNY_GEMM
-# DEEPSERVE_FUSED_NORMS_MAX_ROWS (1: batch 1 only): the most rows whose RMSNorms and residual adds run inside the
-# skinny GEMMs (`few_rows_fuse_norms`); at most 64, the skinny GEMM's most (skinny_gemm.WIDE_MAX_ROWS).
-_FUSED_NORMS_MAX_ROWS = min(envs.DEEPSERVE_FUSED_NORMS_MAX_ROWS, 64)
-# DEEPSERVE_QKV_ROTARY_MAX_ROWS (1: batch 1 only): the most decode rows whose qkv projection, rotary embedding and
-# KV-cache write run in one skinny-GEMM launch (`fused_qkv_rotary_write`); at most 64, as above.
-_QKV_ROTARY_MAX_ROWS = min(envs.DEEPSERVE_QKV_ROTARY_MAX_ROWS, 64)
-# bf16 only: the K loop multiplies the un-normalised x by the norm weight (kernels/skinny_gemm.py `_normed_tile`),
-# which can overflow fp16 where the normalised x would not.
-_NORM_IN_K_LOOP_DTYPES = (torch.bfloat16,)
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -49,15 +40,16 @@ def _one_row_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return one_row_on_gpu(x) and x.dtype == weight.dtype
 
 
-def _few_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, fused: bool = False) -> bool:
+def _few_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> bool:
     """2-32 (2-16: skinny_max_rows) activation rows of weight's half-precision dtype on the GPU, no autograd: where the
     skinny GEMM applies (a decode step of a small batch; kernels/skinny_gemm.py says why cuBLAS is slow there); up
-    to 64 for some weights under DEEPSERVE_SKINNY_64_ROWS (`swiglu`: a gate/up weight with the SwiGLU fused), and
-    for every weight in a fused mode (`fused`: a norm, residual add or rotary write rides along)."""
+    to 64 for some weights under DEEPSERVE_SKINNY_64_ROWS (`swiglu`: a gate/up weight with the SwiGLU fused).
+    (Session 38's few-row modes, the RMSNorms, residual adds and rotary write inside these GEMMs, lost in decode
+    steps twice and were removed: benchmarks/s38_switches_1b_ab_h100_s40.json, docs/gpu.md.)"""
     if not (_SKINNY and use_triton(x)):
         return False
     from deepserve.kernels.skinny_gemm import skinny_applies
-    return skinny_applies(x, weight, swiglu, fused)
+    return skinny_applies(x, weight, swiglu)
 
 
 def _plain(layer: nn.Module) -> bool:
@@ -68,30 +60,6 @@ def _plain(layer: nn.Module) -> bool:
 def _norm_fits(norm: nn.Module | None, x: torch.Tensor) -> bool:
     """A GEMV can run `norm` (an RMSNorm) in its prologue: its weight has x's dtype."""
     return norm is None or norm.weight.dtype == x.dtype
-
-
-def _norm_rows(x: torch.Tensor) -> bool:
-    """2 to DEEPSERVE_FUSED_NORMS_MAX_ROWS rows of a dtype whose norm may run in a K loop (`_NORM_IN_K_LOOP_DTYPES`)."""
-    return x.dim() == 2 and 2 <= x.shape[0] <= _FUSED_NORMS_MAX_ROWS and x.dtype in _NORM_IN_K_LOOP_DTYPES
-
-
-def few_rows_fuse_norms(x: torch.Tensor, projections) -> bool:
-    """A decoder layer's few-row fused path (models/base.py DecoderLayer) applies to x: 2 to
-    DEEPSERVE_FUSED_NORMS_MAX_ROWS bf16 rows on the GPU, the skinny GEMM on, and every one of the layer's
-    `projections` a plain bf16 Linear, so that each norm runs in the K loop of the projection that reads it and each
-    residual add in an epilogue (bf16 rows: `_NORM_IN_K_LOOP_DTYPES`)."""
-    return _norm_rows(x) and all(_plain(p) and _few_rows_on_gpu(x, p.weight, fused=True) for p in projections)
-
-
-def _skinny_bias_fits(layer: nn.Module, x: torch.Tensor) -> bool:
-    return layer.bias is None or (layer.bias.dtype == x.dtype and layer.bias.is_contiguous())
-
-
-def _norm_in_k_loop(x: torch.Tensor, layer: nn.Module, norm: nn.Module | None, swiglu: bool = False) -> bool:
-    """`norm` (an RMSNorm, not None) can run in the K loop of `layer`'s skinny GEMM over x (`few_rows_fuse_norms`'
-    rules for one projection)."""
-    return (norm is not None and _norm_rows(x) and _plain(layer) and _norm_fits(norm, x)
-            and _few_rows_on_gpu(x, layer.weight, swiglu, fused=True) and _skinny_bias_fits(layer, x))
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,46 +125,29 @@ def apply_linear(layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = N
 
 def linear_residual(x: torch.Tensor, layer: nn.Module, residual: torch.Tensor) -> torch.Tensor:
     """layer(x) + residual; for one row on the GPU through a plain `Linear`, the add runs in the GEMV's epilogue
-    (the same two roundings: the product's, the sum's); for 2 to DEEPSERVE_FUSED_NORMS_MAX_ROWS rows, in the skinny
-    GEMM's."""
+    (the same two roundings: the product's, the sum's)."""
     if not (_plain(layer) and residual.dtype == x.dtype):
         return layer(x) + residual
     if _one_row_on_gpu(x, layer.weight) and (layer.bias is None or layer.bias.dtype == x.dtype):
         from deepserve.kernels.gemv import gemv
         return gemv(x, layer.weight, layer.bias, residual=residual)
-    if 2 <= x.shape[0] <= _FUSED_NORMS_MAX_ROWS and _few_rows_on_gpu(x, layer.weight, fused=True) and \
-            _skinny_bias_fits(layer, x) and residual.shape == (x.shape[0], layer.weight.shape[0]):
-        from deepserve.kernels.skinny_gemm import skinny_linear
-        return skinny_linear(x, layer.weight, layer.bias, residual=residual if residual.stride(-1) == 1
-                             else residual.contiguous())
     return layer(x) + residual
-
-
-def normed_linear(x: torch.Tensor, layer: nn.Module, norm: nn.Module | None) -> torch.Tensor:
-    """layer(norm(x)) (layer(x) when norm is None); for 2 to DEEPSERVE_FUSED_NORMS_MAX_ROWS bf16 rows on the GPU
-    through a plain `Linear`, the RMSNorm runs in the skinny GEMM's K loop: one launch."""
-    if _norm_in_k_loop(x, layer, norm):
-        from deepserve.kernels.skinny_gemm import skinny_linear
-        return skinny_linear(x, layer.weight, layer.bias, norm=norm)
-    return layer(x if norm is None else norm(x))
 
 
 def fused_swiglu_linear(x: torch.Tensor, gate_up: nn.Module, limit: float | None,
                         norm: nn.Module | None = None) -> torch.Tensor | None:
     """swiglu_activation(gate_up(x), limit) in one GEMV launch (the SwiGLU in its epilogue) for one row on the GPU
     through a plain `Linear` without bias; of norm(x) with `norm` (an RMSNorm, run in the GEMV's prologue). For 2-32
-    rows (skinny_max_rows), the skinny GEMM with the SwiGLU in its epilogue; with `norm`, for up to
-    DEEPSERVE_FUSED_NORMS_MAX_ROWS bf16 rows, the norm in its K loop. None otherwise (a quantized layer, more rows,
-    the CPU): the caller then runs the steps one by one."""
+    rows (skinny_max_rows) without `norm`, the skinny GEMM with the SwiGLU in its epilogue. None otherwise (a
+    quantized layer, more rows, a norm past one row, the CPU): the caller then runs the steps one by one."""
     if not (_plain(gate_up) and gate_up.bias is None):
         return None
     if _one_row_on_gpu(x, gate_up.weight) and _norm_fits(norm, x):
         from deepserve.kernels.gemv import swiglu_gemv
         return swiglu_gemv(x, gate_up.weight, limit, norm=norm)
-    if (norm is None and _few_rows_on_gpu(x, gate_up.weight, swiglu=True)) or \
-            _norm_in_k_loop(x, gate_up, norm, swiglu=True):
+    if norm is None and _few_rows_on_gpu(x, gate_up.weight, swiglu=True):
         from deepserve.kernels.skinny_gemm import skinny_swiglu
-        return skinny_swiglu(x, gate_up.weight, limit, norm=norm)
+        return skinny_swiglu(x, gate_up.weight, limit)
     return None
 
 
@@ -216,30 +167,22 @@ def fused_two_linear(x: torch.Tensor, a: nn.Module, b: nn.Module) -> tuple[torch
 
 
 def fused_qkv_rotary_rows(x: torch.Tensor) -> bool:
-    """x has a row count `fused_qkv_rotary_write` may take (a cheap first test: 1 to DEEPSERVE_QKV_ROTARY_MAX_ROWS)."""
-    return 1 <= x.shape[0] <= max(1, _QKV_ROTARY_MAX_ROWS)
+    """x has the row count `fused_qkv_rotary_write` takes (a cheap first test): one."""
+    return x.shape[0] == 1
 
 
 def fused_qkv_rotary_write(x: torch.Tensor, qkv_proj: nn.Module, kv_cache: torch.Tensor, batch, rotary,
                            num_heads: int, num_kv_heads: int, norm: nn.Module | None = None) -> torch.Tensor | None:
-    """Decode on the GPU, one token a row: (the RMSNorm `norm` of x,) the qkv projection (a plain `Linear`, q then k
-    then v rows), the NeoX rotary embedding of q and k at batch.positions, and the write of k and v at
-    batch.slot_mapping, in one launch (kernels/qkv_rotary.py) -> q rotated [T, H, D]: the GEMV at one row, the skinny
-    GEMM at 2 to DEEPSERVE_QKV_ROTARY_MAX_ROWS (with `norm` only where it can run in the K loop). None where that
-    path does not apply (the caller runs the norm and the projection, then the attention backend's rotary + cache
-    write)."""
+    """Batch-1 decode on the GPU (one row): (the RMSNorm `norm` of x,) the qkv projection (a plain `Linear`, q then
+    k then v rows), the NeoX rotary embedding of q and k at batch.positions, and the write of k and v at
+    batch.slot_mapping, in one GEMV launch (kernels/qkv_rotary.py) -> q rotated [1, H, D]. None where that path does
+    not apply (the caller runs the norm and the projection, then the attention backend's rotary + cache write)."""
     if not (_plain(qkv_proj) and _norm_fits(norm, x)):
         return None
     if _one_row_on_gpu(x, qkv_proj.weight) and (qkv_proj.bias is None or qkv_proj.bias.dtype == x.dtype):
         from deepserve.kernels.qkv_rotary import qkv_rotary_write
         return qkv_rotary_write(x, qkv_proj.weight, qkv_proj.bias, kv_cache, batch.slot_mapping, batch.positions,
                                 rotary.cos_cache, rotary.sin_cache, num_heads, num_kv_heads, norm=norm)
-    if x.dim() == 2 and 2 <= x.shape[0] <= _QKV_ROTARY_MAX_ROWS and _few_rows_on_gpu(x, qkv_proj.weight, fused=True) \
-            and _skinny_bias_fits(qkv_proj, x) and (norm is None or _norm_in_k_loop(x, qkv_proj, norm)):
-        from deepserve.kernels.qkv_rotary import skinny_qkv_rotary_write
-        return skinny_qkv_rotary_write(x, qkv_proj.weight, qkv_proj.bias, kv_cache, batch.slot_mapping,
-                                       batch.positions, rotary.cos_cache, rotary.sin_cache, num_heads, num_kv_heads,
-                                       norm=norm)
     return None
 
 

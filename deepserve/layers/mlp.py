@@ -46,14 +46,10 @@ class GatedMLP(nn.Module):
 
     def forward_residual(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """h + self(norm(h)) for the residual stream h (DecoderLayer's fused GPU path): the norm runs in the
-        gate/up projection's prologue (or K loop), the add in down_proj's epilogue, where the kernels allow."""
+        gate/up projection's prologue, the add in down_proj's epilogue, where the kernels allow."""
         if self.tp.size > 1:            # the add comes after the all-reduce, not in down_proj's epilogue
             return h + self.forward(norm(h))
         return linear_residual(self.activation(h, norm), self.down_proj, h)
-
-    def projections(self) -> tuple[nn.Module, nn.Module]:
-        """The layers that the fused path puts the norm and the residual add into (models/base.py DecoderLayer)."""
-        return self.gate_up_proj, self.down_proj
 
     def shard_tensor_parallel(self, tp: RankGroup, reduce: bool = True, field: str = "intermediate_size") -> None:
         """Keep this rank's 1 / tp.size of the intermediate dim: gate_up column-parallel by segments [gate | up],

@@ -10,7 +10,7 @@ from torch import nn
 
 from deepserve import envs
 from deepserve.layers.cpu_decode import CpuDecodeStack
-from deepserve.layers.linear import Linear, apply_linear, few_rows_fuse_norms, linear, one_row_on_gpu
+from deepserve.layers.linear import Linear, apply_linear, linear, one_row_on_gpu
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rank_group import SINGLE, RankGroup
 from deepserve.layers.forward_batch import ForwardBatch
@@ -31,11 +31,8 @@ class DecoderLayer(nn.Module):
     the epilogue of the projection before it, and each norm in the prologue of the projection that reads it where
     that GEMV can take it (one K step: the qkv projection of a Llama-3.2-1B layer), else as a norm-only kernel
     (`prologue_norm` in kernels/gemv.py). The layer passes the stream itself on (residual None): at 1B shapes one
-    launch fewer per layer, no add + norm kernel before the attention.
-
-    A few rows (2 to DEEPSERVE_FUSED_NORMS_MAX_ROWS, bf16, every projection a plain Linear: `few_rows_fuse_norms`)
-    take the same path through the skinny GEMMs: each norm in the K loop of the projection that reads it, each add
-    in the epilogue of the one before, 7 launches a Llama layer instead of 9."""
+    launch fewer per layer, no add + norm kernel before the attention. (The same path for a few rows through the
+    skinny GEMMs, session 38's, lost in decode steps and was removed: docs/gpu.md.)"""
 
     def __init__(self, hidden_size: int, eps: float, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
@@ -45,16 +42,9 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.fuses_norms = _FUSED_NORMS and hasattr(self_attn, "forward_residual") and \
             hasattr(mlp, "forward_residual")
-        self.fuses_few_rows = self.fuses_norms and hasattr(self_attn, "projections") and hasattr(mlp, "projections")
         # A MoE layer may hand its output on uncombined (PairRows, when its backend can: the GPU one): the next
         # layer's add + RMSNorm (or the model's final norm) sums the pair rows as it loads them, one launch fewer.
         self.defers_moe_combine = envs.DEEPSERVE_MOE_COMBINE_IN_NORM and hasattr(mlp, "expert_load")
-
-    def _takes_fused_path(self, x: torch.Tensor) -> bool:
-        """One row on the GPU, or a few rows whose projections all take their norm / add (`few_rows_fuse_norms`)."""
-        if one_row_on_gpu(x):
-            return True
-        return self.fuses_few_rows and few_rows_fuse_norms(x, self.self_attn.projections() + self.mlp.projections())
 
     def shard_tensor_parallel(self, tp: RankGroup, shard_experts: bool = True) -> None:
         """Shard the attention and the MLP over `tp` (each all-reduces its own output). The one-row path is switched
@@ -64,11 +54,11 @@ class DecoderLayer(nn.Module):
             self.mlp.shard_tensor_parallel(tp, shard_experts=shard_experts)
         else:
             self.mlp.shard_tensor_parallel(tp)
-        self.fuses_norms = self.fuses_few_rows = False
+        self.fuses_norms = False
         self.defers_moe_combine = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
-        if residual is None and self.fuses_norms and self._takes_fused_path(x):
+        if residual is None and self.fuses_norms and one_row_on_gpu(x):
             h = self.self_attn.forward_residual(x, self.input_layernorm, batch)
             return self.mlp.forward_residual(h, self.post_attention_layernorm), None
         if residual is None:

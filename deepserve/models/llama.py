@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from deepserve.layers.attention import Attention
-from deepserve.layers.linear import Linear, linear_residual, normed_linear
+from deepserve.layers.linear import Linear, linear_residual
 from deepserve.layers.mlp import GatedMLP
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rank_group import SINGLE, RankGroup
@@ -48,15 +48,11 @@ class LlamaAttention(nn.Module):
 
     def forward_residual(self, h: torch.Tensor, norm: RMSNorm, batch: ForwardBatch) -> torch.Tensor:
         """h + self(norm(h)) for the residual stream h (DecoderLayer's fused GPU path): the norm runs in the qkv
-        projection's prologue (or K loop), the add in o_proj's epilogue, where the kernels allow."""
+        projection's prologue, the add in o_proj's epilogue, where the kernels allow."""
         out = self.attend(h, batch, norm)
         if self.tp.size > 1:            # the add comes after the all-reduce, not in o_proj's epilogue
             return h + self.tp.all_reduce(self.o_proj(out))
         return linear_residual(out, self.o_proj, h)
-
-    def projections(self) -> tuple[nn.Module, nn.Module]:
-        """The layers that the fused path puts the input norm and the residual add into (DecoderLayer)."""
-        return self.qkv_proj, self.o_proj
 
     def shard_tensor_parallel(self, tp: RankGroup) -> None:
         """After loading: keep this rank's query heads and their kv heads. qkv_proj column-parallel by segments
@@ -85,7 +81,7 @@ class LlamaAttention(nn.Module):
             out = self.attn.forward_from_hidden(x, self.qkv_proj, batch, self.rotary, norm, prefetch=prefetch)
             if out is not None:
                 return out.reshape(t, self.q_size)
-        qkv = normed_linear(x, self.qkv_proj, norm)        # the norm in the GEMM's K loop for a few GPU rows
+        qkv = self.qkv_proj(x if norm is None else norm(x))
         q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)

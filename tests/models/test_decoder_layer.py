@@ -41,37 +41,6 @@ def test_one_row_path_equals_the_usual_path(model, request, monkeypatch):
     assert logprobs_fused == logprobs
 
 
-def _greedy_batch(path):
-    """Four sequences decoding together: steps of 4 rows (and a prompt step of more)."""
-    llm = LLM(path, dtype="float32", device="cpu", skip_tokenizer_init=True, max_model_len=128)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
-    prompts = [{"prompt_token_ids": [3, 17, 99, 5]}, {"prompt_token_ids": [7, 8]},
-               {"prompt_token_ids": list(range(30, 41))}, {"prompt_token_ids": [250, 4, 4]}]
-    return [(o.outputs[0].token_ids, list(o.outputs[0].logprobs)) for o in llm.generate(prompts, params)]
-
-
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
-def test_few_rows_path_equals_the_usual_path(model, request, monkeypatch):
-    """The few-row path (DEEPSERVE_FUSED_NORMS_MAX_ROWS) forced on for steps of 2-16 rows: on the CPU its fused
-    kernels decline (normed_linear, linear_residual, fused_swiglu_linear fall back to the module calls), so the
-    tokens and logprobs are the usual path's; the skinny GEMM's NORM / RESIDUAL modes are tested on the GPU
-    (tests/gpu/test_skinny_gemm.py)."""
-    path = request.getfixturevalue(model)
-    expected = _greedy_batch(path)
-    taken = []
-
-    def few_rows(x, projections):
-        assert len(projections) == 4
-        if 2 <= x.shape[0] <= 16:
-            taken.append(x.shape[0])
-            return True
-        return False
-
-    monkeypatch.setattr(base, "few_rows_fuse_norms", few_rows)
-    assert _greedy_batch(path) == expected
-    assert 4 in taken, "the few-row path was never taken at a 4-row decode step"
-
-
 class UncombinedTorchMoE:
     """The CPU stand-in for TritonMoE's combine=False: each (token, slot) pair's expert output times its weight,
     rounded to the activation dtype (as the GPU kernels write them), handed back as PairRows when asked, combined
