@@ -25,7 +25,7 @@
 #   bash benchmarks/gpu_pending.sh graph-tokens-1b  # ~4 min: DEEPSERVE_GRAPH_TOKENS=0,1 in Llama-3.2-1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs   # ~8 min: two KV heads a decode program: tests, calls, 1B steps
 #   bash benchmarks/gpu_pending.sh s40-check   # ~7 min: tests/gpu, then 1B steps: KV head pairs never / auto
-#   bash benchmarks/gpu_pending.sh s41-first   # ~9 min: tests/gpu, then 1B steps at batch 8 / 64: DEEPSERVE_L2_PREFETCH
+#   bash benchmarks/gpu_pending.sh s41-first   # ~9 min: tests/gpu, then 1B steps at batch 1-64: DEEPSERVE_L2_PREFETCH
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -320,14 +320,14 @@ s40-check)
 s41-first)
     # All of tests/gpu (session 40's narrowed KV-head pair rule has a GPU test that ran only under the interpreter;
     # session 27's L2 prefetch has one that never ran), then session 27's L2 prefetch in Llama-3.2-1B steps at the
-    # two short batches of issue 21 (8 and 64 at 1k: 0.69 / 0.72 of the roofline on the H100, session 40).
+    # short batches of issue 21 (1, 8 and 64 at 1k: 0.75 / 0.69 / 0.72 of the roofline on the H100, session 40).
     n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
     timeout 280 python3 -m pytest -q $n tests/gpu -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
     tail -6 "$OUT/pytest_gpu.log"; grep -m 6 "^E .*Error\|^E  *assert" "$OUT/pytest_gpu.log" | cut -c1-300
     elapsed "tests/gpu"
     timeout 290 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_L2_PREFETCH=off,rotary,reduce,rotary_evict_last \
         --passes 1 --timeout 95 --output "$OUT/l2_prefetch_1b_ab.json" -- --shapes llama-3.2-1b --contexts 1024 \
-        --batches 8,64 --profile-batch 0 > /tmp/l2_prefetch_ab.log 2>&1
+        --batches 1,8,64 --profile-batch 0 > /tmp/l2_prefetch_ab.log 2>&1
     tail -3 /tmp/l2_prefetch_ab.log | cut -c1-400; summarise_steps "$OUT/l2_prefetch_1b_ab.json"; elapsed "l2 1b"
     ;;
 gqa-pairs-moe)
