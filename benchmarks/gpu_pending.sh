@@ -272,8 +272,9 @@ values-t64)
     done
     ;;
 l2-prefetch)
-    # Session 27's switch (docs/gpu.md), written without a GPU and never timed: extra programs of the rotary + KV-write
-    # kernel or of the split reduce ask L2 for o_proj's weight while the latency-bound attention runs.
+    # Session 27's switch (docs/gpu.md): extra programs of the rotary + KV-write kernel or of the split reduce ask L2
+    # for o_proj's weight while the latency-bound attention runs. First timed in session 41 (s41-first, H100): kept
+    # off, slower at batch 8-32, 1-2% faster at 64 only (l2_*_h100_s41.json).
     timeout 100 python3 -m pytest -q -n 4 tests/gpu -k "l2_prefetch or prefetch" -p no:cacheprovider 2>&1 | tail -2
     timeout 480 python3 benchmarks/ab_env_sweep.py \
         --setting DEEPSERVE_L2_PREFETCH=off,rotary,rotary_evict_last,reduce --passes 1 --timeout 110 \
@@ -346,8 +347,9 @@ gqa-pairs-moe)
 graph-tokens-1b)
     # Llama-3.2-1B's batch-1 step at 1k takes 1.102 ms of which the graph replay is 1.075 (H100,
     # h100_decode_sweep_dense_auto_s36.json): 27 us a step outside the graph, 2.5% of it. DEEPSERVE_GRAPH_TOKENS
-    # (session 27) ends each graph with the greedy argmax and starts it with the token patch; it was timed on
-    # Qwen3-MoE only (batch 8 / 128, within noise: graph_inputs_ab_h200.json).
+    # (session 27) ends each graph with the greedy argmax and starts it with the token patch; timed on Qwen3-MoE
+    # (batch 8 / 128, within noise: graph_inputs_ab_h200.json) and, in session 41, on the 1B (H100, 0.3-1.6%
+    # faster at batch 1 / 8 / 64: graph_tokens_1b_*_h100_s41.json), after which it became the default.
     timeout 300 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_GRAPH_TOKENS=0,1 --passes "${PASSES:-2}" \
         --timeout 70 --output "$OUT/graph_tokens_1b_ab.json" -- --shapes llama-3.2-1b --batches 1,8 \
         --contexts 1024 --profile-batch 0 > /tmp/graph_tokens_ab.log 2>&1

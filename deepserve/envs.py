@@ -96,11 +96,13 @@ _DECLARED = [
     EnvVar("DEEPSERVE_MIXED_CUDA_GRAPHS", "bool", True,
            "replay steps with prompt work (prompt chunks beside decodes, up to 2,048 tokens) from CUDA graphs too, "
            "per token bucket (worker/mixed_graph.py); 0: such steps run eagerly (read at start-up)"),
-    EnvVar("DEEPSERVE_GRAPH_TOKENS", "bool", False,
+    EnvVar("DEEPSERVE_GRAPH_TOKENS", "bool", True,
            "decode CUDA graphs end with the greedy argmax into a token buffer they keep, and start by patching "
            "the in-flight tokens the previous replay left there: a greedy decode step without logprobs then runs "
-           "neither the argmax nor the token patch between two replays (worker/cuda_graph.py); off: an H200 A/B moved "
-           "Qwen3-MoE batch 8 / 128 steps by under 0.5% (graph_inputs_ab_h200.json) (read at start-up)"),
+           "neither the argmax nor the token patch between two replays (worker/cuda_graph.py). On since session 41: "
+           "Llama-3.2-1B steps at batch 1 / 8 / 64 0.3 / 1.6 / 1.0% faster on an H100 "
+           "(graph_tokens_1b_*_h100_s41.json); Qwen3-MoE batch 8 / 128 moved under 0.5% on an H200 "
+           "(graph_inputs_ab_h200.json) (read at start-up)"),
     EnvVar("DEEPSERVE_COMPACT_BLOCK_TABLES", "bool", False,
            "CUDA graphs (decode and mixed steps): a step's block tables travel to the GPU packed at its longest "
            "table's width and the graph spreads them to max_model_len's width (kernels/graph_inputs.py), not at "
