@@ -207,8 +207,8 @@ class Attention(nn.Module):
                             prefetch: torch.Tensor | None = None) -> torch.Tensor | None:
         """`forward` of qkv_proj(x) (of qkv_proj(norm(x)) given an RMSNorm `norm`) split into q, k, v, when one
         launch can normalise, project, rotate and write the cache (batch-1 decode on the GPU; a backend that can
-        attend to an already written cache, a plain NeoX rotary embedding); None otherwise, and the caller takes the usual path. `prefetch` as in `forward` (the fused
-        launches do not take it)."""
+        attend to an already written cache, a plain NeoX rotary embedding); None otherwise, and the caller takes
+        the usual path. `prefetch` as in `forward` (the fused launches do not take it)."""
         attend_cached = getattr(self.backend, "attend_cached", None)
         if attend_cached is None or not fused_qkv_rotary_rows(x) or type(rotary) is not RotaryEmbedding \
                 or not batch.is_decode_only:
