@@ -68,7 +68,7 @@ def mla_cases() -> dict:
 
 def gqa_cases() -> dict:
     from dataclasses import replace
-    from deepserve.kernels.paged_attention import _decode_kernel, DEEP_PIPELINE_TILES, DecodeTiles
+    from deepserve.kernels.paged_attention import DEEP_PIPELINE_TILES, DecodeTiles
     out = {}
     for cache in ("bf16", "fp8e4nv"):
         ptrs = {"cache_ptr": f"*{cache}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
@@ -84,14 +84,32 @@ def gqa_cases() -> dict:
                                        (64, replace(DEEP_PIPELINE_TILES, kv_heads=2), False),
                                        (128, DecodeTiles(num_stages=3, heads_first=True, kv_heads=2), False),
                                        (128, DecodeTiles(32, 4, 3, heads_first=True, kv_heads=2), False)):
-            constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim * tiles.kv_heads, BLOCK_G=16, BLOCK_N=tiles.block_n,
-                              SPLIT=split, EARLY_V=tiles.early_v, HEADS_FIRST=tiles.heads_first,
-                              VALUES_T=tiles.values_t, KV_HEADS=tiles.kv_heads, INPUTS_READY=True, USE_PDL=True)
-            name = f"gqa_decode d{head_dim} {cache} {tiles.block_n}x{tiles.num_warps}x{tiles.num_stages}" + \
-                ("" if split else " unsplit") + (" kv-pairs" if tiles.kv_heads > 1 else "")
-            out[name] = (_decode_kernel, ptrs, constexprs, {"qk_scale": "fp32"}, tiles.num_warps, tiles.num_stages,
-                         None)
+            out[_gqa_name(head_dim, cache, tiles, split)] = _gqa_case(ptrs, head_dim, tiles, split)
+        # The split merge in the decode kernel (DEEPSERVE_DECODE_SPLIT_MERGE=last): its [heads, splits, head_dim]
+        # merge tile beside the loop's registers, at the 1B's batch-1 / 8 splits at 1k (8) and the largest tiles it
+        # takes (paged_attention.MERGE_MAX_ELEMENTS): 64-wide heads (Llama-3.2-1B), 128-wide of group 4 and 8
+        # (Llama-3-8B, Qwen3-MoE).
+        for head_dim, group, splits in ((64, 4, 8), (64, 4, 16), (128, 4, 8), (128, 8, 4)):
+            tiles = DecodeTiles(heads_first=True)
+            merge = dict(MERGE_LAST=True, MERGE_G=group, MERGE_S=splits, MERGE_D=head_dim)
+            out[_gqa_name(head_dim, cache, tiles, True) + f" merge-last g{group} s{splits}"] = \
+                _gqa_case(ptrs, head_dim, tiles, True, merge)
     return out
+
+
+def _gqa_name(head_dim: int, cache: str, tiles, split: bool) -> str:
+    return f"gqa_decode d{head_dim} {cache} {tiles.block_n}x{tiles.num_warps}x{tiles.num_stages}" + \
+        ("" if split else " unsplit") + (" kv-pairs" if tiles.kv_heads > 1 else "")
+
+
+def _gqa_case(ptrs: dict, head_dim: int, tiles, split: bool, merge: dict | None = None) -> tuple:
+    from deepserve.kernels.paged_attention import _decode_kernel
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim * tiles.kv_heads, BLOCK_G=16, BLOCK_N=tiles.block_n,
+                      SPLIT=split, EARLY_V=tiles.early_v, HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t,
+                      KV_HEADS=tiles.kv_heads, INPUTS_READY=True, USE_PDL=True,
+                      **(merge or dict(MERGE_LAST=False, MERGE_G=1, MERGE_S=1, MERGE_D=1)))
+    return (_decode_kernel, {**ptrs, "count_ptr": "*i32"}, constexprs, {"qk_scale": "fp32"}, tiles.num_warps,
+            tiles.num_stages, None)
 
 
 # Llama-3.2-1B's weights (N x K) and whether the gate/up one runs the SwiGLU in its epilogue.

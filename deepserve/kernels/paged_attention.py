@@ -113,6 +113,31 @@ def _own_columns(gmask, dmask, g, d, group, HEAD_DIM: tl.constexpr, KV_HEADS: tl
     return mask
 
 
+@triton.jit
+def _merge_own_splits(part_out_ptr, part_lse_ptr, out_ptr, i, row, first_head, num_heads, used,
+                      stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_ot, stride_oh,
+                      HEAD_DIM: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, MERGE_D: tl.constexpr):
+    """The split merge of `_decode_reduce_kernel` for heads first_head .. + num_heads of decode row i, in one
+    [MERGE_G, MERGE_S, MERGE_D] tile: one round trip for all of a program's heads. The partials were stored by other
+    programs of this launch: loaded from L2 (.cg), past this SM's L1."""
+    g = tl.arange(0, MERGE_G)
+    s = tl.arange(0, MERGE_S)
+    d = tl.arange(0, MERGE_D)
+    h = first_head + g
+    g_ok = g < num_heads
+    gs_ok = g_ok[:, None] & (s < used)[None, :]
+    d_ok = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + i * stride_pl_r + h[:, None] * stride_pl_h + s[None, :], mask=gs_ok,
+                  other=float("-inf"), cache_modifier=".cg")
+    lse = tl.where(g_ok[:, None], lse, 0.0)         # padded heads: finite weights, never stored
+    w = tl.math.exp2(lse - tl.max(lse, 1)[:, None])  # [G, S]; 0 for the empty splits (split 0 holds key 0)
+    o = tl.load(part_out_ptr + i * stride_po_r + h[:, None, None] * stride_po_h + s[None, :, None] * stride_po_s
+                + d[None, None, :], mask=gs_ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+    out = tl.sum(o * w[:, :, None], 1) / tl.sum(w, 1)[:, None]
+    tl.store(out_ptr + row * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g_ok[:, None] & d_ok[None, :])
+
+
 # Arguments that change from step to step (block-table width, split layout) are not specialised on: Triton would
 # otherwise compile a new variant whenever one of them changes between "divisible by 16" and not, mid-serving.
 _PER_STEP_ARGS = ["stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "stride_pl_h"]
@@ -120,7 +145,7 @@ _PER_STEP_ARGS = ["stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "str
 
 @triton.jit(do_not_specialize=_PER_STEP_ARGS)
 def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr, seq_ids_ptr,
-                   out_ptr, part_out_ptr, part_lse_ptr,
+                   out_ptr, part_out_ptr, part_lse_ptr, count_ptr,
                    qk_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
@@ -129,11 +154,17 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    block_size, group,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, EARLY_V: tl.constexpr, HEADS_FIRST: tl.constexpr, VALUES_T: tl.constexpr,
-                   KV_HEADS: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
+                   KV_HEADS: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr,
+                   MERGE_LAST: tl.constexpr = False, MERGE_G: tl.constexpr = 1, MERGE_S: tl.constexpr = 1,
+                   MERGE_D: tl.constexpr = 1):
     """One (decode row, KV_HEADS adjacent KV heads, split). KV_HEADS 2 (DecodeTiles.kv_heads): a tile row holds
     both heads' HEAD_DIM columns side by side (one load of 2 * HEAD_DIM contiguous elements a token), and the q tile
     stacks both heads' query groups, each row zero outside its own head's columns (`_own_columns`): the scores are
-    each head's own, and of the [rows, 2 * HEAD_DIM] output each row keeps its own head's half."""
+    each head's own, and of the [rows, 2 * HEAD_DIM] output each row keeps its own head's half.
+    MERGE_LAST (split launches): each program counts itself done in count_ptr's counter of its (row, KV heads), and
+    the last of the row's active splits to do so merges them all into `out` (`_merge_own_splits`) and zeroes the
+    counter for the next launch: no reduce launch. The order is CUTLASS's semaphore's: every thread's stores, a CTA
+    barrier, then one release-acquire atomic at GPU scope; the merge reads the partials after it."""
     if HEADS_FIRST:                # the KV heads of one row launch side by side (DecodeTiles.heads_first)
         kvh = tl.program_id(0) * KV_HEADS
         i = tl.program_id(1)
@@ -208,6 +239,17 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
         tl.store(part_out_ptr + i * stride_po_r + heads[:, None] * stride_po_h + split * stride_po_s + hd[None, :],
                  o, mask=qo_mask)
         tl.store(part_lse_ptr + i * stride_pl_r + heads * stride_pl_h + split, lse, mask=gmask)
+        if MERGE_LAST:
+            kvh_programs = tl.num_programs(0) if HEADS_FIRST else tl.num_programs(1)
+            counter = count_ptr + i * kvh_programs + kvh // KV_HEADS
+            tl.debug_barrier()          # every thread's partial is stored before the count says so
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == active_splits(seq_len, tl.num_programs(2), BLOCK_N) - 1:
+                _merge_own_splits(part_out_ptr, part_lse_ptr, out_ptr, i, row, kvh * group, KV_HEADS * group,
+                                  active_splits(seq_len, tl.num_programs(2), BLOCK_N),
+                                  stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_ot,
+                                  stride_oh, HEAD_DIM, MERGE_G, MERGE_S, MERGE_D)
+                tl.store(counter, 0)    # for the next launch (the next layer's, a CUDA graph's next replay)
     else:
         o = acc / l_i[:, None]
         tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + hd[None, :],
@@ -322,6 +364,35 @@ KV_HEADS_PER_PROGRAM = envs.DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM
 PAIRED_HEAD_BYTES = 128
 
 
+# DEEPSERVE_DECODE_SPLIT_MERGE (session 42's, off until timed on a GPU): "last" merges a split launch's partials in
+# the decode kernel itself, by the last split program of each (row, KV heads) to finish (`_decode_kernel`'s
+# MERGE_LAST), instead of a reduce launch after it. At Llama-3.2-1B batch 8 the reduce is 2.8 us of a layer's
+# ~86 with PDL off (h100_dense1b_pdl_off_profile_s35.json). The merge tile holds all of a program's heads,
+# [heads, splits, head_dim] in float32; past MERGE_MAX_ELEMENTS (32 registers a thread at 4 warps) the launch keeps
+# its reduce, as it does where the reduce carries an L2 prefetch.
+SPLIT_MERGE = envs.DEEPSERVE_DECODE_SPLIT_MERGE
+MERGE_MAX_ELEMENTS = 4096
+# The merge counters: one int32 per (row, KV-head program) of a split launch, zero between launches (the last
+# program of each zeroes its own). Allocated once per device at SPLIT_COUNTERS slots, never reallocated: a CUDA
+# graph keeps the pointer it captured. Launches on one device run one after another (one stream), so they share it.
+SPLIT_COUNTERS = 1 << 16
+_COUNTERS: dict = {}
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    key = (device.type, device.index)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def merge_tile(num_heads: int, num_splits: int, head_dim: int) -> Optional[tuple[int, int, int]]:
+    """(MERGE_G, MERGE_S, MERGE_D) of a split launch's in-kernel merge for programs of `num_heads` query heads, or
+    None where that tile is past MERGE_MAX_ELEMENTS (the launch keeps its reduce)."""
+    tile = (next_pow2(num_heads), next_pow2(num_splits), next_pow2(head_dim))
+    return tile if tile[0] * tile[1] * tile[2] <= MERGE_MAX_ELEMENTS else None
+
+
 def fits_one_wave(num_programs: int, head_dim: int, split: bool, device: torch.device) -> bool:
     """A launch without a split whose `num_programs` programs of `head_dim`-wide heads fit the SMs at two 128-wide
     programs each: DEEP_PIPELINE_TILES' range, and where "auto" pairs KV heads."""
@@ -383,7 +454,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      scale: float, out: Optional[torch.Tensor] = None, q_rows: Optional[torch.Tensor] = None,
                      seq_ids: Optional[torch.Tensor] = None, max_seq_len: Optional[int] = None,
                      num_splits: Optional[int] = None, inputs_ready: bool = False,
-                     tiles: Optional[DecodeTiles] = None, l2_prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     tiles: Optional[DecodeTiles] = None, l2_prefetch: Optional[torch.Tensor] = None,
+                     split_merge: Optional[str] = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys.
 
     q: [T, H, D]; the decode rows are `q_rows` (default: all T rows), row i belonging to sequence `seq_ids[i]`
@@ -393,6 +465,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     before this call (the attention backends' per-step metadata), so they may be read before the PDL wait.
     `tiles` forces the launch settings (tuning); None: `DecodeTiles()`. `l2_prefetch`: the weight read next
     (o_proj's), which a split launch's reduce may ask into L2 (kernels/l2_prefetch.py); it changes no result.
+    `split_merge` ("reduce" / "last", default SPLIT_MERGE): how a split launch's partials merge.
     """
     require_triton(q)
     t, h, d = q.shape
@@ -440,9 +513,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         part_out = part_lse = out   # unused
     po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
     pl_strides = (part_lse.stride(0), part_lse.stride(1)) if split else (0, 0)
+    merge = None
+    if split and (split_merge or SPLIT_MERGE) == "last" and n * kvh_programs <= SPLIT_COUNTERS \
+            and l2_prefetch_plan(l2_prefetch, n, out, "reduce").programs == 0:
+        merge = merge_tile(tiles.kv_heads * group, num_splits, d)
+    counters = split_counters(q.device) if merge else out
     assert not tiles.heads_first or n < 65536, "a grid's second dimension holds fewer than 65536 programs"
     _decode_kernel[(kvh_programs, n, num_splits) if tiles.heads_first else (n, kvh_programs, num_splits)](
-        q, kv_cache, block_tables, seq_lens, q_rows, seq_ids, out, part_out, part_lse,
+        q, kv_cache, block_tables, seq_lens, q_rows, seq_ids, out, part_out, part_lse, counters,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -450,10 +528,11 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         bs, group,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split, EARLY_V=tiles.early_v,
         HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t, KV_HEADS=tiles.kv_heads,
-        INPUTS_READY=inputs_ready and EARLY_INPUTS,
+        INPUTS_READY=inputs_ready and EARLY_INPUTS, MERGE_LAST=merge is not None,
+        **(dict(zip(("MERGE_G", "MERGE_S", "MERGE_D"), merge)) if merge else {}),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
         **pdl_launch_args(q))
-    if split:
+    if split and merge is None:
         # The decode kernel, the reduce's predecessor, writes none of the inputs: they are ready for it.
         decode_reduce(part_out, part_lse, q_rows, seq_ids, seq_lens, out, inputs_ready=EARLY_INPUTS,
                       block_n=block_n, l2_prefetch=l2_prefetch)
@@ -532,6 +611,6 @@ def decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, out=None, q
     return out
 
 
-__all__ = ["EARLY_INPUTS", "HAS_TRITON", "split_partition", "split_bounds", "active_splits",
+__all__ = ["EARLY_INPUTS", "HAS_TRITON", "split_partition", "split_bounds", "active_splits", "merge_tile",
            "decode_attention", "decode_attention_ref", "decode_num_splits", "decode_tiles", "decode_reduce",
            "decode_reduce_ref", "active_splits_ref", "merge_splits_ref"]

@@ -191,3 +191,38 @@ def test_cuda_graphs_with_graph_input_switches_match_eager(tiny_llama, monkeypat
     assert sum(carried) >= max(p.max_tokens for p in params) - 4 if carry else not any(carried)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_split_merge_in_the_decode_kernel_keeps_the_tokens(tiny_llama, monkeypatch):
+    """DEEPSERVE_DECODE_SPLIT_MERGE=last (the decode kernel's last split program of each row and KV head merges the
+    splits; no reduce launch): eager steps and CUDA graphs (a graph's grid is sized for max_model_len, so most splits
+    are empty) give the default reduce launch's greedy tokens, every split launch merged in the kernel, and every
+    merge counter ends at zero."""
+    from deepserve.kernels import paged_attention
+    prompts = [{"prompt_token_ids": [(11 * i + 3 * j) % 250 + 3 for j in range(40 + 45 * i)]} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def tokens(**kw):
+        llm = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32", max_num_seqs=8,
+                  kv_cache_memory_bytes=1 << 26, **kw)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = tokens(enforce_eager=True)
+    launches, reduces = [], []
+    real_kernel, real_reduce = paged_attention._decode_kernel, paged_attention.decode_reduce
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((grid[2], kw["MERGE_LAST"]))
+                return real_kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(paged_attention, "_decode_kernel", Spy())
+    monkeypatch.setattr(paged_attention, "decode_reduce", lambda *a, **k: reduces.append(1) or real_reduce(*a, **k))
+    monkeypatch.setattr(paged_attention, "SPLIT_MERGE", "last")
+    assert tokens(enforce_eager=True) == want
+    assert tokens() == want
+    split = [merged for splits, merged in launches if splits > 1]
+    assert split and all(split) and not reduces
+    assert not paged_attention.split_counters(torch.device("cuda")).any()

@@ -499,6 +499,60 @@ def test_decode_reduce_l2_prefetch_changes_nothing(device, lens, l2_prefetch_set
     assert_attention_close(outs[1], ref, dtype)
 
 
+@pytest.mark.parametrize("head_dim,group,kv_heads_a_program", [(64, 4, 1), (128, 4, 1), (64, 1, 1), (128, 8, 1),
+                                                                (64, 3, 2)])
+@pytest.mark.parametrize("max_seq_len,num_splits", [(None, 2), (None, 4), (8192, 3)])
+def test_decode_split_merge_in_the_kernel_matches_the_reduce(device, head_dim, group, kv_heads_a_program,
+                                                             max_seq_len, num_splits):
+    """DEEPSERVE_DECODE_SPLIT_MERGE=last: the last split program of each (row, KV heads) merges the partials in the
+    decode kernel. Against the reference, and within an ulp of the reduce launch's merge (mostly bit for bit); rows
+    scattered among others (those stay untouched), contexts within one split and across many, a CUDA graph's grid
+    (max_seq_len far above every context: most splits empty); every counter back to zero after each launch."""
+    from deepserve.kernels.paged_attention import merge_tile, split_counters
+    dtype = torch.float16
+    lens = [1, 17, 64, 65, 193, 700, 1000]
+    kv_heads = 4
+    batch = make_batch([(n - 1, 1) for n in lens], 16, cdiv_total(lens, 16) + 8, device)
+    cache = random_cache(cdiv_total(lens, 16) + 8, 16, kv_heads, head_dim, dtype, device)
+    t = len(lens) + 3
+    q = torch.randn(t, kv_heads * group, head_dim, device=device).to(dtype)
+    rows = torch.randperm(t, device=device)[:len(lens)]
+    seq_ids = torch.randperm(len(lens), device=device)
+    ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.2, q_rows=rows, seq_ids=seq_ids)
+    others = torch.ones(t, dtype=torch.bool, device=device)
+    others[rows] = False
+    tiles = DecodeTiles(heads_first=True, kv_heads=kv_heads_a_program)
+    outs = {}
+    for merge in ("reduce", "last"):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, out=out, q_rows=rows, seq_ids=seq_ids,
+                         max_seq_len=max_seq_len, num_splits=num_splits, tiles=tiles, split_merge=merge)
+        assert torch.isnan(out[others]).all()
+        assert_attention_close(out[rows], ref[rows], dtype)
+        outs[merge] = out[rows]
+    assert merge_tile(kv_heads_a_program * group, num_splits, head_dim) is not None     # no fallback to the reduce
+    assert_within_ulps(outs["last"], outs["reduce"], dtype, ulps=1, min_exact=0.9)
+    assert not split_counters(q.device).any()
+
+
+def test_decode_split_merge_keeps_the_reduce_past_its_tile(device, monkeypatch):
+    """A merge tile past MERGE_MAX_ELEMENTS (many splits of wide heads) or a reduce that carries an L2 prefetch:
+    the launch keeps its reduce."""
+    from deepserve.kernels import paged_attention
+    assert paged_attention.merge_tile(4, 8, 64) == (4, 8, 64)
+    assert paged_attention.merge_tile(3, 5, 64) == (4, 8, 64)
+    assert paged_attention.merge_tile(4, 32, 128) is None
+    reduces = []
+    real = paged_attention.decode_reduce
+    monkeypatch.setattr(paged_attention, "decode_reduce", lambda *a, **k: reduces.append(1) or real(*a, **k))
+    lens = [1000, 300]
+    batch, cache, q = _decode_case(device, torch.float16, 128, 4, lens, 16, cdiv_total(lens, 16) + 8)
+    for splits, want in ((4, 0), (32, 1)):
+        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, max_seq_len=4096, num_splits=splits,
+                         split_merge="last")
+        assert len(reduces) == want
+
+
 MIXED_SEQS = [(0, 23), (40, 1), (7, 1), (130, 70), (0, 1), (1500, 1), (64, 64), (5, 2)]
 
 

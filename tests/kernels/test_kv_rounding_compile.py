@@ -44,14 +44,15 @@ def readers(cache: str, activations: str = "bf16") -> dict:
     from deepserve.kernels.paged_attention import _decode_kernel
     from deepserve.kernels.paged_prefill import _prefill_kernel
     i32 = {name: "*i32" for name in ("block_tables_ptr", "seq_lens_ptr", "q_rows_ptr", "seq_ids_ptr",
-                                      "query_start_ptr", "tile_seq_ptr", "tile_m0_ptr")}
+                                      "query_start_ptr", "tile_seq_ptr", "tile_m0_ptr", "count_ptr")}
     ptrs = {**i32, "cache_ptr": f"*{cache}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
             **{name: f"*{activations}" for name in ("q_ptr", "out_ptr", "q_lat_ptr", "q_pe_ptr")}}
     return {
         "decode": compile_for_sm90(_decode_kernel, ptrs,
                                    dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True, EARLY_V=False,
                                         HEADS_FIRST=False, VALUES_T=False, KV_HEADS=1,
-                                        INPUTS_READY=True, USE_PDL=True), {"qk_scale": "fp32"},
+                                        INPUTS_READY=True, USE_PDL=True, MERGE_LAST=False, MERGE_G=1, MERGE_S=1,
+                                        MERGE_D=1), {"qk_scale": "fp32"},
                                    aligned(_decode_kernel)),
         "prefill": compile_for_sm90(_prefill_kernel, ptrs, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64),
                                     {"qk_scale": "fp32"}, aligned(_prefill_kernel)),

@@ -1,0 +1,47 @@
+"""DEEPSERVE_DECODE_SPLIT_MERGE=last, compiled for sm_90 without a GPU: the paged decode kernel's in-kernel split
+merge keeps CUTLASS's semaphore order (every thread's partial stores, a CTA barrier, one release-acquire atomic at
+GPU scope, the merge's loads from L2 after it, the counter zeroed by the merging program), and a launch without it
+holds no atomic at all. Whether the merge is right is tests/gpu/test_paged_attention.py's."""
+
+import re
+
+import pytest
+
+from tests.kernels.sm90_compile import aligned, compile_for_sm90
+
+POINTERS = {**{name: "*i32" for name in ("block_tables_ptr", "seq_lens_ptr", "q_rows_ptr", "seq_ids_ptr",
+                                         "count_ptr")},
+            "cache_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+
+
+def decode_ptx(merge_last: bool) -> list[str]:
+    from deepserve.kernels.paged_attention import _decode_kernel
+    # Llama-3.2-1B's split launch at batch 1-8 and 1k context: 64-wide heads, group 4, 8 splits.
+    constexprs = dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_G=16, BLOCK_N=64, SPLIT=True, EARLY_V=False, HEADS_FIRST=True,
+                      VALUES_T=False, KV_HEADS=1, INPUTS_READY=True, USE_PDL=True, MERGE_LAST=merge_last,
+                      MERGE_G=4, MERGE_S=8, MERGE_D=64)
+    return compile_for_sm90(_decode_kernel, POINTERS, constexprs, {"qk_scale": "fp32"},
+                            aligned(_decode_kernel)).splitlines()
+
+
+@pytest.fixture(autouse=True)
+def _triton(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+
+
+def test_the_count_follows_every_partial_store_and_precedes_the_merge():
+    lines = decode_ptx(True)
+    atoms = [j for j, line in enumerate(lines) if re.search(r"\batom\.global\.gpu\.acq_rel\.add\b", line)]
+    assert len(atoms) == 1, atoms
+    a = atoms[0]
+    stores = [j for j in range(a) if "st.global" in lines[j]]
+    assert stores and any("bar.sync" in line for line in lines[stores[-1]:a])
+    assert any("ld.global.cg" in line for line in lines[a:])
+    assert not any("ld.global.cg" in line for line in lines[:a])
+    counter = re.search(r"\[\s*(%rd\d+)", lines[a]).group(1)
+    assert any("st.global" in line and f"[ {counter} " in line for line in lines[a:])
+
+
+def test_a_launch_without_the_merge_has_no_atomic():
+    assert not any("atom." in line for line in decode_ptx(False))
