@@ -26,7 +26,7 @@
 #   bash benchmarks/gpu_pending.sh gqa-pairs   # ~8 min: two KV heads a decode program: tests, calls, 1B steps
 #   bash benchmarks/gpu_pending.sh s40-check   # ~7 min: tests/gpu, then 1B steps: KV head pairs never / auto
 #   bash benchmarks/gpu_pending.sh s41-first   # ~9 min: tests/gpu, then 1B steps at batch 1-64: DEEPSERVE_L2_PREFETCH
-#   bash benchmarks/gpu_pending.sh s42-first   # ~8 min: DEEPSERVE_DECODE_SPLIT_MERGE: tests, 1B steps at batch 1-32
+#   bash benchmarks/gpu_pending.sh s42-first   # ~6 min: DEEPSERVE_DECODE_SPLIT_MERGE: tests, 1B steps at batch 1-32
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -341,16 +341,16 @@ s42-first)
     # Session 42's DEEPSERVE_DECODE_SPLIT_MERGE=last (the split decode's merge in the decode kernel, by the last split
     # program of each row and KV head; no reduce launch): its GPU tests (the kernel against the reference and the
     # reduce, the engine's tokens eager and in CUDA graphs), then Llama-3.2-1B steps at the batches whose launches
-    # split (1 / 8 / 32 at 1k; 0.76 / 0.69-0.71 of the roofline at batch 1 / 8 on the H100, session 41). PASSES
-    # (default 2).
+    # split (1-32 at 1k and 4k; 0.76 / 0.69-0.71 of the roofline at batch 1 / 8 and 1k on the H100, session 41).
+    # PASSES (default 2).
     n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
     timeout 200 python3 -m pytest -q $n tests/gpu/test_paged_attention.py tests/gpu/test_engine_gpu.py \
         -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
     tail -4 "$OUT/pytest_gpu.log"; grep -m 6 "^E .*Error\|^E  *assert" "$OUT/pytest_gpu.log" | cut -c1-300
     elapsed "tests"
-    timeout 380 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_SPLIT_MERGE=reduce,last \
-        --passes "${PASSES:-2}" --timeout 95 --output "$OUT/split_merge_1b_ab.json" -- --shapes llama-3.2-1b \
-        --contexts 1024 --batches 1,8,32 --profile-batch 0 > /tmp/split_merge_ab.log 2>&1
+    timeout 480 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_SPLIT_MERGE=reduce,last \
+        --passes "${PASSES:-2}" --timeout 110 --output "$OUT/split_merge_1b_ab.json" -- --shapes llama-3.2-1b \
+        --contexts 1024,4096 --batches 1,8,16,32 --profile-batch 0 > /tmp/split_merge_ab.log 2>&1
     tail -3 /tmp/split_merge_ab.log | cut -c1-400; summarise_steps "$OUT/split_merge_1b_ab.json"; elapsed "merge 1b"
     ;;
 gqa-pairs-moe)

@@ -114,28 +114,27 @@ def _own_columns(gmask, dmask, g, d, group, HEAD_DIM: tl.constexpr, KV_HEADS: tl
 
 
 @triton.jit
-def _merge_own_splits(part_out_ptr, part_lse_ptr, out_ptr, i, row, first_head, num_heads, used,
-                      stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_ot, stride_oh,
-                      HEAD_DIM: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, MERGE_D: tl.constexpr):
-    """The split merge of `_decode_reduce_kernel` for heads first_head .. + num_heads of decode row i, in one
-    [MERGE_G, MERGE_S, MERGE_D] tile: one round trip for all of a program's heads. The partials were stored by other
-    programs of this launch: loaded from L2 (.cg), past this SM's L1."""
+def _merge_own_splits(part_out_ptr, part_lse_ptr, out_ptr, row, head, first, num_heads, used, stride_ot, stride_oh,
+                      HEAD_DIM: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr):
+    """The split merge of `_decode_reduce_kernel` for `num_heads` query heads from `head` of q row `row`, in one
+    [MERGE_G, MERGE_S, HEAD_DIM] tile: one round trip for all of a program's heads. The partials lie packed
+    ([rows, heads, MERGE_S, HEAD_DIM] and [rows, heads, MERGE_S]; `first`: the (decode row, head) pair's index),
+    so the tile is a contiguous run that loads as 16-byte vectors (far fewer registers than one pointer per element
+    would take). They were stored by other programs of this launch: loaded from L2 (.cg), past this SM's L1."""
     g = tl.arange(0, MERGE_G)
     s = tl.arange(0, MERGE_S)
-    d = tl.arange(0, MERGE_D)
-    h = first_head + g
+    d = tl.arange(0, HEAD_DIM)
     g_ok = g < num_heads
     gs_ok = g_ok[:, None] & (s < used)[None, :]
-    d_ok = d < HEAD_DIM
-    lse = tl.load(part_lse_ptr + i * stride_pl_r + h[:, None] * stride_pl_h + s[None, :], mask=gs_ok,
-                  other=float("-inf"), cache_modifier=".cg")
-    lse = tl.where(g_ok[:, None], lse, 0.0)         # padded heads: finite weights, never stored
+    gs = g[:, None] * MERGE_S + s[None, :]
+    lse = tl.load(part_lse_ptr + first * MERGE_S + gs, mask=gs_ok, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.where(g_ok[:, None], lse, 0.0)          # padded heads: finite weights, never stored
     w = tl.math.exp2(lse - tl.max(lse, 1)[:, None])  # [G, S]; 0 for the empty splits (split 0 holds key 0)
-    o = tl.load(part_out_ptr + i * stride_po_r + h[:, None, None] * stride_po_h + s[None, :, None] * stride_po_s
-                + d[None, None, :], mask=gs_ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+    o = tl.load(part_out_ptr + first * (MERGE_S * HEAD_DIM) + gs[:, :, None] * HEAD_DIM + d[None, None, :],
+                mask=gs_ok[:, :, None], other=0.0, cache_modifier=".cg")
     out = tl.sum(o * w[:, :, None], 1) / tl.sum(w, 1)[:, None]
-    tl.store(out_ptr + row * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(out_ptr + row * stride_ot + (head + g)[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
 # Arguments that change from step to step (block-table width, split layout) are not specialised on: Triton would
@@ -155,8 +154,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, EARLY_V: tl.constexpr, HEADS_FIRST: tl.constexpr, VALUES_T: tl.constexpr,
                    KV_HEADS: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr,
-                   MERGE_LAST: tl.constexpr = False, MERGE_G: tl.constexpr = 1, MERGE_S: tl.constexpr = 1,
-                   MERGE_D: tl.constexpr = 1):
+                   MERGE_LAST: tl.constexpr = False, MERGE_G: tl.constexpr = 1, MERGE_S: tl.constexpr = 1):
     """One (decode row, KV_HEADS adjacent KV heads, split). KV_HEADS 2 (DecodeTiles.kv_heads): a tile row holds
     both heads' HEAD_DIM columns side by side (one load of 2 * HEAD_DIM contiguous elements a token), and the q tile
     stacks both heads' query groups, each row zero outside its own head's columns (`_own_columns`): the scores are
@@ -244,11 +242,12 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
             counter = count_ptr + i * kvh_programs + kvh // KV_HEADS
             tl.debug_barrier()          # every thread's partial is stored before the count says so
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == active_splits(seq_len, tl.num_programs(2), BLOCK_N) - 1:
-                _merge_own_splits(part_out_ptr, part_lse_ptr, out_ptr, i, row, kvh * group, KV_HEADS * group,
-                                  active_splits(seq_len, tl.num_programs(2), BLOCK_N),
-                                  stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_ot,
-                                  stride_oh, HEAD_DIM, MERGE_G, MERGE_S, MERGE_D)
+            used = active_splits(seq_len, tl.num_programs(2), BLOCK_N)
+            if done == used - 1:
+                # The partials are packed here (decode_attention): row i's heads from i * all heads.
+                first = i.to(tl.int64) * (kvh_programs * KV_HEADS * group) + kvh * group
+                _merge_own_splits(part_out_ptr, part_lse_ptr, out_ptr, row, kvh * group, first, KV_HEADS * group, used,
+                                  stride_ot, stride_oh, HEAD_DIM, MERGE_G, MERGE_S)
                 tl.store(counter, 0)    # for the next launch (the next layer's, a CUDA graph's next replay)
     else:
         o = acc / l_i[:, None]
@@ -386,11 +385,12 @@ def split_counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[key]
 
 
-def merge_tile(num_heads: int, num_splits: int, head_dim: int) -> Optional[tuple[int, int, int]]:
-    """(MERGE_G, MERGE_S, MERGE_D) of a split launch's in-kernel merge for programs of `num_heads` query heads, or
-    None where that tile is past MERGE_MAX_ELEMENTS (the launch keeps its reduce)."""
-    tile = (next_pow2(num_heads), next_pow2(num_splits), next_pow2(head_dim))
-    return tile if tile[0] * tile[1] * tile[2] <= MERGE_MAX_ELEMENTS else None
+def merge_tile(num_heads: int, num_splits: int, head_dim: int) -> Optional[tuple[int, int]]:
+    """(MERGE_G, MERGE_S) of a split launch's in-kernel merge for programs of `num_heads` query heads: its tile is
+    [MERGE_G, MERGE_S, head_dim]. None where that is past MERGE_MAX_ELEMENTS or the head width is not a power of two
+    (the partials are packed at it): the launch keeps its reduce."""
+    tile = (next_pow2(num_heads), next_pow2(num_splits))
+    return tile if tile[0] * tile[1] * head_dim <= MERGE_MAX_ELEMENTS and head_dim == next_pow2(head_dim) else None
 
 
 def fits_one_wave(num_programs: int, head_dim: int, split: bool, device: torch.device) -> bool:
@@ -506,17 +506,19 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     block_d = next_pow2(tiles.kv_heads * d)
     block_g = max(16, next_pow2(tiles.kv_heads * group))
     split = num_splits > 1
-    if split:
-        part_out = torch.empty(n, h, num_splits, d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(n, h, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out   # unused
-    po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
-    pl_strides = (part_lse.stride(0), part_lse.stride(1)) if split else (0, 0)
     merge = None
     if split and (split_merge or SPLIT_MERGE) == "last" and n * kvh_programs <= SPLIT_COUNTERS \
             and l2_prefetch_plan(l2_prefetch, n, out, "reduce").programs == 0:
         merge = merge_tile(tiles.kv_heads * group, num_splits, d)
+    if split:
+        # Packed at the merge tile's splits for an in-kernel merge (`_merge_own_splits` reads them as one run).
+        slots = merge[1] if merge else num_splits
+        part_out = torch.empty(n, h, slots, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(n, h, slots, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out   # unused
+    po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
+    pl_strides = (part_lse.stride(0), part_lse.stride(1)) if split else (0, 0)
     counters = split_counters(q.device) if merge else out
     assert not tiles.heads_first or n < 65536, "a grid's second dimension holds fewer than 65536 programs"
     _decode_kernel[(kvh_programs, n, num_splits) if tiles.heads_first else (n, kvh_programs, num_splits)](
@@ -529,7 +531,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split, EARLY_V=tiles.early_v,
         HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t, KV_HEADS=tiles.kv_heads,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, MERGE_LAST=merge is not None,
-        **(dict(zip(("MERGE_G", "MERGE_S", "MERGE_D"), merge)) if merge else {}),
+        **(dict(zip(("MERGE_G", "MERGE_S"), merge)) if merge else {}),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
         **pdl_launch_args(q))
     if split and merge is None:

@@ -536,12 +536,13 @@ def test_decode_split_merge_in_the_kernel_matches_the_reduce(device, head_dim, g
 
 
 def test_decode_split_merge_keeps_the_reduce_past_its_tile(device, monkeypatch):
-    """A merge tile past MERGE_MAX_ELEMENTS (many splits of wide heads) or a reduce that carries an L2 prefetch:
+    """A merge tile past MERGE_MAX_ELEMENTS (many splits of wide heads), a head width that is not a power of two:
     the launch keeps its reduce."""
     from deepserve.kernels import paged_attention
-    assert paged_attention.merge_tile(4, 8, 64) == (4, 8, 64)
-    assert paged_attention.merge_tile(3, 5, 64) == (4, 8, 64)
+    assert paged_attention.merge_tile(4, 8, 64) == (4, 8)
+    assert paged_attention.merge_tile(3, 5, 64) == (4, 8)
     assert paged_attention.merge_tile(4, 32, 128) is None
+    assert paged_attention.merge_tile(4, 2, 96) is None        # partials packed at a power-of-two head width
     reduces = []
     real = paged_attention.decode_reduce
     monkeypatch.setattr(paged_attention, "decode_reduce", lambda *a, **k: reduces.append(1) or real(*a, **k))

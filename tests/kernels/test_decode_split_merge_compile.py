@@ -19,7 +19,7 @@ def decode_ptx(merge_last: bool) -> list[str]:
     # Llama-3.2-1B's split launch at batch 1-8 and 1k context: 64-wide heads, group 4, 8 splits.
     constexprs = dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_G=16, BLOCK_N=64, SPLIT=True, EARLY_V=False, HEADS_FIRST=True,
                       VALUES_T=False, KV_HEADS=1, INPUTS_READY=True, USE_PDL=True, MERGE_LAST=merge_last,
-                      MERGE_G=4, MERGE_S=8, MERGE_D=64)
+                      MERGE_G=4, MERGE_S=8)
     return compile_for_sm90(_decode_kernel, POINTERS, constexprs, {"qk_scale": "fp32"},
                             aligned(_decode_kernel)).splitlines()
 
