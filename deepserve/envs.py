@@ -196,9 +196,10 @@ _DECLARED = [
            "batch 256 mixed), 2: wherever they pair, 1: never (read at import)", choices=("auto", "1", "2")),
     EnvVar("DEEPSERVE_DECODE_SPLIT_MERGE", "str", "reduce",
            "GPU paged decode attention split over the context: its splits merge in a reduce launch (the default "
-           "until a GPU A/B says otherwise), or last: the last split program of each (row, KV head) to finish merges "
-           "them (a counter a program, kernels/paged_attention.py), one launch fewer a layer (read at import)",
-           choices=("reduce", "last")),
+           "until a GPU A/B says otherwise); last: the last split program of each (row, KV head) to finish merges "
+           "them in the decode kernel (a counter each, kernels/paged_attention.py), one launch fewer a layer; auto: "
+           "last in launches of at most 16 (row, KV head) programs (read at import)",
+           choices=("reduce", "last", "auto")),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
     EnvVar("DEEPSERVE_GC_FREEZE", "bool", True,

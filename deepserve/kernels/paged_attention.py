@@ -363,14 +363,17 @@ KV_HEADS_PER_PROGRAM = envs.DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM
 PAIRED_HEAD_BYTES = 128
 
 
-# DEEPSERVE_DECODE_SPLIT_MERGE (session 42's, off until timed on a GPU): "last" merges a split launch's partials in
-# the decode kernel itself, by the last split program of each (row, KV heads) to finish (`_decode_kernel`'s
-# MERGE_LAST), instead of a reduce launch after it. At Llama-3.2-1B batch 8 the reduce is 2.8 us of a layer's
-# ~86 with PDL off (h100_dense1b_pdl_off_profile_s35.json). The merge tile holds all of a program's heads,
-# [heads, splits, head_dim] in float32; past MERGE_MAX_ELEMENTS (32 registers a thread at 4 warps) the launch keeps
-# its reduce, as it does where the reduce carries an L2 prefetch.
+# DEEPSERVE_DECODE_SPLIT_MERGE (session 42's): "last" merges a split launch's partials in the decode kernel itself,
+# by the last split program of each (row, KV heads) to finish (`_decode_kernel`'s MERGE_LAST), instead of a reduce
+# launch after it; "auto" does so in launches of at most MERGE_MAX_PROGRAMS (row, KV-head) programs before the
+# split. H100, Llama-3.2-1B steps at 1k (split_merge_1b_ab_h100_s42.json, two passes): batch 1 1.086-1.087 ->
+# 1.069-1.072 ms, batch 8 / 16 1.286-1.307 / 1.428-1.434 -> 1.335-1.365 / 1.492-1.501 (4-5% slower), batch 32
+# mixed. The merge tile holds all of a program's heads, [heads, splits, head_dim] in float32, packed (the 1B's
+# split build keeps its 64 registers at 8 and 16 splits, 84 at 32: kernel_resources_split_merge_s42.json); past
+# MERGE_MAX_ELEMENTS the launch keeps its reduce, as it does where the reduce carries an L2 prefetch.
 SPLIT_MERGE = envs.DEEPSERVE_DECODE_SPLIT_MERGE
-MERGE_MAX_ELEMENTS = 4096
+MERGE_MAX_ELEMENTS = 8192
+MERGE_MAX_PROGRAMS = 16
 # The merge counters: one int32 per (row, KV-head program) of a split launch, zero between launches (the last
 # program of each zeroes its own). Allocated once per device at SPLIT_COUNTERS slots, never reallocated: a CUDA
 # graph keeps the pointer it captured. Launches on one device run one after another (one stream), so they share it.
@@ -465,7 +468,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     before this call (the attention backends' per-step metadata), so they may be read before the PDL wait.
     `tiles` forces the launch settings (tuning); None: `DecodeTiles()`. `l2_prefetch`: the weight read next
     (o_proj's), which a split launch's reduce may ask into L2 (kernels/l2_prefetch.py); it changes no result.
-    `split_merge` ("reduce" / "last", default SPLIT_MERGE): how a split launch's partials merge.
+    `split_merge` ("reduce" / "last" / "auto", default SPLIT_MERGE): how a split launch's partials merge.
     """
     require_triton(q)
     t, h, d = q.shape
@@ -507,8 +510,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     block_g = max(16, next_pow2(tiles.kv_heads * group))
     split = num_splits > 1
     merge = None
-    if split and (split_merge or SPLIT_MERGE) == "last" and n * kvh_programs <= SPLIT_COUNTERS \
-            and l2_prefetch_plan(l2_prefetch, n, out, "reduce").programs == 0:
+    mode = split_merge or SPLIT_MERGE
+    if split and (mode == "last" or (mode == "auto" and n * kvh_programs <= MERGE_MAX_PROGRAMS)) \
+            and n * kvh_programs <= SPLIT_COUNTERS and l2_prefetch_plan(l2_prefetch, n, out, "reduce").programs == 0:
         merge = merge_tile(tiles.kv_heads * group, num_splits, d)
     if split:
         # Packed at the merge tile's splits for an in-kernel merge (`_merge_own_splits` reads them as one run).
