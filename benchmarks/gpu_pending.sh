@@ -28,6 +28,7 @@
 #   bash benchmarks/gpu_pending.sh s41-first   # ~9 min: tests/gpu, then 1B steps at batch 1-64: DEEPSERVE_L2_PREFETCH
 #   bash benchmarks/gpu_pending.sh s42-first   # ~6 min: DEEPSERVE_DECODE_SPLIT_MERGE: tests, 1B steps at batch 1-32
 #   bash benchmarks/gpu_pending.sh s42-auto    # ~8 min: the same at 1B batch 1-8 (reduce / last / auto), 8B batch 1-2
+#   bash benchmarks/gpu_pending.sh s42-timeline  # ~3 min: 1B batch 1 / 2 graph timelines, reduce / last, PDL off / on
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -367,6 +368,26 @@ s42-auto)
         --passes "${PASSES:-2}" --timeout 120 --output "$OUT/split_merge_8b_ab.json" -- --shapes llama-3-8b \
         --contexts 1024,4096 --batches 1,2 --profile-batch 0 > /tmp/split_merge_8b_ab.log 2>&1
     tail -2 /tmp/split_merge_8b_ab.log | cut -c1-300; summarise_steps "$OUT/split_merge_8b_ab.json"; elapsed "merge 8b"
+    ;;
+s42-timeline)
+    # Why the in-kernel split merge lost at 1B batch 2-16 and won at batch 1 (s42-auto): the graph replay's kernel
+    # sequence (one layer's launches and their durations) at batch 1 / 2, 1k, reduce / last, with PDL off (each
+    # kernel's duration its own) and on.
+    for pdl in 0 1; do for merge in reduce last; do
+        DEEPSERVE_PDL=$pdl DEEPSERVE_DECODE_SPLIT_MERGE=$merge timeout 100 python3 benchmarks/h200_decode_sweep.py \
+            --shapes llama-3.2-1b --contexts 1024 --batches 1,2 --profile-batch 0 --timeline-batch 1,2 \
+            --output "$OUT/split_merge_timeline_${merge}_pdl${pdl}.json" > /tmp/split_merge_timeline.log 2>&1
+        tail -1 /tmp/split_merge_timeline.log | cut -c1-200
+        python3 - "$OUT/split_merge_timeline_${merge}_pdl${pdl}.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for b in d["results"]["llama-3.2-1b"]["1024"]["batches"]:
+    t = b.get("graph_timeline") or {}
+    print(sys.argv[1].rsplit("/", 1)[-1], "batch", b["batch"], "step", b["step_ms"], "span", t.get("span_us"),
+          "idle", t.get("idle_us"), [(n[:18], us) for n, us in t.get("sequence", [])[8:20]])
+PY
+    done; done
+    elapsed "timelines"
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the
