@@ -29,6 +29,7 @@
 #   bash benchmarks/gpu_pending.sh s42-first   # ~6 min: DEEPSERVE_DECODE_SPLIT_MERGE: tests, 1B steps at batch 1-32
 #   bash benchmarks/gpu_pending.sh s42-auto    # ~8 min: the same at 1B batch 1-8 (reduce / last / auto), 8B batch 1-2
 #   bash benchmarks/gpu_pending.sh s42-timeline  # ~3 min: 1B batch 1 / 2 graph timelines, reduce / last, PDL off / on
+#   bash benchmarks/gpu_pending.sh s42-late    # ~5 min: the merge with a late PDL trigger: tests, 1B steps at batch 1-16
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -388,6 +389,21 @@ for b in d["results"]["llama-3.2-1b"]["1024"]["batches"]:
 PY
     done; done
     elapsed "timelines"
+    ;;
+s42-late)
+    # The in-kernel split merge with the next kernel let in only as the decode's programs exit (s42-timeline: let in
+    # early, o_proj's programs slowed batch 2 by 7%; with PDL off the merge saved 1 us a layer): its GPU tests, then
+    # Llama-3.2-1B steps at batch 1-16, 1k, reduce / last.
+    n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
+    timeout 200 python3 -m pytest -q $n tests/gpu/test_paged_attention.py tests/gpu/test_engine_gpu.py \
+        -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
+    tail -4 "$OUT/pytest_gpu.log"; grep -m 6 "^E .*Error\|^E  *assert" "$OUT/pytest_gpu.log" | cut -c1-300
+    elapsed "tests"
+    timeout 300 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_SPLIT_MERGE=reduce,last \
+        --passes "${PASSES:-2}" --timeout 90 --output "$OUT/split_merge_late_1b_ab.json" -- --shapes llama-3.2-1b \
+        --contexts 1024 --batches 1,2,4,8,16 --profile-batch 0 > /tmp/split_merge_late_ab.log 2>&1
+    tail -2 /tmp/split_merge_late_ab.log | cut -c1-300; summarise_steps "$OUT/split_merge_late_1b_ab.json"
+    elapsed "merge late 1b"
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the

@@ -172,10 +172,12 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     split = tl.program_id(2)
     # With INPUTS_READY (the step's inputs were in place before its first kernel) their loads, and the first tile's
     # block ids, overlap the previous kernel instead of adding three round trips after the wait (kernels/pdl.py).
-    pdl_wait_for_inputs(INPUTS_READY, USE_PDL)
+    # With MERGE_LAST the next kernel (o_proj's GEMM, no reduce between) starts as this grid's programs exit: let in
+    # early, its programs slowed Llama-3.2-1B batch-2 steps by 7% (H100, split_merge_timeline_*_h100_s42.json).
+    pdl_wait_for_inputs(INPUTS_READY, USE_PDL, not MERGE_LAST)
     row, seq, seq_len, table, first_blk = decode_row_inputs(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, block_tables_ptr,
                                                             stride_bt, i, split, block_size, SPLIT, BLOCK_N)
-    pdl_wait_after_inputs(INPUTS_READY, USE_PDL)
+    pdl_wait_after_inputs(INPUTS_READY, USE_PDL, not MERGE_LAST)
     start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
     if SPLIT:
         if start >= end:        # an empty split: the reduce does not read it, so nothing to load or store

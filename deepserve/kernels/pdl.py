@@ -49,20 +49,23 @@ def pdl_launch_dependents(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def pdl_wait_for_inputs(INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
+def pdl_wait_for_inputs(INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr = True):
     """Where a kernel reads the step's inputs: the wait, unless INPUTS_READY (rule 1: the caller vouches that the
-    previous kernel does not write them), in which case `pdl_wait_after_inputs` waits once they are loaded."""
+    previous kernel does not write them), in which case `pdl_wait_after_inputs` waits once they are loaded. Then
+    the next kernel may start, unless not EARLY_TRIGGER: then it starts as this grid's programs exit."""
     if not INPUTS_READY:
         pdl_wait(USE_PDL)
-        pdl_launch_dependents(USE_PDL)
+        if EARLY_TRIGGER:
+            pdl_launch_dependents(USE_PDL)
 
 
 @triton.jit
-def pdl_wait_after_inputs(INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
+def pdl_wait_after_inputs(INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr = True):
     """The deferred wait of `pdl_wait_for_inputs` (a no-op when that one waited)."""
     if INPUTS_READY:
         pdl_wait(USE_PDL)
-        pdl_launch_dependents(USE_PDL)
+        if EARLY_TRIGGER:
+            pdl_launch_dependents(USE_PDL)
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 """DEEPSERVE_DECODE_SPLIT_MERGE=last, compiled for sm_90 without a GPU: the paged decode kernel's in-kernel split
 merge keeps CUTLASS's semaphore order (every thread's partial stores, a CTA barrier, one release-acquire atomic at
-GPU scope, the merge's loads from L2 after it, the counter zeroed by the merging program), and a launch without it
-holds no atomic at all. Whether the merge is right is tests/gpu/test_paged_attention.py's."""
+GPU scope, the merge's loads from L2 after it, the counter zeroed by the merging program) and lets the next kernel
+start only as its programs exit; a launch without it holds no atomic at all. Whether the merge is right is tests/gpu/test_paged_attention.py's."""
 
 import re
 
@@ -45,3 +45,11 @@ def test_the_count_follows_every_partial_store_and_precedes_the_merge():
 
 def test_a_launch_without_the_merge_has_no_atomic():
     assert not any("atom." in line for line in decode_ptx(False))
+
+
+def test_with_the_merge_the_next_kernel_starts_as_the_programs_exit():
+    """No early PDL trigger with the merge (the next kernel is o_proj's GEMM, whose programs let in early slowed
+    the 1B's batch-2 steps); without it the trigger follows the wait, as in every decode-path kernel."""
+    assert any("griddepcontrol.launch_dependents" in line for line in decode_ptx(False))
+    assert not any("griddepcontrol.launch_dependents" in line for line in decode_ptx(True))
+    assert any("griddepcontrol.wait" in line for line in decode_ptx(True))
