@@ -27,9 +27,9 @@
 #   bash benchmarks/gpu_pending.sh s40-check   # ~7 min: tests/gpu, then 1B steps: KV head pairs never / auto
 #   bash benchmarks/gpu_pending.sh s41-first   # ~9 min: tests/gpu, then 1B steps at batch 1-64: DEEPSERVE_L2_PREFETCH
 #   bash benchmarks/gpu_pending.sh s42-first   # ~6 min: DEEPSERVE_DECODE_SPLIT_MERGE: tests, 1B steps at batch 1-32
-#   bash benchmarks/gpu_pending.sh s42-auto    # ~8 min: the same at 1B batch 1-8 (reduce / last / auto), 8B batch 1-2
 #   bash benchmarks/gpu_pending.sh s42-timeline  # ~3 min: 1B batch 1 / 2 graph timelines, reduce / last, PDL off / on
 #   bash benchmarks/gpu_pending.sh s42-late    # ~5 min: the merge with a late PDL trigger: tests, 1B steps at batch 1-16
+#   bash benchmarks/gpu_pending.sh s42-check   # ~8 min: tests/gpu, then 1B steps at batch 1-32: reduce / last (default)
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -356,20 +356,6 @@ s42-first)
         --contexts 1024,4096 --batches 1,8,16,32 --profile-batch 0 > /tmp/split_merge_ab.log 2>&1
     tail -3 /tmp/split_merge_ab.log | cut -c1-400; summarise_steps "$OUT/split_merge_1b_ab.json"; elapsed "merge 1b"
     ;;
-s42-auto)
-    # Where the in-kernel split merge pays: s42-first had Llama-3.2-1B batch 1 faster (8 programs before the split)
-    # and batch 8 / 16 slower (64 / 128). Batch 1-8 of the 1B with reduce / last / auto (last in launches of at most
-    # 16 programs), then Llama-3-8B batch 1 / 2 (128-wide heads) with reduce / last.
-    timeout 300 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_SPLIT_MERGE=reduce,last,auto \
-        --passes "${PASSES:-2}" --timeout 90 --output "$OUT/split_merge_auto_1b_ab.json" -- --shapes llama-3.2-1b \
-        --contexts 1024,4096 --batches 1,2,4,8 --profile-batch 0 > /tmp/split_merge_auto_ab.log 2>&1
-    tail -2 /tmp/split_merge_auto_ab.log | cut -c1-300; summarise_steps "$OUT/split_merge_auto_1b_ab.json"
-    elapsed "merge auto 1b"
-    timeout 260 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_SPLIT_MERGE=reduce,last \
-        --passes "${PASSES:-2}" --timeout 120 --output "$OUT/split_merge_8b_ab.json" -- --shapes llama-3-8b \
-        --contexts 1024,4096 --batches 1,2 --profile-batch 0 > /tmp/split_merge_8b_ab.log 2>&1
-    tail -2 /tmp/split_merge_8b_ab.log | cut -c1-300; summarise_steps "$OUT/split_merge_8b_ab.json"; elapsed "merge 8b"
-    ;;
 s42-timeline)
     # Why the in-kernel split merge lost at 1B batch 2-16 and won at batch 1 (s42-auto): the graph replay's kernel
     # sequence (one layer's launches and their durations) at batch 1 / 2, 1k, reduce / last, with PDL off (each
@@ -404,6 +390,20 @@ s42-late)
         --contexts 1024 --batches 1,2,4,8,16 --profile-batch 0 > /tmp/split_merge_late_ab.log 2>&1
     tail -2 /tmp/split_merge_late_ab.log | cut -c1-300; summarise_steps "$OUT/split_merge_late_1b_ab.json"
     elapsed "merge late 1b"
+    ;;
+s42-check)
+    # DEEPSERVE_DECODE_SPLIT_MERGE=last as the default (late PDL trigger over 2+ rows): all of tests/gpu, then
+    # Llama-3.2-1B steps at the batches whose launches split, 1k and 4k, reduce / last.
+    n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
+    timeout 250 python3 -m pytest -q $n tests/gpu -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
+    tail -4 "$OUT/pytest_gpu.log"; grep -m 6 "^E .*Error\|^E  *assert" "$OUT/pytest_gpu.log" | cut -c1-300
+    elapsed "tests/gpu"
+    timeout 220 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_SPLIT_MERGE=reduce,last \
+        --passes "${PASSES:-2}" --timeout 100 --output "$OUT/split_merge_default_1b_ab.json" -- \
+        --shapes llama-3.2-1b --contexts 1024,4096 --batches 1,2,8,32 --profile-batch 0 \
+        > /tmp/split_merge_default_ab.log 2>&1
+    tail -2 /tmp/split_merge_default_ab.log | cut -c1-300; summarise_steps "$OUT/split_merge_default_1b_ab.json"
+    elapsed "merge default 1b"
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the

@@ -154,7 +154,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, EARLY_V: tl.constexpr, HEADS_FIRST: tl.constexpr, VALUES_T: tl.constexpr,
                    KV_HEADS: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr,
-                   MERGE_LAST: tl.constexpr = False, MERGE_G: tl.constexpr = 1, MERGE_S: tl.constexpr = 1):
+                   MERGE_LAST: tl.constexpr = False, MERGE_G: tl.constexpr = 1, MERGE_S: tl.constexpr = 1,
+                   LATE_TRIGGER: tl.constexpr = False):
     """One (decode row, KV_HEADS adjacent KV heads, split). KV_HEADS 2 (DecodeTiles.kv_heads): a tile row holds
     both heads' HEAD_DIM columns side by side (one load of 2 * HEAD_DIM contiguous elements a token), and the q tile
     stacks both heads' query groups, each row zero outside its own head's columns (`_own_columns`): the scores are
@@ -172,12 +173,13 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     split = tl.program_id(2)
     # With INPUTS_READY (the step's inputs were in place before its first kernel) their loads, and the first tile's
     # block ids, overlap the previous kernel instead of adding three round trips after the wait (kernels/pdl.py).
-    # With MERGE_LAST the next kernel (o_proj's GEMM, no reduce between) starts as this grid's programs exit: let in
-    # early, its programs slowed Llama-3.2-1B batch-2 steps by 7% (H100, split_merge_timeline_*_h100_s42.json).
-    pdl_wait_for_inputs(INPUTS_READY, USE_PDL, not MERGE_LAST)
+    # LATE_TRIGGER (with MERGE_LAST over 2+ rows, decode_attention): the next kernel, o_proj's skinny GEMM with no
+    # reduce between, starts as this grid's programs exit. Let in early, its programs slowed Llama-3.2-1B batch-2
+    # steps by 7% (H100, split_merge_*_h100_s42.json); at batch 1 the early start pays (o_proj is a GEMV there).
+    pdl_wait_for_inputs(INPUTS_READY, USE_PDL, not LATE_TRIGGER)
     row, seq, seq_len, table, first_blk = decode_row_inputs(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, block_tables_ptr,
                                                             stride_bt, i, split, block_size, SPLIT, BLOCK_N)
-    pdl_wait_after_inputs(INPUTS_READY, USE_PDL, not MERGE_LAST)
+    pdl_wait_after_inputs(INPUTS_READY, USE_PDL, not LATE_TRIGGER)
     start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
     if SPLIT:
         if start >= end:        # an empty split: the reduce does not read it, so nothing to load or store
@@ -367,15 +369,15 @@ PAIRED_HEAD_BYTES = 128
 
 # DEEPSERVE_DECODE_SPLIT_MERGE (session 42's): "last" merges a split launch's partials in the decode kernel itself,
 # by the last split program of each (row, KV heads) to finish (`_decode_kernel`'s MERGE_LAST), instead of a reduce
-# launch after it; "auto" does so in launches of at most MERGE_MAX_PROGRAMS (row, KV-head) programs before the
-# split. H100, Llama-3.2-1B steps at 1k (split_merge_1b_ab_h100_s42.json, two passes): batch 1 1.086-1.087 ->
-# 1.069-1.072 ms, batch 8 / 16 1.286-1.307 / 1.428-1.434 -> 1.335-1.365 / 1.492-1.501 (4-5% slower), batch 32
-# mixed. The merge tile holds all of a program's heads, [heads, splits, head_dim] in float32, packed (the 1B's
-# split build keeps its 64 registers at 8 and 16 splits, 84 at 32: kernel_resources_split_merge_s42.json); past
-# MERGE_MAX_ELEMENTS the launch keeps its reduce, as it does where the reduce carries an L2 prefetch.
+# launch after it; over 2+ rows the next kernel starts as the decode's programs exit (LATE_TRIGGER). H100,
+# Llama-3.2-1B steps at 1k, two passes each (split_merge_*_h100_s42.json): batch 1 1.076-1.090 -> 1.063-1.072 ms in
+# three runs; over 2-16 rows with the next kernel let in early 4-7% slower (1.170 -> 1.251-1.257 at batch 2), with
+# LATE_TRIGGER batch 2 even and 4 / 8 / 16 1.2-1.8% faster (1.298-1.308 -> 1.279-1.284 at batch 8). The merge tile
+# holds all of a program's heads, [heads, splits, head_dim] in float32, packed (the 1B's split build keeps its 64
+# registers at 16 splits, 84 at 32: kernel_resources_split_merge_s42.json); past MERGE_MAX_ELEMENTS the launch keeps
+# its reduce, as it does where the reduce carries an L2 prefetch.
 SPLIT_MERGE = envs.DEEPSERVE_DECODE_SPLIT_MERGE
 MERGE_MAX_ELEMENTS = 8192
-MERGE_MAX_PROGRAMS = 16
 # The merge counters: one int32 per (row, KV-head program) of a split launch, zero between launches (the last
 # program of each zeroes its own). Allocated once per device at SPLIT_COUNTERS slots, never reallocated: a CUDA
 # graph keeps the pointer it captured. Launches on one device run one after another (one stream), so they share it.
@@ -470,7 +472,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     before this call (the attention backends' per-step metadata), so they may be read before the PDL wait.
     `tiles` forces the launch settings (tuning); None: `DecodeTiles()`. `l2_prefetch`: the weight read next
     (o_proj's), which a split launch's reduce may ask into L2 (kernels/l2_prefetch.py); it changes no result.
-    `split_merge` ("reduce" / "last" / "auto", default SPLIT_MERGE): how a split launch's partials merge.
+    `split_merge` ("reduce" / "last", default SPLIT_MERGE): how a split launch's partials merge.
     """
     require_triton(q)
     t, h, d = q.shape
@@ -512,9 +514,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     block_g = max(16, next_pow2(tiles.kv_heads * group))
     split = num_splits > 1
     merge = None
-    mode = split_merge or SPLIT_MERGE
-    if split and (mode == "last" or (mode == "auto" and n * kvh_programs <= MERGE_MAX_PROGRAMS)) \
-            and n * kvh_programs <= SPLIT_COUNTERS and l2_prefetch_plan(l2_prefetch, n, out, "reduce").programs == 0:
+    if split and (split_merge or SPLIT_MERGE) == "last" and n * kvh_programs <= SPLIT_COUNTERS \
+            and l2_prefetch_plan(l2_prefetch, n, out, "reduce").programs == 0:
         merge = merge_tile(tiles.kv_heads * group, num_splits, d)
     if split:
         # Packed at the merge tile's splits for an in-kernel merge (`_merge_own_splits` reads them as one run).
@@ -537,6 +538,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split, EARLY_V=tiles.early_v,
         HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t, KV_HEADS=tiles.kv_heads,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, MERGE_LAST=merge is not None,
+        LATE_TRIGGER=merge is not None and n > 1,
         **(dict(zip(("MERGE_G", "MERGE_S"), merge)) if merge else {}),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
         **pdl_launch_args(q))

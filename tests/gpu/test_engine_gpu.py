@@ -194,10 +194,10 @@ def test_cuda_graphs_with_graph_input_switches_match_eager(tiny_llama, monkeypat
 
 
 def test_split_merge_in_the_decode_kernel_keeps_the_tokens(tiny_llama, monkeypatch):
-    """DEEPSERVE_DECODE_SPLIT_MERGE=last (the decode kernel's last split program of each row and KV head merges the
-    splits; no reduce launch): eager steps and CUDA graphs (a graph's grid is sized for max_model_len, so most splits
-    are empty) give the default reduce launch's greedy tokens, every split launch merged in the kernel, and every
-    merge counter ends at zero."""
+    """DEEPSERVE_DECODE_SPLIT_MERGE=last (the default: the decode kernel's last split program of each row and KV head
+    merges the splits; no reduce launch): eager steps and CUDA graphs (a graph's grid is sized for max_model_len, so
+    most splits are empty) give the reduce launch's greedy tokens, every split launch merged in the kernel, and
+    every merge counter ends at zero."""
     from deepserve.kernels import paged_attention
     prompts = [{"prompt_token_ids": [(11 * i + 3 * j) % 250 + 3 for j in range(40 + 45 * i)]} for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -207,6 +207,7 @@ def test_split_merge_in_the_decode_kernel_keeps_the_tokens(tiny_llama, monkeypat
                   kv_cache_memory_bytes=1 << 26, **kw)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
+    monkeypatch.setattr(paged_attention, "SPLIT_MERGE", "reduce")
     want = tokens(enforce_eager=True)
     launches, reduces = [], []
     real_kernel, real_reduce = paged_attention._decode_kernel, paged_attention.decode_reduce

@@ -554,24 +554,6 @@ def test_decode_split_merge_keeps_the_reduce_past_its_tile(device, monkeypatch):
         assert len(reduces) == want
 
 
-def test_decode_split_merge_auto_merges_in_the_kernel_only_in_small_launches(device, monkeypatch):
-    """"auto": the in-kernel merge for split launches of at most MERGE_MAX_PROGRAMS (row, KV head) programs (where
-    it won on an H100), the reduce launch past them; the same attention either way."""
-    from deepserve.kernels import paged_attention
-    reduces = []
-    real = paged_attention.decode_reduce
-    monkeypatch.setattr(paged_attention, "decode_reduce", lambda *a, **k: reduces.append(1) or real(*a, **k))
-    few = paged_attention.MERGE_MAX_PROGRAMS // NUM_KV_HEADS
-    for rows, want in ((few, 0), (few + 1, 1)):
-        lens = [100 + 37 * r for r in range(rows)]
-        batch, cache, q = _decode_case(device, torch.float16, 64, 4, lens, 16, cdiv_total(lens, 16) + 8)
-        out = decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, num_splits=3, split_merge="auto")
-        assert_attention_close(out, decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.2),
-                               torch.float16)
-        assert len(reduces) == want
-        reduces.clear()
-
-
 MIXED_SEQS = [(0, 23), (40, 1), (7, 1), (130, 70), (0, 1), (1500, 1), (64, 64), (5, 2)]
 
 

@@ -1,7 +1,7 @@
 """DEEPSERVE_DECODE_SPLIT_MERGE=last, compiled for sm_90 without a GPU: the paged decode kernel's in-kernel split
 merge keeps CUTLASS's semaphore order (every thread's partial stores, a CTA barrier, one release-acquire atomic at
-GPU scope, the merge's loads from L2 after it, the counter zeroed by the merging program) and lets the next kernel
-start only as its programs exit; a launch without it holds no atomic at all. Whether the merge is right is tests/gpu/test_paged_attention.py's."""
+GPU scope, the merge's loads from L2 after it, the counter zeroed by the merging program), over 2+ rows with the next
+kernel let in only as its programs exit; a launch without it holds no atomic at all. Whether the merge is right is tests/gpu/test_paged_attention.py's."""
 
 import re
 
@@ -14,12 +14,12 @@ POINTERS = {**{name: "*i32" for name in ("block_tables_ptr", "seq_lens_ptr", "q_
             "cache_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
 
 
-def decode_ptx(merge_last: bool) -> list[str]:
+def decode_ptx(merge_last: bool, late_trigger: bool = False) -> list[str]:
     from deepserve.kernels.paged_attention import _decode_kernel
     # Llama-3.2-1B's split launch at batch 1-8 and 1k context: 64-wide heads, group 4, 8 splits.
     constexprs = dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_G=16, BLOCK_N=64, SPLIT=True, EARLY_V=False, HEADS_FIRST=True,
                       VALUES_T=False, KV_HEADS=1, INPUTS_READY=True, USE_PDL=True, MERGE_LAST=merge_last,
-                      MERGE_G=4, MERGE_S=8)
+                      MERGE_G=4, MERGE_S=8, LATE_TRIGGER=late_trigger)
     return compile_for_sm90(_decode_kernel, POINTERS, constexprs, {"qk_scale": "fp32"},
                             aligned(_decode_kernel)).splitlines()
 
@@ -47,9 +47,12 @@ def test_a_launch_without_the_merge_has_no_atomic():
     assert not any("atom." in line for line in decode_ptx(False))
 
 
-def test_with_the_merge_the_next_kernel_starts_as_the_programs_exit():
-    """No early PDL trigger with the merge (the next kernel is o_proj's GEMM, whose programs let in early slowed
-    the 1B's batch-2 steps); without it the trigger follows the wait, as in every decode-path kernel."""
+def test_a_late_trigger_lets_the_next_kernel_start_as_the_programs_exit():
+    """LATE_TRIGGER (the merge over 2+ rows: the next kernel is o_proj's skinny GEMM, whose programs let in early
+    slowed the 1B's batch-2 steps): no early PDL trigger. Otherwise the trigger follows the wait, as in every
+    decode-path kernel."""
+    assert any("griddepcontrol.launch_dependents" in line for line in decode_ptx(True))
     assert any("griddepcontrol.launch_dependents" in line for line in decode_ptx(False))
-    assert not any("griddepcontrol.launch_dependents" in line for line in decode_ptx(True))
-    assert any("griddepcontrol.wait" in line for line in decode_ptx(True))
+    late = decode_ptx(True, late_trigger=True)
+    assert not any("griddepcontrol.launch_dependents" in line for line in late)
+    assert any("griddepcontrol.wait" in line for line in late)
