@@ -28,7 +28,7 @@
 #   bash benchmarks/gpu_pending.sh s41-first   # ~9 min: tests/gpu, then 1B steps at batch 1-64: DEEPSERVE_L2_PREFETCH
 #   bash benchmarks/gpu_pending.sh s42-first   # ~6 min: DEEPSERVE_DECODE_SPLIT_MERGE: tests, 1B steps at batch 1-32
 #   bash benchmarks/gpu_pending.sh s42-timeline  # ~3 min: 1B batch 1 / 2 graph timelines, reduce / last, PDL off / on
-#   bash benchmarks/gpu_pending.sh s42-late    # ~5 min: the merge with a late PDL trigger: tests, 1B steps at batch 1-16
+#   bash benchmarks/gpu_pending.sh s42-late    # ~5 min: the merge, late PDL trigger: tests, 1B steps at batch 1-16
 #   bash benchmarks/gpu_pending.sh s42-check   # ~8 min: tests/gpu, then 1B steps at batch 1-32: reduce / last (default)
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1

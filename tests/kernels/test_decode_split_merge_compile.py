@@ -1,7 +1,8 @@
 """DEEPSERVE_DECODE_SPLIT_MERGE=last, compiled for sm_90 without a GPU: the paged decode kernel's in-kernel split
 merge keeps CUTLASS's semaphore order (every thread's partial stores, a CTA barrier, one release-acquire atomic at
 GPU scope, the merge's loads from L2 after it, the counter zeroed by the merging program), over 2+ rows with the next
-kernel let in only as its programs exit; a launch without it holds no atomic at all. Whether the merge is right is tests/gpu/test_paged_attention.py's."""
+kernel let in only as its programs exit; a launch without it holds no atomic at all. Whether the merge is right is
+tests/gpu/test_paged_attention.py's."""
 
 import re
 
