@@ -30,6 +30,7 @@
 #   bash benchmarks/gpu_pending.sh s42-timeline  # ~3 min: 1B batch 1 / 2 graph timelines, reduce / last, PDL off / on
 #   bash benchmarks/gpu_pending.sh s42-late    # ~5 min: the merge, late PDL trigger: tests, 1B steps at batch 1-16
 #   bash benchmarks/gpu_pending.sh s42-check   # ~8 min: tests/gpu, then 1B steps at batch 1-32: reduce / last (default)
+#   bash benchmarks/gpu_pending.sh s42-others  # ~4 min: the same in Qwen3-MoE and Llama-3-8B steps at batch 8 / 32
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -404,6 +405,16 @@ s42-check)
         > /tmp/split_merge_default_ab.log 2>&1
     tail -2 /tmp/split_merge_default_ab.log | cut -c1-300; summarise_steps "$OUT/split_merge_default_1b_ab.json"
     elapsed "merge default 1b"
+    ;;
+s42-others)
+    # The split merge's default on the other GQA shapes whose launches split: Qwen3-MoE (128-wide heads, group 8)
+    # and Llama-3-8B at batch 8 / 32, 1k, reduce / last, one pass (PASSES).
+    timeout 250 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_SPLIT_MERGE=reduce,last \
+        --passes "${PASSES:-1}" --timeout 120 --output "$OUT/split_merge_others_ab.json" -- \
+        --shapes qwen3-moe,llama-3-8b --contexts 1024 --batches 8,32 --profile-batch 0 \
+        > /tmp/split_merge_others_ab.log 2>&1
+    tail -2 /tmp/split_merge_others_ab.log | cut -c1-300; summarise_steps "$OUT/split_merge_others_ab.json"
+    elapsed "merge others"
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the
