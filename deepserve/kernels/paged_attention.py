@@ -370,14 +370,15 @@ PAIRED_HEAD_BYTES = 128
 # DEEPSERVE_DECODE_SPLIT_MERGE (session 42's): "last" merges a split launch's partials in the decode kernel itself,
 # by the last split program of each (row, KV heads) to finish (`_decode_kernel`'s MERGE_LAST), instead of a reduce
 # launch after it; over 2+ rows the next kernel starts as the decode's programs exit (LATE_TRIGGER). H100,
-# Llama-3.2-1B steps at 1k, two passes each (split_merge_*_h100_s42.json): batch 1 1.076-1.090 -> 1.063-1.072 ms in
-# three runs; over 2-16 rows with the next kernel let in early 4-7% slower (1.170 -> 1.251-1.257 at batch 2), with
-# LATE_TRIGGER batch 2 even and 4 / 8 / 16 1.2-1.8% faster (1.298-1.308 -> 1.279-1.284 at batch 8). The merge tile
-# holds all of a program's heads, [heads, splits, head_dim] in float32, packed (the 1B's split build keeps its 64
-# registers at 16 splits, 84 at 32: kernel_resources_split_merge_s42.json); past MERGE_MAX_ELEMENTS the launch keeps
-# its reduce, as it does where the reduce carries an L2 prefetch.
+# Llama-3.2-1B steps, two passes each (split_merge_*_h100_s42.json): at 1k batch 1 1.076-1.090 -> 1.063-1.076 ms in
+# four runs, batch 32 1.700-1.748 -> 1.629-1.647, batch 2 / 8 within 1% either way; at 4k batch 8 / 32 1.6% / 4%
+# faster. Over 2-16 rows with the next kernel let in early it was 4-7% slower (batch 2 1.170 -> 1.251-1.257).
+# The merge tile holds all of a program's heads, [heads, splits, head_dim] in float32, packed (the 1B's split build
+# keeps its 64 registers at 16 splits: kernel_resources_split_merge_s42.json). Past MERGE_MAX_ELEMENTS the launch
+# keeps its reduce, as it does where the reduce carries an L2 prefetch: tiles of 8192 were mixed (Llama-3-8B batch 8
+# 0.6-1.3% slower in three pairs, Qwen3-MoE batch 32 0.9% faster in one).
 SPLIT_MERGE = envs.DEEPSERVE_DECODE_SPLIT_MERGE
-MERGE_MAX_ELEMENTS = 8192
+MERGE_MAX_ELEMENTS = 4096
 # The merge counters: one int32 per (row, KV-head program) of a split launch, zero between launches (the last
 # program of each zeroes its own). Allocated once per device at SPLIT_COUNTERS slots, never reallocated: a CUDA
 # graph keeps the pointer it captured. Launches on one device run one after another (one stream), so they share it.
