@@ -91,7 +91,7 @@ def gqa_cases() -> dict:
         # (Llama-3.2-1B at 4k), 128-wide of group 4 and 8 (Llama-3-8B, Qwen3-MoE).
         for head_dim, group, splits in ((64, 4, 16), (64, 4, 32), (128, 4, 16), (128, 8, 8)):
             tiles = DecodeTiles(heads_first=True)
-            merge = dict(MERGE_LAST=True, MERGE_G=group, MERGE_S=splits)
+            merge = dict(MERGE_LAST=True, MERGE_G=group, MERGE_S=splits, LATE_TRIGGER=True)
             out[_gqa_name(head_dim, cache, tiles, True) + f" merge-last g{group} s{splits}"] = \
                 _gqa_case(ptrs, head_dim, tiles, True, merge)
     return out
@@ -107,7 +107,7 @@ def _gqa_case(ptrs: dict, head_dim: int, tiles, split: bool, merge: dict | None 
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim * tiles.kv_heads, BLOCK_G=16, BLOCK_N=tiles.block_n,
                       SPLIT=split, EARLY_V=tiles.early_v, HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t,
                       KV_HEADS=tiles.kv_heads, INPUTS_READY=True, USE_PDL=True,
-                      **(merge or dict(MERGE_LAST=False, MERGE_G=1, MERGE_S=1)))
+                      **(merge or dict(MERGE_LAST=False, MERGE_G=1, MERGE_S=1, LATE_TRIGGER=False)))
     return (_decode_kernel, {**ptrs, "count_ptr": "*i32"}, constexprs, {"qk_scale": "fp32"}, tiles.num_warps,
             tiles.num_stages, None)
 

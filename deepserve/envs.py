@@ -197,8 +197,8 @@ _DECLARED = [
     EnvVar("DEEPSERVE_DECODE_SPLIT_MERGE", "str", "last",
            "GPU paged decode attention split over the context: last (the default): the last split program of each "
            "(row, KV head) to finish merges the splits in the decode kernel (a counter each, "
-           "kernels/paged_attention.py; Llama-3.2-1B steps at batch 1-16 up to 1.8% faster on an H100); reduce: a "
-           "reduce launch after it (read at import)", choices=("reduce", "last")),
+           "kernels/paged_attention.py; H100, Llama-3.2-1B steps at 1k: batch 1 1-1.5% and batch 32 4% faster, "
+           "batch 2-16 within 2%); reduce: a reduce launch after it (read at import)", choices=("reduce", "last")),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
     EnvVar("DEEPSERVE_GC_FREEZE", "bool", True,

@@ -52,7 +52,7 @@ def readers(cache: str, activations: str = "bf16") -> dict:
                                    dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=64, SPLIT=True, EARLY_V=False,
                                         HEADS_FIRST=False, VALUES_T=False, KV_HEADS=1,
                                         INPUTS_READY=True, USE_PDL=True, MERGE_LAST=False, MERGE_G=1,
-                                        MERGE_S=1), {"qk_scale": "fp32"},
+                                        MERGE_S=1, LATE_TRIGGER=False), {"qk_scale": "fp32"},
                                    aligned(_decode_kernel)),
         "prefill": compile_for_sm90(_prefill_kernel, ptrs, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64),
                                     {"qk_scale": "fp32"}, aligned(_prefill_kernel)),
