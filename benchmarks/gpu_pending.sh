@@ -6,9 +6,8 @@
 #
 # Run from the repository root on the device machine, one stage per call, with the wheels of the packages the image
 # lacks in .whl/ (README "GPU"; the device tool's `carry: [".whl"]`):
-#   bash benchmarks/gpu_pending.sh kernels   # ~5 min: kernel-level A/Bs, one process each (no model build)
+#   bash benchmarks/gpu_pending.sh kernels   # ~4 min: the MLA decode tiles' kernel-level A/B (no model build)
 #   bash benchmarks/gpu_pending.sh tests     # ~3 min: tests/gpu under pytest-xdist if present, then gpu_alone
-#   bash benchmarks/gpu_pending.sh moe-ab    # ~9 min: MoE decode steps, DEEPSERVE_MOE_UNMASKED_K=0,1
 #   bash benchmarks/gpu_pending.sh mla-ab    # ~9 min: V2-Lite steps over an E4M3 cache, MLA decode tiles
 #   bash benchmarks/gpu_pending.sh mla-sm-ab   # ~6 min: V2-Lite steps, MLA programs an SM x tiles
 #   bash benchmarks/gpu_pending.sh profiles    # ~6 min: kernel tables with PDL off, MoE batch 256 and dense 1B
@@ -101,9 +100,6 @@ PY
 
 case "$STAGE" in
 kernels)
-    timeout 280 python3 benchmarks/tune_moe_decode.py --unmasked-k --shapes qwen3-moe,deepseek-v2-lite \
-        --output "$OUT/moe_unmasked_k_kernels.json" > /tmp/moe_unmasked_k.log 2>&1
-    grep " best \|engine pick" /tmp/moe_unmasked_k.log | tail -40; elapsed "moe unmasked-k"
     timeout 240 python3 benchmarks/fp8_attention_kernels.py --settings "DEEPSERVE_FP8_PRODUCTS=f16" \
         --cases deepseek-v2-lite --tiles 32x4x3,16x4x3,32x4x2,32x4x2r168,16x4x3r128,32x4x2r128 \
         --output "$OUT/mla_tiles_kernels.json" > /tmp/mla_tiles.log 2>&1
@@ -115,12 +111,6 @@ tests)
     tail -15 "$OUT/pytest_gpu.log"; elapsed "tests/gpu"
     timeout 150 python3 -m pytest -q tests/gpu -m gpu_alone -p no:cacheprovider > "$OUT/pytest_gpu_alone.log" 2>&1
     tail -3 "$OUT/pytest_gpu_alone.log"; elapsed "gpu_alone"
-    ;;
-moe-ab)
-    timeout 570 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_UNMASKED_K=0,1 --passes 2 --timeout 140 \
-        --output "$OUT/moe_unmasked_k_ab.json" -- --shapes qwen3-moe,deepseek-v2-lite --batches 8,64,128,256 \
-        --kv-cache-dtype fp8 --profile-batch 0 > /tmp/moe_ab.log 2>&1
-    tail -3 /tmp/moe_ab.log; summarise_steps "$OUT/moe_unmasked_k_ab.json"; elapsed "moe-ab"
     ;;
 mla-ab)
     timeout 570 python3 benchmarks/ab_env_sweep.py \

@@ -11,9 +11,9 @@ This prices each candidate launch setting's registers and spills before any devi
 Cases: the MLA decode kernel (V2-Lite: 16 heads, 512 + 64 latent; one split, as at batch 256) over a bf16 and an E4M3
 cache at a grid of (tokens per tile, warps, stages, register cap); the paged GQA decode kernel over both caches
 (128-wide heads in a split launch; 64-wide ones, Llama-3.2-1B's, split and in the unsplit deep pipeline); the fused
-MoE gate/up and down GEMMs at the tiles the engine picks for batch 256, with and without their loads' K mask
-(DEEPSERVE_MOE_UNMASKED_K), and two more down tilings without it; the skinny GEMM at 8 rows on Llama-3.2-1B's
-weights (qkv, o_proj, gate/up with the SwiGLU, down split in 4 along K, the LM head).
+MoE gate/up and down GEMMs at the tiles the engine picks for batch 256 (the checked-in kernel_resources.json also
+prices them with unmasked K loads, a switch timed in session 32 and removed in session 42); the skinny GEMM at 8 rows
+on Llama-3.2-1B's weights (qkv, o_proj, gate/up with the SwiGLU, down split in 4 along K, the LM head).
 
 Run (anywhere with Triton): python benchmarks/kernel_resources.py --output benchmarks/kernel_resources.json
   (--cases mla: the cases whose name holds one of these comma-separated words; --plot-only redraws the PNG.)
@@ -150,24 +150,16 @@ def moe_cases() -> dict:
         cfg = fused_moe.pick_config(256 * top_k, experts, inter, 2048, torch.device("cpu"))
         tag = f"{shape} b256 m{cfg.block_m}"
         down_k, down_warps, down_stages = cfg.down_tiles()
-        for even_k in (False, True):      # DEEPSERVE_MOE_UNMASKED_K: the loads without their K mask
-            mask = " unmasked-k" if even_k else ""
-            out[f"moe_gate_up {tag} n{cfg.block_n_up} k{cfg.block_k}{mask}"] = (
-                fused_moe._gate_up_kernel, ints,
-                dict(HAS_LIMIT=False, HAS_SHARED=False, SHARED_CHUNKS=1, PRECISION="tf32", BLOCK_M=cfg.block_m,
-                     BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, EVEN_K=even_k, USE_PDL=True),
-                {"limit": "fp32"}, cfg.num_warps, cfg.num_stages, None)
-            out[f"moe_down {tag} n{cfg.block_n_down} k{down_k}{mask}"] = (
-                fused_moe._down_kernel, {**ints, "weights_ptr": "*fp32"},
-                dict(HAS_SHARED=False, PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
-                     BLOCK_K=down_k, EVEN_K=even_k, USE_PDL=True),
-                {}, down_warps, down_stages, None)
-        for block_n, block_k, stages in ((64, 128, 3), (128, 64, 4)):     # unmasked-K candidates for the down GEMM
-            out[f"moe_down {tag} n{block_n} k{block_k} s{stages} unmasked-k"] = (
-                fused_moe._down_kernel, {**ints, "weights_ptr": "*fp32"},
-                dict(HAS_SHARED=False, PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                     EVEN_K=True, USE_PDL=True),
-                {}, 4, stages, None)
+        out[f"moe_gate_up {tag} n{cfg.block_n_up} k{cfg.block_k}"] = (
+            fused_moe._gate_up_kernel, ints,
+            dict(HAS_LIMIT=False, HAS_SHARED=False, SHARED_CHUNKS=1, PRECISION="tf32", BLOCK_M=cfg.block_m,
+                 BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k, USE_PDL=True),
+            {"limit": "fp32"}, cfg.num_warps, cfg.num_stages, None)
+        out[f"moe_down {tag} n{cfg.block_n_down} k{down_k}"] = (
+            fused_moe._down_kernel, {**ints, "weights_ptr": "*fp32"},
+            dict(HAS_SHARED=False, PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
+                 BLOCK_K=down_k, USE_PDL=True),
+            {}, down_warps, down_stages, None)
     return out
 
 

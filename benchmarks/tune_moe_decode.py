@@ -8,10 +8,6 @@ with the card's copy bandwidth, e.g. h200_dense.py's, 4.24 TB/s on an H200 and 3
 Run (GPU machine):  python benchmarks/tune_moe_decode.py --output tune_moe_decode.json
   --down: the engine's pick with only the down GEMM's tiles varied (DOWN_TILES), at 64 / 128 / 256 tokens:
     python benchmarks/tune_moe_decode.py --down --shapes deepseek-v2-lite,qwen3-moe --output tune_moe_down.json
-  --unmasked-k: the engine's pick with the grouped GEMMs' K mask (the default) and without it
-    (DEEPSERVE_MOE_UNMASKED_K, switched in this process), at 8 / 64 / 128 / 256 tokens; without the mask, also the
-    down tiles of --down from 128 tokens (their best was found with the mask):
-    python benchmarks/tune_moe_decode.py --unmasked-k --shapes qwen3-moe,deepseek-v2-lite --output moe_unmasked_k.json
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deepserve.kernels import fused_moe as fused_moe_module  # noqa: E402
 from deepserve.kernels.fused_moe import MoEConfig, pick_config  # noqa: E402
 from tune_fused_moe import sweep  # noqa: E402  (this folder: the shapes and the command line)
 from tune_moe_pair import time_configs  # noqa: E402  (CUDA-graph timing of each config)
@@ -52,25 +47,6 @@ def down_candidates(pick: MoEConfig) -> list:
                                                       num_stages_down=st) for n, k, w, st in DOWN_TILES)]
 
 
-def run_unmasked_k(name: str, s: dict, tokens: int) -> dict:
-    """The engine's pick with the K mask and without it (the module's switch flipped between the two: Triton
-    compiles each variant once), and without it the down tiles too from 128 tokens."""
-    pick = pick_config(tokens * s["top_k"], s["experts"], s["inter"], s["hidden"], torch.device("cuda"))
-    res = {"tokens": tokens, "engine_pick": str(pick)}
-    before = fused_moe_module.UNMASKED_K
-    try:
-        for unmasked in (False, True):
-            fused_moe_module.UNMASKED_K = unmasked
-            configs = [("engine pick", None)] + (down_candidates(pick) if unmasked and tokens >= 128 else [])
-            res["unmasked_k" if unmasked else "masked_k"] = time_configs(name, s, tokens, configs)
-    finally:
-        fused_moe_module.UNMASKED_K = before
-    masked, unmasked = (res[k]["configs"]["engine pick"] for k in ("masked_k", "unmasked_k"))
-    if isinstance(masked, dict) and isinstance(unmasked, dict):
-        res["engine_pick_us_masked_unmasked"] = [masked["us"], unmasked["us"]]
-    return res
-
-
 def run(name: str, s: dict, tokens: int) -> dict:
     pick = pick_config(tokens * s["top_k"], s["experts"], s["inter"], s["hidden"], torch.device("cuda"))
     res = time_configs(name, s, tokens, [("engine pick", None)] + [(str(c), c) for c in CANDIDATES])
@@ -82,8 +58,5 @@ if __name__ == "__main__":
     if "--down" in sys.argv:
         sys.argv.remove("--down")
         sweep(run_down, "64,128,256", "tune_moe_down.json", mode="--down")
-    elif "--unmasked-k" in sys.argv:
-        sys.argv.remove("--unmasked-k")
-        sweep(run_unmasked_k, "8,64,128,256", "moe_unmasked_k.json", mode="--unmasked-k")
     else:
         sweep(run, "64,256", "tune_moe_decode.json")

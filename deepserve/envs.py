@@ -146,11 +146,6 @@ _DECLARED = [
            "GPU MLA decode: the context is split until (sequences x head tiles x splits) reaches this many programs "
            "an SM (kernels/mla_decode.py mla_num_splits; 2 measured best on an H200 with the unchunked kernel), an "
            "A/B switch with DEEPSERVE_MLA_DECODE_TILES' register cap (read at import)"),
-    EnvVar("DEEPSERVE_MOE_UNMASKED_K", "bool", False,
-           "GPU MoE grouped GEMMs (aligned mode): where K is a multiple of the K step, loads without a K mask, "
-           "so Triton stages them through cp.async (kernels/fused_moe.py; fewer registers, "
-           "kernel_resources.json); an A/B switch, no step faster with it on an H100 (moe_unmasked_k_ab_h100_s32.json; "
-           "read at import)"),
     EnvVar("DEEPSERVE_MOE_ALIGN_GATHER", "bool", True,
            "GPU MoE align of a decode batch (one program): a pair's run start by tl.gather and the blocks labelled by "
            "stores, no round trips through its scratch (kernels/moe_align.py; H100: 7.3 -> 4.8 us at Qwen3-MoE's 256 "

@@ -42,7 +42,6 @@ from typing import Optional
 
 import torch
 
-from deepserve import envs
 from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_rows, prefetch_rows_to_l2, swiglu, swiglu_rows
 from deepserve.kernels.moe_align import align_max_rows, aligned_launch_args, moe_align
@@ -54,46 +53,33 @@ from deepserve.kernels.reference.moe import PairRows, expert_swiglu, moe_experts
 # ------------------------------------------------------------------------------------------------
 # Aligned mode: grouped GEMMs over blocks of sorted rows
 # ------------------------------------------------------------------------------------------------
-# DEEPSERVE_MOE_UNMASKED_K=1: where K is a multiple of the K step (every real shape), the grouped GEMMs' loads keep
-# only their loop-invariant row / column masks. A mask that changes with the K step (k < K - k0) makes Triton load
-# the tiles through registers (sm_90 build at batch 256's tiles: gate/up and down at 255 registers, down spilling,
-# no cp.async); without it the loads become cp.async copies into three shared-memory stages (149 / 135 registers,
-# 80 KB: benchmarks/kernel_resources.json). Not yet timed on a GPU, so off: an A/B switch (ab_env_sweep.py).
-UNMASKED_K = envs.DEEPSERVE_MOE_UNMASKED_K
+# The K mask (k < K - k0) stays on every load, even where K is a multiple of BLOCK_K: without it the loads became
+# cp.async copies with fewer registers, yet no decode step moved by more than 0.4% on an H100 (session 32; the A/B
+# switch was removed in session 42, docs/gpu.md).
+@triton.jit
+def _load_rows(a_ptrs, row_ok, k, k0, length):
+    """One K step of activation rows, [BLOCK_M, BLOCK_K] at a_ptrs."""
+    return tl.load(a_ptrs, mask=row_ok[:, None] & (k < length - k0)[None, :], other=0.0)
 
 
 @triton.jit
-def _load_rows(a_ptrs, row_ok, k, k0, length, EVEN_K: tl.constexpr):
-    """One K step of activation rows, [BLOCK_M, BLOCK_K] at a_ptrs (EVEN_K: no K mask, see UNMASKED_K)."""
-    if EVEN_K:
-        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-    else:
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & (k < length - k0)[None, :], other=0.0)
-    return a
-
-
-@triton.jit
-def _load_columns(w_ptrs, n_ok, k, k0, length, EVEN_K: tl.constexpr):
-    """One K step of weight columns, [BLOCK_K, BLOCK_N] tiles of w^T at w_ptrs (EVEN_K: no K mask)."""
-    if EVEN_K:
-        w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
-    else:
-        w = tl.load(w_ptrs, mask=(k < length - k0)[:, None] & n_ok[None, :], other=0.0)
-    return w
+def _load_columns(w_ptrs, n_ok, k, k0, length):
+    """One K step of weight columns, [BLOCK_K, BLOCK_N] tiles of w^T at w_ptrs."""
+    return tl.load(w_ptrs, mask=(k < length - k0)[:, None] & n_ok[None, :], other=0.0)
 
 
 @triton.jit
 def _swiglu_tile(x_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, hidden, limit, HAS_LIMIT: tl.constexpr, PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_M, BLOCK_N] float32 silu(x . g) * (x . u): x rows at x_ptrs, gate / up weight columns at g_ptrs /
-    u_ptrs ([BLOCK_K, BLOCK_N] tiles of w^T), K = hidden (EVEN_K: a multiple of BLOCK_K)."""
+    u_ptrs ([BLOCK_K, BLOCK_N] tiles of w^T), K = hidden."""
     k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        a = _load_rows(x_ptrs, row_ok, k, k0, hidden, EVEN_K)
-        acc_g = tl.dot(a, _load_columns(g_ptrs, n_ok, k, k0, hidden, EVEN_K), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, _load_columns(u_ptrs, n_ok, k, k0, hidden, EVEN_K), acc_u, input_precision=PRECISION)
+        a = _load_rows(x_ptrs, row_ok, k, k0, hidden)
+        acc_g = tl.dot(a, _load_columns(g_ptrs, n_ok, k, k0, hidden), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, _load_columns(u_ptrs, n_ok, k, k0, hidden), acc_u, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -102,14 +88,14 @@ def _swiglu_tile(x_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, hidden, limit, HAS_LIMIT:
 
 @triton.jit
 def _product_tile(a_ptrs, w_ptrs, row_ok, n_ok, length, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_M, BLOCK_N] float32 a . w: rows at a_ptrs, weight columns at w_ptrs ([BLOCK_K, BLOCK_N] tiles of w^T),
-    K = length (EVEN_K: a multiple of BLOCK_K)."""
+    K = length."""
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, length, BLOCK_K):
-        a = _load_rows(a_ptrs, row_ok, k, k0, length, EVEN_K)
-        acc = tl.dot(a, _load_columns(w_ptrs, n_ok, k, k0, length, EVEN_K), acc, input_precision=PRECISION)
+        a = _load_rows(a_ptrs, row_ok, k, k0, length)
+        acc = tl.dot(a, _load_columns(w_ptrs, n_ok, k, k0, length), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     return acc
@@ -121,7 +107,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
                     stride_xt, stride_we, stride_wn, stride_am, stride_wsn, stride_asm,
                     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_CHUNKS: tl.constexpr,
                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+                    USE_PDL: tl.constexpr):
     """act[row, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for one block of sorted rows.
 
     HAS_SHARED: the grid's first programs run the shared experts (ws: [2 * shared_inter, H], gate rows then up
@@ -149,7 +135,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
         g_ptrs = ws_ptr + n[None, :].to(tl.int64) * stride_wsn + k[:, None]
         act = _swiglu_tile(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :], g_ptrs,
                            g_ptrs + shared_inter * stride_wsn, row_ok, n_ok, hidden, limit, HAS_LIMIT, PRECISION,
-                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                           BLOCK_M, BLOCK_N, BLOCK_K)
         dst = act_s_ptr + rows[:, None].to(tl.int64) * stride_asm + n[None, :]
         tl.store(dst, act.to(act_s_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
         return
@@ -166,7 +152,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
     g_ptrs = w13_ptr + expert * stride_we + col[None, :].to(tl.int64) * stride_wn + k[:, None]
     act = _swiglu_tile(x_ptr + tokens[:, None].to(tl.int64) * stride_xt + k[None, :], g_ptrs,
                        g_ptrs + inter * stride_wn, row_ok, n_ok, hidden, limit, HAS_LIMIT, PRECISION,
-                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                       BLOCK_M, BLOCK_N, BLOCK_K)
     dst = act_ptr + rows[:, None].to(tl.int64) * stride_am + col[None, :]
     tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -177,8 +163,7 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, w
                  num_pairs, num_tokens, hidden, inter, shared_inter,
                  stride_am, stride_we, stride_wn, stride_op, stride_asm, stride_wsn, stride_so,
                  HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """out[pair, n] = router_weight[pair] * (act[row] . w2[e, n]) for one block of sorted rows.
 
     HAS_SHARED: the grid's first programs are the shared experts' token blocks (BLOCK_M tokens each),
@@ -210,7 +195,7 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, w
         k = tl.arange(0, BLOCK_K)
         acc = _product_tile(act_s_ptr + rows[:, None].to(tl.int64) * stride_asm + k[None, :],
                             w2s_ptr + n[None, :].to(tl.int64) * stride_wsn + k[:, None], row_ok, n_ok, shared_inter,
-                            PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                            PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         dst = shared_out_ptr + rows[:, None].to(tl.int64) * stride_so + n[None, :]
         tl.store(dst, acc.to(shared_out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
         return
@@ -223,7 +208,7 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, w
     k = tl.arange(0, BLOCK_K)
     acc = _product_tile(act_ptr + rows[:, None].to(tl.int64) * stride_am + k[None, :],
                         w2_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None], row_ok, n_ok,
-                        inter, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                        inter, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = acc * scale[:, None]
     dst = out_ptr + pairs[:, None].to(tl.int64) * stride_op + n[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -472,8 +457,7 @@ def _aligned_experts(x, w13, w2, weights, topk_ids, swiglu_limit, cfg: MoEConfig
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), ws13.stride(-2), act_s.stride(0),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=shared_out is not None, SHARED_CHUNKS=chunks,
         PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k,
-        EVEN_K=UNMASKED_K and hidden % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **aligned_launch_args(x))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **aligned_launch_args(x))
     shared_dst = shared_out if shared_out is not None else pair_out
     down_k, down_warps, down_stages = cfg.down_tiles()
     _down_kernel[(token_blocks + align.num_blocks, cdiv(hidden, cfg.block_n_down))](
@@ -483,7 +467,6 @@ def _aligned_experts(x, w13, w2, weights, topk_ids, swiglu_limit, cfg: MoEConfig
         shared_dst.stride(0),
         HAS_SHARED=shared_out is not None, PRECISION=precision,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=down_k,
-        EVEN_K=UNMASKED_K and inter % down_k == 0 and shared_inter % down_k == 0,
         num_warps=down_warps, num_stages=down_stages, **aligned_launch_args(x))
     return pair_out, shared_out
 

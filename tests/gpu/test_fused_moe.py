@@ -123,44 +123,6 @@ def test_tile_configs(device, config):
     _run(device, torch.float32, 37, 6, 2, 80, 72, config=config)
 
 
-# (T, E, top_k, H, I, shared intermediate S or 0) with H, I and S multiples of the K steps, so both GEMMs take the
-# unmasked-K loads; row tiles are partial everywhere, column tiles with the 128-wide down tiles (H = 64, 192).
-UNMASKED_K_CASES = [(37, 6, 2, 128, 192, 0), (20, 8, 6, 192, 64, 128), (70, 8, 2, 64, 128, 0)]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", UNMASKED_K_CASES, ids=lambda c: "T{}-E{}-k{}-H{}-I{}-S{}".format(*c))
-@pytest.mark.parametrize("config", [MoEConfig(16, 32, 32, 64), MoEConfig(32, 64, 128, 64, block_k_down=32)],
-                         ids=lambda c: f"M{c.block_m}-N{c.block_n_up}-{c.block_n_down}-K{c.block_k}")
-def test_unmasked_k_loads_match_reference(device, dtype, case, config, monkeypatch):
-    """DEEPSERVE_MOE_UNMASKED_K: the grouped GEMMs' loads without their K mask where K is a multiple of the K step
-    (the routed and the shared experts' blocks), partial row and column tiles still masked."""
-    skip_bf16_in_interpreter(dtype)
-    monkeypatch.setattr(fused_moe_module, "UNMASKED_K", True)
-    launches = []
-
-    class Spy:        # records each launch's EVEN_K, so the test knows the unmasked loads ran
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append(kwargs["EVEN_K"])
-                return self.kernel[grid](*args, **kwargs)
-            return launch
-    for name in ("_gate_up_kernel", "_down_kernel"):
-        monkeypatch.setattr(fused_moe_module, name, Spy(getattr(fused_moe_module, name)))
-    t, num_experts, top_k, hidden, inter, shared_inter = case
-    x, w13, w2, weights, ids, _ = _inputs(device, dtype, t, num_experts, top_k, hidden, inter)
-    shared = None
-    if shared_inter:
-        shared = ((torch.randn(2 * shared_inter, hidden, device=device) / hidden ** 0.5).to(dtype),
-                  (torch.randn(hidden, shared_inter, device=device) / shared_inter ** 0.5).to(dtype))
-    out = fused_moe(x, w13, w2, weights, ids, config=config, shared_weights=shared)
-    assert launches == [True, True]
-    _check(out, fused_moe_ref(x, w13, w2, weights, ids, shared_weights=shared), dtype)
-
-
 # --- pair mode ------------------------------------------------------------------------------------
 
 # Tiles small enough that the test shapes take several K steps, N tiles and masked tails in both GEMVs.

@@ -1,5 +1,6 @@
-"""The GPU benchmarks' host-side logic, checked without a GPU: what a tile spec means (fp8_attention_kernels.py) and
-which configurations the MoE K-mask A/B times with the switch in which position (tune_moe_decode.py)."""
+"""The GPU benchmarks' host-side logic, checked without a GPU: what a tile spec means (fp8_attention_kernels.py,
+decode_attention_in_step.py), that a profile's batch keeps decoding (profile_gpu_step.py) and which settings an A/B
+sweep runs (ab_env_sweep.py)."""
 
 import sys
 from pathlib import Path
@@ -42,28 +43,6 @@ def test_in_step_tiles_parse_into_decode_tiles(benchmarks_on_path):
     assert forced_tiles("64x4x3eh") == DecodeTiles(64, 4, 3, early_v=True, heads_first=True)
     assert forced_tiles("32x4x2") == DecodeTiles(32, 4, 2)
     assert forced_tiles("64x4x3ehp") == DecodeTiles(64, 4, 3, early_v=True, heads_first=True, kv_heads=2)
-
-
-def test_unmasked_k_ab_flips_the_switch_and_restores_it(benchmarks_on_path, monkeypatch):
-    import tune_moe_decode
-    from deepserve.kernels import fused_moe
-    from tune_fused_moe import SHAPES
-    timed = []
-
-    def fake_time_configs(name, shape, tokens, configs):
-        timed.append((tokens, fused_moe.UNMASKED_K, [label for label, _ in configs]))
-        return {"configs": {label: {"us": 10.0 - 2 * fused_moe.UNMASKED_K} for label, _ in configs}}
-
-    monkeypatch.setattr(fused_moe, "UNMASKED_K", False)
-    monkeypatch.setattr(tune_moe_decode, "time_configs", fake_time_configs)
-    monkeypatch.setattr(tune_moe_decode, "pick_config", lambda *args: fused_moe.MoEConfig(32, 64, 128))
-    small = tune_moe_decode.run_unmasked_k("qwen3-moe", SHAPES["qwen3-moe"], 8)
-    large = tune_moe_decode.run_unmasked_k("qwen3-moe", SHAPES["qwen3-moe"], 256)
-    assert small["engine_pick_us_masked_unmasked"] == large["engine_pick_us_masked_unmasked"] == [10.0, 8.0]
-    assert [(t, flag, len(labels)) for t, flag, labels in timed] == [
-        (8, False, 1), (8, True, 1), (256, False, 1), (256, True, 1 + len(tune_moe_decode.DOWN_TILES))]
-    assert all(labels[0] == "engine pick" for _, _, labels in timed)
-    assert fused_moe.UNMASKED_K is False        # the process's switch is back where it was
 
 
 def test_start_decoding_holds_the_whole_batch_when_prefill_takes_many_steps(benchmarks_on_path, monkeypatch):
