@@ -25,9 +25,8 @@
 #   bash benchmarks/gpu_pending.sh gqa-pairs   # ~8 min: two KV heads a decode program: tests, calls, 1B steps
 #   bash benchmarks/gpu_pending.sh s40-check   # ~7 min: tests/gpu, then 1B steps: KV head pairs never / auto
 #   bash benchmarks/gpu_pending.sh s41-first   # ~9 min: tests/gpu, then 1B steps at batch 1-64: DEEPSERVE_L2_PREFETCH
-#   bash benchmarks/gpu_pending.sh s42-first   # ~6 min: DEEPSERVE_DECODE_SPLIT_MERGE: tests, 1B steps at batch 1-32
+#   bash benchmarks/gpu_pending.sh split-merge # ~6 min: DEEPSERVE_DECODE_SPLIT_MERGE: tests, 1B steps at batch 1-32
 #   bash benchmarks/gpu_pending.sh s42-timeline  # ~3 min: 1B batch 1 / 2 graph timelines, reduce / last, PDL off / on
-#   bash benchmarks/gpu_pending.sh s42-late    # ~5 min: the merge, late PDL trigger: tests, 1B steps at batch 1-16
 #   bash benchmarks/gpu_pending.sh s42-check   # ~8 min: tests/gpu, then 1B steps at batch 1-32: reduce / last (default)
 #   bash benchmarks/gpu_pending.sh s42-others  # ~4 min: the same in Qwen3-MoE and Llama-3-8B steps at batch 8 / 32
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
@@ -331,12 +330,12 @@ s41-first)
         --batches 1,8,64 --profile-batch 0 > /tmp/l2_prefetch_ab.log 2>&1
     tail -3 /tmp/l2_prefetch_ab.log | cut -c1-400; summarise_steps "$OUT/l2_prefetch_1b_ab.json"; elapsed "l2 1b"
     ;;
-s42-first)
-    # Session 42's DEEPSERVE_DECODE_SPLIT_MERGE=last (the split decode's merge in the decode kernel, by the last split
-    # program of each row and KV head; no reduce launch): its GPU tests (the kernel against the reference and the
+split-merge)
+    # DEEPSERVE_DECODE_SPLIT_MERGE (session 42's; the split decode's merge in the decode kernel, by the last split
+    # program of each row and KV head, no reduce launch): its GPU tests (the kernel against the reference and the
     # reduce, the engine's tokens eager and in CUDA graphs), then Llama-3.2-1B steps at the batches whose launches
-    # split (1-32 at 1k and 4k; 0.76 / 0.69-0.71 of the roofline at batch 1 / 8 and 1k on the H100, session 41).
-    # PASSES (default 2).
+    # split, reduce / last. Session 42 ran it as s42-first and s42-late at the code of that time (BATCHES 1,8,16,32
+    # at 1k and 4k; 1,2,4,8,16 at 1k). PASSES (default 2), BATCHES, CONTEXTS.
     n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
     timeout 200 python3 -m pytest -q $n tests/gpu/test_paged_attention.py tests/gpu/test_engine_gpu.py \
         -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
@@ -344,13 +343,14 @@ s42-first)
     elapsed "tests"
     timeout 480 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_SPLIT_MERGE=reduce,last \
         --passes "${PASSES:-2}" --timeout 110 --output "$OUT/split_merge_1b_ab.json" -- --shapes llama-3.2-1b \
-        --contexts 1024,4096 --batches 1,8,16,32 --profile-batch 0 > /tmp/split_merge_ab.log 2>&1
+        --contexts "${CONTEXTS:-1024,4096}" --batches "${BATCHES:-1,2,8,16,32}" --profile-batch 0 \
+        > /tmp/split_merge_ab.log 2>&1
     tail -3 /tmp/split_merge_ab.log | cut -c1-400; summarise_steps "$OUT/split_merge_1b_ab.json"; elapsed "merge 1b"
     ;;
 s42-timeline)
-    # Why the in-kernel split merge lost at 1B batch 2-16 and won at batch 1 (s42-auto): the graph replay's kernel
-    # sequence (one layer's launches and their durations) at batch 1 / 2, 1k, reduce / last, with PDL off (each
-    # kernel's duration its own) and on.
+    # Why the in-kernel split merge lost at 1B batch 2-16 and won at batch 1 (split_merge_auto_1b_ab_h100_s42.json,
+    # the next kernel let in early then): the graph replay's kernel sequence (one layer's launches and their
+    # durations) at batch 1 / 2, 1k, reduce / last, with PDL off (each kernel's duration its own) and on.
     for pdl in 0 1; do for merge in reduce last; do
         DEEPSERVE_PDL=$pdl DEEPSERVE_DECODE_SPLIT_MERGE=$merge timeout 100 python3 benchmarks/h200_decode_sweep.py \
             --shapes llama-3.2-1b --contexts 1024 --batches 1,2 --profile-batch 0 --timeline-batch 1,2 \
@@ -366,21 +366,6 @@ for b in d["results"]["llama-3.2-1b"]["1024"]["batches"]:
 PY
     done; done
     elapsed "timelines"
-    ;;
-s42-late)
-    # The in-kernel split merge with the next kernel let in only as the decode's programs exit (s42-timeline: let in
-    # early, o_proj's programs slowed batch 2 by 7%; with PDL off the merge saved 1 us a layer): its GPU tests, then
-    # Llama-3.2-1B steps at batch 1-16, 1k, reduce / last.
-    n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
-    timeout 200 python3 -m pytest -q $n tests/gpu/test_paged_attention.py tests/gpu/test_engine_gpu.py \
-        -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
-    tail -4 "$OUT/pytest_gpu.log"; grep -m 6 "^E .*Error\|^E  *assert" "$OUT/pytest_gpu.log" | cut -c1-300
-    elapsed "tests"
-    timeout 300 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_SPLIT_MERGE=reduce,last \
-        --passes "${PASSES:-2}" --timeout 90 --output "$OUT/split_merge_late_1b_ab.json" -- --shapes llama-3.2-1b \
-        --contexts 1024 --batches 1,2,4,8,16 --profile-batch 0 > /tmp/split_merge_late_ab.log 2>&1
-    tail -2 /tmp/split_merge_late_ab.log | cut -c1-300; summarise_steps "$OUT/split_merge_late_1b_ab.json"
-    elapsed "merge late 1b"
     ;;
 s42-check)
     # DEEPSERVE_DECODE_SPLIT_MERGE=last as the default (late PDL trigger over 2+ rows): all of tests/gpu, then
