@@ -371,7 +371,7 @@ PAIRED_HEAD_BYTES = 128
 # by the last split program of each (row, KV heads) to finish (`_decode_kernel`'s MERGE_LAST), instead of a reduce
 # launch after it; over 2+ rows the next kernel starts as the decode's programs exit (LATE_TRIGGER). H100,
 # Llama-3.2-1B steps, two passes each (split_merge_*_h100_s42.json): at 1k batch 1 1.076-1.090 -> 1.063-1.076 ms in
-# four runs, batch 32 1.700-1.748 -> 1.629-1.647, batch 2 / 8 within 1% either way; at 4k batch 8 / 32 1.6% / 4%
+# four runs, batch 32 1.700-1.748 -> 1.629-1.647, batch 2 / 8 within 1.5% either way; at 4k batch 8 / 32 1.6% / 4%
 # faster. Over 2-16 rows with the next kernel let in early it was 4-7% slower (batch 2 1.170 -> 1.251-1.257).
 # The merge tile holds all of a program's heads, [heads, splits, head_dim] in float32, packed (the 1B's split build
 # keeps its 64 registers at 16 splits: kernel_resources_split_merge_s42.json). Past MERGE_MAX_ELEMENTS the launch
