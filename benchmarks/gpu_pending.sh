@@ -29,6 +29,7 @@
 #   bash benchmarks/gpu_pending.sh s42-timeline  # ~3 min: 1B batch 1 / 2 graph timelines, reduce / last, PDL off / on
 #   bash benchmarks/gpu_pending.sh s42-check   # ~8 min: tests/gpu, then 1B steps at batch 1-32: reduce / last (default)
 #   bash benchmarks/gpu_pending.sh s42-others  # ~4 min: the same in Qwen3-MoE and Llama-3-8B steps at batch 8 / 32
+#   bash benchmarks/gpu_pending.sh merge-splits  # ~6 min: decode split counts at kernel level, merge reduce / last
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -390,6 +391,19 @@ s42-others)
         > /tmp/split_merge_others_ab.log 2>&1
     tail -2 /tmp/split_merge_others_ab.log | cut -c1-300; summarise_steps "$OUT/split_merge_others_ab.json"
     elapsed "merge others"
+    ;;
+merge-splits)
+    # Not run yet. The decode split counts (decode_num_splits) were tuned with a reduce launch after each split
+    # launch; with the merge in the kernel a split costs a partial write and the last program's read instead. Every
+    # split count at kernel level (CUDA graphs of 20 calls), reduce / last, Llama-3.2-1B and Llama-3-8B at the batches
+    # whose launches split: does the heuristic's pick still win?
+    for merge in reduce last; do
+        DEEPSERVE_DECODE_SPLIT_MERGE=$merge timeout 200 python3 benchmarks/tune_decode_attention.py \
+            --shapes llama-3.2-1b,llama-3-8b --batches 1,2,8,16,32 --contexts 1024,4096 \
+            --output "$OUT/merge_splits_${merge}.json" > /tmp/merge_splits.log 2>&1
+        tail -2 /tmp/merge_splits.log | cut -c1-300
+    done
+    elapsed "merge-splits"
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the
