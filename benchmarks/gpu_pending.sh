@@ -30,6 +30,7 @@
 #   bash benchmarks/gpu_pending.sh s42-check   # ~8 min: tests/gpu, then 1B steps at batch 1-32: reduce / last (default)
 #   bash benchmarks/gpu_pending.sh s42-others  # ~4 min: the same in Qwen3-MoE and Llama-3-8B steps at batch 8 / 32
 #   bash benchmarks/gpu_pending.sh merge-splits  # ~6 min: decode split counts at kernel level, merge reduce / last
+#   bash benchmarks/gpu_pending.sh merge-splits-wide  # ~3 min: split counts past the one-wave line, merge in the kernel
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -404,6 +405,19 @@ merge-splits)
         tail -2 /tmp/merge_splits.log | cut -c1-300
     done
     elapsed "merge-splits"
+    ;;
+merge-splits-wide)
+    # Past the split rule's one-wave line (about two 128-wide programs an SM) nothing splits: with a reduce launch
+    # a split cost more than it gained there. With the merge in the kernel, Llama-3-8B at batch 32 ran 6.5% (1k) and
+    # 9.4% (4k) faster at 2 splits (merge-splits, session 43). Every split count with the merge in the kernel at
+    # batch 32 / 64 / 128, bf16 caches, and Qwen3-MoE over E4M3.
+    timeout 250 python3 benchmarks/tune_decode_attention.py --shapes llama-3.2-1b,llama-3-8b,qwen3-moe \
+        --batches 32,64,128 --contexts 1024,4096 --output "$OUT/merge_splits_wide_bf16.json" > /tmp/msw.log 2>&1
+    tail -3 /tmp/msw.log | cut -c1-300
+    timeout 120 python3 benchmarks/tune_decode_attention.py --shapes qwen3-moe --kv-dtype e4m3 \
+        --batches 32,64,128,256 --contexts 1024,4096 --output "$OUT/merge_splits_wide_e4m3.json" > /tmp/msw.log 2>&1
+    tail -3 /tmp/msw.log | cut -c1-300
+    elapsed "merge-splits-wide"
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the

@@ -7,6 +7,7 @@ reported as microseconds per call and KV TB/s (cache bytes the call reads / time
 then every split count with the default tiles, then tile variants at the best split count.
 
 Run (GPU machine):  python benchmarks/tune_decode_attention.py --output tune_decode_attention.json
+  (--kv-dtype e4m3: the paged shapes over an E4M3 cache; the MLA shape stays bf16.)
 """
 
 from __future__ import annotations
@@ -69,15 +70,15 @@ def sweep_launches(run, tiles: list, engine_splits: int, kv_bytes: int, batch: i
     return res
 
 
-def tune_gqa(shape, batch: int, context: int) -> dict:
+def tune_gqa(shape, batch: int, context: int, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
     _, h, hkv, d = shape
     gen = torch.Generator().manual_seed(batch + context)
     num_blocks, table, seq_lens = paged_inputs(batch, context, gen)
-    cache = torch.randn(2, num_blocks, BLOCK, hkv, d, dtype=torch.bfloat16, device="cuda")
+    cache = torch.randn(2, num_blocks, BLOCK, hkv, d, dtype=torch.bfloat16, device="cuda").to(kv_dtype)
     q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
     q_rows = torch.arange(batch, device="cuda")
-    kv_bytes = batch * context * 2 * hkv * d * 2
+    kv_bytes = batch * context * 2 * hkv * d * cache.element_size()
 
     def run(splits=None, tiles=None):
         return time_us(lambda: decode_attention(q, cache, table, seq_lens, 0.1, out=out, q_rows=q_rows,
@@ -112,15 +113,19 @@ def main() -> None:
     ap.add_argument("--batches", default="8,32,64,128,256")
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--output", default="tune_decode_attention.json")
+    ap.add_argument("--kv-dtype", choices=("bf16", "e4m3"), default="bf16", help="the paged (GQA) cache's dtype")
     args = ap.parse_args()
-    out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "results": {}}
+    kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "e4m3" else torch.bfloat16
+    out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "kv_dtype": args.kv_dtype,
+           "results": {}}
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         rows = out["results"][name] = []
         for context in [int(c) for c in args.contexts.split(",")]:
             for batch in [int(b) for b in args.batches.split(",")]:
                 try:
-                    rows.append((tune_mla if shape[0] == "mla" else tune_gqa)(shape, batch, context))
+                    rows.append(tune_mla(shape, batch, context) if shape[0] == "mla"
+                                else tune_gqa(shape, batch, context, kv_dtype))
                 except Exception as exc:      # a setting that does not compile or fit is reported, not fatal
                     rows.append({"batch": batch, "context": context, "error": str(exc)[:300]})
                 r = rows[-1]
