@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deepserve.kernels.paged_attention import DecodeTiles, decode_attention, decode_num_splits  # noqa: E402
+from deepserve.kernels.paged_attention import (SPLIT_MERGE, DecodeTiles, decode_attention,  # noqa: E402
+                                               launch_num_splits)
 
 BLOCK = 16
 SHAPES = {"qwen3-moe": (32, 4, 128), "llama-3-8b": (32, 8, 128), "llama-3.2-1b": (32, 8, 64)}   # (H, KV heads, D)
@@ -112,7 +113,7 @@ def run_case(shape, batch: int, context: int, layout: str, candidates, weights, 
     kv_bytes = batch * keys * 2 * hkv * d * cache_dtype.itemsize
     res = {"batch": batch, "context": keys, "layout": layout, "cache_dtype": str(cache_dtype),
            "kv_MB": round(kv_bytes / 1e6, 1), "layers": len(caches),
-           "engine_splits": decode_num_splits(batch, hkv, keys, q.device, d), "us": {}}
+           "engine_splits": launch_num_splits(batch, h, caches[0], keys, SPLIT_MERGE == "last"), "us": {}}
     for splits, tiles in candidates:
         def step():
             for i, cache in enumerate(caches):      # a layer each: its GEMM, then attention over its cache

@@ -29,8 +29,9 @@
 #   bash benchmarks/gpu_pending.sh s42-timeline  # ~3 min: 1B batch 1 / 2 graph timelines, reduce / last, PDL off / on
 #   bash benchmarks/gpu_pending.sh s42-check   # ~8 min: tests/gpu, then 1B steps at batch 1-32: reduce / last (default)
 #   bash benchmarks/gpu_pending.sh s42-others  # ~4 min: the same in Qwen3-MoE and Llama-3-8B steps at batch 8 / 32
-#   bash benchmarks/gpu_pending.sh merge-splits  # ~6 min: decode split counts at kernel level, merge reduce / last
+#   bash benchmarks/gpu_pending.sh merge-splits  # ~2 min: decode split counts at kernel level, merge reduce / last
 #   bash benchmarks/gpu_pending.sh merge-splits-wide  # ~3 min: split counts past the one-wave line, merge in the kernel
+#   bash benchmarks/gpu_pending.sh split-rule  # ~6 min: split counts for the in-kernel merge against session 42's, steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -394,10 +395,10 @@ s42-others)
     elapsed "merge others"
     ;;
 merge-splits)
-    # Not run yet. The decode split counts (decode_num_splits) were tuned with a reduce launch after each split
-    # launch; with the merge in the kernel a split costs a partial write and the last program's read instead. Every
-    # split count at kernel level (CUDA graphs of 20 calls), reduce / last, Llama-3.2-1B and Llama-3-8B at the batches
-    # whose launches split: does the heuristic's pick still win?
+    # The decode split counts (decode_num_splits) were tuned with a reduce launch after each split launch; with the
+    # merge in the kernel a split costs a partial write and the last program's read instead. Every split count at
+    # kernel level (CUDA graphs of 20 calls), reduce / last, Llama-3.2-1B and Llama-3-8B at the batches whose
+    # launches split: does the heuristic's pick still win? (Session 43: merge_splits_{reduce,last}_h100_s43.json.)
     for merge in reduce last; do
         DEEPSERVE_DECODE_SPLIT_MERGE=$merge timeout 200 python3 benchmarks/tune_decode_attention.py \
             --shapes llama-3.2-1b,llama-3-8b --batches 1,2,8,16,32 --contexts 1024,4096 \
@@ -418,6 +419,24 @@ merge-splits-wide)
         --batches 32,64,128,256 --contexts 1024,4096 --output "$OUT/merge_splits_wide_e4m3.json" > /tmp/msw.log 2>&1
     tail -3 /tmp/msw.log | cut -c1-300
     elapsed "merge-splits-wide"
+    ;;
+split-rule)
+    # DEEPSERVE_DECODE_SPLIT_RULE (session 43): split counts sized for the in-kernel merge (merged) against session
+    # 42's (reduce), in decode steps, two passes, at the batches whose counts it moves: Llama-3.2-1B batch 1 / 2 (16
+    # splits at 1k) and 64 (2 splits), Llama-3-8B batch 32 (2 splits), Qwen3-MoE over E4M3 batch 32 (4 splits, not
+    # 5) and 64 (unmoved over E4M3: a control). First the paged-attention and engine GPU tests at the new counts.
+    timeout 150 python3 -m pytest -q -x tests/gpu/test_paged_attention.py tests/gpu/test_engine_gpu.py \
+        -p no:cacheprovider > "$OUT/pytest_split_rule.log" 2>&1
+    tail -2 "$OUT/pytest_split_rule.log"; grep -m 6 "^E .*Error\|^E  *assert" "$OUT/pytest_split_rule.log" | cut -c1-300
+    elapsed "tests"
+    for spec in "llama-3.2-1b 1024,4096 1,2,64 auto" "llama-3-8b 1024,4096 32 auto" "qwen3-moe 1024 32,64 fp8"; do
+        set -- $spec
+        timeout 200 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_SPLIT_RULE=reduce,merged \
+            --passes "${PASSES:-2}" --timeout 90 --output "$OUT/split_rule_${1}_ab.json" -- --shapes "$1" \
+            --contexts "$2" --batches "$3" --kv-cache-dtype "$4" --profile-batch 0 > /tmp/split_rule_ab.log 2>&1
+        tail -2 /tmp/split_rule_ab.log | cut -c1-300; summarise_steps "$OUT/split_rule_${1}_ab.json"
+        elapsed "split rule $1"
+    done
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the

@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from deepserve.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from deepserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref  # noqa: E402
 from deepserve.kernels.kv_write import write_kv, write_kv_ref  # noqa: E402
-from deepserve.kernels.paged_attention import decode_attention, decode_attention_ref, decode_num_splits  # noqa: E402
+from deepserve.kernels.paged_attention import (SPLIT_MERGE, decode_attention, decode_attention_ref,  # noqa: E402
+                                               launch_num_splits)
 from deepserve.kernels.paged_prefill import prefill_attention, prefill_attention_ref, prefill_tiles  # noqa: E402
 from deepserve.kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
 from deepserve.kernels.sampling import choose_tokens  # noqa: E402
@@ -130,7 +131,7 @@ def bench_decode(b, seq_len, h=32, hkv=8, d=128, dtype=BF16, splits=None):
     scale = 1 / math.sqrt(d)
     out = decode_attention(q, cache, bt, lens, scale, max_seq_len=seq_len, num_splits=splits)
     ref = decode_attention_ref(q, cache, bt, lens, scale)
-    n_split = splits or decode_num_splits(b, hkv, seq_len, q.device)
+    n_split = splits or launch_num_splits(b, h, cache, seq_len, SPLIT_MERGE == "last")
     nbytes = 2 * b * seq_len * hkv * d * q.element_size() + 2 * q.numel() * q.element_size()
     rows = torch.arange(b, device=DEV)
     o = torch.empty_like(q)

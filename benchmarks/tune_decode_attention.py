@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from deepserve.kernels.mla_decode import mla_decode, mla_num_splits  # noqa: E402
-from deepserve.kernels.paged_attention import DecodeTiles, decode_attention, decode_num_splits  # noqa: E402
+from deepserve.kernels.paged_attention import (SPLIT_MERGE, DecodeTiles, decode_attention,  # noqa: E402
+                                               launch_num_splits)
 from tune_gemv import graph_time  # noqa: E402  (CUDA-graph replay timing)
 
 BLOCK = 16
@@ -84,8 +85,8 @@ def tune_gqa(shape, batch: int, context: int, kv_dtype: torch.dtype = torch.bflo
         return time_us(lambda: decode_attention(q, cache, table, seq_lens, 0.1, out=out, q_rows=q_rows,
                                                 seq_ids=q_rows, max_seq_len=context, num_splits=splits, tiles=tiles))
 
-    return sweep_launches(run, GQA_TILES, decode_num_splits(batch, hkv, context, q.device, d), kv_bytes, batch,
-                          context)
+    engine_splits = launch_num_splits(batch, h, cache, context, SPLIT_MERGE == "last")
+    return sweep_launches(run, GQA_TILES, engine_splits, kv_bytes, batch, context)
 
 
 def tune_mla(shape, batch: int, context: int) -> dict:

@@ -194,6 +194,11 @@ _DECLARED = [
            "(row, KV head) to finish merges the splits in the decode kernel (a counter each, "
            "kernels/paged_attention.py; H100, Llama-3.2-1B steps at 1k: batch 1 1-1.5% and batch 32 4% faster, "
            "batch 2-16 within 2%); reduce: a reduce launch after it (read at import)", choices=("reduce", "last")),
+    EnvVar("DEEPSERVE_DECODE_SPLIT_RULE", "str", "merged",
+           "GPU paged decode attention's split counts: merged (the default): sized for the in-kernel merge where a "
+           "launch merges there (one-tile partitions, the merge tile's split count where it is near, 2 splits up to "
+           "twice the one-wave line over a 16-bit cache: kernels/paged_attention.py decode_num_splits); reduce: "
+           "session 42's counts, sized for a reduce launch (read at import)", choices=("merged", "reduce")),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
     EnvVar("DEEPSERVE_GC_FREEZE", "bool", True,

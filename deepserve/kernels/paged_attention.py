@@ -437,10 +437,22 @@ def decode_tiles(num_programs: int, head_dim: int, split: bool, device: torch.de
 
 _MIN_PARTITION = 128     # keys per split at least
 _FULL_WAVE = 1.9         # programs per SM (of 128-wide heads) that need no split: 250 on an H200's 132 SMs
+# DEEPSERVE_DECODE_SPLIT_RULE: "merged" sizes the splits of a launch that merges in the kernel for that merge
+# (decode_num_splits' second paragraph); "reduce" keeps session 42's counts, sized for a reduce launch, everywhere.
+SPLIT_RULE = envs.DEEPSERVE_DECODE_SPLIT_RULE
+_MERGED_MIN_PARTITION = 64     # keys per split at least where the merge is in the kernel: one 64-key tile
+
+
+def merge_max_splits(num_heads: int, head_dim: int) -> int:
+    """The most splits an in-kernel merge over programs of `num_heads` query heads holds (`merge_tile`'s limit): 0
+    where it holds none (a head width that is not a power of two)."""
+    if head_dim != next_pow2(head_dim):
+        return 0
+    return MERGE_MAX_ELEMENTS // (next_pow2(num_heads) * head_dim)
 
 
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                      head_dim: int = 128) -> int:
+                      head_dim: int = 128, merge_heads: int = 0, cache_elem_bytes: int = 2) -> int:
     """How many splits of the context a decode launch gets (one program per row, KV head and split).
 
     No split once (rows x KV heads) programs, counted in 128-wide heads (a 64-wide head's program moves half the
@@ -450,12 +462,46 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
     heads, groups 4 and 8, batch 8 to 256, contexts 1k and 4k (benchmarks/tune_decode_attention.py,
     tune_decode_attention.json): within 12% of the best measured split count in 28 of 29 cases and 19% in the
     last (Llama-3-8B at batch 32 and 4k, where 2 splits win), against up to 38% for the rule before (1B, batch 8,
-    4k context)."""
+    4k context).
+
+    `merge_heads` > 0: the launch merges its splits in the kernel, over programs of that many query heads (SPLIT_RULE
+    "merged"; 0: a reduce launch). A split then costs its partial's write and one program's read of them, no
+    launch, and on an H100 (merge_splits_*_h100_s43.json, every split count at kernel level):
+    - partitions of one 64-key tile where that count fits the merge tile (Llama-3.2-1B batch 1 at 1k: 16 splits
+      4.74 us against 8's 5.54);
+    - the merge tile's count where the rule asks for at most half again as many, which would take the reduce
+      (Qwen3-MoE batch 32 at 4k: 4 splits against 5's 56.5 / 94.0 against 62.5 / 101.9 us over E4M3 / bf16);
+    - 2 splits from the one-wave line up to twice it over a 16-bit cache (batch 64 of Llama-3.2-1B / Qwen3-MoE
+      and batch 32 of Llama-3-8B: 7-12% faster at 1k and 4k, the contexts measured; at twice the line mixed, over
+      E4M3 slower at 1k).
+    """
     programs = max(1, num_rows * num_kv_heads)
     sms = num_sms(device)
-    if programs * head_dim >= _FULL_WAVE * sms * 128 or max_seq_len <= _MIN_PARTITION:
-        return 1
-    return max(1, min(cdiv(4 * sms, programs), cdiv(max_seq_len, _MIN_PARTITION), 64))
+    wide = programs * head_dim / (sms * 128)            # 128-wide programs an SM
+    most = merge_max_splits(merge_heads, head_dim) if merge_heads and SPLIT_RULE == "merged" else 0
+    if wide >= _FULL_WAVE:
+        two = most >= 2 and cache_elem_bytes == 2 and wide < 2 * _FULL_WAVE and max_seq_len >= 1024
+        return 2 if two else 1
+    splits = max(1, min(cdiv(4 * sms, programs), cdiv(max_seq_len, _MIN_PARTITION), 64))
+    if most:
+        short = max(1, min(cdiv(4 * sms, programs), cdiv(max_seq_len, _MERGED_MIN_PARTITION), 64))
+        if short <= most:
+            return short
+        if splits <= most + most // 2:
+            return most
+    return splits
+
+
+def launch_num_splits(num_rows: int, num_heads: int, kv_cache: torch.Tensor, max_seq_len: int,
+                      merging: bool) -> int:
+    """`decode_num_splits` for a launch of `num_rows` rows of `num_heads` query heads over `kv_cache` ([2, blocks,
+    block size, KV heads, head_dim]) that merges its splits in the kernel if `merging` (DEEPSERVE_DECODE_SPLIT_MERGE
+    "last" and no L2 prefetch at the reduce). The merge holds a split program's heads: its KV heads (pairs only
+    where KV_HEADS_PER_PROGRAM pairs split launches) times the group."""
+    hkv, d = kv_cache.shape[3], kv_cache.shape[4]
+    pairs = kv_heads_a_program(d, kv_cache.element_size(), hkv, kv_cache.stride(3) == d, False)
+    return decode_num_splits(num_rows, hkv, max_seq_len, kv_cache.device, d,
+                             pairs * (num_heads // hkv) if merging else 0, kv_cache.element_size())
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -493,8 +539,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 1
+    merging = (split_merge or SPLIT_MERGE) == "last" and l2_prefetch_plan(l2_prefetch, n, out, "reduce").programs == 0
     if num_splits is None:
-        num_splits = decode_num_splits(n, hkv, max_seq_len, q.device, d)
+        num_splits = launch_num_splits(n, h, kv_cache, max_seq_len, merging)
     # Both tilings key on 64 keys per tile, so a forced split count means the same partition under either.
     block_n = (tiles or DecodeTiles()).block_n
     partition = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n
@@ -515,8 +562,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     block_g = max(16, next_pow2(tiles.kv_heads * group))
     split = num_splits > 1
     merge = None
-    if split and (split_merge or SPLIT_MERGE) == "last" and n * kvh_programs <= SPLIT_COUNTERS \
-            and l2_prefetch_plan(l2_prefetch, n, out, "reduce").programs == 0:
+    if split and merging and n * kvh_programs <= SPLIT_COUNTERS:
         merge = merge_tile(tiles.kv_heads * group, num_splits, d)
     if split:
         # Packed at the merge tile's splits for an in-kernel merge (`_merge_own_splits` reads them as one run).
@@ -623,5 +669,5 @@ def decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, out=None, q
 
 
 __all__ = ["EARLY_INPUTS", "HAS_TRITON", "split_partition", "split_bounds", "active_splits", "merge_tile",
-           "decode_attention", "decode_attention_ref", "decode_num_splits", "decode_tiles", "decode_reduce",
-           "decode_reduce_ref", "active_splits_ref", "merge_splits_ref"]
+           "decode_attention", "decode_attention_ref", "decode_num_splits", "launch_num_splits", "merge_max_splits",
+           "decode_tiles", "decode_reduce", "decode_reduce_ref", "active_splits_ref", "merge_splits_ref"]

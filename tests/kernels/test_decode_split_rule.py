@@ -1,0 +1,84 @@
+"""The paged decode's split counts (kernels/paged_attention.py decode_num_splits / launch_num_splits), host-side
+arithmetic checked without a GPU: the H100 / H200's 132 SMs, the shapes whose split counts were timed at kernel level
+(merge_splits_*_h100_s43.json): Llama-3.2-1B (8 KV heads of 64, group 4), Llama-3-8B (8 of 128, group 4) and
+Qwen3-MoE (4 of 128, group 8)."""
+
+import pytest
+import torch
+
+from deepserve.kernels import paged_attention
+from deepserve.kernels.paged_attention import decode_num_splits, launch_num_splits, merge_max_splits
+
+CPU = torch.device("cpu")
+SHAPES = {"1b": (8, 64, 4), "8b": (8, 128, 4), "qwen3-moe": (4, 128, 8)}     # KV heads, head_dim, group
+
+
+@pytest.fixture(autouse=True)
+def h100_sms(monkeypatch):
+    monkeypatch.setattr(paged_attention, "num_sms", lambda device: 132)
+    monkeypatch.setattr(paged_attention, "SPLIT_RULE", "merged")
+
+
+def splits(shape: str, batch: int, context: int, merge: bool = True, elem_bytes: int = 2) -> int:
+    hkv, d, group = SHAPES[shape]
+    return decode_num_splits(batch, hkv, context, CPU, d, group if merge else 0, elem_bytes)
+
+
+def test_merge_max_splits_is_the_merge_tiles_limit():
+    assert merge_max_splits(4, 64) == 16 and merge_max_splits(4, 128) == 8 and merge_max_splits(8, 128) == 4
+    assert merge_max_splits(3, 64) == 16                 # heads pad to a power of two
+    assert merge_max_splits(4, 96) == 0                  # partials packed at a power-of-two head width only
+    for heads, d in ((4, 64), (4, 128), (8, 128), (16, 128)):
+        most = merge_max_splits(heads, d)
+        assert paged_attention.merge_tile(heads, most, d) is not None
+        assert paged_attention.merge_tile(heads, most + 1, d) is None
+
+
+def test_reduce_launches_keep_session_42s_counts():
+    # Without the in-kernel merge: four programs an SM of at least 128 keys, none past the one-wave line.
+    assert splits("1b", 1, 1024, merge=False) == 8
+    assert splits("1b", 1, 4096, merge=False) == 32
+    assert splits("8b", 1, 1024, merge=False) == 8
+    assert splits("qwen3-moe", 32, 4096, merge=False) == 5
+    assert splits("1b", 64, 1024, merge=False) == 1
+    assert splits("8b", 32, 4096, merge=False) == 1
+
+
+def test_one_tile_partitions_where_the_merge_holds_them():
+    assert splits("1b", 1, 1024) == 16            # 64 keys a split: 4.74 us against 8 splits' 5.54
+    assert splits("1b", 2, 1024) == 16
+    assert splits("1b", 1, 100) == 2              # short contexts split too: a tile each
+    assert splits("1b", 8, 1024) == 9             # four programs an SM come first (the launch's 128-key tiles: 8)
+    assert splits("8b", 1, 1024) == 8             # 16 would take the reduce: the merge tile's 8 (6.70 against 7.15 us)
+
+
+def test_the_merge_tiles_count_where_the_rule_asks_for_a_few_more():
+    assert splits("qwen3-moe", 32, 4096) == 4     # not 5 (a reduce): 56.5 against 62.5 us over E4M3
+    assert splits("qwen3-moe", 32, 4096, elem_bytes=1) == 4
+    assert splits("8b", 8, 4096) == 8             # 9 -> 8
+    # Far past the tile the reduce launch stays: 32 splits beat the merge's 16 at batch 1 and 4k (7.25 / 7.82 us).
+    assert splits("1b", 1, 4096) == 32
+    assert splits("8b", 1, 4096) == 32
+
+
+def test_two_splits_up_to_twice_the_one_wave_line_over_16_bit_caches():
+    assert splits("1b", 64, 1024) == 2 and splits("1b", 64, 4096) == 2
+    assert splits("8b", 32, 1024) == 2 and splits("8b", 32, 4096) == 2
+    assert splits("qwen3-moe", 64, 1024) == 2
+    assert splits("qwen3-moe", 64, 1024, elem_bytes=1) == 1      # E4M3: 1 split won at 1k
+    assert splits("1b", 128, 1024) == 1 and splits("8b", 64, 4096) == 1     # twice the line: mixed, no split
+    assert splits("1b", 64, 1000) == 1                            # measured at 1k and 4k only
+    assert splits("1b", 64, 4096, merge=False) == 1
+
+
+def test_the_reduce_rule_setting_restores_session_42s_counts(monkeypatch):
+    monkeypatch.setattr(paged_attention, "SPLIT_RULE", "reduce")
+    assert splits("1b", 1, 1024) == 8 and splits("1b", 64, 1024) == 1 and splits("qwen3-moe", 32, 4096) == 5
+
+
+def test_launch_num_splits_reads_the_cache_and_the_merge():
+    cache = torch.empty(2, 4, 16, 8, 64, dtype=torch.bfloat16)          # Llama-3.2-1B's KV heads
+    assert launch_num_splits(1, 32, cache, 1024, merging=True) == 16
+    assert launch_num_splits(1, 32, cache, 1024, merging=False) == 8
+    assert launch_num_splits(64, 32, cache, 1024, merging=True) == 2
+    assert launch_num_splits(64, 32, cache.to(torch.float8_e4m3fn), 1024, merging=True) == 1
