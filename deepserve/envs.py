@@ -196,9 +196,18 @@ _DECLARED = [
            "batch 2-16 within 2%); reduce: a reduce launch after it (read at import)", choices=("reduce", "last")),
     EnvVar("DEEPSERVE_DECODE_SPLIT_RULE", "str", "merged",
            "GPU paged decode attention's split counts: merged (the default): sized for the in-kernel merge where a "
-           "launch merges there (one-tile partitions, the merge tile's split count where it is near, 2 splits up to "
-           "twice the one-wave line over a 16-bit cache: kernels/paged_attention.py decode_num_splits); reduce: "
-           "session 42's counts, sized for a reduce launch (read at import)", choices=("merged", "reduce")),
+           "launch merges there (one-tile partitions where the merge holds them, the merge tile's split count where "
+           "the rule asks for a few more: kernels/paged_attention.py decode_num_splits; H100, Qwen3-MoE over E4M3 "
+           "batch 32 steps 1.5% faster); reduce: session 42's counts, sized for a reduce launch (read at import)",
+           choices=("merged", "reduce")),
+    EnvVar("DEEPSERVE_DECODE_SPLIT_WIDE", "bool", False,
+           "A/B (session 43): GPU paged decode launches that merge in the kernel, over a 16-bit cache, get 2 splits "
+           "from the one-wave line up to twice it instead of none (kernel level 7-12% faster; in Llama-3.2-1B batch "
+           "64 steps 1.7% slower with the late trigger) (read at import)"),
+    EnvVar("DEEPSERVE_DECODE_MERGE_TRIGGER", "str", "late",
+           "A/B (session 43): the PDL trigger of GPU paged decode launches that merge in the kernel over 2+ rows: "
+           "late (the default: the next kernel starts as the decode's programs exit), early (as they start, as "
+           "unsplit launches do) (read at import)", choices=("late", "early")),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
     EnvVar("DEEPSERVE_GC_FREEZE", "bool", True,
