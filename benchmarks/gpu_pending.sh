@@ -33,6 +33,7 @@
 #   bash benchmarks/gpu_pending.sh merge-splits-wide  # ~3 min: split counts past the one-wave line, merge in the kernel
 #   bash benchmarks/gpu_pending.sh split-rule  # ~6 min: split counts sized for the in-kernel merge, in steps
 #   bash benchmarks/gpu_pending.sh s43-final  # ~8 min: tests/gpu, then 2 splits past the one-wave line, both triggers
+#   bash benchmarks/gpu_pending.sh deploy-len  # ~5 min: Llama-3.2-1B 1k steps from an engine sized for 128k
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -457,6 +458,19 @@ s43-final)
         tail -2 /tmp/split_wide_ab.log | cut -c1-300; summarise_steps "$OUT/split_wide_${1}_ab.json"
         elapsed "split wide $1"
     done
+    ;;
+deploy-len)
+    # The decode sweep sizes max_model_len to its contexts (~1.1k at 1k), so its graphs' split grids and block
+    # tables are that short. A deployment's default is the model's context (131072 for Llama-3.2-1B): the same 1k
+    # steps from an engine sized for it, block tables sent at full width and packed (DEEPSERVE_COMPACT_BLOCK_TABLES).
+    timeout 120 python3 benchmarks/h200_decode_sweep.py --shapes llama-3.2-1b --contexts 1024 --batches 1,8,64 \
+        --profile-batch 0 --output "$OUT/deploy_len_short.json" > /tmp/deploy_len.log 2>&1
+    tail -2 /tmp/deploy_len.log | cut -c1-300
+    timeout 300 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_COMPACT_BLOCK_TABLES=0,1 --passes 1 \
+        --timeout 140 --output "$OUT/deploy_len_128k_ab.json" -- --shapes llama-3.2-1b --contexts 1024 \
+        --batches 1,8,64 --max-model-len 131072 --profile-batch 0 > /tmp/deploy_len_ab.log 2>&1
+    tail -2 /tmp/deploy_len_ab.log | cut -c1-300; summarise_steps "$OUT/deploy_len_128k_ab.json"
+    elapsed "deploy-len"
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the
