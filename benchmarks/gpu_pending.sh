@@ -32,7 +32,6 @@
 #   bash benchmarks/gpu_pending.sh merge-splits  # ~2 min: decode split counts at kernel level, merge reduce / last
 #   bash benchmarks/gpu_pending.sh merge-splits-wide  # ~3 min: split counts past the one-wave line, merge in the kernel
 #   bash benchmarks/gpu_pending.sh split-rule  # ~6 min: split counts sized for the in-kernel merge, in steps
-#   bash benchmarks/gpu_pending.sh s43-final  # ~8 min: tests/gpu, then 2 splits past the one-wave line, both triggers
 #   bash benchmarks/gpu_pending.sh deploy-len  # ~5 min: Llama-3.2-1B 1k steps from an engine sized for 128k
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
@@ -438,25 +437,6 @@ split-rule)
             --contexts "$2" --batches "$3" --kv-cache-dtype "$4" --profile-batch 0 > /tmp/split_rule_ab.log 2>&1
         tail -2 /tmp/split_rule_ab.log | cut -c1-300; summarise_steps "$OUT/split_rule_${1}_ab.json"
         elapsed "split rule $1"
-    done
-    ;;
-s43-final)
-    # All of tests/gpu at session 43's split rule, then the two A/B switches it left: 2 splits past the one-wave
-    # line (DEEPSERVE_DECODE_SPLIT_WIDE) with the late and the early PDL trigger (DEEPSERVE_DECODE_MERGE_TRIGGER), in
-    # Llama-3.2-1B batch 64 (1k, 4k) and Llama-3-8B batch 32 (4k) steps, two passes.
-    n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
-    timeout 280 python3 -m pytest -q $n tests/gpu -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
-    tail -3 "$OUT/pytest_gpu.log"; grep -m 6 "^E .*Error\|^E  *assert" "$OUT/pytest_gpu.log" | cut -c1-300
-    elapsed "tests/gpu"
-    for spec in "llama-3.2-1b 1024,4096 64" "llama-3-8b 4096 32"; do
-        set -- $spec
-        timeout 200 python3 benchmarks/ab_env_sweep.py --combo DEEPSERVE_DECODE_SPLIT_WIDE=0 \
-            --combo DEEPSERVE_DECODE_SPLIT_WIDE=1 \
-            --combo DEEPSERVE_DECODE_SPLIT_WIDE=1,DEEPSERVE_DECODE_MERGE_TRIGGER=early \
-            --passes "${PASSES:-2}" --timeout 90 --output "$OUT/split_wide_${1}_ab.json" -- --shapes "$1" \
-            --contexts "$2" --batches "$3" --profile-batch 0 > /tmp/split_wide_ab.log 2>&1
-        tail -2 /tmp/split_wide_ab.log | cut -c1-300; summarise_steps "$OUT/split_wide_${1}_ab.json"
-        elapsed "split wide $1"
     done
     ;;
 deploy-len)

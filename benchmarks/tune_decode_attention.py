@@ -7,7 +7,8 @@ reported as microseconds per call and KV TB/s (cache bytes the call reads / time
 then every split count with the default tiles, then tile variants at the best split count.
 
 Run (GPU machine):  python benchmarks/tune_decode_attention.py --output tune_decode_attention.json
-  (--kv-dtype e4m3: the paged shapes over an E4M3 cache; the MLA shape stays bf16.)
+  (--kv-dtype e4m3: the paged shapes over an E4M3 cache; the MLA shape stays bf16. A PNG beside the JSON: the
+  split counts' times; --plot-only redraws it.)
 """
 
 from __future__ import annotations
@@ -108,6 +109,34 @@ def tune_mla(shape, batch: int, context: int) -> dict:
                           mla_num_splits(batch, h, context, q_lat.device), kv_bytes, batch, context)
 
 
+def plot(path: str) -> str:
+    """The PNG beside `path`: each shape and context a panel, microseconds per call against the split count, a line
+    per batch, the engine's pick marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(path) as f:
+        data = json.load(f)
+    panels = sorted({(name, r["context"]) for name, rows in data["results"].items() for r in rows if "splits_us" in r})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (name, context) in zip(axes[0], panels):
+        for r in data["results"][name]:
+            if r.get("context") != context or "splits_us" not in r:
+                continue
+            xs = [int(s) for s in r["splits_us"]]
+            line, = ax.plot(xs, list(r["splits_us"].values()), marker=".", label=f"batch {r['batch']}")
+            ax.plot([r["engine_splits"]], [r["engine_us"]], marker="o", mfc="none", ms=9, color=line.get_color())
+        ax.set(xscale="log", yscale="log", xlabel="splits", title=f"{name}, {context} keys")
+        ax.set_xticks(SPLITS, [str(s) for s in SPLITS])
+    axes[0][0].set_ylabel("us a call (circle: the engine's pick)")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"{data.get('gpu', '')}, {data.get('kv_dtype', 'bf16')} cache: {data['command'][:110]}", fontsize=7)
+    fig.tight_layout()
+    png = os.path.splitext(path)[0] + ".png"
+    fig.savefig(png, dpi=110)
+    return png
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -115,7 +144,11 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--output", default="tune_decode_attention.json")
     ap.add_argument("--kv-dtype", choices=("bf16", "e4m3"), default="bf16", help="the paged (GQA) cache's dtype")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG beside --output from its JSON")
     args = ap.parse_args()
+    if args.plot_only:
+        print("wrote", plot(args.output))
+        return
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "e4m3" else torch.bfloat16
     out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "kv_dtype": args.kv_dtype,
            "results": {}}
@@ -135,6 +168,10 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 with open(args.output, "w") as f:
                     json.dump(out, f, indent=1)
+    try:
+        print("wrote", plot(args.output))
+    except ImportError:
+        print("no matplotlib: no PNG")
 
 
 if __name__ == "__main__":

@@ -103,11 +103,13 @@ _DECLARED = [
            "Llama-3.2-1B steps at batch 1 / 8 / 64 0.3 / 1.6 / 1.0% faster on an H100 "
            "(graph_tokens_1b_*_h100_s41.json); Qwen3-MoE batch 8 / 128 moved under 0.5% on an H200 "
            "(graph_inputs_ab_h200.json) (read at start-up)"),
-    EnvVar("DEEPSERVE_COMPACT_BLOCK_TABLES", "bool", False,
-           "CUDA graphs (decode and mixed steps): a step's block tables travel to the GPU packed at its longest "
-           "table's width and the graph spreads them to max_model_len's width (kernels/graph_inputs.py), not at "
-           "max_model_len's width "
-           "(16 MB a step at batch 256 and a 128k context); off until the GPU tests run (read at start-up)"),
+    EnvVar("DEEPSERVE_COMPACT_BLOCK_TABLES", "str", "auto",
+           "CUDA graphs (decode and mixed steps): 1: a step's block tables travel to the GPU packed at its longest "
+           "table's width and the graph spreads them to max_model_len's width (kernels/graph_inputs.py), 0: at "
+           "max_model_len's width (16 MB a step at batch 256 and a 128k context); auto (the default): packed where "
+           "max_model_len's row holds 512 blocks or more (worker/cuda_graph.py COMPACT_MIN_BLOCKS; H100, "
+           "Llama-3.2-1B batch 64 at 1k from an engine sized for 128k 3.4% faster, for 1.1k 0.5% slower) "
+           "(read at start-up)", choices=("auto", "1", "0")),
     EnvVar("DEEPSERVE_CPU_ISA", "str", "auto",
            "CPU kernel choice: act as if this CPU had only this feature set (never more than it has); "
            "auto: detect", choices=("auto", "avx2", "avx_vnni", "avx512", "avx512_vnni", "amx")),
@@ -200,14 +202,6 @@ _DECLARED = [
            "the rule asks for a few more: kernels/paged_attention.py decode_num_splits; H100, Qwen3-MoE over E4M3 "
            "batch 32 steps 1.5% faster); reduce: session 42's counts, sized for a reduce launch (read at import)",
            choices=("merged", "reduce")),
-    EnvVar("DEEPSERVE_DECODE_SPLIT_WIDE", "bool", False,
-           "A/B (session 43): GPU paged decode launches that merge in the kernel, over a 16-bit cache, get 2 splits "
-           "from the one-wave line up to twice it instead of none (kernel level 7-12% faster; in Llama-3.2-1B batch "
-           "64 steps 1.7% slower with the late trigger) (read at import)"),
-    EnvVar("DEEPSERVE_DECODE_MERGE_TRIGGER", "str", "late",
-           "A/B (session 43): the PDL trigger of GPU paged decode launches that merge in the kernel over 2+ rows: "
-           "late (the default: the next kernel starts as the decode's programs exit), early (as they start, as "
-           "unsplit launches do) (read at import)", choices=("late", "early")),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
     EnvVar("DEEPSERVE_GC_FREEZE", "bool", True,

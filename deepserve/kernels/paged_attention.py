@@ -441,9 +441,6 @@ _FULL_WAVE = 1.9         # programs per SM (of 128-wide heads) that need no spli
 # (decode_num_splits' second paragraph); "reduce" keeps session 42's counts, sized for a reduce launch, everywhere.
 SPLIT_RULE = envs.DEEPSERVE_DECODE_SPLIT_RULE
 _MERGED_MIN_PARTITION = 64     # keys per split at least where the merge is in the kernel: one 64-key tile
-# A/B switches of session 43 (envs.py): 2 splits past the one-wave line; the merged launches' PDL trigger.
-SPLIT_WIDE = envs.DEEPSERVE_DECODE_SPLIT_WIDE
-MERGE_TRIGGER = envs.DEEPSERVE_DECODE_MERGE_TRIGGER
 
 
 def merge_max_splits(num_heads: int, head_dim: int) -> int:
@@ -455,7 +452,7 @@ def merge_max_splits(num_heads: int, head_dim: int) -> int:
 
 
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                      head_dim: int = 128, merge_heads: int = 0, cache_elem_bytes: int = 2) -> int:
+                      head_dim: int = 128, merge_heads: int = 0) -> int:
     """How many splits of the context a decode launch gets (one program per row, KV head and split).
 
     No split once (rows x KV heads) programs, counted in 128-wide heads (a 64-wide head's program moves half the
@@ -476,8 +473,9 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
       (Qwen3-MoE batch 32 at 4k: 4 splits against 5's 56.5 / 94.0 against 62.5 / 101.9 us over E4M3 / bf16).
     Decode steps, two passes (split_rule_*_ab_h100_s43.json): Qwen3-MoE over E4M3 at batch 32 6.842-6.845 ->
     6.743-6.744 ms (4 splits, not 5). Past the one-wave line nothing splits still: 2 splits there were 7-12% faster
-    at kernel level (batch 64 of Llama-3.2-1B / Qwen3-MoE, batch 32 of Llama-3-8B, 1k and 4k) but not in steps
-    (Llama-3.2-1B batch 64 2.118-2.125 -> 2.153-2.162 ms at 1k, Llama-3-8B batch 32 at 4k 0.7% faster). The
+    at kernel level (batch 64 of Llama-3.2-1B / Qwen3-MoE, batch 32 of Llama-3-8B, 1k and 4k) but not in steps,
+    with either PDL trigger (Llama-3.2-1B batch 64 at 1k 2.109-2.125 -> 2.151-2.162 ms, at 4k 0.7-1.2% slower;
+    Llama-3-8B batch 32 at 4k 0.3-0.7% faster; split_rule_*_ab_h100_s43.json, split_wide_*_ab_h100_s43.json). The
     one-tile partitions did not show in those steps: their graphs are sized for ~1.1k keys, where 16 splits round
     to 9 of 128 keys (`decode_attention`), as before; they apply to launches sized for at most 16 tiles.
     """
@@ -486,8 +484,7 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
     wide = programs * head_dim / (sms * 128)            # 128-wide programs an SM
     most = merge_max_splits(merge_heads, head_dim) if merge_heads and SPLIT_RULE == "merged" else 0
     if wide >= _FULL_WAVE:
-        two = SPLIT_WIDE and most >= 2 and cache_elem_bytes == 2 and wide < 2 * _FULL_WAVE and max_seq_len >= 1024
-        return 2 if two else 1
+        return 1
     splits = max(1, min(cdiv(4 * sms, programs), cdiv(max_seq_len, _MIN_PARTITION), 64))
     if most:
         short = max(1, min(cdiv(4 * sms, programs), cdiv(max_seq_len, _MERGED_MIN_PARTITION), 64))
@@ -507,7 +504,7 @@ def launch_num_splits(num_rows: int, num_heads: int, kv_cache: torch.Tensor, max
     hkv, d = kv_cache.shape[3], kv_cache.shape[4]
     pairs = kv_heads_a_program(d, kv_cache.element_size(), hkv, kv_cache.stride(3) == d, False)
     merge_heads = pairs * (num_heads // hkv) if merging else 0
-    return decode_num_splits(num_rows, hkv, max_seq_len, kv_cache.device, d, merge_heads, kv_cache.element_size())
+    return decode_num_splits(num_rows, hkv, max_seq_len, kv_cache.device, d, merge_heads)
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -591,7 +588,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split, EARLY_V=tiles.early_v,
         HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t, KV_HEADS=tiles.kv_heads,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, MERGE_LAST=merge is not None,
-        LATE_TRIGGER=merge is not None and n > 1 and MERGE_TRIGGER == "late",
+        LATE_TRIGGER=merge is not None and n > 1,
         **(dict(zip(("MERGE_G", "MERGE_S"), merge)) if merge else {}),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
         **pdl_launch_args(q))

@@ -78,6 +78,20 @@ def padded_size(batch_size: int, sizes: list[int]) -> int | None:
 
 
 COLUMNS = 6      # per-row columns of StaticDecodeInputs before the tables
+# DEEPSERVE_COMPACT_BLOCK_TABLES=auto packs the tables where a row at max_model_len's width holds this many blocks.
+# Measured ends (H100, Llama-3.2-1B at 1k, batch 64, two passes, compact_tables_ml*_ab_h100_s43.json): at 69 blocks
+# (the sweep's ~1.1k) packing cost 0.5% (2.113-2.116 -> 2.123 ms, the unpack launch); at 8192 (128k) it saved 3.4%
+# (2.195-2.198 -> 2.121). Between them, the full rows' bytes (8 a block) at batch 64 pass the unpack's ~10 us over
+# PCIe near 512 blocks (8k tokens in 16-token blocks).
+COMPACT_MIN_BLOCKS = 512
+
+
+def compact_tables_for(setting: str, max_model_len: int, block_size: int) -> bool:
+    """Whether a step's block tables travel packed (DEEPSERVE_COMPACT_BLOCK_TABLES `setting`: "1" / "0", or "auto":
+    where max_model_len's table row holds COMPACT_MIN_BLOCKS blocks or more)."""
+    if setting == "auto":
+        return -(-max_model_len // block_size) >= COMPACT_MIN_BLOCKS
+    return setting == "1"
 
 
 class StaticDecodeInputs:

@@ -319,7 +319,7 @@ class ModelRunner:
         if (reads_metadata and not hasattr(self.attn_backend, "build_graph_metadata")) or reference_moe:
             logger.info("CUDA graphs off: this model's layers run eagerly")
             return None
-        from deepserve.worker.cuda_graph import CUDAGraphRunner, default_capture_sizes
+        from deepserve.worker.cuda_graph import CUDAGraphRunner, compact_tables_for, default_capture_sizes
         sched = self.config.scheduler
         # With speculation a decode step has a row per draft too: capture graphs for every sequence verifying all k.
         spec = self.config.speculative
@@ -335,7 +335,8 @@ class ModelRunner:
                                  self.config.model.vocab_size, sizes, self.device,
                                  keep_hidden=_drafts_with_mtp(self.model), window=bool(self.window_states()),
                                  mixed_buckets=self._mixed_graph_buckets(), carry_tokens=carry,
-                                 compact_tables=envs.DEEPSERVE_COMPACT_BLOCK_TABLES)
+                                 compact_tables=compact_tables_for(envs.DEEPSERVE_COMPACT_BLOCK_TABLES,
+                                                                   sched.max_model_len, self.block_size))
         try:
             graphs.capture()
         except Exception:   # a layer that cannot be captured must not stop the engine: run eagerly instead

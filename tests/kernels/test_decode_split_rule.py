@@ -17,12 +17,11 @@ SHAPES = {"1b": (8, 64, 4), "8b": (8, 128, 4), "qwen3-moe": (4, 128, 8)}     # K
 def h100_sms(monkeypatch):
     monkeypatch.setattr(paged_attention, "num_sms", lambda device: 132)
     monkeypatch.setattr(paged_attention, "SPLIT_RULE", "merged")
-    monkeypatch.setattr(paged_attention, "SPLIT_WIDE", False)
 
 
-def splits(shape: str, batch: int, context: int, merge: bool = True, elem_bytes: int = 2) -> int:
+def splits(shape: str, batch: int, context: int, merge: bool = True) -> int:
     hkv, d, group = SHAPES[shape]
-    return decode_num_splits(batch, hkv, context, CPU, d, group if merge else 0, elem_bytes)
+    return decode_num_splits(batch, hkv, context, CPU, d, group if merge else 0)
 
 
 def test_merge_max_splits_is_the_merge_tiles_limit():
@@ -62,18 +61,9 @@ def test_the_merge_tiles_count_where_the_rule_asks_for_a_few_more():
 
 
 def test_no_split_past_the_one_wave_line():
-    # 2 splits were faster at kernel level there, not in decode steps (Llama-3.2-1B batch 64).
+    # 2 splits were faster at kernel level there, not in decode steps (Llama-3.2-1B batch 64), either PDL trigger.
     assert splits("1b", 64, 1024) == 1 and splits("8b", 32, 4096) == 1 and splits("qwen3-moe", 64, 1024) == 1
     assert splits("1b", 32, 1024) == 3            # just below it
-
-
-def test_the_wide_switch_splits_in_two_up_to_twice_the_line_over_16_bit_caches(monkeypatch):
-    monkeypatch.setattr(paged_attention, "SPLIT_WIDE", True)      # DEEPSERVE_DECODE_SPLIT_WIDE=1
-    assert splits("1b", 64, 1024) == 2 and splits("8b", 32, 4096) == 2 and splits("qwen3-moe", 64, 1024) == 2
-    assert splits("qwen3-moe", 64, 1024, elem_bytes=1) == 1      # E4M3: 1 split won at 1k
-    assert splits("1b", 128, 1024) == 1 and splits("8b", 64, 4096) == 1     # twice the line
-    assert splits("1b", 64, 1000) == 1                            # measured at 1k and 4k only
-    assert splits("1b", 64, 4096, merge=False) == 1               # a reduce launch: none
 
 
 def test_the_reduce_rule_setting_restores_session_42s_counts(monkeypatch):

@@ -7,7 +7,8 @@ import torch
 from deepserve.worker.scheduler_output import ScheduledSequence, SchedulerOutput
 from deepserve.sequence import Sequence
 from deepserve.sampling_params import SamplingParams
-from deepserve.worker.cuda_graph import CUDAGraphRunner, StaticDecodeInputs, default_capture_sizes, padded_size
+from deepserve.worker.cuda_graph import (COMPACT_MIN_BLOCKS, CUDAGraphRunner, StaticDecodeInputs, compact_tables_for,
+                                         default_capture_sizes, padded_size)
 
 
 def test_capture_sizes_cover_every_batch_up_to_the_limit():
@@ -190,3 +191,20 @@ def test_a_replay_keeps_the_heads_own_dtype():
     assert replay.logits.dtype == torch.bfloat16
     assert torch.equal(replay.logits, model.head_logits(hidden))
     assert torch.equal(replay.logits.argmax(-1), model.compute_logits(hidden).argmax(-1))
+
+
+def test_compact_tables_auto_packs_long_rows_only():
+    """DEEPSERVE_COMPACT_BLOCK_TABLES=auto: packed where max_model_len's table row holds COMPACT_MIN_BLOCKS blocks
+    (an engine sized for a 128k context), at full width where it is short (the decode sweep's ~1.1k); 1 / 0 force."""
+    assert COMPACT_MIN_BLOCKS == 512
+    assert compact_tables_for("auto", 131072, 16) and compact_tables_for("auto", 8192, 16)
+    assert not compact_tables_for("auto", 8191 - 15, 16) and not compact_tables_for("auto", 1100, 16)
+    assert not compact_tables_for("auto", 8192, 32)           # 256 blocks of 32 tokens
+    assert compact_tables_for("1", 1100, 16) and not compact_tables_for("0", 131072, 16)
+
+
+def test_compact_tables_setting_rejects_other_values(monkeypatch):
+    from deepserve import envs
+    monkeypatch.setenv("DEEPSERVE_COMPACT_BLOCK_TABLES", "sometimes")
+    with pytest.raises(ValueError, match="auto, 1, 0"):
+        envs.DEEPSERVE_COMPACT_BLOCK_TABLES
