@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deepserve.kernels.paged_attention import (SPLIT_MERGE, DecodeTiles, decode_attention,  # noqa: E402
-                                               launch_num_splits)
+from deepserve.kernels.decode_launch import SPLIT_MERGE, DecodeTiles, launch_num_splits  # noqa: E402
+from deepserve.kernels.paged_attention import decode_attention  # noqa: E402
 
 BLOCK = 16
 SHAPES = {"qwen3-moe": (32, 4, 128), "llama-3-8b": (32, 8, 128), "llama-3.2-1b": (32, 8, 64)}   # (H, KV heads, D)

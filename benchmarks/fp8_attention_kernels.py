@@ -110,7 +110,8 @@ def parse_tiles(spec: str) -> dict:
 def run_case(name: str, cache_dtype: str, tiles: str | None = None) -> dict:
     import torch
     from deepserve.kernels.mla_decode import mla_decode
-    from deepserve.kernels.paged_attention import DecodeTiles, decode_attention
+    from deepserve.kernels.decode_launch import DecodeTiles
+    from deepserve.kernels.paged_attention import decode_attention
     kind, batch, context, heads, kv_heads, dim = CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks_per_seq = -(-context // BLOCK)

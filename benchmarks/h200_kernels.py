@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from deepserve.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from deepserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref  # noqa: E402
 from deepserve.kernels.kv_write import write_kv, write_kv_ref  # noqa: E402
-from deepserve.kernels.paged_attention import (SPLIT_MERGE, decode_attention, decode_attention_ref,  # noqa: E402
-                                               launch_num_splits)
+from deepserve.kernels.decode_launch import SPLIT_MERGE, launch_num_splits  # noqa: E402
+from deepserve.kernels.paged_attention import decode_attention, decode_attention_ref  # noqa: E402
 from deepserve.kernels.paged_prefill import prefill_attention, prefill_attention_ref, prefill_tiles  # noqa: E402
 from deepserve.kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
 from deepserve.kernels.sampling import choose_tokens  # noqa: E402

@@ -68,7 +68,7 @@ def mla_cases() -> dict:
 
 def gqa_cases() -> dict:
     from dataclasses import replace
-    from deepserve.kernels.paged_attention import DEEP_PIPELINE_TILES, DecodeTiles
+    from deepserve.kernels.decode_launch import DEEP_PIPELINE_TILES, DecodeTiles
     out = {}
     for cache in ("bf16", "fp8e4nv"):
         ptrs = {"cache_ptr": f"*{cache}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",

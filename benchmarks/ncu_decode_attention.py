@@ -65,7 +65,7 @@ def main() -> None:
         gqa(64, 1024, 32, 8, 64, reps=2)
         return
     if sys.argv[1:] == ["--values-t"]:   # Qwen3-MoE batch 256 over E4M3: the engine's tiles, then values transposed
-        from deepserve.kernels.paged_attention import DecodeTiles
+        from deepserve.kernels.decode_launch import DecodeTiles
         gqa(256, 1024, 32, 4, 128, reps=2, cache_dtype=torch.float8_e4m3fn,
             tiles=DecodeTiles(num_stages=3, heads_first=True))
         gqa(256, 1024, 32, 4, 128, reps=2, cache_dtype=torch.float8_e4m3fn,

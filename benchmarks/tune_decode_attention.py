@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from deepserve.kernels.mla_decode import mla_decode, mla_num_splits  # noqa: E402
-from deepserve.kernels.paged_attention import (SPLIT_MERGE, DecodeTiles, decode_attention,  # noqa: E402
-                                               launch_num_splits)
+from deepserve.kernels.decode_launch import SPLIT_MERGE, DecodeTiles, launch_num_splits  # noqa: E402
+from deepserve.kernels.paged_attention import decode_attention  # noqa: E402
 from tune_gemv import graph_time  # noqa: E402  (CUDA-graph replay timing)
 
 BLOCK = 16

@@ -85,5 +85,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_NUM_SMS: dict = {}
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of a torch.device (8 for a CPU one: the interpreter's stand-in), read once."""
+    if device.type != "cuda":
+        return 8
+    import torch
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
 __all__ = ["HAS_TRITON", "INTERPRET", "USE_LIBDEVICE", "TritonUnavailableError", "and_scalar", "require_triton",
-           "triton", "tl", "libdevice", "next_pow2", "cdiv"]
+           "triton", "tl", "libdevice", "next_pow2", "cdiv", "num_sms"]

@@ -42,10 +42,9 @@ from typing import Optional
 
 import torch
 
-from deepserve.kernels import cdiv, next_pow2, require_triton, tl, triton
+from deepserve.kernels import cdiv, next_pow2, num_sms, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_rows, prefetch_rows_to_l2, swiglu, swiglu_rows
 from deepserve.kernels.moe_align import align_max_rows, aligned_launch_args, moe_align
-from deepserve.kernels.paged_attention import num_sms
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from deepserve.kernels.reference.moe import PairRows, expert_swiglu, moe_experts
 

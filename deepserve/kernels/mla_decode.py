@@ -24,12 +24,12 @@ from typing import Optional
 import torch
 
 from deepserve import envs
-from deepserve.kernels import and_scalar, cdiv, next_pow2, require_triton, tl, triton
+from deepserve.kernels import and_scalar, cdiv, next_pow2, num_sms, require_triton, tl, triton
 from deepserve.kernels.kv_rounding import for_products, store_rounded, widen_values
 from deepserve.kernels.norm import rms_normed
 from deepserve.kernels.kv_write import copy_heads, rotary_write_prologue
-from deepserve.kernels.paged_attention import (num_sms, active_splits, active_splits_ref, merge_splits_ref,
-                                               split_bounds, tile_blocks)
+from deepserve.kernels.paged_attention import (active_splits, active_splits_ref, merge_splits_ref, split_bounds,
+                                               tile_blocks)
 from deepserve.kernels.pdl import (EARLY_INPUTS, pdl_launch_args, pdl_launch_dependents, pdl_wait,
                                   pdl_wait_after_inputs, pdl_wait_for_inputs)
 from deepserve.kernels.reference import attention as reference_attention

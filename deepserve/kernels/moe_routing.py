@@ -44,9 +44,8 @@ from typing import NamedTuple
 
 import torch
 
-from deepserve.kernels import USE_LIBDEVICE, cdiv, libdevice, next_pow2, require_triton, tl, triton
+from deepserve.kernels import USE_LIBDEVICE, cdiv, libdevice, next_pow2, num_sms, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_rows
-from deepserve.kernels.paged_attention import num_sms
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from deepserve.kernels.reference.moe import count_expert_load, route
 

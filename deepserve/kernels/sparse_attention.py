@@ -38,9 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from deepserve.kernels import HAS_TRITON, INTERPRET, cdiv, next_pow2, require_triton, tl, triton
+from deepserve.kernels import HAS_TRITON, INTERPRET, cdiv, next_pow2, num_sms, require_triton, tl, triton
 from deepserve.kernels.mla_decode import load_columns, store_columns
-from deepserve.kernels.paged_attention import num_sms
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from deepserve.kernels.reference import sparse_attention as reference
 

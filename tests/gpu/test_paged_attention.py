@@ -11,9 +11,10 @@ import torch
 
 from deepserve.kernels import INTERPRET
 from deepserve.layers.attention_triton import TritonPagedAttention
-from deepserve.kernels.paged_attention import (DECODE_BLOCK_N, DEEP_PIPELINE_TILES, HEADS_FIRST, active_splits_ref,
-                                               decode_attention, DecodeTiles, decode_attention_ref,
-                                               decode_num_splits, decode_reduce, decode_tiles, num_sms,
+from deepserve.kernels import num_sms
+from deepserve.kernels.decode_launch import (DECODE_BLOCK_N, DEEP_PIPELINE_TILES, HEADS_FIRST, DecodeTiles,
+                                            decode_num_splits, decode_tiles)
+from deepserve.kernels.paged_attention import (active_splits_ref, decode_attention, decode_attention_ref, decode_reduce,
                                                decode_reduce_ref)
 from deepserve.kernels.kv_write import rotary_write_kv, rotary_write_kv_ref, write_kv, write_kv_ref
 from deepserve.kernels import l2_prefetch
@@ -341,9 +342,9 @@ def test_two_kv_heads_a_program_only_where_they_pair(device, monkeypatch):
     """DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=2 pairs heads of at most 128 bytes a token (64-wide fp16, 128-wide fp8) of
     an even count; wider heads or an odd count keep one a program (the launch asserts a forced pairing of an odd
     count)."""
-    from deepserve.kernels import paged_attention
+    from deepserve.kernels import decode_launch
     launched = spy_decode_launches(monkeypatch)
-    monkeypatch.setattr(paged_attention, "KV_HEADS_PER_PROGRAM", "2")
+    monkeypatch.setattr(decode_launch, "KV_HEADS_PER_PROGRAM", "2")
     lens = [5, 40]
     for head_dim, kv_heads, cache_dtype, want in ((64, 4, torch.float16, 2), (128, 4, torch.float16, 1),
                                                   (64, 3, torch.float16, 1), (128, 2, torch.float8_e4m3fn, 2)):
@@ -364,11 +365,11 @@ def test_auto_pairs_kv_heads_in_one_wave_unsplit_launches_over_16_bit_caches(dev
     """DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM=auto (the default): 64-wide 16-bit heads pair in a launch without a split
     whose programs fit the SMs in one wave, not past one wave (four times the rows) nor in a split launch (two rows
     over a long context); each matches the reference."""
-    from deepserve.kernels import paged_attention
+    from deepserve.kernels import decode_launch
     launched = spy_decode_launches(monkeypatch)
-    monkeypatch.setattr(paged_attention, "KV_HEADS_PER_PROGRAM", "auto")
+    monkeypatch.setattr(decode_launch, "KV_HEADS_PER_PROGRAM", "auto")
     kv_heads, head_dim = 8, 64
-    one_wave_rows = paged_attention.num_sms(torch.device(device)) // 2    # x 8 heads x 64 = two 128-wide an SM
+    one_wave_rows = num_sms(torch.device(device)) // 2    # x 8 heads x 64 = two 128-wide an SM
     for lens, want_pairs, want_split in (([100] * one_wave_rows, 2, False), ([100] * (4 * one_wave_rows), 1, False),
                                          ([900, 700], 1, True)):
         blocks = cdiv_total(lens, 16) + 4
@@ -508,7 +509,7 @@ def test_decode_split_merge_in_the_kernel_matches_the_reduce(device, head_dim, g
     decode kernel. Against the reference, and within an ulp of the reduce launch's merge (mostly bit for bit); rows
     scattered among others (those stay untouched), contexts within one split and across many, a CUDA graph's grid
     (max_seq_len far above every context: most splits empty); every counter back to zero after each launch."""
-    from deepserve.kernels.paged_attention import merge_tile, split_counters
+    from deepserve.kernels.decode_launch import merge_tile, split_counters
     dtype = torch.float16
     lens = [1, 17, 64, 65, 193, 700, 1000]
     kv_heads = 4
@@ -539,10 +540,11 @@ def test_decode_split_merge_keeps_the_reduce_past_its_tile(device, monkeypatch):
     """A merge tile past MERGE_MAX_ELEMENTS (many splits of wide heads), a head width that is not a power of two:
     the launch keeps its reduce."""
     from deepserve.kernels import paged_attention
-    assert paged_attention.merge_tile(4, 8, 64) == (4, 8)
-    assert paged_attention.merge_tile(3, 5, 64) == (4, 8)
-    assert paged_attention.merge_tile(4, 32, 128) is None
-    assert paged_attention.merge_tile(4, 2, 96) is None        # partials packed at a power-of-two head width
+    from deepserve.kernels.decode_launch import merge_tile
+    assert merge_tile(4, 8, 64) == (4, 8)
+    assert merge_tile(3, 5, 64) == (4, 8)
+    assert merge_tile(4, 32, 128) is None
+    assert merge_tile(4, 2, 96) is None        # partials packed at a power-of-two head width
     reduces = []
     real = paged_attention.decode_reduce
     monkeypatch.setattr(paged_attention, "decode_reduce", lambda *a, **k: reduces.append(1) or real(*a, **k))

@@ -5,6 +5,7 @@ so a projected value may differ by one rounding, and the rotation carries that t
 import pytest
 import torch
 
+from deepserve.kernels import qkv_rotary
 from deepserve.kernels.qkv_rotary import qkv_rotary_write
 from deepserve.kernels.kv_write import rotary_write_kv_ref
 from deepserve.layers.rotary import RotaryEmbedding
@@ -23,6 +24,17 @@ def assert_fp8_caches_close(cache, ref_cache):
     assert got.abs().sum() > 0
 
 
+# Rotation pairs and warps a program (DEEPSERVE_QKV_ROTARY_TILES): the default's one pair, and more, up to a program
+# holding half a 32-wide head's pairs (16) or the whole half (pairs past it fall back to what divides it).
+TILES = [(1, 2), (2, 4), (4, 4), (16, 8)]
+
+
+@pytest.fixture(params=TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def tiles(request, monkeypatch):
+    monkeypatch.setattr(qkv_rotary, "QKV_ROTARY_TILES", request.param)
+    return request.param
+
+
 def two_step(x, w, bias, cache, slots, positions, cos, sin, heads, kv_heads):
     d, t = cache.shape[-1], x.shape[0]
     qkv = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
@@ -36,7 +48,7 @@ def two_step(x, w, bias, cache, slots, positions, cos, sin, heads, kv_heads):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 128), (6, 1, 32)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("half_cache", [False, True])
-def test_matches_two_step_path(device, dtype, heads, kv_heads, head_dim, with_bias, half_cache):
+def test_matches_two_step_path(device, dtype, heads, kv_heads, head_dim, with_bias, half_cache, tiles):
     skip_bf16_in_interpreter(dtype)
     hidden, block_size, num_blocks = 96, 16, 6
     n = (heads + 2 * kv_heads) * head_dim
@@ -61,7 +73,7 @@ def test_matches_two_step_path(device, dtype, heads, kv_heads, head_dim, with_bi
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-def test_writes_into_an_fp8_cache(device, cache_dtype):
+def test_writes_into_an_fp8_cache(device, cache_dtype, tiles):
     """An fp8 cache (kv_cache_dtype "fp8" / "fp8_e5m2"): the key and value of the step land rounded (saturated,
     to nearest) as the two-step path rounds them; a value one rounding off there may take the neighbouring code."""
     from deepserve.kernels import INTERPRET
@@ -83,7 +95,7 @@ def test_writes_into_an_fp8_cache(device, cache_dtype):
     assert_fp8_caches_close(cache, ref_cache)
 
 
-def test_padding_slot_writes_nothing(device):
+def test_padding_slot_writes_nothing(device, tiles):
     heads, kv_heads, d, hidden = 4, 2, 32, 64
     n = (heads + 2 * kv_heads) * d
     x = torch.randn(1, hidden, device=device).half()
@@ -126,7 +138,7 @@ def test_engine_batch1_decode_uses_it_and_keeps_the_tokens(tiny_llama, monkeypat
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norm_prologue_is_the_norm_kernel_then_the_launch(device, dtype):
+def test_norm_prologue_is_the_norm_kernel_then_the_launch(device, dtype, tiles):
     """qkv_rotary_write(x, ..., norm=n) = the RMSNorm kernel, then qkv_rotary_write of its output: within one
     rounding (the sum of squares runs in another order), the same cache slot written."""
     skip_bf16_in_interpreter(dtype)

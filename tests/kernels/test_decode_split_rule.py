@@ -1,4 +1,4 @@
-"""The paged decode's split counts (kernels/paged_attention.py decode_num_splits / launch_num_splits), host-side
+"""The paged decode's split counts (kernels/decode_launch.py decode_num_splits / launch_num_splits), host-side
 arithmetic checked without a GPU: the H100 / H200's 132 SMs, the shapes whose split counts were timed at kernel level
 (merge_splits_*_h100_s43.json): Llama-3.2-1B (8 KV heads of 64, group 4), Llama-3-8B (8 of 128, group 4) and
 Qwen3-MoE (4 of 128, group 8)."""
@@ -6,8 +6,8 @@ Qwen3-MoE (4 of 128, group 8)."""
 import pytest
 import torch
 
-from deepserve.kernels import paged_attention
-from deepserve.kernels.paged_attention import decode_num_splits, launch_num_splits, merge_max_splits
+from deepserve.kernels import decode_launch
+from deepserve.kernels.decode_launch import decode_num_splits, launch_num_splits, merge_max_splits
 
 CPU = torch.device("cpu")
 SHAPES = {"1b": (8, 64, 4), "8b": (8, 128, 4), "qwen3-moe": (4, 128, 8)}     # KV heads, head_dim, group
@@ -15,8 +15,8 @@ SHAPES = {"1b": (8, 64, 4), "8b": (8, 128, 4), "qwen3-moe": (4, 128, 8)}     # K
 
 @pytest.fixture(autouse=True)
 def h100_sms(monkeypatch):
-    monkeypatch.setattr(paged_attention, "num_sms", lambda device: 132)
-    monkeypatch.setattr(paged_attention, "SPLIT_RULE", "merged")
+    monkeypatch.setattr(decode_launch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(decode_launch, "SPLIT_RULE", "merged")
 
 
 def splits(shape: str, batch: int, context: int, merge: bool = True) -> int:
@@ -30,8 +30,8 @@ def test_merge_max_splits_is_the_merge_tiles_limit():
     assert merge_max_splits(4, 96) == 0                  # partials packed at a power-of-two head width only
     for heads, d in ((4, 64), (4, 128), (8, 128), (16, 128)):
         most = merge_max_splits(heads, d)
-        assert paged_attention.merge_tile(heads, most, d) is not None
-        assert paged_attention.merge_tile(heads, most + 1, d) is None
+        assert decode_launch.merge_tile(heads, most, d) is not None
+        assert decode_launch.merge_tile(heads, most + 1, d) is None
 
 
 def test_reduce_launches_keep_session_42s_counts():
@@ -67,7 +67,7 @@ def test_no_split_past_the_one_wave_line():
 
 
 def test_the_reduce_rule_setting_restores_session_42s_counts(monkeypatch):
-    monkeypatch.setattr(paged_attention, "SPLIT_RULE", "reduce")
+    monkeypatch.setattr(decode_launch, "SPLIT_RULE", "reduce")
     assert splits("1b", 1, 1024) == 8 and splits("1b", 64, 1024) == 1 and splits("qwen3-moe", 32, 4096) == 5
 
 

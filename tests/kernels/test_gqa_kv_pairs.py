@@ -6,7 +6,7 @@ the paired kernel's attention itself."""
 import pytest
 import torch
 
-from deepserve.kernels.paged_attention import fits_one_wave, kv_heads_a_program
+from deepserve.kernels.decode_launch import fits_one_wave, kv_heads_a_program
 
 
 @pytest.mark.parametrize("head_dim,elem,kv_heads,adjacent,one_wave,want", [

@@ -39,7 +39,7 @@ def test_attention_tile_specs(benchmarks_on_path):
 
 def test_in_step_tiles_parse_into_decode_tiles(benchmarks_on_path):
     from decode_attention_in_step import forced_tiles
-    from deepserve.kernels.paged_attention import DecodeTiles
+    from deepserve.kernels.decode_launch import DecodeTiles
     assert forced_tiles("64x4x3eh") == DecodeTiles(64, 4, 3, early_v=True, heads_first=True)
     assert forced_tiles("32x4x2") == DecodeTiles(32, 4, 2)
     assert forced_tiles("64x4x3ehp") == DecodeTiles(64, 4, 3, early_v=True, heads_first=True, kv_heads=2)

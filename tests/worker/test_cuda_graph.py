@@ -198,7 +198,7 @@ def test_compact_tables_auto_packs_long_rows_only():
     (an engine sized for a 128k context), at full width where it is short (the decode sweep's ~1.1k); 1 / 0 force."""
     assert COMPACT_MIN_BLOCKS == 512
     assert compact_tables_for("auto", 131072, 16) and compact_tables_for("auto", 8192, 16)
-    assert not compact_tables_for("auto", 8191 - 15, 16) and not compact_tables_for("auto", 1100, 16)
+    assert not compact_tables_for("auto", 8176, 16) and not compact_tables_for("auto", 1100, 16)    # 511, 69 blocks
     assert not compact_tables_for("auto", 8192, 32)           # 256 blocks of 32 tokens
     assert compact_tables_for("1", 1100, 16) and not compact_tables_for("0", 131072, 16)
 
