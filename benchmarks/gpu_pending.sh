@@ -33,7 +33,7 @@
 #   bash benchmarks/gpu_pending.sh merge-splits-wide  # ~3 min: split counts past the one-wave line, merge in the kernel
 #   bash benchmarks/gpu_pending.sh split-rule  # ~6 min: split counts sized for the in-kernel merge, in steps
 #   bash benchmarks/gpu_pending.sh deploy-len  # ~5 min: Llama-3.2-1B 1k steps from an engine sized for 128k
-#   bash benchmarks/gpu_pending.sh s43-qkv  # ~6 min: batch-1 qkv + rotary launch, rows a program: kernels, steps, tests
+#   bash benchmarks/gpu_pending.sh qkv-tiles  # ~1 min: the batch-1 qkv + rotary launch at more rows a program
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -453,29 +453,13 @@ deploy-len)
     tail -2 /tmp/deploy_len_ab.log | cut -c1-300; summarise_steps "$OUT/deploy_len_128k_ab.json"
     elapsed "deploy-len"
     ;;
-s43-qkv)
-    # Batch-1 decode's fused qkv + rotary + KV write (kernels/qkv_rotary.py) at more rows a program
-    # (DEEPSERVE_QKV_ROTARY_TILES, PAIRSxWARPS): every setting at kernel level beside the plain GEMV of the weight,
-    # then the default 1x2 against the two fastest in Llama-3.2-1B batch-1 steps (two passes), then all of tests/gpu.
+qkv-tiles)
+    # Batch-1 decode's fused qkv + rotary + KV write (kernels/qkv_rotary.py) at more rows a program (its `tiles`:
+    # rotation pairs x warps) beside the plain GEMV of the weight, at kernel level. Session 43 also timed the two
+    # fastest in Llama-3.2-1B batch-1 steps, through an A/B switch of d35bd4a since removed: slower there.
     timeout 120 python3 benchmarks/tune_qkv_rotary.py --output "$OUT/tune_qkv_rotary.json" > /tmp/tune_qkv.log 2>&1
     tail -4 /tmp/tune_qkv.log | cut -c1-400
     elapsed "qkv kernels"
-    picks=$(python3 - "$OUT/tune_qkv_rotary.json" <<'PY'
-import json, sys
-us = json.load(open(sys.argv[1]))["results"]["llama-3.2-1b"]["us"]
-print(",".join(["1x2"] + sorted((t for t in us if t not in ("plain GEMV", "1x2")), key=us.get)[:2]))
-PY
-)
-    echo "A/B: $picks"
-    timeout 150 python3 benchmarks/ab_env_sweep.py --setting "DEEPSERVE_QKV_ROTARY_TILES=${picks:-1x2,2x4,4x4}" \
-        --passes "${PASSES:-2}" --timeout 60 --output "$OUT/qkv_tiles_1b_ab.json" -- --shapes llama-3.2-1b \
-        --contexts 1024 --batches 1 --profile-batch 0 > /tmp/qkv_ab.log 2>&1
-    tail -2 /tmp/qkv_ab.log | cut -c1-300; summarise_steps "$OUT/qkv_tiles_1b_ab.json"
-    elapsed "qkv steps"
-    n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
-    timeout 170 python3 -m pytest -q $n tests/gpu -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
-    tail -3 "$OUT/pytest_gpu.log"; grep -m 6 "^E .*Error\|^E  *assert\|^FAILED" "$OUT/pytest_gpu.log" | cut -c1-300
-    elapsed "tests/gpu"
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the

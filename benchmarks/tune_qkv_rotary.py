@@ -1,5 +1,5 @@
 """Batch-1 decode's fused qkv GEMV + rotary + KV write (kernels/qkv_rotary.py) at its launch settings: rotation pairs
-and warps a program (DEEPSERVE_QKV_ROTARY_TILES), against the plain GEMV of the same weight at gemv_config's tiles
+and warps a program (qkv_rotary_write's `tiles`), against the plain GEMV of the same weight at gemv_config's tiles
 (no rotation, no cache write: what the weight's bytes cost alone) and the weight's bytes at the copy bandwidth.
 
 Why: on an H100 with PDL off (split_merge_timeline_last_pdl0_h100_s42.json) Llama-3.2-1B's fused launch took 7.6 us
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from deepserve.kernels import qkv_rotary  # noqa: E402
+from deepserve.kernels.qkv_rotary import qkv_rotary_write  # noqa: E402
 from deepserve.kernels.gemv import gemv  # noqa: E402
 from deepserve.layers.rotary import RotaryEmbedding  # noqa: E402
 from tune_gemv import graph_time  # noqa: E402  (CUDA-graph replay timing)
@@ -63,10 +63,10 @@ def tune_shape(hidden: int, heads: int, kv_heads: int, d: int) -> dict:
         res["us"][name] = round(us, 2)
         res["TBps"][name] = round(weight_bytes / us / 1e6, 3)
 
-    for tiles in TILES:
-        qkv_rotary.QKV_ROTARY_TILES = qkv_rotary.parse_tiles(tiles)
-        record(tiles, lambda c: qkv_rotary.qkv_rotary_write(x, weights[c], None, cache, slots, positions, cos, sin,
-                                                            heads, kv_heads, norm=norm))
+    for text in TILES:
+        tiles = tuple(int(v) for v in text.split("x"))        # rotation pairs x warps
+        record(text, lambda c: qkv_rotary_write(x, weights[c], None, cache, slots, positions, cos, sin, heads,
+                                                kv_heads, norm=norm, tiles=tiles))
     record("plain GEMV", lambda c: gemv(x, weights[c]))
     best = min(TILES, key=lambda t: res["us"][t])
     res["best"] = (best, res["us"][best])

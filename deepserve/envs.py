@@ -161,10 +161,6 @@ _DECLARED = [
            "launch a layer fewer, bit for bit the same; an A/B switch until a GPU run times it (read at model build)"),
     EnvVar("DEEPSERVE_PDL", "bool", True,
            "programmatic dependent launch for the decode-path Triton kernels on Hopper and later"),
-    EnvVar("DEEPSERVE_QKV_ROTARY_TILES", "str", "1x2",
-           "A/B (session 43): batch-1 decode's fused qkv GEMV + rotary + KV write (kernels/qkv_rotary.py), rotation "
-           "pairs and warps a program, PAIRSxWARPS: 1x2 (the default: two rows a program) or more rows, as the plain "
-           "GEMV's 4 rows and 4 warps for such weights (read at import)"),
     EnvVar("DEEPSERVE_GEMV_PREFETCH", "int", 1,
            "what a GEMV does before its PDL wait: 0 nothing, 1 L2 prefetch of its first K step, 2 of all its "
            "rows, 3 first K step into registers (read at import)", choices=(0, 1, 2, 3)),

@@ -4,7 +4,7 @@ and the write of k and v into the paged cache (Llama/Qwen-style layers with a fu
 Unfused, a layer runs the qkv GEMV (one activation row, deepserve/kernels/gemv.py) and then `rotary_write_kv`
 (deepserve/kernels/kv_write.py): two launches, the second a 2-3 us latency-bound kernel on 16 KB of data,
 16 times per Llama-3.2-1B step. Here each GEMV program computes the columns NeoX rotations pair, j and j + D/2 of
-one head (PAIRS such pairs, DEEPSERVE_QKV_ROTARY_TILES), so it can rotate them itself: a query head's pairs go to
+one head (PAIRS such pairs), so it can rotate them itself: a query head's pairs go to
 q_out, a key head's into the cache slot, rotated, and a value head's into the cache as they are.
 
 Same arithmetic as the two launches: the GEMV's float32 sums (`gemv_rows`), rounded to the activation dtype (the
@@ -21,7 +21,6 @@ from typing import Optional
 
 import torch
 
-from deepserve import envs
 from deepserve.kernels import and_scalar, next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import (norm_eps, norm_ref, norm_weight_or, normed_gemv_rows, one_row_operands,
                                     prologue_norm)
@@ -47,20 +46,11 @@ def rotation_inputs(pos_ptr, slot_ptr, cos_ptr, sin_ptr, stride_cos, j, HALF: tl
     return tl.load(slot_ptr).to(tl.int64), cos1, sin1, cos2, sin2
 
 
-def parse_tiles(text: str) -> tuple[int, int]:
-    """'PAIRSxWARPS' (DEEPSERVE_QKV_ROTARY_TILES) -> (rotation pairs a program, warps): pairs a power of two up to 16
-    (fewer where half a head holds fewer), warps 1, 2, 4 or 8."""
-    try:
-        pairs, warps = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"qkv rotary tiles {text!r} (DEEPSERVE_QKV_ROTARY_TILES): expected PAIRSxWARPS, e.g. 2x4") \
-            from None
-    if pairs not in (1, 2, 4, 8, 16) or warps not in (1, 2, 4, 8):
-        raise ValueError(f"qkv rotary tiles {text!r} (DEEPSERVE_QKV_ROTARY_TILES): pairs 1/2/4/8/16, warps 1/2/4/8")
-    return pairs, warps
-
-
-QKV_ROTARY_TILES = parse_tiles(envs.DEEPSERVE_QKV_ROTARY_TILES)
+# Rotation pairs and warps a program. Two rows a program, two warps: the H200 sweep's best 2-row tiling
+# (benchmarks/tune_gemv_wide.json). More rows a program are faster alone but not in steps (H100, session 43,
+# tune_qkv_rotary_h100_s43.json: Llama-3.2-1B's launch 6.97 -> 5.59 us at 2 pairs, 2 warps, the plain GEMV's 5.66;
+# its batch-1 steps 1.058-1.060 -> 1.076-1.079 ms at 2 and 4 pairs, qkv_tiles_1b_ab_h100_s43.json).
+DEFAULT_TILES = (1, 2)
 
 
 # positions and slot_mapping are views into the step's packed index buffer: not specialised on (see rotary.py).
@@ -113,11 +103,13 @@ def _qkv_rotary_write_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, pos_ptr, slot_ptr
 
 def qkv_rotary_write(x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor], kv_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-                     sin_cache: torch.Tensor, num_heads: int, num_kv_heads: int, norm=None) -> torch.Tensor:
+                     sin_cache: torch.Tensor, num_heads: int, num_kv_heads: int, norm=None,
+                     tiles: tuple[int, int] = DEFAULT_TILES) -> torch.Tensor:
     """x [1, K], w_qkv [(H + 2 Hkv) * D, K] (q rows, then k, then v), bias or None; kv_cache [2, blocks, block_size,
     Hkv, D] -> q rotated at positions[0], [1, H, D]; k rotated and v written to the cache at slot_mapping[0]:
     `qkv_rotary_write_ref`, in one launch. With `norm` (an RMSNorm), of norm(x): the norm in the GEMV's prologue
-    when one K step holds the row (`prologue_norm`), else the norm kernel first."""
+    when one K step holds the row (`prologue_norm`), else the norm kernel first. `tiles`: (rotation pairs, warps) a
+    program, pairs a power of two (fewer where half a head holds fewer)."""
     require_triton(x)
     x, w_qkv = one_row_operands(x, w_qkv)
     n, k = w_qkv.shape
@@ -128,9 +120,10 @@ def qkv_rotary_write(x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.
     half_cache = half_width_caches(d, cos_cache, sin_cache)
     q_out = torch.empty(1, num_heads, d, dtype=x.dtype, device=x.device)
     # K steps of up to 2048 (the H200 sweep's best for 2 rows of a 3072 x 2048 qkv, 5.1 us vs 5.9 with steps of
-    # 512: benchmarks/tune_gemv_wide.json); rotation pairs and warps a program: QKV_ROTARY_TILES.
+    # 512: benchmarks/tune_gemv_wide.json).
     block_k = min(2048, max(16, next_pow2(k)))
-    pairs, warps = QKV_ROTARY_TILES
+    pairs, warps = tiles
+    assert pairs == next_pow2(pairs) and warps in (1, 2, 4, 8), f"qkv rotary tiles {tiles}"
     while (d // 2) % pairs:
         pairs //= 2
     x, norm = prologue_norm(x, norm, block_k >= k)

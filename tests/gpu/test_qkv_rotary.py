@@ -5,7 +5,6 @@ so a projected value may differ by one rounding, and the rotation carries that t
 import pytest
 import torch
 
-from deepserve.kernels import qkv_rotary
 from deepserve.kernels.qkv_rotary import qkv_rotary_write
 from deepserve.kernels.kv_write import rotary_write_kv_ref
 from deepserve.layers.rotary import RotaryEmbedding
@@ -24,14 +23,13 @@ def assert_fp8_caches_close(cache, ref_cache):
     assert got.abs().sum() > 0
 
 
-# Rotation pairs and warps a program (DEEPSERVE_QKV_ROTARY_TILES): the default's one pair, and more, up to a program
-# holding half a 32-wide head's pairs (16) or the whole half (pairs past it fall back to what divides it).
+# Rotation pairs and warps a program (qkv_rotary_write's `tiles`): the default's one pair, and more, up to a program
+# holding a 32-wide head's whole half (16), past half a 64-wide one's (it falls back to what divides the half).
 TILES = [(1, 2), (2, 4), (4, 4), (16, 8)]
 
 
 @pytest.fixture(params=TILES, ids=lambda t: f"{t[0]}x{t[1]}")
-def tiles(request, monkeypatch):
-    monkeypatch.setattr(qkv_rotary, "QKV_ROTARY_TILES", request.param)
+def tiles(request):
     return request.param
 
 
@@ -63,7 +61,7 @@ def test_matches_two_step_path(device, dtype, heads, kv_heads, head_dim, with_bi
     slots = torch.tensor([3 * block_size + 5], device=device)
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, device=device).to(dtype)
     ref_cache = cache.clone()
-    q = qkv_rotary_write(x, w, bias, cache, slots, positions, kcos, ksin, heads, kv_heads)
+    q = qkv_rotary_write(x, w, bias, cache, slots, positions, kcos, ksin, heads, kv_heads, tiles=tiles)
     q_ref = two_step(x, w, bias, ref_cache, slots, positions, cos, sin, heads, kv_heads)
     assert q.shape == (1, heads, head_dim) and q.dtype == dtype
     assert_within_ulps(q, q_ref.view(q.shape), dtype, ulps=2, min_exact=0.85, atol=2e-3)
@@ -89,7 +87,7 @@ def test_writes_into_an_fp8_cache(device, cache_dtype, tiles):
     slots = torch.randperm(4 * block_size, device=device)[:rows]
     cache = torch.zeros(2, 4, block_size, kv_heads, head_dim, device=device).to(cache_dtype)
     ref_cache = cache.clone()
-    q = qkv_rotary_write(x, w, None, cache, slots, positions, cos, sin, heads, kv_heads)
+    q = qkv_rotary_write(x, w, None, cache, slots, positions, cos, sin, heads, kv_heads, tiles=tiles)
     q_ref = two_step(x, w, None, ref_cache, slots, positions, cos, sin, heads, kv_heads)
     assert_within_ulps(q, q_ref.view(q.shape), dtype, ulps=2, min_exact=0.85, atol=2e-3)
     assert_fp8_caches_close(cache, ref_cache)
@@ -104,9 +102,20 @@ def test_padding_slot_writes_nothing(device, tiles):
     cache = torch.randn(2, 3, 8, kv_heads, d, device=device).half()
     before = cache.clone()
     q = qkv_rotary_write(x, w, None, cache, torch.tensor([-1], device=device), torch.tensor([3], device=device),
-                         rot.cos_cache.to(device), rot.sin_cache.to(device), heads, kv_heads)
+                         rot.cos_cache.to(device), rot.sin_cache.to(device), heads, kv_heads, tiles=tiles)
     assert torch.equal(cache, before)
     assert torch.isfinite(q.float()).all()
+
+
+def test_rejects_tiles_it_cannot_launch(device):
+    x = torch.randn(1, 16, device=device).half()
+    cache = torch.zeros(2, 2, 4, 2, 8, device=device).half()
+    rot = RotaryEmbedding(8, 16, 10000.0)
+    for tiles in ((3, 2), (2, 3)):
+        with pytest.raises(AssertionError, match="qkv rotary tiles"):
+            qkv_rotary_write(x, torch.randn(48, 16, device=device).half(), None, cache, torch.tensor([0], device=device),
+                             torch.tensor([0], device=device), rot.cos_cache.to(device), rot.sin_cache.to(device), 2, 2,
+                             tiles=tiles)
 
 
 def test_rejects_wrong_row_count(device):
@@ -156,9 +165,9 @@ def test_norm_prologue_is_the_norm_kernel_then_the_launch(device, dtype, tiles):
     positions, slots = torch.tensor([21], device=device), torch.tensor([13], device=device)
     cache = torch.randn(2, 2, 8, kv_heads, d, device=device).to(dtype)
     ref_cache = cache.clone()
-    q = qkv_rotary_write(x, w, None, cache, slots, positions, cos, sin, heads, kv_heads, norm=norm)
+    q = qkv_rotary_write(x, w, None, cache, slots, positions, cos, sin, heads, kv_heads, norm=norm, tiles=tiles)
     xn = fused_add_rms_norm(x, None, norm.weight, norm.eps)
-    q_ref = qkv_rotary_write(xn, w, None, ref_cache, slots, positions, cos, sin, heads, kv_heads)
+    q_ref = qkv_rotary_write(xn, w, None, ref_cache, slots, positions, cos, sin, heads, kv_heads, tiles=tiles)
     assert_within_ulps(q, q_ref, dtype, ulps=1, min_exact=0.9, atol=1e-4)
     assert_within_ulps(cache, ref_cache, dtype, ulps=1, min_exact=0.97, atol=1e-4)
 
