@@ -34,6 +34,7 @@
 #   bash benchmarks/gpu_pending.sh split-rule  # ~6 min: split counts sized for the in-kernel merge, in steps
 #   bash benchmarks/gpu_pending.sh deploy-len  # ~5 min: Llama-3.2-1B 1k steps from an engine sized for 128k
 #   bash benchmarks/gpu_pending.sh qkv-tiles  # ~1 min: the batch-1 qkv + rotary launch at more rows a program
+#   bash benchmarks/gpu_pending.sh kernel-table  # ~3 min: 1B batch 1 / 8 / 64 replays' kernels by name, PDL off / on
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -460,6 +461,28 @@ qkv-tiles)
     timeout 120 python3 benchmarks/tune_qkv_rotary.py --output "$OUT/tune_qkv_rotary.json" > /tmp/tune_qkv.log 2>&1
     tail -4 /tmp/tune_qkv.log | cut -c1-400
     elapsed "qkv kernels"
+    ;;
+kernel-table)
+    # Where Llama-3.2-1B's batch 1 / 8 / 64 steps at 1k go, for the 0.80 target (session 43's note): each graph
+    # replay's kernels by name (profile_gpu_step's by_kernel: launches and microseconds a replay), with PDL off (each
+    # kernel's duration its own, to price it against its bytes) and on (what overlaps). Not run yet.
+    for pdl in 0 1; do
+        DEEPSERVE_PDL=$pdl timeout 120 python3 benchmarks/h200_decode_sweep.py --shapes llama-3.2-1b \
+            --contexts 1024 --batches 1,8,64 --profile-batch 0 --timeline-batch 1,8,64 \
+            --output "$OUT/kernel_table_1b_pdl${pdl}.json" > /tmp/kernel_table.log 2>&1
+        tail -1 /tmp/kernel_table.log | cut -c1-200
+        python3 - "$OUT/kernel_table_1b_pdl${pdl}.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for b in d["results"]["llama-3.2-1b"]["1024"]["batches"]:
+    t = b.get("graph_timeline") or {}
+    print(sys.argv[1].rsplit("/", 1)[-1], "batch", b["batch"], "step", b["step_ms"], "span", t.get("span_us"),
+          "idle", t.get("idle_us"))
+    for name, n, us in t.get("by_kernel", [])[:10]:
+        print(f"    {us:8.1f} us  x{n:5.1f}  {name[:60]}")
+PY
+    done
+    elapsed "kernel-table"
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the

@@ -162,7 +162,8 @@ def graph_timeline(engine, batch: int, reps: int = 3, top: int = 15) -> dict | N
 def idle_breakdown(kernels: list, reps: int, top: int = 15, sequence: int = 60) -> dict:
     """`graph_timeline`'s arithmetic on (start, end, name) kernel intervals (us) of `reps` replays. Plus `sequence`:
     the first kernels of the last replay in launch order with their durations (with DEEPSERVE_PDL=0 each its own):
-    which launch of a layer a kernel name in the totals is."""
+    which launch of a layer a kernel name in the totals is; and `by_kernel`: every kernel name's launches and
+    microseconds a replay, longest total first (the whole replay, where `sequence` stops at its first kernels)."""
     kernels = sorted(kernels, key=lambda k: k[0])
     per_replay = len(kernels) // reps
     last = kernels[(reps - 1) * per_replay:(reps - 1) * per_replay + sequence]
@@ -181,11 +182,19 @@ def idle_breakdown(kernels: list, reps: int, top: int = 15, sequence: int = 60) 
             reach, prev = end, name
     span = reach - kernels[0][0]
     rows = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+    totals: dict[str, list] = {}
+    for start, end, name in kernels:
+        slot = totals.setdefault(name[:70], [0, 0.0])
+        slot[0] += 1
+        slot[1] += end - start
+    by_kernel = [(name, round(n / reps, 1), round(t / reps, 1))
+                 for name, (n, t) in sorted(totals.items(), key=lambda kv: -kv[1][1])]
     return {"reps": reps, "kernels_per_replay": round(len(kernels) / reps, 1),
             "span_us": round(span / reps, 1), "busy_us": round(busy / reps, 1), "idle_us": round(idle / reps, 1),
             "kernel_us_sum": round(sum(e - s for s, e, _ in kernels) / reps, 1),
             "top_idle": [(k, round(v[0] / reps, 1), round(v[1] / reps, 1)) for k, v in rows],
-            "sequence": [(name[:70], round(end - start, 1)) for start, end, name in last]}
+            "sequence": [(name[:70], round(end - start, 1)) for start, end, name in last],
+            "by_kernel": by_kernel}
 
 
 def graph_replay_ms(llm: LLM, size: int, seq_len: int, reps: int = 200) -> float | None:

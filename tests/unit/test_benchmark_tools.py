@@ -1,6 +1,6 @@
 """The GPU benchmarks' host-side logic, checked without a GPU: what a tile spec means (fp8_attention_kernels.py,
-decode_attention_in_step.py), that a profile's batch keeps decoding (profile_gpu_step.py) and which settings an A/B
-sweep runs (ab_env_sweep.py)."""
+decode_attention_in_step.py), that a profile's batch keeps decoding and what its graph timeline adds up
+(profile_gpu_step.py) and which settings an A/B sweep runs (ab_env_sweep.py)."""
 
 import sys
 from pathlib import Path
@@ -70,3 +70,16 @@ def test_env_sweep_settings_and_combos(benchmarks_on_path):
     assert combos(["A=1,B=2", "A=3"]) == [{"A": "1", "B": "2"}, {"A": "3"}]
     with pytest.raises(SystemExit):
         combos(["A=1,B"])
+
+
+def test_graph_timeline_arithmetic(benchmarks_on_path):
+    """profile_gpu_step.idle_breakdown on two replays of three kernels: idle time between kernels, busy time as the
+    union of intervals, and every kernel name's launches and microseconds a replay."""
+    from profile_gpu_step import idle_breakdown
+    one = [(0.0, 10.0, "gemv"), (12.0, 20.0, "attn"), (18.0, 30.0, "gemv")]     # a 2 us gap, then an overlap
+    kernels = one + [(s + 100.0, e + 100.0, n) for s, e, n in one]
+    r = idle_breakdown(kernels, reps=2)
+    assert r["kernels_per_replay"] == 3 and r["busy_us"] == 28.0
+    assert r["idle_us"] == (2.0 + 70.0 + 2.0) / 2                   # the gap between replays counts too
+    assert r["by_kernel"] == [("gemv", 2.0, 22.0), ("attn", 1.0, 8.0)]
+    assert [name for name, _ in r["sequence"]] == ["gemv", "attn", "gemv"]
