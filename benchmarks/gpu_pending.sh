@@ -489,7 +489,7 @@ mla-prefetch)
     # DEEPSERVE_MLA_REGISTER_PREFETCH (session 43, not run yet): the MLA decode kernel over E4M3 with each tile's codes
     # loaded into registers a tile ahead on one stage, not staged through shared memory by cp.async (V2-Lite batch
     # 256 reads E4M3 at ~1.5 TB/s with its shared-memory pipe 75% busy). The spill-free builds (Triton 3.6:
-    # kernel_resources_mla_prefetch_triton36_s43.json): 16x4x1 (200 registers, 2 programs an SM) and 32x8x1 (175, 1).
+    # kernel_resources_mla_prefetch_triton36_s43.json): 16x4x1 (200 registers, 2 programs an SM) and 32x8x1 (176, 1).
     # The kernel tests, then kernel calls at V2-Lite batch 64 / 128 / 256 over E4M3, then steps with the faster tile
     # (MLA_PREFETCH_TILES, default 16x4x1) against the default, two passes.
     timeout 120 python3 -m pytest -q tests/gpu/test_mla_decode.py -k "register_prefetch or fp8" -p no:cacheprovider \

@@ -227,28 +227,24 @@ def store_columns(row_ptrs, first: tl.constexpr, cols, rows_ok, value, width):
 
 
 @triton.jit
-def latent_codes(cache_ptr, blk, tok, t_ok, block_size, stride_c_block, stride_c_slot, c, p, p_ok,
-                 RANK: tl.constexpr, CHUNK: tl.constexpr):
-    """The cache's codes of tokens `tok` (in blocks `blk`) as stored: the latent's four column chunks [BLOCK_N,
-    CHUNK] and the RoPE keys [BLOCK_N, BLOCK_P]; 0 where not t_ok."""
-    slot = (cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot)[:, None]
+def latent_slots(cache_ptr, blk, tok, block_size, stride_c_block, stride_c_slot):
+    """[BLOCK_N, 1] pointers to the cache rows of tokens `tok`, in blocks `blk`."""
+    return (cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot)[:, None]
+
+
+@triton.jit
+def latent_codes(slot, t_ok, c, p, p_ok, RANK: tl.constexpr, CHUNK: tl.constexpr):
+    """The codes of the cache rows `slot` as stored: the latent's four column chunks [BLOCK_N, CHUNK] and the RoPE
+    keys [BLOCK_N, BLOCK_P]; 0 where not t_ok."""
     return (load_columns(slot, 0 * CHUNK, c, t_ok, RANK), load_columns(slot, 1 * CHUNK, c, t_ok, RANK),
             load_columns(slot, 2 * CHUNK, c, t_ok, RANK), load_columns(slot, 3 * CHUNK, c, t_ok, RANK),
             tl.load(slot + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0))
 
 
 @triton.jit
-def attend_tile(q0, q1, q2, q3, q_pe, r0, r1, r2, r3, r_pe, t_ok, m_i, l_i, acc0, acc1, acc2, acc3, qk_scale,
+def attend_tile(q0, q1, q2, q3, q_pe, c0, c1, c2, c3, k_pe, t_ok, m_i, l_i, acc0, acc1, acc2, acc3, qk_scale,
                 PRECISION: tl.constexpr):
-    """One tile's online-softmax step over its codes (`latent_codes`): the new (m_i, l_i, acc0..acc3)."""
-    # An fp8 cache's codes widen to q's dtype here (a no-op for a cache of q's dtype); they are values too. The
-    # score products widening the staged 8-bit codes instead (half the shared-memory bytes for the keys) was 27%
-    # slower at V2-Lite batch 256 on an H100 (session 35, mla_fp8_keys_kernels_h100_s35.json).
-    c0 = widen_values(r0, q0.dtype)
-    c1 = widen_values(r1, q0.dtype)
-    c2 = widen_values(r2, q0.dtype)
-    c3 = widen_values(r3, q0.dtype)
-    k_pe = r_pe.to(q_pe.dtype)
+    """One tile's online-softmax step over its widened codes: the new (m_i, l_i, acc0..acc3)."""
     s = ((tl.dot(q0, tl.trans(c0), input_precision=PRECISION) + tl.dot(q1, tl.trans(c1), input_precision=PRECISION))
          + (tl.dot(q2, tl.trans(c2), input_precision=PRECISION)
             + tl.dot(q3, tl.trans(c3), input_precision=PRECISION))
@@ -324,26 +320,37 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
         for n0 in range(start, end, BLOCK_N):
             tok = n0 + tl.arange(0, BLOCK_N)
             t_ok = tok < end
-            r0, r1, r2, r3, r_pe = latent_codes(cache_ptr, blk, tok, t_ok, block_size, stride_c_block, stride_c_slot,
-                                                c, p, p_ok, RANK, CHUNK)
+            slot = (cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot)[:, None]
             blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
-            m_i, l_i, acc0, acc1, acc2, acc3 = attend_tile(q0, q1, q2, q3, q_pe, r0, r1, r2, r3, r_pe, t_ok, m_i, l_i,
+            # An fp8 cache's codes widen to q's dtype here (a no-op for a cache of q's dtype); they are values too.
+            # The score products widening the staged 8-bit codes instead (half the shared-memory bytes for the keys)
+            # was 27% slower at V2-Lite batch 256 on an H100 (session 35, mla_fp8_keys_kernels_h100_s35.json).
+            c0 = widen_values(load_columns(slot, 0 * CHUNK, c, t_ok, RANK), q0.dtype)
+            c1 = widen_values(load_columns(slot, 1 * CHUNK, c, t_ok, RANK), q0.dtype)
+            c2 = widen_values(load_columns(slot, 2 * CHUNK, c, t_ok, RANK), q0.dtype)
+            c3 = widen_values(load_columns(slot, 3 * CHUNK, c, t_ok, RANK), q0.dtype)
+            k_pe = tl.load(slot + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0).to(q_pe.dtype)
+            m_i, l_i, acc0, acc1, acc2, acc3 = attend_tile(q0, q1, q2, q3, q_pe, c0, c1, c2, c3, k_pe, t_ok, m_i, l_i,
                                                            acc0, acc1, acc2, acc3, qk_scale, PRECISION)
     else:
         # The next tile's codes load into registers while this tile's products run (the launch has one stage: no
         # copy into shared memory and back before the widening).
         tok = start + tl.arange(0, BLOCK_N)
-        r0, r1, r2, r3, r_pe = latent_codes(cache_ptr, blk, tok, tok < end, block_size, stride_c_block,
-                                            stride_c_slot, c, p, p_ok, RANK, CHUNK)
+        slot = latent_slots(cache_ptr, blk, tok, block_size, stride_c_block, stride_c_slot)
         blk = tile_blocks(table, tok + BLOCK_N, end, block_size)
+        r0, r1, r2, r3, r_pe = latent_codes(slot, tok < end, c, p, p_ok, RANK, CHUNK)
         for n0 in range(start, end, BLOCK_N):
             tok = n0 + tl.arange(0, BLOCK_N)
             t_ok = tok < end
-            x0, x1, x2, x3, x_pe = latent_codes(cache_ptr, blk, tok + BLOCK_N, tok + BLOCK_N < end, block_size,
-                                                stride_c_block, stride_c_slot, c, p, p_ok, RANK, CHUNK)
+            slot = latent_slots(cache_ptr, blk, tok + BLOCK_N, block_size, stride_c_block, stride_c_slot)
             blk = tile_blocks(table, tok + 2 * BLOCK_N, end, block_size)
-            m_i, l_i, acc0, acc1, acc2, acc3 = attend_tile(q0, q1, q2, q3, q_pe, r0, r1, r2, r3, r_pe, t_ok, m_i, l_i,
-                                                           acc0, acc1, acc2, acc3, qk_scale, PRECISION)
+            x0, x1, x2, x3, x_pe = latent_codes(slot, tok + BLOCK_N < end, c, p, p_ok, RANK, CHUNK)
+            c0 = widen_values(r0, q0.dtype)
+            c1 = widen_values(r1, q0.dtype)
+            c2 = widen_values(r2, q0.dtype)
+            c3 = widen_values(r3, q0.dtype)
+            m_i, l_i, acc0, acc1, acc2, acc3 = attend_tile(q0, q1, q2, q3, q_pe, c0, c1, c2, c3, r_pe.to(q_pe.dtype),
+                                                           t_ok, m_i, l_i, acc0, acc1, acc2, acc3, qk_scale, PRECISION)
             r0, r1, r2, r3, r_pe = x0, x1, x2, x3, x_pe
 
     # SPLIT: this (non-empty) split's normalised output (float32) and log2-sum-exp; else the output, rounded once.
