@@ -33,7 +33,6 @@
 #   bash benchmarks/gpu_pending.sh merge-splits-wide  # ~3 min: split counts past the one-wave line, merge in the kernel
 #   bash benchmarks/gpu_pending.sh split-rule  # ~6 min: split counts sized for the in-kernel merge, in steps
 #   bash benchmarks/gpu_pending.sh deploy-len  # ~5 min: Llama-3.2-1B 1k steps from an engine sized for 128k
-#   bash benchmarks/gpu_pending.sh qkv-tiles  # ~1 min: the batch-1 qkv + rotary launch at more rows a program
 #   bash benchmarks/gpu_pending.sh kernel-table  # ~3 min: 1B batch 1 / 8 / 64 replays' kernels by name, PDL off / on
 #   bash benchmarks/gpu_pending.sh mla-prefetch  # ~9 min: MLA decode over E4M3, codes in registers a tile ahead
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
@@ -454,14 +453,6 @@ deploy-len)
         --batches 1,8,64 --max-model-len 131072 --profile-batch 0 > /tmp/deploy_len_ab.log 2>&1
     tail -2 /tmp/deploy_len_ab.log | cut -c1-300; summarise_steps "$OUT/deploy_len_128k_ab.json"
     elapsed "deploy-len"
-    ;;
-qkv-tiles)
-    # Batch-1 decode's fused qkv + rotary + KV write (kernels/qkv_rotary.py) at more rows a program (its `tiles`:
-    # rotation pairs x warps) beside the plain GEMV of the weight, at kernel level. Session 43 also timed the two
-    # fastest in Llama-3.2-1B batch-1 steps, through an A/B switch of d35bd4a since removed: slower there.
-    timeout 120 python3 benchmarks/tune_qkv_rotary.py --output "$OUT/tune_qkv_rotary.json" > /tmp/tune_qkv.log 2>&1
-    tail -4 /tmp/tune_qkv.log | cut -c1-400
-    elapsed "qkv kernels"
     ;;
 kernel-table)
     # Where Llama-3.2-1B's batch 1 / 8 / 64 steps at 1k go, for the 0.80 target (session 43's note): each graph

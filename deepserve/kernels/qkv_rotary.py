@@ -3,9 +3,9 @@ and the write of k and v into the paged cache (Llama/Qwen-style layers with a fu
 
 Unfused, a layer runs the qkv GEMV (one activation row, deepserve/kernels/gemv.py) and then `rotary_write_kv`
 (deepserve/kernels/kv_write.py): two launches, the second a 2-3 us latency-bound kernel on 16 KB of data,
-16 times per Llama-3.2-1B step. Here each GEMV program computes the columns NeoX rotations pair, j and j + D/2 of
-one head (PAIRS such pairs), so it can rotate them itself: a query head's pairs go to
-q_out, a key head's into the cache slot, rotated, and a value head's into the cache as they are.
+16 times per Llama-3.2-1B step. Here each GEMV program computes the two columns a NeoX rotation pairs, j and
+j + D/2 of one head, so it can rotate them itself: a query head's pair goes to q_out, a key head's pair into the
+cache slot, rotated, and a value head's pair into the cache as is.
 
 Same arithmetic as the two launches: the GEMV's float32 sums (`gemv_rows`), rounded to the activation dtype (the
 projection's output), then `rotate_heads`' float32 rotation, rounded to the activation dtype and stored in the
@@ -21,12 +21,18 @@ from typing import Optional
 
 import torch
 
-from deepserve.kernels import and_scalar, next_pow2, require_triton, tl, triton
+from deepserve.kernels import next_pow2, require_triton, tl, triton
 from deepserve.kernels.gemv import (norm_eps, norm_ref, norm_weight_or, normed_gemv_rows, one_row_operands,
                                     prologue_norm)
 from deepserve.kernels.kv_rounding import store_rounded
 from deepserve.kernels.pdl import pdl_launch_args
 from deepserve.kernels.rotary import half_width_caches
+
+
+@triton.jit
+def _pick(y, pair, which):
+    """Element `which` of a 2-vector, as a scalar (exact: the other lane adds 0)."""
+    return tl.sum(tl.where(pair == which, y, 0.0), 0)
 
 
 @triton.jit
@@ -46,30 +52,20 @@ def rotation_inputs(pos_ptr, slot_ptr, cos_ptr, sin_ptr, stride_cos, j, HALF: tl
     return tl.load(slot_ptr).to(tl.int64), cos1, sin1, cos2, sin2
 
 
-# Rotation pairs and warps a program. Two rows a program, two warps: the H200 sweep's best 2-row tiling
-# (benchmarks/tune_gemv_wide.json). More rows a program are faster alone but not in steps (H100, session 43,
-# tune_qkv_rotary_h100_s43.json: Llama-3.2-1B's launch 6.97 -> 5.59 us at 2 pairs, 2 warps, the plain GEMV's 5.66;
-# its batch-1 steps 1.058-1.060 -> 1.076-1.079 ms at 2 and 4 pairs, qkv_tiles_1b_ab_h100_s43.json).
-DEFAULT_TILES = (1, 2)
-
-
 # positions and slot_mapping are views into the step's packed index buffer: not specialised on (see rotary.py).
 @triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])
 def _qkv_rotary_write_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, pos_ptr, slot_ptr, q_out_ptr, cache_ptr, cos_ptr,
                              sin_ptr, k_len, stride_wn, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
                              stride_cos, block_size, num_q_heads, num_kv_heads, eps,
                              HEAD_DIM: tl.constexpr, HALF_CACHE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             NORM: tl.constexpr, BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr, PAIRS: tl.constexpr,
+                             NORM: tl.constexpr, BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr,
                              USE_PDL: tl.constexpr):
-    """PAIRS rotation pairs of one head a program: columns j .. j + PAIRS and their partners j + D/2 .., each pair's
-    two rows side by side in the program's [2 * PAIRS, BLOCK_K] weight tile (as gate_up_rows pairs gate and up)."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    head = tl.program_id(0) // (HALF // PAIRS)          # q heads, then k heads, then v heads: qkv_proj's row order
-    j0 = (tl.program_id(0) % (HALF // PAIRS)) * PAIRS
-    j = j0 + tl.arange(0, PAIRS)
-    r = tl.arange(0, 2 * PAIRS)
-    rows = head * HEAD_DIM + j0 + r // 2 + (r % 2) * HALF
-    y = normed_gemv_rows(x_ptr, norm_ptr, eps, w_ptr, rows, r < 2 * PAIRS, k_len, stride_wn, NORM, BLOCK_K, ONE_STEP,
+    head = tl.program_id(0) // HALF          # q heads, then k heads, then v heads: qkv_proj's row order
+    j = tl.program_id(0) % HALF
+    pair = tl.arange(0, 2)
+    rows = head * HEAD_DIM + j + pair * HALF
+    y = normed_gemv_rows(x_ptr, norm_ptr, eps, w_ptr, rows, pair < 2, k_len, stride_wn, NORM, BLOCK_K, ONE_STEP,
                          USE_PDL)            # waits for x (PDL)
     # After the wait: loading the position, slot and cos/sin before it (they are ready) measured slower on an H200
     # at a 193-token context (0.826 vs 0.802 ms per step, run 4 of benchmarks/ab_b1_session6.json).
@@ -79,7 +75,8 @@ def _qkv_rotary_write_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, pos_ptr, slot_ptr
         y += tl.load(bias_ptr + rows).to(tl.float32)
     dtype = q_out_ptr.dtype.element_ty
     y = y.to(dtype).to(tl.float32)           # the projection's output rounding
-    x1, x2 = tl.split(tl.reshape(y, [PAIRS, 2]))       # columns j and their partners j + D/2
+    x1 = _pick(y, pair, 0)
+    x2 = _pick(y, pair, 1)
     if head < num_q_heads + num_kv_heads:    # q or k: rotate (rotate_heads' arithmetic)
         o1 = (x1 * cos1 - x2 * sin1).to(dtype)
         o2 = (x2 * cos2 + x1 * sin2).to(dtype)
@@ -96,20 +93,17 @@ def _qkv_rotary_write_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, pos_ptr, slot_ptr
         # Its own name: a pointer into the cache, whose dtype (fp8) may differ from q_out's.
         cache_dst = (cache_ptr + kv * stride_c_kv + (slot // block_size) * stride_c_block
                      + (slot % block_size) * stride_c_slot + kv_head * stride_c_head + j)
-        keep = and_scalar(j < HALF, slot >= 0)         # every lane, on a real row only
-        store_rounded(cache_dst, o1, keep)              # into the cache's dtype (kernels/kv_rounding.py)
-        store_rounded(cache_dst + HALF, o2, keep)
+        store_rounded(cache_dst, o1, slot >= 0)        # into the cache's dtype (kernels/kv_rounding.py)
+        store_rounded(cache_dst + HALF, o2, slot >= 0)
 
 
 def qkv_rotary_write(x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor], kv_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-                     sin_cache: torch.Tensor, num_heads: int, num_kv_heads: int, norm=None,
-                     tiles: tuple[int, int] = DEFAULT_TILES) -> torch.Tensor:
+                     sin_cache: torch.Tensor, num_heads: int, num_kv_heads: int, norm=None) -> torch.Tensor:
     """x [1, K], w_qkv [(H + 2 Hkv) * D, K] (q rows, then k, then v), bias or None; kv_cache [2, blocks, block_size,
     Hkv, D] -> q rotated at positions[0], [1, H, D]; k rotated and v written to the cache at slot_mapping[0]:
     `qkv_rotary_write_ref`, in one launch. With `norm` (an RMSNorm), of norm(x): the norm in the GEMV's prologue
-    when one K step holds the row (`prologue_norm`), else the norm kernel first. `tiles`: (rotation pairs, warps) a
-    program, pairs a power of two (fewer where half a head holds fewer)."""
+    when one K step holds the row (`prologue_norm`), else the norm kernel first."""
     require_triton(x)
     x, w_qkv = one_row_operands(x, w_qkv)
     n, k = w_qkv.shape
@@ -119,20 +113,16 @@ def qkv_rotary_write(x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
     half_cache = half_width_caches(d, cos_cache, sin_cache)
     q_out = torch.empty(1, num_heads, d, dtype=x.dtype, device=x.device)
-    # K steps of up to 2048 (the H200 sweep's best for 2 rows of a 3072 x 2048 qkv, 5.1 us vs 5.9 with steps of
-    # 512: benchmarks/tune_gemv_wide.json).
-    block_k = min(2048, max(16, next_pow2(k)))
-    pairs, warps = tiles
-    assert pairs == next_pow2(pairs) and warps in (1, 2, 4, 8), f"qkv rotary tiles {tiles}"
-    while (d // 2) % pairs:
-        pairs //= 2
+    # Two rows (a rotation pair) per program; the H200 sweep's best 2-row tiling of a 3072 x 2048 qkv: K steps of
+    # up to 2048, 2 warps (5.1 us vs 5.9 with steps of 512; benchmarks/tune_gemv_wide.json).
+    block_k, warps = min(2048, max(16, next_pow2(k))), 2
     x, norm = prologue_norm(x, norm, block_k >= k)
-    _qkv_rotary_write_kernel[(n // (2 * pairs),)](
+    _qkv_rotary_write_kernel[(n // 2,)](
         x, norm_weight_or(norm, x), w_qkv, bias if bias is not None else x, positions, slot_mapping, q_out, kv_cache,
         cos_cache, sin_cache, k, w_qkv.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), cos_cache.stride(0), kv_cache.shape[2], num_heads, num_kv_heads, norm_eps(norm),
         HEAD_DIM=d, HALF_CACHE=half_cache, HAS_BIAS=bias is not None, NORM=norm is not None, BLOCK_K=block_k,
-        ONE_STEP=block_k >= k, PAIRS=pairs, num_warps=warps, **pdl_launch_args(x))
+        ONE_STEP=block_k >= k, num_warps=warps, **pdl_launch_args(x))
     return q_out
 
 

@@ -23,16 +23,6 @@ def assert_fp8_caches_close(cache, ref_cache):
     assert got.abs().sum() > 0
 
 
-# Rotation pairs and warps a program (qkv_rotary_write's `tiles`): the default's one pair, and more, up to a program
-# holding a 32-wide head's whole half (16), past half a 64-wide one's (it falls back to what divides the half).
-TILES = [(1, 2), (2, 4), (4, 4), (16, 8)]
-
-
-@pytest.fixture(params=TILES, ids=lambda t: f"{t[0]}x{t[1]}")
-def tiles(request):
-    return request.param
-
-
 def two_step(x, w, bias, cache, slots, positions, cos, sin, heads, kv_heads):
     d, t = cache.shape[-1], x.shape[0]
     qkv = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
@@ -46,7 +36,7 @@ def two_step(x, w, bias, cache, slots, positions, cos, sin, heads, kv_heads):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 128), (6, 1, 32)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("half_cache", [False, True])
-def test_matches_two_step_path(device, dtype, heads, kv_heads, head_dim, with_bias, half_cache, tiles):
+def test_matches_two_step_path(device, dtype, heads, kv_heads, head_dim, with_bias, half_cache):
     skip_bf16_in_interpreter(dtype)
     hidden, block_size, num_blocks = 96, 16, 6
     n = (heads + 2 * kv_heads) * head_dim
@@ -61,7 +51,7 @@ def test_matches_two_step_path(device, dtype, heads, kv_heads, head_dim, with_bi
     slots = torch.tensor([3 * block_size + 5], device=device)
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, device=device).to(dtype)
     ref_cache = cache.clone()
-    q = qkv_rotary_write(x, w, bias, cache, slots, positions, kcos, ksin, heads, kv_heads, tiles=tiles)
+    q = qkv_rotary_write(x, w, bias, cache, slots, positions, kcos, ksin, heads, kv_heads)
     q_ref = two_step(x, w, bias, ref_cache, slots, positions, cos, sin, heads, kv_heads)
     assert q.shape == (1, heads, head_dim) and q.dtype == dtype
     assert_within_ulps(q, q_ref.view(q.shape), dtype, ulps=2, min_exact=0.85, atol=2e-3)
@@ -71,7 +61,7 @@ def test_matches_two_step_path(device, dtype, heads, kv_heads, head_dim, with_bi
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-def test_writes_into_an_fp8_cache(device, cache_dtype, tiles):
+def test_writes_into_an_fp8_cache(device, cache_dtype):
     """An fp8 cache (kv_cache_dtype "fp8" / "fp8_e5m2"): the key and value of the step land rounded (saturated,
     to nearest) as the two-step path rounds them; a value one rounding off there may take the neighbouring code."""
     from deepserve.kernels import INTERPRET
@@ -87,13 +77,13 @@ def test_writes_into_an_fp8_cache(device, cache_dtype, tiles):
     slots = torch.randperm(4 * block_size, device=device)[:rows]
     cache = torch.zeros(2, 4, block_size, kv_heads, head_dim, device=device).to(cache_dtype)
     ref_cache = cache.clone()
-    q = qkv_rotary_write(x, w, None, cache, slots, positions, cos, sin, heads, kv_heads, tiles=tiles)
+    q = qkv_rotary_write(x, w, None, cache, slots, positions, cos, sin, heads, kv_heads)
     q_ref = two_step(x, w, None, ref_cache, slots, positions, cos, sin, heads, kv_heads)
     assert_within_ulps(q, q_ref.view(q.shape), dtype, ulps=2, min_exact=0.85, atol=2e-3)
     assert_fp8_caches_close(cache, ref_cache)
 
 
-def test_padding_slot_writes_nothing(device, tiles):
+def test_padding_slot_writes_nothing(device):
     heads, kv_heads, d, hidden = 4, 2, 32, 64
     n = (heads + 2 * kv_heads) * d
     x = torch.randn(1, hidden, device=device).half()
@@ -102,20 +92,9 @@ def test_padding_slot_writes_nothing(device, tiles):
     cache = torch.randn(2, 3, 8, kv_heads, d, device=device).half()
     before = cache.clone()
     q = qkv_rotary_write(x, w, None, cache, torch.tensor([-1], device=device), torch.tensor([3], device=device),
-                         rot.cos_cache.to(device), rot.sin_cache.to(device), heads, kv_heads, tiles=tiles)
+                         rot.cos_cache.to(device), rot.sin_cache.to(device), heads, kv_heads)
     assert torch.equal(cache, before)
     assert torch.isfinite(q.float()).all()
-
-
-def test_rejects_tiles_it_cannot_launch(device):
-    x = torch.randn(1, 16, device=device).half()
-    cache = torch.zeros(2, 2, 4, 2, 8, device=device).half()
-    rot = RotaryEmbedding(8, 16, 10000.0)
-    for tiles in ((3, 2), (2, 3)):
-        with pytest.raises(AssertionError, match="qkv rotary tiles"):
-            qkv_rotary_write(x, torch.randn(48, 16, device=device).half(), None, cache, torch.tensor([0], device=device),
-                             torch.tensor([0], device=device), rot.cos_cache.to(device), rot.sin_cache.to(device), 2, 2,
-                             tiles=tiles)
 
 
 def test_rejects_wrong_row_count(device):
@@ -147,7 +126,7 @@ def test_engine_batch1_decode_uses_it_and_keeps_the_tokens(tiny_llama, monkeypat
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norm_prologue_is_the_norm_kernel_then_the_launch(device, dtype, tiles):
+def test_norm_prologue_is_the_norm_kernel_then_the_launch(device, dtype):
     """qkv_rotary_write(x, ..., norm=n) = the RMSNorm kernel, then qkv_rotary_write of its output: within one
     rounding (the sum of squares runs in another order), the same cache slot written."""
     skip_bf16_in_interpreter(dtype)
@@ -165,9 +144,9 @@ def test_norm_prologue_is_the_norm_kernel_then_the_launch(device, dtype, tiles):
     positions, slots = torch.tensor([21], device=device), torch.tensor([13], device=device)
     cache = torch.randn(2, 2, 8, kv_heads, d, device=device).to(dtype)
     ref_cache = cache.clone()
-    q = qkv_rotary_write(x, w, None, cache, slots, positions, cos, sin, heads, kv_heads, norm=norm, tiles=tiles)
+    q = qkv_rotary_write(x, w, None, cache, slots, positions, cos, sin, heads, kv_heads, norm=norm)
     xn = fused_add_rms_norm(x, None, norm.weight, norm.eps)
-    q_ref = qkv_rotary_write(xn, w, None, ref_cache, slots, positions, cos, sin, heads, kv_heads, tiles=tiles)
+    q_ref = qkv_rotary_write(xn, w, None, ref_cache, slots, positions, cos, sin, heads, kv_heads)
     assert_within_ulps(q, q_ref, dtype, ulps=1, min_exact=0.9, atol=1e-4)
     assert_within_ulps(cache, ref_cache, dtype, ulps=1, min_exact=0.97, atol=1e-4)
 

@@ -34,7 +34,7 @@ def writers(cache: str) -> dict:
                  USE_PDL=True)),
         "qkv_rotary_write": compile_for_sm90(
             _qkv_rotary_write_kernel, {**INDEX, **c},
-            dict(HEAD_DIM=64, HALF_CACHE=False, HAS_BIAS=False, NORM=True, BLOCK_K=2048, ONE_STEP=True, PAIRS=2,
+            dict(HEAD_DIM=64, HALF_CACHE=False, HAS_BIAS=False, NORM=True, BLOCK_K=2048, ONE_STEP=True,
                  USE_PDL=True), {"eps": "fp32"}),
     }
 
