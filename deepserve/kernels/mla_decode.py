@@ -77,7 +77,7 @@ DEFAULT_TILES = (MLA_BLOCK_N, 4, 3, None)
 # DEEPSERVE_MLA_REGISTER_PREFETCH (session 43, not timed yet): over an 8-bit cache, each tile's codes load into
 # registers a tile ahead (`_mla_decode_kernel`'s REGISTER_PREFETCH, one pipeline stage) instead of through the
 # stages' cp.async copies into shared memory and a load back before the widening. At V2-Lite's batch 256 the kernel
-# reads an E4M3 cache at about 1.5 TB/s of an H100's 3 with its shared-memory pipe 75% busy (session 37): this
+# reads an E4M3 cache at about 1.5 TB/s of an H100's 3 with its shared-memory pipe 75% busy (session 34): this
 # drops the 8-bit round trip through shared memory (about a quarter of a tile's shared-memory bytes).
 REGISTER_PREFETCH = envs.DEEPSERVE_MLA_REGISTER_PREFETCH
 
