@@ -10,7 +10,7 @@
   skinny_tiles_s19    the skinny GEMM's tiling rule before session 20: 32 rows x K steps of 512 for every weight of
                       4096+ rows and 4096+ long rows (Llama-3-8B's qkv, gate/up and LM head too, not 64 x 128)
   decode_tiles_s20    the paged decode kernel's launch setting before session 21: the default tiles for every launch
-                      (no three-stage tiles for a no-split launch of one wave: paged_attention.decode_tiles)
+                      (no three-stage tiles for a no-split launch of one wave: decode_launch.decode_tiles)
   int64_decode_inputs the paged decode kernel on the step's int64 block tables, lengths and row indices, as before
                       session 21 (no int32 copies: layers/attention_triton.INT32_DECODE_INPUTS_MIN_ROWS)
   router_s21          the gate GEMM as before session 22: a float32 gate on the split-K kernel on CUDA cores at 17-64

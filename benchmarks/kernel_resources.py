@@ -92,7 +92,7 @@ def gqa_cases() -> dict:
             out[_gqa_name(head_dim, cache, tiles, split)] = _gqa_case(ptrs, head_dim, tiles, split)
         # The split merge in the decode kernel (DEEPSERVE_DECODE_SPLIT_MERGE=last): its [heads, splits, head_dim]
         # merge tile beside the loop's registers, at the 1B's splits at 1k (9: a tile of 16, the largest it takes:
-        # paged_attention.MERGE_MAX_ELEMENTS) and tiles of twice that (session 42's first limit): 64-wide heads
+        # decode_launch.MERGE_MAX_ELEMENTS) and tiles of twice that (session 42's first limit): 64-wide heads
         # (Llama-3.2-1B at 4k), 128-wide of group 4 and 8 (Llama-3-8B, Qwen3-MoE).
         for head_dim, group, splits in ((64, 4, 16), (64, 4, 32), (128, 4, 16), (128, 8, 8)):
             tiles = DecodeTiles(heads_first=True)

@@ -191,7 +191,7 @@ _DECLARED = [
            choices=("heads-first", "rows-first")),
     EnvVar("DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM", "str", "auto",
            "GPU paged decode attention: KV heads of at most 128 bytes a token read two adjacent ones a program "
-           "(kernels/paged_attention.py kv_heads_a_program: 256-byte pieces of a token's row instead of 128), where "
+           "(kernels/decode_launch.py kv_heads_a_program: 256-byte pieces of a token's row instead of 128), where "
            "the KV heads are even; auto (the default): in one-wave launches without a split over a 16-bit cache "
            "(Llama-3.2-1B batch 64 steps 2-5% faster on an H100 and an H200; batch 8's split launches 9% slower, "
            "batch 256 mixed), 2: wherever they pair, 1: never (read at import)", choices=("auto", "1", "2")),
@@ -203,7 +203,7 @@ _DECLARED = [
     EnvVar("DEEPSERVE_DECODE_SPLIT_RULE", "str", "merged",
            "GPU paged decode attention's split counts: merged (the default): sized for the in-kernel merge where a "
            "launch merges there (one-tile partitions where the merge holds them, the merge tile's split count where "
-           "the rule asks for a few more: kernels/paged_attention.py decode_num_splits; H100, Qwen3-MoE over E4M3 "
+           "the rule asks for a few more: kernels/decode_launch.py decode_num_splits; H100, Qwen3-MoE over E4M3 "
            "batch 32 steps 1.5% faster); reduce: session 42's counts, sized for a reduce launch (read at import)",
            choices=("merged", "reduce")),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
