@@ -66,6 +66,20 @@ for setting, rows in d["results"].items():
 PY
 }
 
+summarise_timelines() {   # the graph timelines of a Llama-3.2-1B h200_decode_sweep.py JSON at 1k: step, span, idle,
+    # one layer's launches in order (sequence) and the replay's ten longest kernels by name (by_kernel)
+    python3 - "$1" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for b in d["results"]["llama-3.2-1b"]["1024"]["batches"]:
+    t = b.get("graph_timeline") or {}
+    print(sys.argv[1].rsplit("/", 1)[-1], "batch", b["batch"], "step", b["step_ms"], "span", t.get("span_us"),
+          "idle", t.get("idle_us"), [(n[:18], us) for n, us in t.get("sequence", [])[8:20]])
+    for name, n, us in t.get("by_kernel", [])[:10]:
+        print(f"    {us:8.1f} us  x{n:5.1f}  {name[:60]}")
+PY
+}
+
 summarise_kernels() {   # the calls of an fp8_attention_kernels.py JSON: setting, case, label, us, KV TB/s
     python3 - "$1" <<'PY'
 import json, sys
@@ -362,14 +376,7 @@ s42-timeline)
             --shapes llama-3.2-1b --contexts 1024 --batches 1,2 --profile-batch 0 --timeline-batch 1,2 \
             --output "$OUT/split_merge_timeline_${merge}_pdl${pdl}.json" > /tmp/split_merge_timeline.log 2>&1
         tail -1 /tmp/split_merge_timeline.log | cut -c1-200
-        python3 - "$OUT/split_merge_timeline_${merge}_pdl${pdl}.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for b in d["results"]["llama-3.2-1b"]["1024"]["batches"]:
-    t = b.get("graph_timeline") or {}
-    print(sys.argv[1].rsplit("/", 1)[-1], "batch", b["batch"], "step", b["step_ms"], "span", t.get("span_us"),
-          "idle", t.get("idle_us"), [(n[:18], us) for n, us in t.get("sequence", [])[8:20]])
-PY
+        summarise_timelines "$OUT/split_merge_timeline_${merge}_pdl${pdl}.json"
     done; done
     elapsed "timelines"
     ;;
@@ -463,16 +470,7 @@ kernel-table)
             --contexts 1024 --batches 1,8,64 --profile-batch 0 --timeline-batch 1,8,64 \
             --output "$OUT/kernel_table_1b_pdl${pdl}.json" > /tmp/kernel_table.log 2>&1
         tail -1 /tmp/kernel_table.log | cut -c1-200
-        python3 - "$OUT/kernel_table_1b_pdl${pdl}.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for b in d["results"]["llama-3.2-1b"]["1024"]["batches"]:
-    t = b.get("graph_timeline") or {}
-    print(sys.argv[1].rsplit("/", 1)[-1], "batch", b["batch"], "step", b["step_ms"], "span", t.get("span_us"),
-          "idle", t.get("idle_us"))
-    for name, n, us in t.get("by_kernel", [])[:10]:
-        print(f"    {us:8.1f} us  x{n:5.1f}  {name[:60]}")
-PY
+        summarise_timelines "$OUT/kernel_table_1b_pdl${pdl}.json"
     done
     elapsed "kernel-table"
     ;;
