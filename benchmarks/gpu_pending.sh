@@ -34,7 +34,6 @@
 #   bash benchmarks/gpu_pending.sh split-rule  # ~6 min: split counts sized for the in-kernel merge, in steps
 #   bash benchmarks/gpu_pending.sh deploy-len  # ~5 min: Llama-3.2-1B 1k steps from an engine sized for 128k
 #   bash benchmarks/gpu_pending.sh kernel-table  # ~3 min: 1B batch 1 / 8 / 64 replays' kernels by name, PDL off / on
-#   bash benchmarks/gpu_pending.sh mla-prefetch  # ~9 min: MLA decode over E4M3, codes in registers a tile ahead
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -464,7 +463,8 @@ deploy-len)
 kernel-table)
     # Where Llama-3.2-1B's batch 1 / 8 / 64 steps at 1k go, for the 0.80 target (session 43's note): each graph
     # replay's kernels by name (profile_gpu_step's by_kernel: launches and microseconds a replay), with PDL off (each
-    # kernel's duration its own, to price it against its bytes) and on (what overlaps). Not run yet.
+    # kernel's duration its own, to price it against its bytes) and on (what overlaps). Session 44:
+    # kernel_table_1b_pdl{0,1}_h100_s44.json.
     for pdl in 0 1; do
         DEEPSERVE_PDL=$pdl timeout 120 python3 benchmarks/h200_decode_sweep.py --shapes llama-3.2-1b \
             --contexts 1024 --batches 1,8,64 --profile-batch 0 --timeline-batch 1,8,64 \
@@ -473,30 +473,6 @@ kernel-table)
         summarise_timelines "$OUT/kernel_table_1b_pdl${pdl}.json"
     done
     elapsed "kernel-table"
-    ;;
-mla-prefetch)
-    # DEEPSERVE_MLA_REGISTER_PREFETCH (session 43, not run yet): the MLA decode kernel over E4M3 with each tile's codes
-    # loaded into registers a tile ahead on one stage, not staged through shared memory by cp.async (V2-Lite batch
-    # 256 reads E4M3 at ~1.5 TB/s with its shared-memory pipe 75% busy). The spill-free builds (Triton 3.6:
-    # kernel_resources_mla_prefetch_triton36_s43.json): 16x4x1 (200 registers, 2 programs an SM) and 32x8x1 (176, 1).
-    # The kernel tests, then kernel calls at V2-Lite batch 64 / 128 / 256 over E4M3, then steps with the faster tile
-    # (MLA_PREFETCH_TILES, default 16x4x1) against the default, two passes.
-    timeout 120 python3 -m pytest -q tests/gpu/test_mla_decode.py -k "register_prefetch or fp8" -p no:cacheprovider \
-        > "$OUT/pytest_mla_prefetch.log" 2>&1
-    tail -2 "$OUT/pytest_mla_prefetch.log"
-    grep -m 6 "^E .*Error\|^E  *assert" "$OUT/pytest_mla_prefetch.log" | cut -c1-300
-    timeout 280 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes float8_e4m3fn \
-        --settings "DEEPSERVE_FP8_PRODUCTS=f16;DEEPSERVE_FP8_PRODUCTS=f16+DEEPSERVE_MLA_REGISTER_PREFETCH=1" \
-        --cases "v2-lite b64 ctx1024,v2-lite b128,v2-lite b256" --tiles "32x4x3,16x4x1,32x8x1" \
-        --output "$OUT/mla_prefetch_kernels.json" > /tmp/mla_prefetch.log 2>&1
-    summarise_kernels "$OUT/mla_prefetch_kernels.json"
-    elapsed "mla-prefetch kernels"
-    timeout 250 python3 benchmarks/ab_env_sweep.py --combo DEEPSERVE_MLA_REGISTER_PREFETCH=0 \
-        --combo "DEEPSERVE_MLA_REGISTER_PREFETCH=1,DEEPSERVE_MLA_DECODE_TILES=${MLA_PREFETCH_TILES:-16x4x1}" \
-        --passes "${PASSES:-2}" --timeout 110 --output "$OUT/mla_prefetch_ab.json" -- --shapes deepseek-v2-lite \
-        --batches 64,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_prefetch_ab.log 2>&1
-    tail -2 /tmp/mla_prefetch_ab.log | cut -c1-300; summarise_steps "$OUT/mla_prefetch_ab.json"
-    elapsed "mla-prefetch steps"
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the

@@ -60,14 +60,9 @@ def mla_cases() -> dict:
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
         for block_n, warps, stages, cap in MLA_TILES:
             constexprs = dict(RANK=512, ROPE=64, CHUNK=128, BLOCK_P=64, BLOCK_H=16, BLOCK_N=block_n, SPLIT=False,
-                              PRECISION="tf32", INPUTS_READY=True, USE_PDL=True, REGISTER_PREFETCH=False)
+                              PRECISION="tf32", INPUTS_READY=True, USE_PDL=True)
             name = f"mla_decode {cache} {block_n}x{warps}x{stages}" + (f"r{cap}" if cap else "")
             out[name] = (_mla_decode_kernel, ptrs, constexprs, {"qk_scale": "fp32"}, warps, stages, cap)
-            if cache != "bf16" and stages == 2 and cap is None:
-                # DEEPSERVE_MLA_REGISTER_PREFETCH: the codes a tile ahead in registers, one stage.
-                out[f"mla_decode {cache} {block_n}x{warps}x1 register-prefetch"] = (
-                    _mla_decode_kernel, ptrs, {**constexprs, "REGISTER_PREFETCH": True}, {"qk_scale": "fp32"}, warps,
-                    1, None)
     return out
 
 

@@ -144,10 +144,6 @@ _DECLARED = [
            "GPU MLA decode: every launch with these tiles, 'KEYSxWARPSxSTAGES[rREGISTERS]' (e.g. 16x4x3, or "
            "32x4x2r168 with a register cap), an A/B switch for decode steps (benchmarks/ab_env_sweep.py; "
            "kernel_resources.py prices each); unset: 32x4x3 (kernels/mla_decode.py, read at import)"),
-    EnvVar("DEEPSERVE_MLA_REGISTER_PREFETCH", "bool", False,
-           "A/B (session 43, not timed yet): the GPU MLA decode kernel over an 8-bit cache loads each tile's codes "
-           "into registers a tile ahead, on one pipeline stage, instead of through shared memory "
-           "(kernels/mla_decode.py REGISTER_PREFETCH) (read at import)"),
     EnvVar("DEEPSERVE_MLA_PROGRAMS_PER_SM", "int", 2,
            "GPU MLA decode: the context is split until (sequences x head tiles x splits) reaches this many programs "
            "an SM (kernels/mla_decode.py mla_num_splits; 2 measured best on an H200 with the unchunked kernel), an "

@@ -74,12 +74,6 @@ PROGRAMS_PER_SM = envs.DEEPSERVE_MLA_PROGRAMS_PER_SM
 if PROGRAMS_PER_SM < 1:
     raise ValueError(f"MLA decode programs an SM (DEEPSERVE_MLA_PROGRAMS_PER_SM): {PROGRAMS_PER_SM}, expected >= 1")
 DEFAULT_TILES = (MLA_BLOCK_N, 4, 3, None)
-# DEEPSERVE_MLA_REGISTER_PREFETCH (session 43, not timed yet): over an 8-bit cache, each tile's codes load into
-# registers a tile ahead (`_mla_decode_kernel`'s REGISTER_PREFETCH, one pipeline stage) instead of through the
-# stages' cp.async copies into shared memory and a load back before the widening. At V2-Lite's batch 256 the kernel
-# reads an E4M3 cache at about 1.5 TB/s of an H100's 3 with its shared-memory pipe 75% busy (session 34): this
-# drops the 8-bit round trip through shared memory (about a quarter of a tile's shared-memory bytes).
-REGISTER_PREFETCH = envs.DEEPSERVE_MLA_REGISTER_PREFETCH
 
 
 def launch_tiles(block_n: Optional[int], num_warps: Optional[int], num_stages: Optional[int],
@@ -226,43 +220,6 @@ def store_columns(row_ptrs, first: tl.constexpr, cols, rows_ok, value, width):
              mask=rows_ok[:, None] & (first + cols < width)[None, :])
 
 
-@triton.jit
-def latent_slots(cache_ptr, blk, tok, block_size, stride_c_block, stride_c_slot):
-    """[BLOCK_N, 1] pointers to the cache rows of tokens `tok`, in blocks `blk`."""
-    return (cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot)[:, None]
-
-
-@triton.jit
-def latent_codes(slot, t_ok, c, p, p_ok, RANK: tl.constexpr, CHUNK: tl.constexpr):
-    """The codes of the cache rows `slot` as stored: the latent's four column chunks [BLOCK_N, CHUNK] and the RoPE
-    keys [BLOCK_N, BLOCK_P]; 0 where not t_ok."""
-    return (load_columns(slot, 0 * CHUNK, c, t_ok, RANK), load_columns(slot, 1 * CHUNK, c, t_ok, RANK),
-            load_columns(slot, 2 * CHUNK, c, t_ok, RANK), load_columns(slot, 3 * CHUNK, c, t_ok, RANK),
-            tl.load(slot + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0))
-
-
-@triton.jit
-def attend_tile(q0, q1, q2, q3, q_pe, c0, c1, c2, c3, k_pe, t_ok, m_i, l_i, acc0, acc1, acc2, acc3, qk_scale,
-                PRECISION: tl.constexpr):
-    """One tile's online-softmax step over its widened codes: the new (m_i, l_i, acc0..acc3)."""
-    s = ((tl.dot(q0, tl.trans(c0), input_precision=PRECISION) + tl.dot(q1, tl.trans(c1), input_precision=PRECISION))
-         + (tl.dot(q2, tl.trans(c2), input_precision=PRECISION)
-            + tl.dot(q3, tl.trans(c3), input_precision=PRECISION))
-         + tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION))                       # [BLOCK_H, BLOCK_N]
-    s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))               # log2 domain
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    prob = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(prob, 1)
-    # The latent chunks double as the value tile: no second load.
-    prob = prob.to(c0.dtype)
-    acc0 = tl.dot(prob, c0, acc0 * alpha[:, None], input_precision=PRECISION)
-    acc1 = tl.dot(prob, c1, acc1 * alpha[:, None], input_precision=PRECISION)
-    acc2 = tl.dot(prob, c2, acc2 * alpha[:, None], input_precision=PRECISION)
-    acc3 = tl.dot(prob, c3, acc3 * alpha[:, None], input_precision=PRECISION)
-    return m_new, l_i, acc0, acc1, acc2, acc3
-
-
 @triton.jit(do_not_specialize=_PER_STEP_ARGS + ["stride_bt"])
 def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
                        out_ptr, part_out_ptr, part_lse_ptr,
@@ -273,8 +230,7 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
                        num_heads, block_size,
                        RANK: tl.constexpr, ROPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       PRECISION: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr,
-                       REGISTER_PREFETCH: tl.constexpr = False):
+                       PRECISION: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr):
     """One (sequence, head tile, split). The latent is handled as four column chunks of CHUNK (a quarter of its
     padded width): the score is five products (four chunks and the RoPE part) summed, and the output four
     accumulators. Why: with one [BLOCK_H, 576] x [576, BLOCK_N] product every warp ran one chain of 36 dependent
@@ -316,44 +272,35 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
     acc2 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
     acc3 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
     # Every tile holds at least one real token (the loop stops at `end`), so m_i is finite after the first.
-    if not REGISTER_PREFETCH:
-        # The slot and loads stay inline here, not through latent_slots / latent_codes: through them the bf16 build
-        # at 32x4x3 scheduled differently (8 instructions fewer, sm_90, Triton 3.9), inline it is the SASS timed.
-        for n0 in range(start, end, BLOCK_N):
-            tok = n0 + tl.arange(0, BLOCK_N)
-            t_ok = tok < end
-            slot = (cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot)[:, None]
-            blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
-            # An fp8 cache's codes widen to q's dtype here (a no-op for a cache of q's dtype); they are values too.
-            # The score products widening the staged 8-bit codes instead (half the shared-memory bytes for the keys)
-            # was 27% slower at V2-Lite batch 256 on an H100 (session 35, mla_fp8_keys_kernels_h100_s35.json).
-            c0 = widen_values(load_columns(slot, 0 * CHUNK, c, t_ok, RANK), q0.dtype)
-            c1 = widen_values(load_columns(slot, 1 * CHUNK, c, t_ok, RANK), q0.dtype)
-            c2 = widen_values(load_columns(slot, 2 * CHUNK, c, t_ok, RANK), q0.dtype)
-            c3 = widen_values(load_columns(slot, 3 * CHUNK, c, t_ok, RANK), q0.dtype)
-            k_pe = tl.load(slot + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0).to(q_pe.dtype)
-            m_i, l_i, acc0, acc1, acc2, acc3 = attend_tile(q0, q1, q2, q3, q_pe, c0, c1, c2, c3, k_pe, t_ok, m_i, l_i,
-                                                           acc0, acc1, acc2, acc3, qk_scale, PRECISION)
-    else:
-        # The next tile's codes load into registers while this tile's products run (the launch has one stage: no
-        # copy into shared memory and back before the widening).
-        tok = start + tl.arange(0, BLOCK_N)
-        slot = latent_slots(cache_ptr, blk, tok, block_size, stride_c_block, stride_c_slot)
-        blk = tile_blocks(table, tok + BLOCK_N, end, block_size)
-        r0, r1, r2, r3, r_pe = latent_codes(slot, tok < end, c, p, p_ok, RANK, CHUNK)
-        for n0 in range(start, end, BLOCK_N):
-            tok = n0 + tl.arange(0, BLOCK_N)
-            t_ok = tok < end
-            slot = latent_slots(cache_ptr, blk, tok + BLOCK_N, block_size, stride_c_block, stride_c_slot)
-            blk = tile_blocks(table, tok + 2 * BLOCK_N, end, block_size)
-            x0, x1, x2, x3, x_pe = latent_codes(slot, tok + BLOCK_N < end, c, p, p_ok, RANK, CHUNK)
-            c0 = widen_values(r0, q0.dtype)
-            c1 = widen_values(r1, q0.dtype)
-            c2 = widen_values(r2, q0.dtype)
-            c3 = widen_values(r3, q0.dtype)
-            m_i, l_i, acc0, acc1, acc2, acc3 = attend_tile(q0, q1, q2, q3, q_pe, c0, c1, c2, c3, r_pe.to(q_pe.dtype),
-                                                           t_ok, m_i, l_i, acc0, acc1, acc2, acc3, qk_scale, PRECISION)
-            r0, r1, r2, r3, r_pe = x0, x1, x2, x3, x_pe
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        t_ok = tok < end
+        slot = (cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot)[:, None]
+        blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
+        # An fp8 cache's codes widen to q's dtype here (a no-op for a cache of q's dtype); they are values too. The
+        # score products widening the staged 8-bit codes instead (half the shared-memory bytes for the keys) was 27%
+        # slower at V2-Lite batch 256 on an H100 (session 35, mla_fp8_keys_kernels_h100_s35.json).
+        c0 = widen_values(load_columns(slot, 0 * CHUNK, c, t_ok, RANK), q0.dtype)
+        c1 = widen_values(load_columns(slot, 1 * CHUNK, c, t_ok, RANK), q0.dtype)
+        c2 = widen_values(load_columns(slot, 2 * CHUNK, c, t_ok, RANK), q0.dtype)
+        c3 = widen_values(load_columns(slot, 3 * CHUNK, c, t_ok, RANK), q0.dtype)
+        k_pe = tl.load(slot + RANK + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0).to(q_pe.dtype)
+        s = ((tl.dot(q0, tl.trans(c0), input_precision=PRECISION) + tl.dot(q1, tl.trans(c1), input_precision=PRECISION))
+             + (tl.dot(q2, tl.trans(c2), input_precision=PRECISION)
+                + tl.dot(q3, tl.trans(c3), input_precision=PRECISION))
+             + tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION))                       # [BLOCK_H, BLOCK_N]
+        s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))               # log2 domain
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        prob = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        # The latent chunks double as the value tile: no second load.
+        prob = prob.to(c0.dtype)
+        acc0 = tl.dot(prob, c0, acc0 * alpha[:, None], input_precision=PRECISION)
+        acc1 = tl.dot(prob, c1, acc1 * alpha[:, None], input_precision=PRECISION)
+        acc2 = tl.dot(prob, c2, acc2 * alpha[:, None], input_precision=PRECISION)
+        acc3 = tl.dot(prob, c3, acc3 * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
 
     # SPLIT: this (non-empty) split's normalised output (float32) and log2-sum-exp; else the output, rounded once.
     if SPLIT:
@@ -416,7 +363,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
                seq_lens: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None,
                max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, block_n: Optional[int] = None,
                num_warps: Optional[int] = None, num_stages: Optional[int] = None, maxnreg: Optional[int] = None,
-               inputs_ready: bool = False, register_prefetch: Optional[bool] = None) -> torch.Tensor:
+               inputs_ready: bool = False) -> torch.Tensor:
     """One query token per sequence b (row b) over its paged latents.
 
     q_lat: [B, H, R] (q_nope with W_UK absorbed), q_pe: [B, H, P] (any batch/head strides, unit last stride);
@@ -425,8 +372,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     `max_seq_len` (host int) sizes the split without a device sync; `num_splits` forces it; `block_n`,
     `num_warps`, `num_stages`, `maxnreg` (a register cap) are the tile and launch settings (tuning; None:
     `launch_tiles`). `inputs_ready`: seq_lens and block_tables were in place before the kernel launched just before
-    this call (the backend's per-step metadata), so they may be read before the PDL wait. `register_prefetch` (None:
-    REGISTER_PREFETCH): over an 8-bit cache, codes loaded into registers a tile ahead, on one pipeline stage.
+    this call (the backend's per-step metadata), so they may be read before the PDL wait.
     """
     require_triton(q_lat)
     block_n, num_warps, num_stages, maxnreg = launch_tiles(block_n, num_warps, num_stages, maxnreg)
@@ -462,9 +408,6 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     # 64-token tiles on 2 stages took the kernel alone from 101 to 87 us, but V2-Lite's decode step from 12.10-12.24
     # to 12.28-12.31 ms (two A/B pairs in one run, session23_steps_ab_h200.json): not taken.
     precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"      # fp32 inputs: no TF32 rounding
-    prefetch = (REGISTER_PREFETCH if register_prefetch is None else register_prefetch) and kv_cache.element_size() == 1
-    if prefetch:
-        num_stages = 1         # the loads a tile ahead are the pipeline
     _mla_decode_kernel[(bsz, cdiv(heads, MLA_BLOCK_H), num_splits)](
         q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * _LOG2E,
@@ -473,8 +416,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         *po, *pl, heads, kv_cache.shape[1],
         RANK=rank, ROPE=rope, CHUNK=chunk, BLOCK_P=max(16, next_pow2(rope)),
         BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision,
-        INPUTS_READY=inputs_ready and EARLY_INPUTS, REGISTER_PREFETCH=prefetch, num_warps=num_warps,
-        num_stages=num_stages,
+        INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_launch_args(q_lat))
     if split:
         # The decode kernel, the reduce's predecessor, does not write seq_lens: ready for it.

@@ -58,6 +58,15 @@ class KVCacheBudget:
         not_torch = total - free - reserved
         graphs = CUDA_GRAPH_RESERVE if self.device.type == "cuda" and not self.config.device.enforce_eager else 0
         room = int(total * util) - not_torch - graphs        # for the largest step and the KV cache
+        # Each engine's share is its own (memory_before is not counted against it), but it cannot take what earlier
+        # engines of this process still hold: e.g. one deleted but not yet garbage-collected, whose cache would
+        # otherwise be counted free and the allocation run out of memory.
+        left = total - not_torch - self.memory_before - graphs
+        if room > left:
+            logger.warning("gpu_memory_utilization=%s asks for %.2f GiB, but this process already holds %.2f GiB "
+                           "(other engines or tensors): sizing from the %.2f GiB left", util,
+                           (room + graphs) / 2**30, self.memory_before / 2**30, (left + graphs) / 2**30)
+            room = left
         tokens = self.config.scheduler.max_num_batched_tokens
         peak = peaks[tokens]
         if peak is None or room - peak < self.bytes_needed(tokens):

@@ -184,24 +184,6 @@ def test_forced_tiles_over_fp8_cache_with_splits(device, tiles, monkeypatch):
         assert_close_rel(out, ref, KERNEL_TOL[dtype])
 
 
-@pytest.mark.parametrize("tiles", [(16, 4), (32, 8), (32, 4)], ids=lambda t: f"{t[0]}x{t[1]}x1")
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-def test_register_prefetch_over_fp8_cache_matches_reference(device, tiles, cache_dtype):
-    """DEEPSERVE_MLA_REGISTER_PREFETCH: each tile's codes loaded into registers a tile ahead (one pipeline stage),
-    with and without splits, contexts of 1 to 300 tokens (the last tile's look-ahead past the end loads nothing);
-    a bf16 cache ignores it."""
-    dtype = torch.float16 if INTERPRET else torch.bfloat16
-    block_n, warps = tiles
-    batch, cache, q_lat, q_pe = _decode_case(device, dtype, 16, 512, 64, LENS, 16)
-    scale = 1 / math.sqrt(576)
-    for codes in (cache.to(cache_dtype), cache):
-        ref = mla_decode_ref(q_lat, q_pe, codes, batch.block_tables, batch.seq_lens, scale)
-        for splits in (1, 3):
-            out = mla_decode(q_lat, q_pe, codes, batch.block_tables, batch.seq_lens, scale, max_seq_len=max(LENS),
-                             num_splits=splits, block_n=block_n, num_warps=warps, register_prefetch=True)
-            assert_close_rel(out, ref, KERNEL_TOL[dtype])
-
-
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_write_latents_into_fp8(device, cache_dtype):
     """The codes written are the reference's (clamped to the format's largest value, rounded to nearest), bit for

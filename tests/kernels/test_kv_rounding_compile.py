@@ -58,8 +58,7 @@ def readers(cache: str, activations: str = "bf16") -> dict:
                                     {"qk_scale": "fp32"}, aligned(_prefill_kernel)),
         "mla_decode": compile_for_sm90(_mla_decode_kernel, ptrs,
                                        dict(RANK=512, ROPE=64, CHUNK=128, BLOCK_P=64, BLOCK_H=16, BLOCK_N=32,
-                                            SPLIT=True, PRECISION="tf32", INPUTS_READY=True, USE_PDL=True,
-                                            REGISTER_PREFETCH=False),
+                                            SPLIT=True, PRECISION="tf32", INPUTS_READY=True, USE_PDL=True),
                                        {"qk_scale": "fp32"}, aligned(_mla_decode_kernel)),
     }
 

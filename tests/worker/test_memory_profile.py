@@ -103,6 +103,16 @@ def test_a_second_engine_in_the_process_is_sized_by_its_own_memory(tiny_llama):
     assert second.cache.num_blocks == alone.cache.num_blocks
 
 
+def test_a_second_engine_takes_no_more_than_the_memory_left(tiny_llama):
+    """Where earlier engines hold so much that this engine's share (108 MiB) is not there any more (200 MiB held,
+    20 MiB others': 36 MiB left), the budget is what is left, not an allocation that runs out of memory."""
+    memory = FakeMemory(engines_before=200 * MiB)
+    runner, config = start(tiny_llama, memory, max_num_batched_tokens=256)
+    left = memory.total - memory.other - 200 * MiB
+    per_block = runner.kv_bytes_per_token() * config.cache.block_size
+    assert config.cache.num_blocks == (left - runner.profiled_peak_bytes) // per_block
+
+
 def _suggested(message: str) -> int:
     found = re.search(r"max_num_batched_tokens=(\d+) fits", message)
     assert found, message
