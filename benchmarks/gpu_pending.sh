@@ -33,7 +33,6 @@
 #   bash benchmarks/gpu_pending.sh merge-splits-wide  # ~3 min: split counts past the one-wave line, merge in the kernel
 #   bash benchmarks/gpu_pending.sh split-rule  # ~6 min: split counts sized for the in-kernel merge, in steps
 #   bash benchmarks/gpu_pending.sh deploy-len  # ~5 min: Llama-3.2-1B 1k steps from an engine sized for 128k
-#   bash benchmarks/gpu_pending.sh early-kv      # ~8 min: DEEPSERVE_DECODE_EARLY_KV on: tests, 1B + Qwen3-MoE steps
 #   bash benchmarks/gpu_pending.sh kernel-table  # ~3 min: 1B batch 1 / 8 / 64 replays' kernels by name, PDL off / on
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
@@ -460,30 +459,6 @@ deploy-len)
         --batches 1,8,64 --max-model-len 131072 --profile-batch 0 > /tmp/deploy_len_ab.log 2>&1
     tail -2 /tmp/deploy_len_ab.log | cut -c1-300; summarise_steps "$OUT/deploy_len_128k_ab.json"
     elapsed "deploy-len"
-    ;;
-early-kv)
-    # DEEPSERVE_DECODE_EARLY_KV (session 44): each paged decode program loads its first tile's keys and values older
-    # than the step's before the PDL wait, overlapping the step's KV write (kernel_table_1b_pdl0_h100_s44.json: the
-    # 1B's batch-1 decode kernel takes 7.9 us a layer for 2.1 MB). The paged-attention, engine and MLA GPU tests with
-    # it on (the engine's greedy tokens against eager and HF under real PDL), the gpu_alone tests (session 44's
-    # KV-budget cap), then decode steps, two passes: Llama-3.2-1B batch 1 / 8 / 32 / 64 at 1k, Qwen3-MoE over E4M3
-    # batch 8 / 32.
-    n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
-    DEEPSERVE_DECODE_EARLY_KV=1 timeout 150 python3 -m pytest -q $n tests/gpu/test_paged_attention.py \
-        tests/gpu/test_engine_gpu.py tests/gpu/test_mla_decode.py -p no:cacheprovider > "$OUT/pytest_early_kv.log" 2>&1
-    tail -2 "$OUT/pytest_early_kv.log"; grep -m 6 "^E .*Error\|^E  *assert" "$OUT/pytest_early_kv.log" | cut -c1-300
-    elapsed "tests, early KV on"
-    timeout 120 python3 -m pytest -q tests/gpu -m gpu_alone -p no:cacheprovider > "$OUT/pytest_gpu_alone.log" 2>&1
-    tail -2 "$OUT/pytest_gpu_alone.log"; grep -m 4 "^E .*Error\|^E  *assert" "$OUT/pytest_gpu_alone.log" | cut -c1-300
-    elapsed "gpu_alone"
-    for spec in "llama-3.2-1b 1,8,32,64 auto" "qwen3-moe 8,32 fp8"; do
-        set -- $spec
-        timeout 240 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_EARLY_KV=0,1 \
-            --passes "${PASSES:-2}" --timeout 100 --output "$OUT/early_kv_${1}_ab.json" -- --shapes "$1" \
-            --contexts 1024 --batches "$2" --kv-cache-dtype "$3" --profile-batch 0 > /tmp/early_kv_ab.log 2>&1
-        tail -2 /tmp/early_kv_ab.log | cut -c1-300; summarise_steps "$OUT/early_kv_${1}_ab.json"
-        elapsed "early KV $1"
-    done
     ;;
 kernel-table)
     # Where Llama-3.2-1B's batch 1 / 8 / 64 steps at 1k go, for the 0.80 target (session 43's note): each graph

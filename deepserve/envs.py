@@ -196,10 +196,6 @@ _DECLARED = [
            "(row, KV head) to finish merges the splits in the decode kernel (a counter each, "
            "kernels/paged_attention.py; H100, Llama-3.2-1B steps at 1k: batch 1 1-1.5% and batch 32 4% faster, "
            "batch 2-16 within 2%); reduce: a reduce launch after it (read at import)", choices=("reduce", "last")),
-    EnvVar("DEEPSERVE_DECODE_EARLY_KV", "bool", False,
-           "A/B (session 44): GPU paged decode programs load their first tile's keys and values older than the "
-           "step's before the PDL wait, overlapping the step's KV write (kernels/decode_launch.py EARLY_KV) "
-           "(read at import)"),
     EnvVar("DEEPSERVE_DECODE_SPLIT_RULE", "str", "merged",
            "GPU paged decode attention's split counts: merged (the default): sized for the in-kernel merge where a "
            "launch merges there (one-tile partitions where the merge holds them, the merge tile's split count where "

@@ -86,11 +86,6 @@ PAIRED_HEAD_BYTES = 128
 # 0.6-1.3% slower in three pairs, Qwen3-MoE batch 32 0.9% faster in one).
 SPLIT_MERGE = envs.DEEPSERVE_DECODE_SPLIT_MERGE
 MERGE_MAX_ELEMENTS = 4096
-# DEEPSERVE_DECODE_EARLY_KV (session 44, an A/B): each decode program loads its first tile's keys and values, all but
-# the step's newest, before the PDL wait (`_decode_kernel`'s EARLY_KV), so that latency overlaps the step's KV write
-# kernel. Llama-3.2-1B batch 1 at 1k spends 7.9 us a layer in the decode kernel with PDL off for 2.1 MB read
-# (0.27 TB/s, H100, kernel_table_1b_pdl0_h100_s44.json): a chain of dependent loads, the first tile's among them.
-EARLY_KV = envs.DEEPSERVE_DECODE_EARLY_KV
 # The merge counters: one int32 per (row, KV-head program) of a split launch, zero between launches (the last
 # program of each zeroes its own). Allocated once per device at SPLIT_COUNTERS slots, never reallocated: a CUDA
 # graph keeps the pointer it captured. Launches on one device run one after another (one stream), so they share it.
@@ -219,7 +214,7 @@ def launch_num_splits(num_rows: int, num_heads: int, kv_cache: torch.Tensor, max
     return decode_num_splits(num_rows, hkv, max_seq_len, kv_cache.device, d, merge_heads)
 
 
-__all__ = ["DECODE_BLOCK_N", "DEEP_PIPELINE_TILES", "DecodeTiles", "EARLY_KV", "HEADS_FIRST", "KV_HEADS_PER_PROGRAM",
+__all__ = ["DECODE_BLOCK_N", "DEEP_PIPELINE_TILES", "DecodeTiles", "HEADS_FIRST", "KV_HEADS_PER_PROGRAM",
            "MERGE_MAX_ELEMENTS", "PAIRED_HEAD_BYTES", "SPLIT_COUNTERS", "SPLIT_MERGE", "SPLIT_RULE",
            "decode_num_splits", "decode_tiles", "fits_one_wave", "kv_heads_a_program", "launch_num_splits",
            "merge_max_splits", "merge_tile", "split_counters"]

@@ -21,9 +21,9 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import HAS_TRITON, cdiv, next_pow2, require_triton, tl, triton
-from deepserve.kernels.decode_launch import (DECODE_BLOCK_N, EARLY_KV, SPLIT_COUNTERS, SPLIT_MERGE, DecodeTiles,
-                                            decode_tiles, fits_one_wave, kv_heads_a_program, launch_num_splits,
-                                            merge_tile, split_counters)
+from deepserve.kernels.decode_launch import (DECODE_BLOCK_N, SPLIT_COUNTERS, SPLIT_MERGE, DecodeTiles, decode_tiles,
+                                            fits_one_wave, kv_heads_a_program, launch_num_splits, merge_tile,
+                                            split_counters)
 from deepserve.kernels.kv_rounding import for_products, widen_keys, widen_values
 from deepserve.kernels.l2_prefetch import (L2_PREFETCH_PIECE, L2_PREFETCH_PIECES, l2_prefetch_plan,
                                           prefetch_bytes_to_l2)
@@ -107,27 +107,6 @@ def _value_tile(v_base, off, v_off, d, kv_mask, run_mask, dtype: tl.constexpr, V
 
 
 @triton.jit
-def _kv_tile(k_base, v_base, blk, tok, rows, d, dmask, stride_c_block, stride_c_slot, block_size):
-    """The stored key and value tiles of keys `tok` (in blocks `blk`), rows `rows` of them (0 elsewhere)."""
-    off = blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
-    mask = rows[:, None] & dmask[None, :]
-    return (tl.load(k_base + off[:, None] + d[None, :], mask=mask, other=0.0),
-            tl.load(v_base + off[:, None] + d[None, :], mask=mask, other=0.0))
-
-
-@triton.jit
-def _attend_tile(q, k, v, tmask, m_i, l_i, acc, qk_scale):
-    """One tile's online-softmax step, as `_decode_kernel`'s loop takes it: the new (m_i, l_i, acc)."""
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    s = tl.where(tmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return m_new, l_i, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-
-
-@triton.jit
 def _own_columns(gmask, dmask, g, d, group, HEAD_DIM: tl.constexpr, KV_HEADS: tl.constexpr):
     """[BLOCK_G, BLOCK_D] mask of a decode program's q (and output) tile: live rows and columns, and with KV_HEADS 2
     only the columns of each row's own KV head (rows g of KV head g // group, columns d of head d // HEAD_DIM)."""
@@ -174,12 +153,12 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
                    stride_bt,
                    stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
-                   block_size, group, fresh_keys,
+                   block_size, group,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, EARLY_V: tl.constexpr, HEADS_FIRST: tl.constexpr, VALUES_T: tl.constexpr,
                    KV_HEADS: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr,
                    MERGE_LAST: tl.constexpr = False, MERGE_G: tl.constexpr = 1, MERGE_S: tl.constexpr = 1,
-                   LATE_TRIGGER: tl.constexpr = False, EARLY_KV: tl.constexpr = False):
+                   LATE_TRIGGER: tl.constexpr = False):
     """One (decode row, KV_HEADS adjacent KV heads, split). KV_HEADS 2 (DecodeTiles.kv_heads): a tile row holds
     both heads' HEAD_DIM columns side by side (one load of 2 * HEAD_DIM contiguous elements a token), and the q tile
     stacks both heads' query groups, each row zero outside its own head's columns (`_own_columns`): the scores are
@@ -187,11 +166,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     MERGE_LAST (split launches): each program counts itself done in count_ptr's counter of its (row, KV heads), and
     the last of the row's active splits to do so merges them all into `out` (`_merge_own_splits`) and zeroes the
     counter for the next launch: no reduce launch. The order is CUTLASS's semaphore's: every thread's stores, a CTA
-    barrier, then one release-acquire atomic at GPU scope; the merge reads the partials after it.
-    EARLY_KV (with INPUTS_READY): the first tile's keys and values older than the step's newest `fresh_keys` of the
-    sequence load before the PDL wait. They were in place before the previous kernel (the step's KV write) started
-    (kernels/pdl.py rule 1), so that load overlaps the KV write instead of following it; the newest keys load after
-    the wait."""
+    barrier, then one release-acquire atomic at GPU scope; the merge reads the partials after it."""
     if HEADS_FIRST:                # the KV heads of one row launch side by side (DecodeTiles.heads_first)
         kvh = tl.program_id(0) * KV_HEADS
         i = tl.program_id(1)
@@ -207,14 +182,6 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     pdl_wait_for_inputs(INPUTS_READY, USE_PDL, not LATE_TRIGGER)
     row, seq, seq_len, table, first_blk = decode_row_inputs(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, block_tables_ptr,
                                                             stride_bt, i, split, block_size, SPLIT, BLOCK_N)
-    if EARLY_KV:    # (VALUES_T is not: decode_attention)
-        start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
-        tok0 = start + tl.arange(0, BLOCK_N)
-        old = tok0 < tl.minimum(end, seq_len - fresh_keys)      # none in an empty split
-        d = tl.arange(0, BLOCK_D)
-        k_old, v_old = _kv_tile(cache_ptr + kvh * stride_c_head, cache_ptr + kvh * stride_c_head + stride_c_kv,
-                                first_blk, tok0, old, d, d < KV_HEADS * HEAD_DIM, stride_c_block, stride_c_slot,
-                                block_size)
     pdl_wait_after_inputs(INPUTS_READY, USE_PDL, not LATE_TRIGGER)
     start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
     if SPLIT:
@@ -240,19 +207,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     blk = first_blk
-    loop_start = start
-    if EARLY_KV:
-        # The first tile, its older keys loaded before the wait: the step's newest ones now.
-        tmask = tok0 < end
-        k_new, v_new = _kv_tile(k_base, v_base, first_blk, tok0, tmask & ~old, d, dmask, stride_c_block,
-                                stride_c_slot, block_size)
-        blk = tile_blocks(table, tok0 + BLOCK_N, end, block_size)
-        k = tl.where(old[:, None], widen_keys(k_old, q.dtype), widen_keys(k_new, q.dtype))
-        v = tl.where(old[:, None], widen_values(v_old, q.dtype), widen_values(v_new, q.dtype))
-        m_i, l_i, acc = _attend_tile(q, k, v, tmask, m_i, l_i, acc, qk_scale)
-        loop_start = start + BLOCK_N
     # Every tile holds at least one real key (the loop stops at `end`), so m_i is finite after the first tile.
-    for n0 in range(loop_start, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < end
         off = blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
@@ -347,7 +303,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      seq_ids: Optional[torch.Tensor] = None, max_seq_len: Optional[int] = None,
                      num_splits: Optional[int] = None, inputs_ready: bool = False,
                      tiles: Optional[DecodeTiles] = None, l2_prefetch: Optional[torch.Tensor] = None,
-                     split_merge: Optional[str] = None, fresh_keys: Optional[int] = None) -> torch.Tensor:
+                     split_merge: Optional[str] = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys.
 
     q: [T, H, D]; the decode rows are `q_rows` (default: all T rows), row i belonging to sequence `seq_ids[i]`
@@ -358,9 +314,6 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     `tiles` forces the launch settings (tuning); None: `DecodeTiles()`. `l2_prefetch`: the weight read next
     (o_proj's), which a split launch's reduce may ask into L2 (kernels/l2_prefetch.py); it changes no result.
     `split_merge` ("reduce" / "last", default SPLIT_MERGE): how a split launch's partials merge.
-    `fresh_keys`: the most keys a decode row's sequence gained in this step, all written by the kernel launched just
-    before this call (1 for one query token a sequence); with `inputs_ready` and DEEPSERVE_DECODE_EARLY_KV each
-    program loads its first tile's older keys before the PDL wait. None: nothing before the wait.
     """
     require_triton(q)
     t, h, d = q.shape
@@ -422,12 +375,11 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), *po_strides, *pl_strides,
-        bs, group, fresh_keys or 0,
+        bs, group,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split, EARLY_V=tiles.early_v,
         HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t, KV_HEADS=tiles.kv_heads,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, MERGE_LAST=merge is not None,
         LATE_TRIGGER=merge is not None and n > 1,
-        EARLY_KV=inputs_ready and EARLY_INPUTS and EARLY_KV and fresh_keys is not None and not tiles.values_t,
         **(dict(zip(("MERGE_G", "MERGE_S"), merge)) if merge else {}),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
         **pdl_launch_args(q))

@@ -36,9 +36,6 @@ class TritonAttentionMetadata:
     decode_lens: Optional[torch.Tensor] = None
     decode_rows_i32: Optional[torch.Tensor] = None     # of int64 decode_rows / decode_seqs (a mixed graph's buffers)
     decode_seqs_i32: Optional[torch.Tensor] = None
-    # The most keys a decode row's sequence gains in the step (its query rows; 1 but for rows run as decodes): the
-    # decode kernel reads the older ones before its PDL wait (decode_attention's fresh_keys).
-    fresh_keys: int = 1
 
 
 # From this many decode rows a forward reads int32 copies of the block tables and sequence lengths (two conversion
@@ -117,10 +114,9 @@ class TritonPagedAttention:
         device = batch.input_ids.device
         q_lens, s_lens = batch.query_lens_cpu, batch.seq_lens_cpu
         drafts = batch.draft_lens_cpu or [0] * len(q_lens)
-        rows, seqs, lens, prefill_b, acc, fresh = [], [], [], [], 0, 1
+        rows, seqs, lens, prefill_b, acc = [], [], [], [], 0
         for b, n in enumerate(q_lens):
             if n == 1 or drafts[b] or self.rows_as_decodes:
-                fresh = max(fresh, n)       # the sequence's n query rows' keys are written in this step
                 rows.extend(range(acc, acc + n))
                 seqs.extend([b] * n)
                 lens.extend(range(s_lens[b] - n + 1, s_lens[b] + 1))
@@ -131,8 +127,7 @@ class TritonPagedAttention:
         meta = TritonAttentionMetadata(
             torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
             torch.arange(len(rows), dtype=torch.int64, device=device), max(lens), None, None, len(rows), 0,
-            batch.block_tables.index_select(0, seq_index), torch.tensor(lens, dtype=torch.int64).to(device),
-            fresh_keys=fresh)
+            batch.block_tables.index_select(0, seq_index), torch.tensor(lens, dtype=torch.int64).to(device))
         if prefill_b:
             meta.tile_seq, meta.tile_m0 = prefill_tiles(q_lens, prefill_b, device, PREFILL_BLOCK_M)
             meta.num_prefill_tiles = int(meta.tile_seq.shape[0])
@@ -193,7 +188,7 @@ class TritonPagedAttention:
             tables, lens, rows, seqs = decode_inputs(meta, batch)
             decode_attention(q, kv_cache, tables, lens, scale, out=out, q_rows=rows, seq_ids=seqs,
                              max_seq_len=meta.decode_max_len, num_splits=self.num_splits, inputs_ready=True,
-                             l2_prefetch=prefetch, fresh_keys=meta.fresh_keys)
+                             l2_prefetch=prefetch)
         if meta.num_prefill_tiles:
             prefill_attention(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale,
                               meta.tile_seq, meta.tile_m0, out=out)

@@ -556,69 +556,6 @@ def test_decode_split_merge_keeps_the_reduce_past_its_tile(device, monkeypatch):
         assert len(reduces) == want
 
 
-def spy_early_kv(monkeypatch) -> list:
-    """DEEPSERVE_DECODE_EARLY_KV on; the EARLY_KV and fresh_keys of each paged decode launch from now on."""
-    from deepserve.kernels import paged_attention
-    monkeypatch.setattr(paged_attention, "EARLY_KV", True)
-    launched = []
-    real = paged_attention._decode_kernel
-    fresh = real.arg_names.index("fresh_keys")
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launched.append((kw["EARLY_KV"], args[fresh]))
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(paged_attention, "_decode_kernel", Spy())
-    return launched
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn], ids=str)
-@pytest.mark.parametrize("kv_heads_a_program", [1, 2])
-@pytest.mark.parametrize("fresh_keys", [1, 5, 80, 5000])
-def test_decode_early_kv_matches_reference(device, monkeypatch, cache_dtype, kv_heads_a_program, fresh_keys):
-    """DEEPSERVE_DECODE_EARLY_KV: each program's first tile is read in two parts, the keys older than the step's
-    newest `fresh_keys` (before the PDL wait) and those (after it). Every split of every row against the reference:
-    contexts shorter than a tile, one tile, many; the fresh keys inside the first tile, across two, covering it all;
-    unsplit, split, and a CUDA graph's grid (most splits empty); rows scattered among others, which stay untouched."""
-    launched = spy_early_kv(monkeypatch)
-    dtype = torch.float16
-    lens = [1, 5, 63, 64, 65, 130, 700, 1000]
-    hkv, head_dim, group = 4, 64, 3
-    blocks = cdiv_total(lens, 16) + 8
-    batch = make_batch([(n - 1, 1) for n in lens], 16, blocks, device)
-    cache = random_cache(blocks, 16, hkv, head_dim, dtype, device).to(cache_dtype)
-    t = len(lens) + 3
-    q = torch.randn(t, hkv * group, head_dim, device=device).to(dtype)
-    rows = torch.randperm(t, device=device)[:len(lens)]
-    seq_ids = torch.randperm(len(lens), device=device)
-    ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.2, q_rows=rows, seq_ids=seq_ids)
-    others = torch.ones(t, dtype=torch.bool, device=device)
-    others[rows] = False
-    tiles = DecodeTiles(heads_first=True, kv_heads=kv_heads_a_program)
-    for max_seq_len, splits in ((None, 1), (None, 3), (8192, 4)):
-        out = torch.full_like(q, float("nan"))
-        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, out=out, q_rows=rows, seq_ids=seq_ids,
-                         max_seq_len=max_seq_len, num_splits=splits, tiles=tiles, inputs_ready=True,
-                         fresh_keys=fresh_keys)
-        assert torch.isnan(out[others]).all()
-        assert_attention_close(out[rows], ref[rows], dtype)
-    assert launched == [(True, fresh_keys)] * 3
-
-
-def test_decode_early_kv_only_with_ready_inputs_and_fresh_keys(device, monkeypatch):
-    """The early tile needs the block ids before the wait (inputs_ready) and the count of the step's keys."""
-    launched = spy_early_kv(monkeypatch)
-    batch, cache, q = _decode_case(device, torch.float16, 64, 4, [300, 20], 16, 32)
-    rows = seq_ids = torch.arange(2, device=device)
-    for ready, fresh in ((False, 1), (True, None), (True, 1)):
-        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, q_rows=rows, seq_ids=seq_ids,
-                         inputs_ready=ready, fresh_keys=fresh)
-    assert [early for early, _ in launched] == [False, False, True]
-
-
 MIXED_SEQS = [(0, 23), (40, 1), (7, 1), (130, 70), (0, 1), (1500, 1), (64, 64), (5, 2)]
 
 
@@ -647,25 +584,6 @@ def test_backend_matches_torch_backend(device, dtype, head_dim, group):
     (ref, ref_cache), (out, out_cache) = results["torch"], results["triton"]
     assert torch.equal(out_cache, ref_cache)
     assert_attention_close(out, ref, dtype)
-
-
-@pytest.mark.parametrize("rows_as_decodes", [False, True])
-def test_backend_with_early_kv_matches_torch_backend(device, monkeypatch, rows_as_decodes):
-    """DEEPSERVE_DECODE_EARLY_KV through the backend: the decode launch is told how many keys a decode row's sequence
-    gains in the step (1; rows run as decodes: the most query rows of a sequence, 70 here), and a mixed step's
-    outputs match the reference backend's."""
-    launched = spy_early_kv(monkeypatch)
-    dtype, head_dim, group, bs = torch.float16, 64, 2, 16
-    batch = make_batch(MIXED_SEQS, bs, 160, device)
-    h, hkv, t = NUM_KV_HEADS * group, NUM_KV_HEADS, batch.num_tokens
-    q, k, v = (torch.randn(t, n, head_dim, device=device).to(dtype) for n in (h, hkv, hkv))
-    cache = random_cache(160, bs, hkv, head_dim, dtype, device)
-    outs = []
-    for backend in (TorchPagedAttention(), TritonPagedAttention(rows_as_decodes=rows_as_decodes)):
-        batch.attn_metadata = backend.build_metadata(batch)
-        outs.append(backend.forward(q, k, v, cache.clone(), batch, 0.125))
-    assert launched == [(True, max(n for _, n in MIXED_SEQS) if rows_as_decodes else 1)]
-    assert_attention_close(outs[1], outs[0], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
