@@ -33,6 +33,7 @@
 #   bash benchmarks/gpu_pending.sh merge-splits-wide  # ~3 min: split counts past the one-wave line, merge in the kernel
 #   bash benchmarks/gpu_pending.sh split-rule  # ~6 min: split counts sized for the in-kernel merge, in steps
 #   bash benchmarks/gpu_pending.sh deploy-len  # ~5 min: Llama-3.2-1B 1k steps from an engine sized for 128k
+#   bash benchmarks/gpu_pending.sh deploy-len-moe  # ~7 min: the same for Qwen3-MoE / V2-Lite at their contexts
 #   bash benchmarks/gpu_pending.sh kernel-table  # ~3 min: 1B batch 1 / 8 / 64 replays' kernels by name, PDL off / on
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
@@ -459,6 +460,21 @@ deploy-len)
         --batches 1,8,64 --max-model-len 131072 --profile-batch 0 > /tmp/deploy_len_ab.log 2>&1
     tail -2 /tmp/deploy_len_ab.log | cut -c1-300; summarise_steps "$OUT/deploy_len_128k_ab.json"
     elapsed "deploy-len"
+    ;;
+deploy-len-moe)
+    # The packed block tables' default (DEEPSERVE_COMPACT_BLOCK_TABLES=auto packs where a row at max_model_len holds
+    # 512 blocks or more: worker/cuda_graph.py COMPACT_MIN_BLOCKS) on the MoE shapes at their models' own contexts,
+    # Qwen3-30B-A3B's 40960 and DeepSeek-V2-Lite's 163840: 1k steps over E4M3 at batch 8 / 64 / 256, the tables at
+    # full width (0) and packed (1).
+    for spec in "qwen3-moe 40960" "deepseek-v2-lite 163840"; do
+        set -- $spec
+        timeout 280 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_COMPACT_BLOCK_TABLES=0,1 \
+            --passes "${PASSES:-1}" --timeout 130 --output "$OUT/deploy_len_${1}_ab.json" -- --shapes "$1" \
+            --contexts 1024 --batches 8,64,256 --kv-cache-dtype fp8 --max-model-len "$2" --profile-batch 0 \
+            > /tmp/deploy_len_moe.log 2>&1
+        tail -2 /tmp/deploy_len_moe.log | cut -c1-300; summarise_steps "$OUT/deploy_len_${1}_ab.json"
+        elapsed "deploy-len $1"
+    done
     ;;
 kernel-table)
     # Where Llama-3.2-1B's batch 1 / 8 / 64 steps at 1k go, for the 0.80 target (session 43's note): each graph
