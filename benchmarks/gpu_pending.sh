@@ -34,6 +34,7 @@
 #   bash benchmarks/gpu_pending.sh split-rule  # ~6 min: split counts sized for the in-kernel merge, in steps
 #   bash benchmarks/gpu_pending.sh deploy-len  # ~5 min: Llama-3.2-1B 1k steps from an engine sized for 128k
 #   bash benchmarks/gpu_pending.sh deploy-len-moe  # ~7 min: the same for Qwen3-MoE / V2-Lite at their contexts
+#   bash benchmarks/gpu_pending.sh deploy-len-moe-vs  # ~4 min: those against engines sized for ~1.1k, one call
 #   bash benchmarks/gpu_pending.sh kernel-table  # ~3 min: 1B batch 1 / 8 / 64 replays' kernels by name, PDL off / on
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
@@ -474,6 +475,24 @@ deploy-len-moe)
             > /tmp/deploy_len_moe.log 2>&1
         tail -2 /tmp/deploy_len_moe.log | cut -c1-300; summarise_steps "$OUT/deploy_len_${1}_ab.json"
         elapsed "deploy-len $1"
+    done
+    ;;
+deploy-len-moe-vs)
+    # deploy-len-moe's packed engines against engines sized for the sweep's ~1.1k, in one call (machines differ by
+    # a few percent): short, deployment-sized (tables packed by default), short again, at batch 64 / 256.
+    for spec in "qwen3-moe 40960" "deepseek-v2-lite 163840"; do
+        set -- $spec
+        for len in short "$2" short; do
+            extra=""; [ "$len" != short ] && extra="--max-model-len $len"
+            timeout 120 python3 benchmarks/h200_decode_sweep.py --shapes "$1" --contexts 1024 --batches 64,256 \
+                --kv-cache-dtype fp8 --profile-batch 0 $extra --output "$OUT/deploy_vs_${1}_${len}.json" \
+                > /tmp/deploy_vs.log 2>&1
+            python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[2], [(b['batch'], \
+                b['step_ms'], b.get('experts_roofline_ratio')) for r in d['results'].values() for c in r.values() \
+                for b in c['batches']])" "$OUT/deploy_vs_${1}_${len}.json" "$1 max_model_len=$len" \
+                || tail -1 /tmp/deploy_vs.log | cut -c1-300
+        done
+        elapsed "deploy-len-vs $1"
     done
     ;;
 kernel-table)
