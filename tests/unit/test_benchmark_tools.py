@@ -1,6 +1,7 @@
 """The GPU benchmarks' host-side logic, checked without a GPU: what a tile spec means (fp8_attention_kernels.py,
 decode_attention_in_step.py), that a profile's batch keeps decoding and what its graph timeline adds up
-(profile_gpu_step.py) and which settings an A/B sweep runs (ab_env_sweep.py)."""
+(profile_gpu_step.py) and which settings an A/B sweep runs (ab_env_sweep.py), what a 1B layer's kernels cost against their bytes
+(price_kernels_1b.py)."""
 
 import sys
 from pathlib import Path
@@ -83,3 +84,27 @@ def test_graph_timeline_arithmetic(benchmarks_on_path):
     assert r["idle_us"] == (2.0 + 70.0 + 2.0) / 2                   # the gap between replays counts too
     assert r["by_kernel"] == [("gemv", 2.0, 22.0), ("attn", 1.0, 8.0)]
     assert [name for name, _ in r["sequence"]] == ["gemv", "attn", "gemv"]
+
+
+def test_kernel_prices_of_a_1b_layer(benchmarks_on_path):
+    """price_kernels_1b.py: a layer's launches found from the first qkv launch on, each role's median over the
+    layers seen, its bytes (batch 2: the weights, and 2 sequences' KV at 1000 keys for the attention) and TB/s."""
+    from price_kernels_1b import WEIGHT_BYTES, price
+    layer = [("_rms_norm_kernel", 2.0), ("_skinny_kernel", 7.0), ("_rotary_write_kv_kernel", 2.0),
+             ("_decode_kernel", 10.0), ("_skinny_kernel", 6.0), ("_rms_norm_kernel", 2.0),
+             ("_skinny_kernel", 25.0), ("_skinny_kernel", 15.0)]
+    slower = [(name, us * 3) for name, us in layer]
+    sequence = [("_patch_tokens_kernel", 1.5), ("gather", 3.0)] + layer + slower + layer + layer[:3]
+    entry = {"batch": 2, "context": 1000, "step_ms": 1.5,
+             "graph_timeline": {"sequence": sequence, "span_us": 1500.0}}
+    got = price(entry, bandwidth=3e12)
+    assert got["layer_cycles_seen"] == 3
+    assert [r["role"] for r in got["layer"]] == ["norm", "qkv", "rotary_kv", "attention", "o_proj", "norm",
+                                                  "gate_up", "down"]
+    assert [r["us"] for r in got["layer"]] == [us for _, us in layer]       # medians: the slow layer is out
+    gate_up = got["layer"][6]
+    assert gate_up["bytes"] == WEIGHT_BYTES["gate_up"] == 2 * 8192 * 2048 * 2
+    assert gate_up["ideal_us"] == round(gate_up["bytes"] / 3e12 * 1e6, 2)
+    assert got["layer"][3]["bytes"] == 2 * 1000 * 8 * 64 * 2 * 2
+    assert got["layer_us"] == sum(us for _, us in layer)
+    assert got["outside_layers_us"] == round(1500.0 - 16 * got["layer_us"], 1)
