@@ -1,7 +1,7 @@
 """The GPU benchmarks' host-side logic, checked without a GPU: what a tile spec means (fp8_attention_kernels.py,
 decode_attention_in_step.py), that a profile's batch keeps decoding and what its graph timeline adds up
-(profile_gpu_step.py) and which settings an A/B sweep runs (ab_env_sweep.py), what a 1B layer's kernels cost against their bytes
-(price_kernels_1b.py)."""
+(profile_gpu_step.py), which settings an A/B sweep runs (ab_env_sweep.py) and what a 1B layer's kernels cost
+against their bytes (price_kernels_1b.py)."""
 
 import sys
 from pathlib import Path
