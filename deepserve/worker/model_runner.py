@@ -69,7 +69,10 @@ class ModelRunner:
         self.device = config.device.device
         self.memory = memory if memory is not None or self.device.type != "cuda" else CudaMemory(self.device)
         # What this process had allocated before this engine (another engine's weights and KV cache): the profile
-        # counts this engine's own memory only, so a second engine in one process is sized by its own share.
+        # counts this engine's own memory only, so a second engine in one process is sized by its own share. Dropped
+        # engines' memory is reclaimed first.
+        if self.memory is not None:
+            self.memory.reclaim()
         self._memory_before = self.memory.allocated() if self.memory is not None else 0
         self.block_size = config.cache.block_size
         self.eos_token_ids = eos_token_ids

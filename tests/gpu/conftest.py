@@ -28,17 +28,9 @@ def _alone_on_the_gpu(request):
     """Tests marked `gpu_alone` size the KV cache from the GPU's free memory (gpu_memory_utilization near 1): beside
     other pytest-xdist workers on the same GPU they would take the memory those workers need, and see theirs. They
     run in a plain pytest run (README: `python -m pytest -q tests/gpu -m gpu_alone`), not under `-n`."""
-    import gc
     import os
-    if not request.node.get_closest_marker("gpu_alone"):
-        return
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if request.node.get_closest_marker("gpu_alone") and os.environ.get("PYTEST_XDIST_WORKER"):
         pytest.skip("needs the GPU to itself: run without -n (python -m pytest -q tests/gpu -m gpu_alone)")
-    # An earlier test's engine can outlive its test in a reference cycle until the garbage collector runs; its cache
-    # would hold the memory this test sizes its own from (session 44: 24 GiB left by the 0.3-share test).
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 @pytest.fixture

@@ -88,6 +88,25 @@ def test_largest_step_runs_with_the_kv_cache_filling_the_rest(tmp_path):
     release()
 
 
+def test_a_dropped_engine_in_a_reference_cycle_leaves_the_next_its_memory(tmp_path):
+    """`del llm` frees nothing while the handle sits in a reference cycle: its weights and KV cache stay allocated
+    until the garbage collector runs. The next engine collects before it measures what the process holds, so it
+    gets the cache the first one had, not what the first one's leftovers leave of its share (60% of the GPU twice
+    does not fit)."""
+    model = write_config(tmp_path, SMALL)
+    args = dict(max_model_len=2048, max_num_seqs=16, gpu_memory_utilization=0.6)
+    first = start(model, **args)
+    first_kv = sum(c.numel() * c.element_size() for c in first.engine.runner.kv_caches)
+    cycle = [first]
+    cycle.append(cycle)
+    del first, cycle
+    second = start(model, **args)
+    second_kv = sum(c.numel() * c.element_size() for c in second.engine.runner.kv_caches)
+    assert abs(second_kv - first_kv) <= 0.02 * first_kv, (second_kv, first_kv)
+    del second
+    release()
+
+
 def test_issue_20_setting_runs_or_is_refused_with_a_value_that_runs(tmp_path):
     """The issue's setting (270000 tokens a step) used to start and then run out of memory at its first big step.
     Start-up must now either accept it, having profiled that step, and run the issue's workload (256 x 1024-token

@@ -35,6 +35,7 @@ class FakeMemory:
         self.per_token, self.per_seq, self.oom_above = per_token, per_seq, oom_above
         self.before = engines_before
         self.loaded = False         # the runner's first question comes before its model is loaded
+        self.reclaimed = False
         self.peak = self.before + weights
         self.steps: list[list[int]] = []
 
@@ -47,6 +48,9 @@ class FakeMemory:
             raise torch.cuda.OutOfMemoryError("fake: out of memory")
         self.peak = max(self.peak, cost)
         self.steps.append(list(query_lens))
+
+    def reclaim(self) -> None:
+        self.reclaimed = True      # nothing dropped to collect here
 
     def allocated(self) -> int:
         held = self.before + (self.weights if self.loaded else 0)
@@ -82,6 +86,7 @@ def start(model, memory, max_num_batched_tokens, max_num_seqs=8, max_model_len=5
 def test_cache_is_sized_from_a_profile_of_the_largest_step(tiny_llama):
     memory = FakeMemory()
     runner, config = start(tiny_llama, memory, max_num_batched_tokens=1024)
+    assert memory.reclaimed         # dropped engines' memory goes back before the runner measures its own
     assert memory.steps[0] == [512, 506, 1, 1, 1, 1, 1, 1]      # 1024 tokens, 8 sequences, a max_model_len chunk
     peak = memory.cost(1024, 8)
     assert runner.profiled_peak_bytes == peak
