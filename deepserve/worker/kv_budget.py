@@ -59,8 +59,8 @@ class KVCacheBudget:
         graphs = CUDA_GRAPH_RESERVE if self.device.type == "cuda" and not self.config.device.enforce_eager else 0
         room = int(total * util) - not_torch - graphs        # for the largest step and the KV cache
         # Each engine's share is its own (memory_before is not counted against it), but it cannot take what earlier
-        # engines of this process still hold: e.g. one deleted but not yet garbage-collected, whose cache would
-        # otherwise be counted free and the allocation run out of memory.
+        # engines of this process still hold (alive: dropped ones were collected before memory_before was taken),
+        # or the cache's allocation would run out of memory: two engines at 0.6 get 0.6 and what is left.
         left = total - not_torch - self.memory_before - graphs
         if room > left:
             logger.warning("gpu_memory_utilization=%s asks for %.2f GiB, but this process already holds %.2f GiB "
