@@ -62,7 +62,8 @@ class KVCacheBudget:
         # engines of this process still hold (alive: dropped ones were collected before memory_before was taken),
         # or the cache's allocation would run out of memory: two engines at 0.6 get 0.6 and what is left.
         left = total - not_torch - self.memory_before - graphs
-        if room > left:
+        capped = room > left
+        if capped:
             logger.warning("gpu_memory_utilization=%s asks for %.2f GiB, but this process already holds %.2f GiB "
                            "(other engines or tensors): sizing from the %.2f GiB left", util,
                            (room + graphs) / 2**30, self.memory_before / 2**30, (left + graphs) / 2**30)
@@ -70,7 +71,7 @@ class KVCacheBudget:
         tokens = self.config.scheduler.max_num_batched_tokens
         peak = peaks[tokens]
         if peak is None or room - peak < self.bytes_needed(tokens):
-            raise RuntimeError(self._refusal(peaks, weights, room))
+            raise RuntimeError(self._refusal(peaks, weights, room, capped))
         self.peak_bytes = peak
         logger.info("memory profile: peak %.2f GiB (weights + largest step), other %.2f GiB, KV budget %.2f GiB",
                     peak / 2**30, not_torch / 2**30, (room - peak) / 2**30)
@@ -85,7 +86,7 @@ class KVCacheBudget:
         blocks = max(-(-sum(step) // bs) + len(step), -(-sched.max_model_len // bs))
         return blocks * self.kv_layout.main_bytes_per_block() + self.kv_layout.least_window_bytes()
 
-    def _refusal(self, peaks: dict[int, int | None], weights: int, room: int) -> str:
+    def _refusal(self, peaks: dict[int, int | None], weights: int, room: int, capped: bool = False) -> str:
         sched, util = self.config.scheduler, self.config.cache.gpu_memory_utilization
         n = sched.max_num_batched_tokens
         steps = largest_steps(n, sched.max_num_seqs, sched.max_model_len)
@@ -94,12 +95,15 @@ class KVCacheBudget:
         fits = fitting_budget(peaks, weights, room, self.bytes_needed)
         hint = (f"max_num_batched_tokens={fits} fits (estimated from the profile); or " if fits is not None
                 else "even a one-token step does not fit; ")
+        share = (f"with {self.memory_before / 2**30:.2f} GiB held by other engines or tensors of this process, "
+                 f"the GPU has {room / 2**30:.2f} GiB left" if capped
+                 else f"gpu_memory_utilization={util} leaves {room / 2**30:.2f} GiB")
+        fix = ("free the other engines (del, then gc.collect()), or lower max_model_len or max_num_seqs" if capped
+               else "raise gpu_memory_utilization, or lower max_model_len or max_num_seqs")
         return (f"max_num_batched_tokens={n} does not fit in GPU memory: its largest step ({sum(steps[0])} tokens over "
-                f"{len(steps[0])} sequences, every row's hidden state as prompt logprobs may ask) {what}, and "
-                f"gpu_memory_utilization={util} leaves {room / 2**30:.2f} GiB for the weights, that step and a KV "
-                f"cache for its tokens and at least one max_model_len={sched.max_model_len} sequence "
-                f"({need / 2**30:.2f} GiB). {hint}"
-                "raise gpu_memory_utilization, or lower max_model_len or max_num_seqs")
+                f"{len(steps[0])} sequences, every row's hidden state as prompt logprobs may ask) {what}, and {share} "
+                f"for the weights, that step and a KV cache for its tokens and at least one "
+                f"max_model_len={sched.max_model_len} sequence ({need / 2**30:.2f} GiB). {hint}{fix}")
 
     @torch.inference_mode()
     def _profile_run(self) -> dict[int, int | None]:

@@ -118,6 +118,16 @@ def test_a_second_engine_takes_no_more_than_the_memory_left(tiny_llama):
     assert config.cache.num_blocks == (left - runner.profiled_peak_bytes) // per_block
 
 
+def test_a_refusal_names_the_memory_other_engines_hold(tiny_llama):
+    """Where what earlier engines hold leaves too little for even this engine's largest step, the refusal says so
+    (freeing them is the fix, not a lower token budget alone)."""
+    with pytest.raises(RuntimeError, match=r"with 0\.22 GiB held by other engines or tensors of this process, the "
+                       r"GPU has 0\.01 GiB left") as refused:
+        start(tiny_llama, FakeMemory(engines_before=230 * MiB), max_num_batched_tokens=1024)
+    assert "free the other engines" in str(refused.value)
+    assert "raise gpu_memory_utilization" not in str(refused.value)
+
+
 def _suggested(message: str) -> int:
     found = re.search(r"max_num_batched_tokens=(\d+) fits", message)
     assert found, message
