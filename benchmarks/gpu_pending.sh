@@ -33,8 +33,8 @@
 #   bash benchmarks/gpu_pending.sh merge-splits-wide  # ~3 min: split counts past the one-wave line, merge in the kernel
 #   bash benchmarks/gpu_pending.sh split-rule  # ~6 min: split counts sized for the in-kernel merge, in steps
 #   bash benchmarks/gpu_pending.sh deploy-len  # ~5 min: Llama-3.2-1B 1k steps from an engine sized for 128k
-#   bash benchmarks/gpu_pending.sh deploy-len-moe  # ~7 min: the same for Qwen3-MoE / V2-Lite at their contexts
-#   bash benchmarks/gpu_pending.sh deploy-len-moe-vs  # ~4 min: those against engines sized for ~1.1k, one call
+#   bash benchmarks/gpu_pending.sh deploy-len-moe  # ~2 min: the same for Qwen3-MoE / V2-Lite at their contexts
+#   bash benchmarks/gpu_pending.sh deploy-len-moe-vs  # ~2 min: those against engines sized for ~1.1k, one call
 #   bash benchmarks/gpu_pending.sh kernel-table  # ~3 min: 1B batch 1 / 8 / 64 replays' kernels by name, PDL off / on
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
