@@ -68,7 +68,8 @@ PY
 }
 
 summarise_timelines() {   # the graph timelines of a Llama-3.2-1B h200_decode_sweep.py JSON at 1k: step, span, idle,
-    # one layer's launches in order (sequence) and the replay's ten longest kernels by name (by_kernel)
+    # one layer's launches in order (sequence), the replay's ten longest kernels by name (by_kernel) and the eight
+    # that add the most to the span (exposed_by_kernel)
     python3 - "$1" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
@@ -78,6 +79,8 @@ for b in d["results"]["llama-3.2-1b"]["1024"]["batches"]:
           "idle", t.get("idle_us"), [(n[:18], us) for n, us in t.get("sequence", [])[8:20]])
     for name, n, us in t.get("by_kernel", [])[:10]:
         print(f"    {us:8.1f} us  x{n:5.1f}  {name[:60]}")
+    for name, us in t.get("exposed_by_kernel", [])[:8]:      # what each kernel name adds to the span
+        print(f"    exposed {us:8.1f} us  {name[:60]}")
 PY
 }
 
@@ -506,6 +509,9 @@ kernel-table)
             --output "$OUT/kernel_table_1b_pdl${pdl}.json" > /tmp/kernel_table.log 2>&1
         tail -1 /tmp/kernel_table.log | cut -c1-200
         summarise_timelines "$OUT/kernel_table_1b_pdl${pdl}.json"
+        # each launch of a layer against its bytes (and, with PDL on, what it adds to the step)
+        python3 benchmarks/price_kernels_1b.py "$OUT/kernel_table_1b_pdl${pdl}.json" \
+            --output "$OUT/price_kernels_1b_pdl${pdl}.json" | head -40
     done
     elapsed "kernel-table"
     ;;

@@ -2,7 +2,8 @@
 (`bash benchmarks/gpu_pending.sh kernel-table`: each kernel's duration is its own there), the median microseconds of
 each launch of a layer (qkv, attention, o_proj, norm, gate/up + SwiGLU, down) against its weights' and KV cache's
 bytes at the run's copy bandwidth, and what the step spends outside the 16 layers (the LM head, the last norm,
-sampling). Usage:
+sampling). From a table with PDL on (recorded since session 44's profile_gpu_step) each launch also gets its exposed
+time, what it adds to the step once the launches overlap (`exposed_us`). Usage:
 
     python benchmarks/price_kernels_1b.py benchmarks/kernel_table_1b_pdl0_h100_s44.json \
         --output benchmarks/price_kernels_1b_h100_s44.json
@@ -48,6 +49,10 @@ def price(entry: dict, bandwidth: float) -> dict:
     roles = layer_roles(batch)
     start = first_layer_start(names, batch)
     cycles = [us[i:i + len(roles)] for i in range(start, len(us) - len(roles) + 1, len(roles))]
+    # With PDL on, what each launch adds to the step (profile_gpu_step's exposed time; tables since session 44).
+    exposed = timeline.get("sequence_exposed_us")
+    exposed_cycles = ([exposed[i:i + len(roles)] for i in range(start, len(us) - len(roles) + 1, len(roles))]
+                      if exposed else None)
     kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2
     rows = []
     for j, role in enumerate(roles):
@@ -56,6 +61,8 @@ def price(entry: dict, bandwidth: float) -> dict:
         rows.append({"role": role, "kernel": names[start + j], "us": round(median, 2), "bytes": nbytes,
                      "ideal_us": round(nbytes / bandwidth * 1e6, 2),
                      "TBps": round(nbytes / (median * 1e-6) / 1e12, 3) if nbytes else None})
+        if exposed_cycles:
+            rows[-1]["exposed_us"] = round(statistics.median(c[j] for c in exposed_cycles), 2)
     layer_us = sum(r["us"] for r in rows)
     return {"batch": batch, "context": context, "step_ms": entry["step_ms"], "span_us": timeline["span_us"],
             "layer_cycles_seen": len(cycles), "layer": rows, "layer_us": round(layer_us, 1),
@@ -85,7 +92,8 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("table", help="an h200_decode_sweep.py JSON of llama-3.2-1b with --timeline-batch, PDL off")
+    ap.add_argument("table", help="an h200_decode_sweep.py JSON of llama-3.2-1b with --timeline-batch (PDL off: "
+                                  "the kernels' own durations; on: their exposed times too)")
     ap.add_argument("--output", required=True)
     args = ap.parse_args(argv)
     table = json.load(open(args.table))
@@ -101,7 +109,7 @@ def main(argv=None) -> None:
               f" outside the layers {b['outside_layers_us']} us (LM head ideal {b['lm_head_ideal_us']})")
         for r in b["layer"]:
             print(f"   {r['role']:10s} {r['kernel'][:26]:26s} {r['us']:7.2f} us  ideal {r['ideal_us']:6.2f}  "
-                  f"{r['TBps'] or '':>6} TB/s")
+                  f"{r['TBps'] or '':>6} TB/s" + (f"  exposed {r['exposed_us']:6.2f} us" if "exposed_us" in r else ""))
 
 
 if __name__ == "__main__":

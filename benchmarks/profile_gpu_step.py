@@ -163,13 +163,18 @@ def idle_breakdown(kernels: list, reps: int, top: int = 15, sequence: int = 60) 
     """`graph_timeline`'s arithmetic on (start, end, name) kernel intervals (us) of `reps` replays. Plus `sequence`:
     the first kernels of the last replay in launch order with their durations (with DEEPSERVE_PDL=0 each its own):
     which launch of a layer a kernel name in the totals is; and `by_kernel`: every kernel name's launches and
-    microseconds a replay, longest total first (the whole replay, where `sequence` stops at its first kernels)."""
+    microseconds a replay, longest total first (the whole replay, where `sequence` stops at its first kernels).
+    `exposed`: what each launch adds to the replay's span, the part of it past every earlier-started kernel's end.
+    With PDL a kernel starts early and waits, so its duration overstates its cost; its exposed time is what it
+    costs the step (the exposed times and the idle time add up to the span): `sequence_exposed_us` beside
+    `sequence`, and `exposed_by_kernel` (microseconds a replay by name, largest first)."""
     kernels = sorted(kernels, key=lambda k: k[0])
     per_replay = len(kernels) // reps
-    last = kernels[(reps - 1) * per_replay:(reps - 1) * per_replay + sequence]
+    first = (reps - 1) * per_replay
+    last = kernels[first:first + sequence]
     idle = 0.0
     reach, prev = kernels[0][1], kernels[0][2]
-    busy = reach - kernels[0][0]
+    exposed = [reach - kernels[0][0]]
     gaps: dict[str, list] = {}
     for start, end, name in kernels[1:]:
         if start > reach:
@@ -177,10 +182,14 @@ def idle_breakdown(kernels: list, reps: int, top: int = 15, sequence: int = 60) 
             slot[0] += start - reach
             slot[1] += 1
             idle += start - reach
-        busy += max(0.0, end - max(start, reach))
+        exposed.append(max(0.0, end - max(start, reach)))
         if end > reach:
             reach, prev = end, name
+    busy = sum(exposed)
     span = reach - kernels[0][0]
+    exposed_totals: dict[str, float] = {}
+    for (_, _, name), us in zip(kernels, exposed):
+        exposed_totals[name[:70]] = exposed_totals.get(name[:70], 0.0) + us
     rows = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
     totals: dict[str, list] = {}
     for start, end, name in kernels:
@@ -194,7 +203,10 @@ def idle_breakdown(kernels: list, reps: int, top: int = 15, sequence: int = 60) 
             "kernel_us_sum": round(sum(e - s for s, e, _ in kernels) / reps, 1),
             "top_idle": [(k, round(v[0] / reps, 1), round(v[1] / reps, 1)) for k, v in rows],
             "sequence": [(name[:70], round(end - start, 1)) for start, end, name in last],
-            "by_kernel": by_kernel}
+            "sequence_exposed_us": [round(us, 1) for us in exposed[first:first + sequence]],
+            "by_kernel": by_kernel,
+            "exposed_by_kernel": [(name, round(t / reps, 1))
+                                  for name, t in sorted(exposed_totals.items(), key=lambda kv: -kv[1])]}
 
 
 def graph_replay_ms(llm: LLM, size: int, seq_len: int, reps: int = 200) -> float | None:

@@ -75,7 +75,7 @@ def test_env_sweep_settings_and_combos(benchmarks_on_path):
 
 def test_graph_timeline_arithmetic(benchmarks_on_path):
     """profile_gpu_step.idle_breakdown on two replays of three kernels: idle time between kernels, busy time as the
-    union of intervals, and every kernel name's launches and microseconds a replay."""
+    union of intervals, every kernel name's launches and microseconds a replay, and what each adds to the span."""
     from profile_gpu_step import idle_breakdown
     one = [(0.0, 10.0, "gemv"), (12.0, 20.0, "attn"), (18.0, 30.0, "gemv")]     # a 2 us gap, then an overlap
     kernels = one + [(s + 100.0, e + 100.0, n) for s, e, n in one]
@@ -84,6 +84,21 @@ def test_graph_timeline_arithmetic(benchmarks_on_path):
     assert r["idle_us"] == (2.0 + 70.0 + 2.0) / 2                   # the gap between replays counts too
     assert r["by_kernel"] == [("gemv", 2.0, 22.0), ("attn", 1.0, 8.0)]
     assert [name for name, _ in r["sequence"]] == ["gemv", "attn", "gemv"]
+    # What each launch adds to the span: the second gemv overlaps attn's last 2 us, so it adds 10 of its 12.
+    assert r["sequence_exposed_us"] == [10.0, 8.0, 10.0]
+    assert r["exposed_by_kernel"] == [("gemv", 20.0), ("attn", 8.0)]
+    assert sum(us for _, us in r["exposed_by_kernel"]) + r["idle_us"] == r["span_us"]
+
+
+def test_graph_timeline_exposed_time_under_pdl(benchmarks_on_path):
+    """A kernel launched early (PDL) that waits for its predecessor: its duration counts the wait, its exposed time
+    only what it runs past the predecessor's end; one that ends inside another adds nothing."""
+    from profile_gpu_step import idle_breakdown
+    one = [(0.0, 20.0, "swiglu"), (5.0, 30.0, "down"), (25.0, 28.0, "norm"), (29.0, 40.0, "qkv")]
+    r = idle_breakdown(one, reps=1)
+    assert r["sequence"] == [("swiglu", 20.0), ("down", 25.0), ("norm", 3.0), ("qkv", 11.0)]
+    assert r["sequence_exposed_us"] == [20.0, 10.0, 0.0, 10.0]
+    assert r["busy_us"] == r["span_us"] == 40.0 and r["idle_us"] == 0.0
 
 
 def test_kernel_prices_of_a_1b_layer(benchmarks_on_path):
@@ -108,3 +123,6 @@ def test_kernel_prices_of_a_1b_layer(benchmarks_on_path):
     assert got["layer"][3]["bytes"] == 2 * 1000 * 8 * 64 * 2 * 2
     assert got["layer_us"] == sum(us for _, us in layer)
     assert got["outside_layers_us"] == round(1500.0 - 16 * got["layer_us"], 1)
+    assert "exposed_us" not in got["layer"][0]          # an older table: durations only
+    entry["graph_timeline"]["sequence_exposed_us"] = [us / 2 for _, us in sequence]
+    assert [r["exposed_us"] for r in price(entry, bandwidth=3e12)["layer"]] == [us / 2 for _, us in layer]
