@@ -485,8 +485,8 @@ deploy-len-moe-vs)
     # a few percent): short, deployment-sized (tables packed by default), short again, at batch 64 / 256.
     for spec in "qwen3-moe 40960" "deepseek-v2-lite 163840"; do
         set -- $spec
-        for len in short "$2" short; do
-            extra=""; [ "$len" != short ] && extra="--max-model-len $len"
+        for len in short1 "$2" short2; do      # (session 44's runs wrote both short ones to one file: the second)
+            extra=""; [ "${len#short}" = "$len" ] && extra="--max-model-len $len"
             timeout 120 python3 benchmarks/h200_decode_sweep.py --shapes "$1" --contexts 1024 --batches 64,256 \
                 --kv-cache-dtype fp8 --profile-batch 0 $extra --output "$OUT/deploy_vs_${1}_${len}.json" \
                 > /tmp/deploy_vs.log 2>&1
