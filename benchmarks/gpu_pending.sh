@@ -36,6 +36,7 @@
 #   bash benchmarks/gpu_pending.sh deploy-len-moe  # ~2 min: the same for Qwen3-MoE / V2-Lite at their contexts
 #   bash benchmarks/gpu_pending.sh deploy-len-moe-vs  # ~2 min: those against engines sized for ~1.1k, one call
 #   bash benchmarks/gpu_pending.sh kernel-table  # ~3 min: 1B batch 1 / 8 / 64 replays' kernels by name, PDL off / on
+#   bash benchmarks/gpu_pending.sh kernel-table-splits  # ~4 min: the same at batch 1 / 8, decode splits forced
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -514,6 +515,23 @@ kernel-table)
             --output "$OUT/price_kernels_1b_pdl${pdl}.json" | head -40
     done
     elapsed "kernel-table"
+    ;;
+kernel-table-splits)
+    # Whether the batch-1 / 8 decode of Llama-3.2-1B at 1k gains from one-tile partitions in the step (session 44's
+    # note): the graphs, sized for ~1.1k keys, split the 1B's 1044 keys in 9 parts of 128 (the merge tile holds 16
+    # splits). DEEPSERVE_DECODE_SPLITS forces the count: 8 (6 parts of 192 keys), 32 (17 of 64, merged by a reduce
+    # launch), against the rule (0). Kernel tables with PDL off (each kernel's own duration) and on (what
+    # each launch adds to the step: exposed_by_kernel). If 32 beats the rule with PDL on, the in-kernel merge
+    # is worth extending past 16 splits.
+    for splits in 0 8 32; do
+        for pdl in 0 1; do
+            DEEPSERVE_PDL=$pdl DEEPSERVE_DECODE_SPLITS=$splits timeout 100 python3 benchmarks/h200_decode_sweep.py \
+                --shapes llama-3.2-1b --contexts 1024 --batches 1,8 --profile-batch 0 --timeline-batch 1,8 \
+                --output "$OUT/kernel_table_splits${splits}_pdl${pdl}.json" > /tmp/kernel_table_splits.log 2>&1
+            echo "splits $splits, PDL $pdl"; summarise_timelines "$OUT/kernel_table_splits${splits}_pdl${pdl}.json"
+        done
+    done
+    elapsed "kernel-table-splits"
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the

@@ -196,6 +196,10 @@ _DECLARED = [
            "(row, KV head) to finish merges the splits in the decode kernel (a counter each, "
            "kernels/paged_attention.py; H100, Llama-3.2-1B steps at 1k: batch 1 1-1.5% and batch 32 4% faster, "
            "batch 2-16 within 2%); reduce: a reduce launch after it (read at import)", choices=("reduce", "last")),
+    EnvVar("DEEPSERVE_DECODE_SPLITS", "int", 0,
+           "GPU paged decode attention: every engine launch split over the context in this many parts (0: the rule, "
+           "kernels/decode_launch.py decode_num_splits); an A/B switch for kernel tables (past the in-kernel merge's "
+           "tile a launch merges with a reduce; batch-invariant mode never splits) (read when an engine starts)"),
     EnvVar("DEEPSERVE_DECODE_SPLIT_RULE", "str", "merged",
            "GPU paged decode attention's split counts: merged (the default): sized for the in-kernel merge where a "
            "launch merges there (one-tile partitions where the merge holds them, the merge tile's split count where "

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from deepserve import envs
 from deepserve.kernels.kv_write import rotary_write_kv, write_kv
 from deepserve.kernels.paged_attention import decode_attention
 from deepserve.kernels.paged_prefill import PREFILL_BLOCK_M, prefill_attention, prefill_tiles
@@ -56,7 +57,8 @@ class TritonPagedAttention:
         whatever the batch, the chunking or the cache hits (deepinfer.md section 9). Rows of a decode verifying
         drafts always run so (speculative decoding: they are decodes one position apart)."""
         self.rows_as_decodes = rows_as_decodes
-        self.num_splits = 1 if rows_as_decodes else num_splits   # None: heuristic (tests may force a count)
+        # None: the split rule (tests, and DEEPSERVE_DECODE_SPLITS for A/Bs, may force a count)
+        self.num_splits = 1 if rows_as_decodes else (num_splits or envs.DEEPSERVE_DECODE_SPLITS or None)
 
     def build_metadata(self, batch) -> TritonAttentionMetadata:
         drafts = batch.draft_lens_cpu

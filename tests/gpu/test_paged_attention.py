@@ -586,6 +586,26 @@ def test_backend_matches_torch_backend(device, dtype, head_dim, group):
     assert_attention_close(out, ref, dtype)
 
 
+def test_backend_decode_splits_forced_by_the_environment(device, monkeypatch):
+    """DEEPSERVE_DECODE_SPLITS (an A/B switch): the backend's decode launches split in that many parts, rounded to
+    whole 64-key tiles of the longest context (32 over 1501 keys: 24 splits of 64, past the in-kernel merge's tile,
+    so a reduce merges them), and a mixed step still matches the reference backend."""
+    monkeypatch.setenv("DEEPSERVE_DECODE_SPLITS", "32")
+    launched = spy_decode_launches(monkeypatch)
+    dtype, head_dim, group, bs = torch.float16, 64, 2, 16
+    batch = make_batch(MIXED_SEQS, bs, 160, device)
+    h, hkv, t = NUM_KV_HEADS * group, NUM_KV_HEADS, batch.num_tokens
+    q, k, v = (torch.randn(t, n, head_dim, device=device).to(dtype) for n in (h, hkv, hkv))
+    cache = random_cache(160, bs, hkv, head_dim, dtype, device)
+    outs = []
+    for backend in (TorchPagedAttention(), TritonPagedAttention()):
+        batch.attn_metadata = backend.build_metadata(batch)
+        outs.append(backend.forward(q, k, v, cache.clone(), batch, 0.125))
+    assert TritonPagedAttention().num_splits == 32 and TritonPagedAttention(rows_as_decodes=True).num_splits == 1
+    assert [splits for _, splits in launched] == [24]
+    assert_attention_close(outs[1], outs[0], dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qkv_views", [True, False], ids=["qkv_views", "separate"])
 def test_backend_with_rotary_matches_torch_backend(device, dtype, qkv_views):
