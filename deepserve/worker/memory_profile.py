@@ -24,8 +24,9 @@ class CudaMemory:
     def reclaim(self) -> None:
         """Collect garbage and hand the allocator's unused cache back. An engine dropped while its objects sit in a
         reference cycle (`del llm` with the handle in one) holds its weights and KV cache until the collector runs;
-        the next engine would otherwise be sized around them (tests/gpu/test_memory_profile_gpu.py). A second pass
-        takes what the first one's finalizers released (the dropped engine's frozen start-up heap)."""
+        the next engine would otherwise be sized around them (tests/gpu/test_memory_profile_gpu.py). A pass that
+        found garbage is followed by one more, for what its finalizers handed back (a dropped LLM's finalizer
+        unfreezes its engine's start-up heap, engine/startup_heap.py); on the CPU one pass freed such an engine."""
         if gc.collect():
             gc.collect()
         torch.cuda.empty_cache()
