@@ -37,6 +37,7 @@
 #   bash benchmarks/gpu_pending.sh deploy-len-moe-vs  # ~2 min: those against engines sized for ~1.1k, one call
 #   bash benchmarks/gpu_pending.sh kernel-table  # ~3 min: 1B batch 1 / 8 / 64 replays' kernels by name, PDL off / on
 #   bash benchmarks/gpu_pending.sh kernel-table-splits  # ~4 min: the same at batch 1 / 8, decode splits forced
+#   bash benchmarks/gpu_pending.sh mlp-prefetch  # ~6 min: L2_PREFETCH=decode, MERGE_ONE_TILE: tests, 1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -532,6 +533,30 @@ kernel-table-splits)
         done
     done
     elapsed "kernel-table-splits"
+    ;;
+mlp-prefetch)
+    # Two of session 45's A/B switches for Llama-3.2-1B's batch-1 step (kernel_table_1b_pdl1_h100_s45.json: the
+    # attention exposes 9.1 us a layer for 2.1 MB, and HBM idles from its start to the MLP's):
+    # - DEEPSERVE_L2_PREFETCH=decode: batch 1's split decode programs, once their keys and values are in, ask L2 for
+    #   the first rows of the MLP's gate/up weight (DEEPSERVE_L2_PREFETCH_MLP_MB, half from each half);
+    # - DEEPSERVE_DECODE_MERGE_ONE_TILE=1: 18 one-tile splits merged in the kernel over a 32-split tile, where the
+    #   rule takes 9 of two tiles (17 one-tile splits with a reduce launch were 3.4 us faster in the decode launch,
+    #   their reduce as slow: kernel_table_splits_h100_s45.json).
+    # Their GPU tests, then batch 1 / 2 steps at 1k: off, 12 and 24 MB, the merge, both; a second pass of three.
+    timeout 200 python3 -m pytest -q tests/gpu/test_paged_attention.py tests/gpu/test_engine_gpu.py \
+        -k "l2_prefetch or split_merge or one_tile" -p no:cacheprovider > "$OUT/pytest_mlp_prefetch.log" 2>&1
+    tail -3 "$OUT/pytest_mlp_prefetch.log"; grep -m 6 "^E .*Error\|^E  *assert" "$OUT/pytest_mlp_prefetch.log" | cut -c1-300
+    elapsed "tests"
+    off=DEEPSERVE_L2_PREFETCH=off; pf=DEEPSERVE_L2_PREFETCH=decode,DEEPSERVE_L2_PREFETCH_MLP_MB
+    tile=DEEPSERVE_DECODE_MERGE_ONE_TILE=1
+    timeout 300 python3 benchmarks/ab_env_sweep.py --combo $off --combo $pf=12 --combo $pf=24 --combo $off,$tile \
+        --combo $pf=12,$tile --passes 1 --timeout 70 --output "$OUT/mlp_prefetch_1b_ab.json" -- \
+        --shapes llama-3.2-1b --contexts 1024 --batches 1,2 --profile-batch 0 > /tmp/mlp_prefetch_ab.log 2>&1
+    tail -2 /tmp/mlp_prefetch_ab.log | cut -c1-300; summarise_steps "$OUT/mlp_prefetch_1b_ab.json"; elapsed "A/B 1"
+    timeout 200 python3 benchmarks/ab_env_sweep.py --combo $off --combo $pf=12 --combo $pf=12,$tile --passes 1 \
+        --timeout 70 --output "$OUT/mlp_prefetch_1b_ab_pass2.json" -- --shapes llama-3.2-1b --contexts 1024 \
+        --batches 1,2 --profile-batch 0 > /tmp/mlp_prefetch_ab2.log 2>&1
+    tail -2 /tmp/mlp_prefetch_ab2.log | cut -c1-300; summarise_steps "$OUT/mlp_prefetch_1b_ab_pass2.json"; elapsed "A/B 2"
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the

@@ -3,7 +3,8 @@
 each launch of a layer (qkv, attention, o_proj, norm, gate/up + SwiGLU, down) against its weights' and KV cache's
 bytes at the run's copy bandwidth, and what the step spends outside the 16 layers (the LM head, the last norm,
 sampling). From a table with PDL on (recorded since session 44's profile_gpu_step) each launch also gets its exposed
-time, what it adds to the step once the launches overlap (`exposed_us`). Usage:
+time, what it adds to the step once the launches overlap (`exposed_us`); a layer then costs the step the sum of those
+(`layer_exposed_us`), and the time outside the layers is counted from it. Usage:
 
     python benchmarks/price_kernels_1b.py benchmarks/kernel_table_1b_pdl0_h100_s44.json \
         --output benchmarks/price_kernels_1b_h100_s44.json
@@ -64,11 +65,16 @@ def price(entry: dict, bandwidth: float) -> dict:
         if exposed_cycles:
             rows[-1]["exposed_us"] = round(statistics.median(c[j] for c in exposed_cycles), 2)
     layer_us = sum(r["us"] for r in rows)
-    return {"batch": batch, "context": context, "step_ms": entry["step_ms"], "span_us": timeline["span_us"],
-            "layer_cycles_seen": len(cycles), "layer": rows, "layer_us": round(layer_us, 1),
-            "layer_ideal_us": round(sum(r["ideal_us"] for r in rows), 1),
-            "outside_layers_us": round(timeline["span_us"] - LAYERS * layer_us, 1),
-            "lm_head_ideal_us": round(LM_HEAD_BYTES / bandwidth * 1e6, 1)}
+    # With PDL on the durations overlap (each includes its wait): a layer costs the step its exposed times' sum.
+    cost_us = sum(r["exposed_us"] for r in rows) if exposed_cycles else layer_us
+    out = {"batch": batch, "context": context, "step_ms": entry["step_ms"], "span_us": timeline["span_us"],
+           "layer_cycles_seen": len(cycles), "layer": rows, "layer_us": round(layer_us, 1),
+           "layer_ideal_us": round(sum(r["ideal_us"] for r in rows), 1),
+           "outside_layers_us": round(timeline["span_us"] - LAYERS * cost_us, 1),
+           "lm_head_ideal_us": round(LM_HEAD_BYTES / bandwidth * 1e6, 1)}
+    if exposed_cycles:
+        out["layer_exposed_us"] = round(cost_us, 1)
+    return out
 
 
 def plot(result: dict, path: str) -> None:
@@ -105,8 +111,10 @@ def main(argv=None) -> None:
         json.dump(result, f, indent=1)
     plot(result, args.output.rsplit(".", 1)[0] + ".png")
     for b in result["batches"]:
-        print(f"batch {b['batch']}: step {b['step_ms']} ms, layer {b['layer_us']} us (ideal {b['layer_ideal_us']}),"
-              f" outside the layers {b['outside_layers_us']} us (LM head ideal {b['lm_head_ideal_us']})")
+        exposed = f", exposed {b['layer_exposed_us']} us" if "layer_exposed_us" in b else ""
+        print(f"batch {b['batch']}: step {b['step_ms']} ms, layer {b['layer_us']} us{exposed} (ideal "
+              f"{b['layer_ideal_us']}), outside the layers {b['outside_layers_us']} us (LM head ideal "
+              f"{b['lm_head_ideal_us']})")
         for r in b["layer"]:
             print(f"   {r['role']:10s} {r['kernel'][:26]:26s} {r['us']:7.2f} us  ideal {r['ideal_us']:6.2f}  "
                   f"{r['TBps'] or '':>6} TB/s" + (f"  exposed {r['exposed_us']:6.2f} us" if "exposed_us" in r else ""))

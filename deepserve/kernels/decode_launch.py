@@ -86,6 +86,12 @@ PAIRED_HEAD_BYTES = 128
 # 0.6-1.3% slower in three pairs, Qwen3-MoE batch 32 0.9% faster in one).
 SPLIT_MERGE = envs.DEEPSERVE_DECODE_SPLIT_MERGE
 MERGE_MAX_ELEMENTS = 4096
+# DEEPSERVE_DECODE_MERGE_ONE_TILE (session 45's A/B): launches of one-tile partitions merge over tiles of up to twice
+# MERGE_MAX_ELEMENTS. Llama-3.2-1B batch 1 at 1k (H100, kernel_table_splits_h100_s45.json): 17 one-tile splits made
+# the decode launch 3.4 us faster than the rule's 9 of two tiles, but past the 16-split tile they took a reduce
+# launch that cost as much; such launches are few programs (batch 1-4), where the merge's registers cost nothing.
+ONE_TILE_MERGE = envs.DEEPSERVE_DECODE_MERGE_ONE_TILE
+MERGE_MAX_ELEMENTS_ONE_TILE = 2 * MERGE_MAX_ELEMENTS
 # The merge counters: one int32 per (row, KV-head program) of a split launch, zero between launches (the last
 # program of each zeroes its own). Allocated once per device at SPLIT_COUNTERS slots, never reallocated: a CUDA
 # graph keeps the pointer it captured. Launches on one device run one after another (one stream), so they share it.
@@ -100,12 +106,14 @@ def split_counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[key]
 
 
-def merge_tile(num_heads: int, num_splits: int, head_dim: int) -> Optional[tuple[int, int]]:
+def merge_tile(num_heads: int, num_splits: int, head_dim: int, one_tile: bool = False) -> Optional[tuple[int, int]]:
     """(MERGE_G, MERGE_S) of a split launch's in-kernel merge for programs of `num_heads` query heads: its tile is
-    [MERGE_G, MERGE_S, head_dim]. None where that is past MERGE_MAX_ELEMENTS or the head width is not a power of two
-    (the partials are packed at it): the launch keeps its reduce."""
+    [MERGE_G, MERGE_S, head_dim]. None where that is past MERGE_MAX_ELEMENTS (MERGE_MAX_ELEMENTS_ONE_TILE for a
+    launch of one-tile partitions, `one_tile`, under ONE_TILE_MERGE) or the head width is not a power of two (the
+    partials are packed at it): the launch keeps its reduce."""
     tile = (next_pow2(num_heads), next_pow2(num_splits))
-    return tile if tile[0] * tile[1] * head_dim <= MERGE_MAX_ELEMENTS and head_dim == next_pow2(head_dim) else None
+    cap = MERGE_MAX_ELEMENTS_ONE_TILE if one_tile and ONE_TILE_MERGE else MERGE_MAX_ELEMENTS
+    return tile if tile[0] * tile[1] * head_dim <= cap and head_dim == next_pow2(head_dim) else None
 
 
 def fits_one_wave(num_programs: int, head_dim: int, split: bool, device: torch.device) -> bool:
@@ -150,12 +158,12 @@ SPLIT_RULE = envs.DEEPSERVE_DECODE_SPLIT_RULE
 _MERGED_MIN_PARTITION = 64     # keys per split at least where the merge is in the kernel: one 64-key tile
 
 
-def merge_max_splits(num_heads: int, head_dim: int) -> int:
-    """The most splits an in-kernel merge over programs of `num_heads` query heads holds (`merge_tile`'s limit): 0
-    where it holds none (a head width that is not a power of two)."""
+def merge_max_splits(num_heads: int, head_dim: int, elements: int = MERGE_MAX_ELEMENTS) -> int:
+    """The most splits an in-kernel merge over programs of `num_heads` query heads holds (`merge_tile`'s limit, a
+    tile of `elements`): 0 where it holds none (a head width that is not a power of two)."""
     if head_dim != next_pow2(head_dim):
         return 0
-    return MERGE_MAX_ELEMENTS // (next_pow2(num_heads) * head_dim)
+    return elements // (next_pow2(num_heads) * head_dim)
 
 
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
@@ -197,6 +205,9 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
         short = max(1, min(cdiv(4 * sms, programs), cdiv(max_seq_len, _MERGED_MIN_PARTITION), 64))
         if short <= most:
             return short
+        one_tile = short == cdiv(max_seq_len, _MERGED_MIN_PARTITION)
+        if ONE_TILE_MERGE and one_tile and short <= merge_max_splits(merge_heads, head_dim, MERGE_MAX_ELEMENTS_ONE_TILE):
+            return short
         if splits <= most + most // 2:
             return most
     return splits
@@ -215,6 +226,7 @@ def launch_num_splits(num_rows: int, num_heads: int, kv_cache: torch.Tensor, max
 
 
 __all__ = ["DECODE_BLOCK_N", "DEEP_PIPELINE_TILES", "DecodeTiles", "HEADS_FIRST", "KV_HEADS_PER_PROGRAM",
-           "MERGE_MAX_ELEMENTS", "PAIRED_HEAD_BYTES", "SPLIT_COUNTERS", "SPLIT_MERGE", "SPLIT_RULE",
+           "MERGE_MAX_ELEMENTS", "MERGE_MAX_ELEMENTS_ONE_TILE", "ONE_TILE_MERGE", "PAIRED_HEAD_BYTES", "SPLIT_COUNTERS",
+           "SPLIT_MERGE", "SPLIT_RULE",
            "decode_num_splits", "decode_tiles", "fits_one_wave", "kv_heads_a_program", "launch_num_splits",
            "merge_max_splits", "merge_tile", "split_counters"]

@@ -227,3 +227,41 @@ def test_split_merge_in_the_decode_kernel_keeps_the_tokens(tiny_llama, monkeypat
     split = [merged for splits, merged in launches if splits > 1]
     assert split and all(split) and not reduces
     assert not paged_attention.split_counters(torch.device("cuda")).any()
+
+
+def test_mlp_l2_prefetch_keeps_the_tokens(tiny_llama, monkeypatch):
+    """DEEPSERVE_L2_PREFETCH=decode (batch 1's decode programs ask L2 for the first rows of the MLP's gate/up weight)
+    gives the plain engine's greedy tokens, eager and in CUDA graphs, and the hint reaches every batch-1 decode
+    launch of a bf16 Llama: a launch with a prefetch plan per layer and step on Hopper."""
+    from deepserve.kernels import l2_prefetch, paged_attention
+    prompt = [{"prompt_token_ids": [(7 * j) % 250 + 3 for j in range(300)]}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def tokens(**kw):
+        llm = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", max_num_seqs=4,
+                  kv_cache_memory_bytes=1 << 26, **kw)
+        return [o.outputs[0].token_ids for o in llm.generate(prompt, params, use_tqdm=False)]
+
+    l2_prefetch._setting.cache_clear()
+    want = tokens(enforce_eager=True)
+    planned = []
+    real_plan = paged_attention.mlp_prefetch_plan
+
+    def spy(gate_up, rows, like):
+        plan = real_plan(gate_up, rows, like)
+        planned.append((rows, gate_up is not None, plan.nbytes))
+        return plan
+
+    monkeypatch.setattr(paged_attention, "mlp_prefetch_plan", spy)
+    monkeypatch.setenv("DEEPSERVE_L2_PREFETCH", "decode")
+    l2_prefetch._setting.cache_clear()
+    try:
+        assert tokens(enforce_eager=True) == want
+        assert tokens() == want
+    finally:
+        monkeypatch.undo()
+        l2_prefetch._setting.cache_clear()
+    one_row = [(hint, nbytes) for rows, hint, nbytes in planned if rows == 1]
+    assert one_row and all(hint for hint, _ in one_row)
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert all(nbytes > 0 for _, nbytes in one_row)

@@ -19,7 +19,7 @@ from deepserve.kernels.paged_attention import (active_splits_ref, decode_attenti
 from deepserve.kernels.kv_write import rotary_write_kv, rotary_write_kv_ref, write_kv, write_kv_ref
 from deepserve.kernels import l2_prefetch
 from deepserve.kernels.l2_prefetch import (L2_PREFETCH_MAX_ROWS, L2_PREFETCH_PIECE, L2_PREFETCH_PIECES,
-                                          l2_prefetch_plan)
+                                          l2_prefetch_plan, mlp_prefetch_plan)
 from deepserve.kernels.rotary import apply_rotary
 from deepserve.layers.attention import TorchPagedAttention
 from deepserve.layers.forward_batch import ForwardBatch
@@ -500,6 +500,38 @@ def test_decode_reduce_l2_prefetch_changes_nothing(device, lens, l2_prefetch_set
     assert_attention_close(outs[1], ref, dtype)
 
 
+@pytest.mark.parametrize("l2_prefetch_setting", ["decode", "decode_evict_last"], indirect=True)
+@pytest.mark.parametrize("mb", [12, 1000])
+@pytest.mark.parametrize("num_splits", [16, 1])
+def test_decode_mlp_l2_prefetch_changes_nothing(device, mb, num_splits, l2_prefetch_setting, monkeypatch):
+    """Batch 1's decode programs asking L2 for the MLP's gate/up weight (kernels/l2_prefetch.py, site "decode": the
+    first rows of each half, DEEPSERVE_L2_PREFETCH_MLP_MB in all, at most the whole weight) change nothing: split
+    and unsplit launches give bitwise the output of the launch without them and leave the weight as it was. Two
+    rows have no prefetch; nor has any row on a GPU before Hopper or under the interpreter."""
+    monkeypatch.setenv("DEEPSERVE_L2_PREFETCH_MLP_MB", str(mb))
+    dtype = torch.bfloat16 if not INTERPRET else torch.float16
+    batch, cache, q = _decode_case(device, dtype, 64, 4, [1000], 16, 400)
+    rows = torch.arange(1, device=device)
+    gate_up = torch.randn(2 * 8192, 2048, device=device).to(dtype)
+    before = gate_up.clone()
+    plan = mlp_prefetch_plan(gate_up, 1, q)
+    hopper = not INTERPRET and torch.cuda.get_device_capability(gate_up.device)[0] >= 9
+    half = gate_up.numel() // 2 * gate_up.element_size()
+    assert plan.nbytes == (min(mb << 19, half) if hopper else 0)
+    if hopper:
+        assert plan.policy == (2 if l2_prefetch_setting.endswith("evict_last") else 1)
+        assert plan.up.data_ptr() - plan.gate.data_ptr() == half
+    assert mlp_prefetch_plan(gate_up, 2, q).nbytes == 0 and mlp_prefetch_plan(None, 1, q).nbytes == 0
+    outs = []
+    for prefetch in (None, gate_up):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.125, out=out, q_rows=rows, seq_ids=rows,
+                         num_splits=num_splits, max_seq_len=1100, inputs_ready=True, mlp_prefetch=prefetch)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(gate_up, before)
+    assert_attention_close(outs[1], decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.125), dtype)
+
+
 @pytest.mark.parametrize("head_dim,group,kv_heads_a_program", [(64, 4, 1), (128, 4, 1), (64, 1, 1), (128, 8, 1),
                                                                 (64, 3, 2)])
 @pytest.mark.parametrize("max_seq_len,num_splits", [(None, 2), (None, 4), (8192, 3)])
@@ -554,6 +586,37 @@ def test_decode_split_merge_keeps_the_reduce_past_its_tile(device, monkeypatch):
         decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, max_seq_len=4096, num_splits=splits,
                          split_merge="last")
         assert len(reduces) == want
+
+
+@pytest.mark.parametrize("lens", [[1044], [1000, 1044, 3, 700]])
+def test_one_tile_partitions_merge_in_the_kernel_past_the_tile(device, lens, monkeypatch):
+    """DEEPSERVE_DECODE_MERGE_ONE_TILE: a launch of 64-key partitions whose split count is past the merge tile's 16
+    (Llama-3.2-1B's heads: 18 splits for a graph sized for 1100 keys, 17 of them used) merges them in the kernel over
+    a 32-split tile instead of a reduce launch: against the reference, within an ulp of the reduce's merge, every
+    counter back to zero. Off, the same launch takes the reduce."""
+    from deepserve.kernels import decode_launch, paged_attention
+    from deepserve.kernels.decode_launch import split_counters
+    reduces = []
+    real = paged_attention.decode_reduce
+    monkeypatch.setattr(paged_attention, "decode_reduce", lambda *a, **k: reduces.append(1) or real(*a, **k))
+    dtype = torch.float16
+    batch, cache, q = _decode_case(device, dtype, 64, 4, lens, 16, cdiv_total(lens, 16) + 8)
+    n = len(lens)
+    rows = torch.arange(n, device=device)
+    ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.2)
+    outs = {}
+    for one_tile in (False, True):
+        monkeypatch.setattr(decode_launch, "ONE_TILE_MERGE", one_tile)
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, out=out, q_rows=rows, seq_ids=rows,
+                         max_seq_len=1100, num_splits=18, split_merge="last")
+        assert len(reduces) == (0 if one_tile else 1)
+        reduces.clear()
+        assert_attention_close(out, ref, dtype)
+        outs[one_tile] = out
+    assert decode_launch.merge_tile(4, 18, 64, one_tile=True) == (4, 32)
+    assert_within_ulps(outs[True], outs[False], dtype, ulps=1, min_exact=0.9)
+    assert not split_counters(q.device).any()
 
 
 MIXED_SEQS = [(0, 23), (40, 1), (7, 1), (130, 70), (0, 1), (1500, 1), (64, 64), (5, 2)]

@@ -36,6 +36,10 @@ def compile_sm90_kernel(kernel, pointer_types: dict, constexprs: dict, scalar_ty
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
+    # A constexpr the caller leaves out takes its default (a switch added later, off unless named).
+    defaults = {p.name: p.default for p in kernel.params
+                if p.is_constexpr and p.name not in constexprs and p.has_default}
+    constexprs = {**defaults, **constexprs}
     missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
     assert not missing, missing
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params) if p.name in divisible_by_16}

@@ -79,3 +79,22 @@ def test_launch_num_splits_reads_the_cache_and_the_merge():
     qwen3 = torch.empty(2, 4, 16, 4, 128, dtype=torch.bfloat16)        # group 8: the merge holds 4 splits
     assert launch_num_splits(32, 32, qwen3, 4096, merging=True) == 4
     assert launch_num_splits(32, 32, qwen3, 4096, merging=False) == 5
+
+
+def test_one_tile_merge_takes_one_tile_partitions_past_the_tile(monkeypatch):
+    """DEEPSERVE_DECODE_MERGE_ONE_TILE: one-tile partitions up to twice the merge tile's count (a graph sized for
+    1100 keys: 18 splits of the 1B at batch 1-2), merged over a tile twice the size; nothing else moves (batch 4,
+    whose four programs an SM come first at 17 splits of two tiles; batch 8; the 4k contexts; the 8B, whose 18
+    one-tile splits are past even that tile)."""
+    monkeypatch.setattr(decode_launch, "ONE_TILE_MERGE", False)
+    moved = (("1b", 1, 1100), ("1b", 2, 1100))
+    kept = (("1b", 4, 1100), ("1b", 8, 1100), ("1b", 1, 4096), ("8b", 1, 1100), ("qwen3-moe", 32, 4096))
+    before = {key: splits(*key) for key in moved + kept}
+    assert before[("1b", 1, 1100)] == 16 and decode_launch.merge_tile(4, 18, 64, one_tile=True) is None
+    monkeypatch.setattr(decode_launch, "ONE_TILE_MERGE", True)
+    after = {key: splits(*key) for key in before}
+    assert [after[key] for key in moved] == [18, 18]
+    assert [after[key] for key in kept] == [before[key] for key in kept]
+    assert decode_launch.merge_tile(4, 18, 64, one_tile=True) == (4, 32)
+    assert decode_launch.merge_tile(4, 18, 64) is None            # partitions of two tiles keep the reduce
+    assert decode_launch.merge_tile(4, 33, 64, one_tile=True) is None

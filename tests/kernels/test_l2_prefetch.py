@@ -54,3 +54,42 @@ def test_prefetching_kernels_compile_for_hopper(policy, monkeypatch):
     for ptx in (rotary, reduce):
         assert ("cp.async.bulk.prefetch.L2.global" in ptx) == (policy > 0)
         assert ("createpolicy.fractional.L2::evict_last" in ptx) == (policy == 2)
+
+
+def test_no_mlp_prefetch_off_hopper_or_past_one_row(monkeypatch):
+    """The decode site's plan (mlp_prefetch_plan): nothing for a CPU weight, no weight, or with the setting off; the
+    setting names the site ("decode", "decode_evict_last") or not."""
+    from deepserve.kernels.l2_prefetch import mlp_prefetch_plan
+    like = torch.zeros(4)
+    gate_up = torch.zeros(2 * 64, 32, dtype=torch.bfloat16)
+    for w, rows in ((gate_up, 1), (None, 1), (gate_up, 2)):
+        plan = mlp_prefetch_plan(w, rows, like)
+        assert plan.nbytes == 0 and plan.policy == 0 and plan.gate is like and plan.up is like
+    from deepserve import envs
+    for value in ("decode", "decode_evict_last"):
+        monkeypatch.setenv("DEEPSERVE_L2_PREFETCH", value)
+        assert envs.DEEPSERVE_L2_PREFETCH == value
+    monkeypatch.setenv("DEEPSERVE_L2_PREFETCH_MLP_MB", "8")
+    assert envs.DEEPSERVE_L2_PREFETCH_MLP_MB == 8
+
+
+@pytest.mark.parametrize("policy", [0, 1, 2])
+def test_decode_kernel_with_the_mlp_prefetch_compiles_for_hopper(policy, monkeypatch):
+    """The paged decode kernel (batch 1's split launch of Llama-3.2-1B: 64-wide heads, group 4, merged in the kernel)
+    with each MLP prefetch policy goes through ptxas for sm_90; its PTX holds the bulk prefetch (and the evict-last
+    policy) exactly where a policy asks for it."""
+    pytest.importorskip("triton")
+    from deepserve.kernels.paged_attention import _decode_kernel
+    from tests.kernels.sm90_compile import aligned
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    pointers = {**{name: "*i32" for name in ("block_tables_ptr", "seq_lens_ptr", "q_rows_ptr", "seq_ids_ptr",
+                                             "count_ptr")},
+                "cache_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    ptx = compile_for_sm90(
+        _decode_kernel, pointers,
+        dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_G=16, BLOCK_N=64, SPLIT=True, EARLY_V=False, HEADS_FIRST=True,
+             VALUES_T=False, KV_HEADS=1, INPUTS_READY=True, USE_PDL=True, MERGE_LAST=True, MERGE_G=4, MERGE_S=16,
+             LATE_TRIGGER=False, MLP_PREFETCH=policy, PF_PIECES=L2_PREFETCH_PIECES, PF_PIECE=L2_PREFETCH_PIECE),
+        {"qk_scale": "fp32", "pf_bytes": "i32"}, aligned(_decode_kernel))
+    assert ("cp.async.bulk.prefetch.L2.global" in ptx) == (policy > 0)
+    assert ("createpolicy.fractional.L2::evict_last" in ptx) == (policy == 2)
