@@ -134,18 +134,18 @@ def _bulk_prefetch(addr, size, POLICY: tl.constexpr):
 @triton.jit
 def prefetch_halves_to_l2(gate_ptr, up_ptr, nbytes, program, programs, POLICY: tl.constexpr, PIECES: tl.constexpr,
                           PIECE: tl.constexpr):
-    """Program `program` of `programs` asks L2 for its share of [0, nbytes) of gate_ptr and of up_ptr: the pieces
-    (gate's, then up's) dealt out in runs of equal length, up to PIECES a program (past that, less is
-    prefetched)."""
+    """Program `program` of `programs` asks L2 for its share of [0, nbytes) of gate_ptr and of up_ptr: pieces
+    alternate between the two (the gate/up GEMV's first programs read both halves' first rows), dealt out in runs of
+    up to PIECES a program; where the programs hold fewer than all, the first rows of both halves are asked."""
     half = tl.cdiv(nbytes, PIECE)                       # pieces of each range
-    per = tl.cdiv(2 * half, programs)
+    per = tl.minimum(tl.cdiv(2 * half, programs), PIECES)
     lane = tl.arange(0, PIECES)
     piece = program * per + lane
     live = (lane < per) & (piece < 2 * half)
-    in_up = piece >= half
-    offs = tl.where(in_up, piece - half, piece).to(tl.int64) * PIECE
+    offs = (piece // 2).to(tl.int64) * PIECE
     size = tl.where(live, tl.minimum(nbytes - offs, PIECE), 0).to(tl.int32)
-    base = tl.where(in_up, up_ptr.to(tl.pointer_type(tl.int8)) + offs, gate_ptr.to(tl.pointer_type(tl.int8)) + offs)
+    base = tl.where(piece % 2 == 1, up_ptr.to(tl.pointer_type(tl.int8)) + offs,
+                    gate_ptr.to(tl.pointer_type(tl.int8)) + offs)
     _bulk_prefetch(base, size, POLICY)
 
 
