@@ -37,7 +37,7 @@
 #   bash benchmarks/gpu_pending.sh deploy-len-moe-vs  # ~2 min: those against engines sized for ~1.1k, one call
 #   bash benchmarks/gpu_pending.sh kernel-table  # ~3 min: 1B batch 1 / 8 / 64 replays' kernels by name, PDL off / on
 #   bash benchmarks/gpu_pending.sh kernel-table-splits  # ~4 min: the same at batch 1 / 8, decode splits forced
-#   bash benchmarks/gpu_pending.sh mlp-prefetch  # ~6 min: L2_PREFETCH=decode, MERGE_ONE_TILE: tests, 1B steps
+#   bash benchmarks/gpu_pending.sh merge-one-tile  # ~2 min: DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 in 1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
@@ -504,7 +504,8 @@ kernel-table)
     # Where Llama-3.2-1B's batch 1 / 8 / 64 steps at 1k go, for the 0.80 target (session 43's note): each graph
     # replay's kernels by name (profile_gpu_step's by_kernel: launches and microseconds a replay), with PDL off (each
     # kernel's duration its own, to price it against its bytes) and on (what overlaps). Session 44:
-    # kernel_table_1b_pdl{0,1}_h100_s44.json.
+    # kernel_table_1b_pdl{0,1}_h100_s44.json; session 45 (with exposed times): kernel_table_1b_pdl{0,1}_h100_s45.json,
+    # price_kernels_1b_pdl{0,1}_h100_s45.json.
     for pdl in 0 1; do
         DEEPSERVE_PDL=$pdl timeout 120 python3 benchmarks/h200_decode_sweep.py --shapes llama-3.2-1b \
             --contexts 1024 --batches 1,8,64 --profile-batch 0 --timeline-batch 1,8,64 \
@@ -523,7 +524,9 @@ kernel-table-splits)
     # splits). DEEPSERVE_DECODE_SPLITS forces the count: 8 (6 parts of 192 keys), 32 (17 of 64, merged by a reduce
     # launch), against the rule (0). Kernel tables with PDL off (each kernel's own duration) and on (what
     # each launch adds to the step: exposed_by_kernel). If 32 beats the rule with PDL on, the in-kernel merge
-    # is worth extending past 16 splits.
+    # is worth extending past 16 splits. Session 45: kernel_table_splits_h100_s45.json (the rule fastest or tied;
+    # 32's decode launch 3.4 us faster, its reduce as slow); since then 32 splits of one tile merge in the kernel
+    # (DEEPSERVE_DECODE_MERGE_ONE_TILE, on by default: `merge-one-tile`).
     for splits in 0 8 32; do
         for pdl in 0 1; do
             DEEPSERVE_PDL=$pdl DEEPSERVE_DECODE_SPLITS=$splits timeout 100 python3 benchmarks/h200_decode_sweep.py \
@@ -534,29 +537,19 @@ kernel-table-splits)
     done
     elapsed "kernel-table-splits"
     ;;
-mlp-prefetch)
-    # Two of session 45's A/B switches for Llama-3.2-1B's batch-1 step (kernel_table_1b_pdl1_h100_s45.json: the
-    # attention exposes 9.1 us a layer for 2.1 MB, and HBM idles from its start to the MLP's):
-    # - DEEPSERVE_L2_PREFETCH=decode: batch 1's split decode programs, once their keys and values are in, ask L2 for
-    #   the first rows of the MLP's gate/up weight (DEEPSERVE_L2_PREFETCH_MLP_MB, half from each half);
-    # - DEEPSERVE_DECODE_MERGE_ONE_TILE=1: 18 one-tile splits merged in the kernel over a 32-split tile, where the
-    #   rule takes 9 of two tiles (17 one-tile splits with a reduce launch were 3.4 us faster in the decode launch,
-    #   their reduce as slow: kernel_table_splits_h100_s45.json).
-    # Their GPU tests, then batch 1 / 2 steps at 1k: off, 12 and 24 MB, the merge, both; a second pass of three.
-    timeout 200 python3 -m pytest -q tests/gpu/test_paged_attention.py tests/gpu/test_engine_gpu.py \
-        -k "l2_prefetch or split_merge or one_tile" -p no:cacheprovider > "$OUT/pytest_mlp_prefetch.log" 2>&1
-    tail -3 "$OUT/pytest_mlp_prefetch.log"; grep -m 6 "^E .*Error\|^E  *assert" "$OUT/pytest_mlp_prefetch.log" | cut -c1-300
-    elapsed "tests"
-    off=DEEPSERVE_L2_PREFETCH=off; pf=DEEPSERVE_L2_PREFETCH=decode,DEEPSERVE_L2_PREFETCH_MLP_MB
-    tile=DEEPSERVE_DECODE_MERGE_ONE_TILE=1
-    timeout 300 python3 benchmarks/ab_env_sweep.py --combo $off --combo $pf=12 --combo $pf=24 --combo $off,$tile \
-        --combo $pf=12,$tile --passes 1 --timeout 70 --output "$OUT/mlp_prefetch_1b_ab.json" -- \
-        --shapes llama-3.2-1b --contexts 1024 --batches 1,2 --profile-batch 0 > /tmp/mlp_prefetch_ab.log 2>&1
-    tail -2 /tmp/mlp_prefetch_ab.log | cut -c1-300; summarise_steps "$OUT/mlp_prefetch_1b_ab.json"; elapsed "A/B 1"
-    timeout 200 python3 benchmarks/ab_env_sweep.py --combo $off --combo $pf=12 --combo $pf=12,$tile --passes 1 \
-        --timeout 70 --output "$OUT/mlp_prefetch_1b_ab_pass2.json" -- --shapes llama-3.2-1b --contexts 1024 \
-        --batches 1,2 --profile-batch 0 > /tmp/mlp_prefetch_ab2.log 2>&1
-    tail -2 /tmp/mlp_prefetch_ab2.log | cut -c1-300; summarise_steps "$OUT/mlp_prefetch_1b_ab_pass2.json"; elapsed "A/B 2"
+merge-one-tile)
+    # Session 45's DEEPSERVE_DECODE_MERGE_ONE_TILE (on by default since): one-tile partitions past the in-kernel
+    # merge's 16-split tile merged over a 32-split one (Llama-3.2-1B batch 1-2 at 1k: 18 splits, 17 used, instead of 9
+    # of two tiles), off / on in batch 1 / 2 / 4 steps at 1k, two passes (merge_one_tile_1b_ab_h100_s45.json). Its
+    # first A/B ran beside the MLP's L2 prefetch at the decode site, timed in the same call and removed (e3c37ce's
+    # `mlp-prefetch` stage, mlp_prefetch_1b_ab*_h100_s45.json).
+    timeout 200 python3 -m pytest -q tests/gpu/test_paged_attention.py -k "split_merge or one_tile" \
+        -p no:cacheprovider > "$OUT/pytest_one_tile.log" 2>&1
+    tail -2 "$OUT/pytest_one_tile.log"; elapsed "tests"
+    timeout 250 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 --passes 2 \
+        --timeout 60 --output "$OUT/merge_one_tile_1b_ab.json" -- --shapes llama-3.2-1b --contexts 1024 \
+        --batches 1,2,4 --profile-batch 0 > /tmp/merge_one_tile.log 2>&1
+    tail -2 /tmp/merge_one_tile.log | cut -c1-300; summarise_steps "$OUT/merge_one_tile_1b_ab.json"; elapsed "A/B"
     ;;
 gqa-pairs-moe)
     # Qwen3-MoE's batch 128 / 256 over E4M3 (its 128-wide heads 128 bytes a token) with two KV heads a program: the

@@ -168,15 +168,8 @@ _DECLARED = [
            "GPU decode steps of up to 64 rows: extra programs of an attention kernel ask L2 for the o_proj weight "
            "while the attention runs (kernels/l2_prefetch.py; Hopper and later): off (the default until an H200 "
            "A/B says otherwise); rotary: the GQA rotary + KV-write kernel's programs; reduce: the split decode's "
-           "reduce kernel's (batch 1 too); decode: batch 1's split decode programs, after their loads, ask L2 for "
-           "the first rows of the MLP's gate/up weight instead (DEEPSERVE_L2_PREFETCH_MLP_MB); a _evict_last "
-           "suffix tags the lines evict-last (read at first use)",
-           choices=("off", "rotary", "rotary_evict_last", "reduce", "reduce_evict_last", "decode",
-                    "decode_evict_last")),
-    EnvVar("DEEPSERVE_L2_PREFETCH_MLP_MB", "int", 12,
-           "DEEPSERVE_L2_PREFETCH=decode: megabytes of the MLP's gate/up weight asked into L2, half from the front "
-           "of the gate rows, half from the up rows' (at most 256 KB a decode program: 18 MB at Llama-3.2-1B's "
-           "batch 1 and 1k, 72 programs)"),
+           "reduce kernel's (batch 1 too); a _evict_last suffix tags the lines evict-last (read at first use)",
+           choices=("off", "rotary", "rotary_evict_last", "reduce", "reduce_evict_last")),
     EnvVar("DEEPSERVE_FP8_WIDEN", "str", "values",
            "GPU attention over an fp8 KV cache: where a tile's 8-bit codes widen to bf16 (kernels/kv_rounding.py): "
            "late (wherever Triton puts it), values (value tiles in registers, before shared memory), all (key "
@@ -213,11 +206,12 @@ _DECLARED = [
            "the rule asks for a few more: kernels/decode_launch.py decode_num_splits; H100, Qwen3-MoE over E4M3 "
            "batch 32 steps 1.5% faster); reduce: session 42's counts, sized for a reduce launch (read at import)",
            choices=("merged", "reduce")),
-    EnvVar("DEEPSERVE_DECODE_MERGE_ONE_TILE", "bool", False,
+    EnvVar("DEEPSERVE_DECODE_MERGE_ONE_TILE", "bool", True,
            "GPU paged decode attention: where one-tile (64-key) partitions need more splits than the in-kernel "
            "merge's tile holds but at most twice as many, split that way and merge them in the kernel over a tile "
-           "twice the size (Llama-3.2-1B batch 1-4 near 1k: 17 splits instead of 9 of two tiles); an A/B switch "
-           "(kernels/decode_launch.py, read at import)"),
+           "twice the size (Llama-3.2-1B batch 1-2 near 1k: 18 splits, 17 used, instead of 9 of two tiles; H100 "
+           "batch-1 steps 2.7-2.9% faster, merge_one_tile_1b_ab_h100_s45.json); 0: those launches keep the merge "
+           "tile's count (kernels/decode_launch.py, read at import)"),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
     EnvVar("DEEPSERVE_GC_FREEZE", "bool", True,

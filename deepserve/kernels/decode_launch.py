@@ -86,12 +86,19 @@ PAIRED_HEAD_BYTES = 128
 # 0.6-1.3% slower in three pairs, Qwen3-MoE batch 32 0.9% faster in one).
 SPLIT_MERGE = envs.DEEPSERVE_DECODE_SPLIT_MERGE
 MERGE_MAX_ELEMENTS = 4096
-# DEEPSERVE_DECODE_MERGE_ONE_TILE (session 45's A/B): launches of one-tile partitions merge over tiles of up to twice
-# MERGE_MAX_ELEMENTS. Llama-3.2-1B batch 1 at 1k (H100, kernel_table_splits_h100_s45.json): 17 one-tile splits made
-# the decode launch 3.4 us faster than the rule's 9 of two tiles, but past the 16-split tile they took a reduce
-# launch that cost as much; such launches are few programs (batch 1-4), where the merge's registers cost nothing.
+# DEEPSERVE_DECODE_MERGE_ONE_TILE (session 45's, on by default): launches of one-tile partitions merge over tiles of
+# up to twice MERGE_MAX_ELEMENTS (`decode_num_splits`). Llama-3.2-1B batch 1 at 1k (H100,
+# kernel_table_splits_h100_s45.json): 17 one-tile splits made the decode launch 3.4 us faster than the rule's 9 of two
+# tiles, but past the 16-split tile they took a reduce launch that cost as much. Merged in the kernel (80 registers
+# instead of 64, no spills; such launches are a few rows' programs, where registers cost no occupancy) the batch-1
+# steps were 2.7-2.9% faster in three pairs, 1.072-1.076 -> 1.042-1.045 ms, batch 2 0.5-4% faster in three, batch 4
+# unchanged (merge_one_tile_1b_ab_h100_s45.json, mlp_prefetch_1b_ab*_h100_s45.json).
+# Only heads of up to ONE_TILE_MAX_HEAD_DIM, the width it was timed at: Llama-3-8B's 128-wide heads would take 16
+# one-tile splits at batch 1 and 1k where 8 of two tiles beat 16 with a reduce at kernel level (6.70 against 7.15 us,
+# merge_splits_*_h100_s43.json), untimed merged.
 ONE_TILE_MERGE = envs.DEEPSERVE_DECODE_MERGE_ONE_TILE
 MERGE_MAX_ELEMENTS_ONE_TILE = 2 * MERGE_MAX_ELEMENTS
+ONE_TILE_MAX_HEAD_DIM = 64
 # The merge counters: one int32 per (row, KV-head program) of a split launch, zero between launches (the last
 # program of each zeroes its own). Allocated once per device at SPLIT_COUNTERS slots, never reallocated: a CUDA
 # graph keeps the pointer it captured. Launches on one device run one after another (one stream), so they share it.
@@ -109,10 +116,11 @@ def split_counters(device: torch.device) -> torch.Tensor:
 def merge_tile(num_heads: int, num_splits: int, head_dim: int, one_tile: bool = False) -> Optional[tuple[int, int]]:
     """(MERGE_G, MERGE_S) of a split launch's in-kernel merge for programs of `num_heads` query heads: its tile is
     [MERGE_G, MERGE_S, head_dim]. None where that is past MERGE_MAX_ELEMENTS (MERGE_MAX_ELEMENTS_ONE_TILE for a
-    launch of one-tile partitions, `one_tile`, under ONE_TILE_MERGE) or the head width is not a power of two (the
-    partials are packed at it): the launch keeps its reduce."""
+    launch of one-tile partitions, `one_tile`, of heads up to ONE_TILE_MAX_HEAD_DIM under ONE_TILE_MERGE) or the
+    head width is not a power of two (the partials are packed at it): the launch keeps its reduce."""
     tile = (next_pow2(num_heads), next_pow2(num_splits))
-    cap = MERGE_MAX_ELEMENTS_ONE_TILE if one_tile and ONE_TILE_MERGE else MERGE_MAX_ELEMENTS
+    wider = one_tile and ONE_TILE_MERGE and head_dim <= ONE_TILE_MAX_HEAD_DIM
+    cap = MERGE_MAX_ELEMENTS_ONE_TILE if wider else MERGE_MAX_ELEMENTS
     return tile if tile[0] * tile[1] * head_dim <= cap and head_dim == next_pow2(head_dim) else None
 
 
@@ -192,7 +200,9 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
     with either PDL trigger (Llama-3.2-1B batch 64 at 1k 2.109-2.125 -> 2.151-2.162 ms, at 4k 0.4-1.2% slower;
     Llama-3-8B batch 32 at 4k 0.1-0.9% faster; split_rule_*_ab_h100_s43.json, split_wide_*_ab_h100_s43.json). The
     one-tile partitions did not show in those steps: their graphs are sized for ~1.1k keys, where 16 splits round
-    to 9 of 128 keys (`decode_attention`), as before; they apply to launches sized for at most 16 tiles.
+    to 9 of 128 keys (`decode_attention`). Since session 45 (ONE_TILE_MERGE) one-tile partitions up to twice the
+    merge tile's count take it too, merged over a tile twice the size: such a graph's batch 1-2 launch of the 1B
+    splits 18 ways (17 used), and its batch-1 steps were 2.7-2.9% faster (merge_one_tile_1b_ab_h100_s45.json).
     """
     programs = max(1, num_rows * num_kv_heads)
     sms = num_sms(device)
@@ -205,8 +215,10 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
         short = max(1, min(cdiv(4 * sms, programs), cdiv(max_seq_len, _MERGED_MIN_PARTITION), 64))
         if short <= most:
             return short
+        # One-tile partitions past the tile, up to twice its count: merged over the larger tile (ONE_TILE_MERGE).
         one_tile = short == cdiv(max_seq_len, _MERGED_MIN_PARTITION)
-        if ONE_TILE_MERGE and one_tile and short <= merge_max_splits(merge_heads, head_dim, MERGE_MAX_ELEMENTS_ONE_TILE):
+        wider = ONE_TILE_MERGE and one_tile and head_dim <= ONE_TILE_MAX_HEAD_DIM
+        if wider and short <= merge_max_splits(merge_heads, head_dim, MERGE_MAX_ELEMENTS_ONE_TILE):
             return short
         if splits <= most + most // 2:
             return most
@@ -226,7 +238,7 @@ def launch_num_splits(num_rows: int, num_heads: int, kv_cache: torch.Tensor, max
 
 
 __all__ = ["DECODE_BLOCK_N", "DEEP_PIPELINE_TILES", "DecodeTiles", "HEADS_FIRST", "KV_HEADS_PER_PROGRAM",
-           "MERGE_MAX_ELEMENTS", "MERGE_MAX_ELEMENTS_ONE_TILE", "ONE_TILE_MERGE", "PAIRED_HEAD_BYTES", "SPLIT_COUNTERS",
-           "SPLIT_MERGE", "SPLIT_RULE",
-           "decode_num_splits", "decode_tiles", "fits_one_wave", "kv_heads_a_program", "launch_num_splits",
-           "merge_max_splits", "merge_tile", "split_counters"]
+           "MERGE_MAX_ELEMENTS", "MERGE_MAX_ELEMENTS_ONE_TILE", "ONE_TILE_MAX_HEAD_DIM", "ONE_TILE_MERGE",
+           "PAIRED_HEAD_BYTES", "SPLIT_COUNTERS", "SPLIT_MERGE", "SPLIT_RULE", "decode_num_splits", "decode_tiles",
+           "fits_one_wave", "kv_heads_a_program", "launch_num_splits", "merge_max_splits", "merge_tile",
+           "split_counters"]

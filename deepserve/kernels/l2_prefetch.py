@@ -14,19 +14,12 @@ Where (`DEEPSERVE_L2_PREFETCH`, a site and a policy):
            into its qkv GEMV and has none)
   reduce   the split decode's reduce (paged_attention.decode_reduce): its programs start under PDL while the decode
            runs, a few us before o_proj; batch 1 too
-  decode   batch 1 only: the split decode's own programs (paged_attention._decode_kernel), once their keys and
-           values are loaded, ask L2 for the first rows of the MLP's gate/up weight (its gate half and its up half
-           alike: the first programs of the gate/up GEMV read those first), DEEPSERVE_L2_PREFETCH_MLP_MB in all.
-           At batch 1 HBM idles through the attention, o_proj (whose weight its own programs load before their PDL
-           wait) and the RMSNorm: 12 us a Llama-3.2-1B layer on an H100 that move some 10 MB, where the gate/up
-           GEMV after them streams 67 MB at the copy bandwidth (kernel_table_1b_pdl1_h100_s44.json)
   _evict_last  the prefetched lines are tagged evict-last, so that the keys and values streaming through L2
            meanwhile evict them last
   off      none (the default)
 
 The prefetch programs follow kernels/pdl.py's rules: a weight is constant, so it may be touched before the PDL
-wait; the programs then wait (rule 2) and exit. The decode site's prefetches come after the wait, late on purpose:
-issued before it they would share HBM with the qkv projection, which it idles for. Only Hopper and later (the bulk prefetch is sm_90 PTX), never in
+wait; the programs then wait (rule 2) and exit. Only Hopper and later (the bulk prefetch is sm_90 PTX), never in
 Triton's interpreter; tests/kernels/test_l2_prefetch.py has ptxas accept the instructions without a GPU.
 
 Status: written in session 27 while no GPU was lent. Its GPU test (tests/gpu/test_paged_attention.py) and the A/B
@@ -47,7 +40,7 @@ from deepserve.kernels import HAS_TRITON, INTERPRET, cdiv, tl, triton
 L2_PREFETCH_PIECE = 4096          # bytes per bulk prefetch instruction (a multiple of 16)
 L2_PREFETCH_PIECES = 64           # instructions per program: 256 KB a program
 L2_PREFETCH_MAX_ROWS = 64         # past this many rows the attention reads enough keys to need the bandwidth itself
-SITES = ("rotary", "reduce")          # of l2_prefetch_plan (o_proj's weight); "decode": mlp_prefetch_plan
+SITES = ("rotary", "reduce")
 
 
 class L2Prefetch(NamedTuple):
@@ -87,38 +80,15 @@ def l2_prefetch_plan(weight: Optional[torch.Tensor], rows: int, like: torch.Tens
     return L2Prefetch(weight, nbytes, cdiv(nbytes, L2_PREFETCH_PIECE * L2_PREFETCH_PIECES), policy)
 
 
-class MlpPrefetch(NamedTuple):
-    """The decode site's plan: `nbytes` (a multiple of 16; 0: none) from each of `gate` and `up` (tensors whose
-    pointers the kernel takes: the gate/up weight's first gate row and first up row) and the policy (as
-    L2Prefetch's)."""
-    gate: torch.Tensor
-    up: torch.Tensor
-    nbytes: int
-    policy: int = 0
-
-
-def mlp_prefetch_plan(gate_up: Optional[torch.Tensor], rows: int, like: torch.Tensor) -> MlpPrefetch:
-    """The decode site's prefetch of `gate_up` ([2I, K], gate rows then up rows: a GatedMLP's weight) for a decode
-    launch of `rows` rows: none unless DEEPSERVE_L2_PREFETCH names the site, at one row only, for a contiguous
-    16-byte-aligned CUDA weight whose up half starts 16-byte-aligned too. Half of DEEPSERVE_L2_PREFETCH_MLP_MB
-    from the front of each half, at most the half."""
-    none = MlpPrefetch(like, like, 0)
-    if gate_up is None or not gate_up.is_cuda or rows != 1 or gate_up.dim() != 2 or gate_up.shape[0] % 2 \
-            or not gate_up.is_contiguous() or gate_up.data_ptr() % 16:
-        return none
-    chosen, policy = _setting(gate_up.device.index if gate_up.device.index is not None
-                              else torch.cuda.current_device())
-    half = gate_up.numel() // 2 * gate_up.element_size()
-    if chosen != "decode" or half % 16:
-        return none
-    nbytes = min(envs.DEEPSERVE_L2_PREFETCH_MLP_MB << 19, half) // 16 * 16     # MB / 2 a half
-    up = gate_up[gate_up.shape[0] // 2:]
-    return MlpPrefetch(gate_up, up, nbytes, policy) if nbytes else none
-
-
 @triton.jit
-def _bulk_prefetch(addr, size, POLICY: tl.constexpr):
-    """One `cp.async.bulk.prefetch.L2` of `size` bytes at `addr` per lane where size > 0 (POLICY 2: evict-last)."""
+def prefetch_bytes_to_l2(base_ptr, program, nbytes, POLICY: tl.constexpr, PIECES: tl.constexpr,
+                         PIECE: tl.constexpr):
+    """Ask L2 for prefetch program `program`'s PIECES * PIECE bytes of [0, nbytes) from base_ptr, one bulk
+    prefetch of up to PIECE bytes per lane, and move on (nothing waits for the data). POLICY 2 tags the lines
+    evict-last. A program past the end does nothing."""
+    offs = (program * PIECES + tl.arange(0, PIECES)).to(tl.int64) * PIECE
+    size = tl.minimum(nbytes - offs, PIECE).to(tl.int32)        # <= 0 past the end: the lane does nothing
+    addr = base_ptr.to(tl.pointer_type(tl.int8)) + offs
     if POLICY == 2:
         tl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .b64 pol; setp.gt.s32 p, $2, 0; "
@@ -131,34 +101,5 @@ def _bulk_prefetch(addr, size, POLICY: tl.constexpr):
             "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
-def prefetch_halves_to_l2(gate_ptr, up_ptr, nbytes, program, programs, POLICY: tl.constexpr, PIECES: tl.constexpr,
-                          PIECE: tl.constexpr):
-    """Program `program` of `programs` asks L2 for its share of [0, nbytes) of gate_ptr and of up_ptr: pieces
-    alternate between the two (the gate/up GEMV's first programs read both halves' first rows), dealt out in runs of
-    up to PIECES a program; where the programs hold fewer than all, the first rows of both halves are asked."""
-    half = tl.cdiv(nbytes, PIECE)                       # pieces of each range
-    per = tl.minimum(tl.cdiv(2 * half, programs), PIECES)
-    lane = tl.arange(0, PIECES)
-    piece = program * per + lane
-    live = (lane < per) & (piece < 2 * half)
-    offs = (piece // 2).to(tl.int64) * PIECE
-    size = tl.where(live, tl.minimum(nbytes - offs, PIECE), 0).to(tl.int32)
-    base = tl.where(piece % 2 == 1, up_ptr.to(tl.pointer_type(tl.int8)) + offs,
-                    gate_ptr.to(tl.pointer_type(tl.int8)) + offs)
-    _bulk_prefetch(base, size, POLICY)
-
-
-@triton.jit
-def prefetch_bytes_to_l2(base_ptr, program, nbytes, POLICY: tl.constexpr, PIECES: tl.constexpr,
-                         PIECE: tl.constexpr):
-    """Ask L2 for prefetch program `program`'s PIECES * PIECE bytes of [0, nbytes) from base_ptr, one bulk
-    prefetch of up to PIECE bytes per lane, and move on (nothing waits for the data). POLICY 2 tags the lines
-    evict-last. A program past the end does nothing."""
-    offs = (program * PIECES + tl.arange(0, PIECES)).to(tl.int64) * PIECE
-    size = tl.minimum(nbytes - offs, PIECE).to(tl.int32)        # <= 0 past the end: the lane does nothing
-    _bulk_prefetch(base_ptr.to(tl.pointer_type(tl.int8)) + offs, size, POLICY)
-
-
-__all__ = ["L2Prefetch", "L2_PREFETCH_MAX_ROWS", "L2_PREFETCH_PIECE", "L2_PREFETCH_PIECES", "MlpPrefetch", "SITES",
-           "l2_prefetch_plan", "mlp_prefetch_plan", "prefetch_bytes_to_l2", "prefetch_halves_to_l2"]
+__all__ = ["L2Prefetch", "L2_PREFETCH_MAX_ROWS", "L2_PREFETCH_PIECE", "L2_PREFETCH_PIECES", "SITES",
+           "l2_prefetch_plan", "prefetch_bytes_to_l2"]

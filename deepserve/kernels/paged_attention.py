@@ -26,7 +26,7 @@ from deepserve.kernels.decode_launch import (DECODE_BLOCK_N, SPLIT_COUNTERS, SPL
                                             split_counters)
 from deepserve.kernels.kv_rounding import for_products, widen_keys, widen_values
 from deepserve.kernels.l2_prefetch import (L2_PREFETCH_PIECE, L2_PREFETCH_PIECES, l2_prefetch_plan,
-                                          mlp_prefetch_plan, prefetch_bytes_to_l2, prefetch_halves_to_l2)
+                                          prefetch_bytes_to_l2)
 from deepserve.kernels.pdl import (EARLY_INPUTS, pdl_launch_args, pdl_launch_dependents, pdl_wait,
                                   pdl_wait_after_inputs, pdl_wait_for_inputs)
 from deepserve.kernels.reference import attention as reference
@@ -145,7 +145,7 @@ def _merge_own_splits(part_out_ptr, part_lse_ptr, out_ptr, row, head, first, num
 _PER_STEP_ARGS = ["stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "stride_pl_h"]
 
 
-@triton.jit(do_not_specialize=_PER_STEP_ARGS + ["pf_bytes"])
+@triton.jit(do_not_specialize=_PER_STEP_ARGS)
 def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr, seq_ids_ptr,
                    out_ptr, part_out_ptr, part_lse_ptr, count_ptr,
                    qk_scale,
@@ -153,13 +153,12 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
                    stride_bt,
                    stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
-                   block_size, group, pf_gate_ptr, pf_up_ptr, pf_bytes,
+                   block_size, group,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, EARLY_V: tl.constexpr, HEADS_FIRST: tl.constexpr, VALUES_T: tl.constexpr,
                    KV_HEADS: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr,
                    MERGE_LAST: tl.constexpr = False, MERGE_G: tl.constexpr = 1, MERGE_S: tl.constexpr = 1,
-                   LATE_TRIGGER: tl.constexpr = False, MLP_PREFETCH: tl.constexpr = 0,
-                   PF_PIECES: tl.constexpr = L2_PREFETCH_PIECES, PF_PIECE: tl.constexpr = L2_PREFETCH_PIECE):
+                   LATE_TRIGGER: tl.constexpr = False):
     """One (decode row, KV_HEADS adjacent KV heads, split). KV_HEADS 2 (DecodeTiles.kv_heads): a tile row holds
     both heads' HEAD_DIM columns side by side (one load of 2 * HEAD_DIM contiguous elements a token), and the q tile
     stacks both heads' query groups, each row zero outside its own head's columns (`_own_columns`): the scores are
@@ -167,9 +166,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     MERGE_LAST (split launches): each program counts itself done in count_ptr's counter of its (row, KV heads), and
     the last of the row's active splits to do so merges them all into `out` (`_merge_own_splits`) and zeroes the
     counter for the next launch: no reduce launch. The order is CUTLASS's semaphore's: every thread's stores, a CTA
-    barrier, then one release-acquire atomic at GPU scope; the merge reads the partials after it.
-    MLP_PREFETCH (a policy of kernels/l2_prefetch.py, 0 none; one row): once its keys and values are in, each active
-    split's program asks L2 for its share of pf_bytes of pf_gate_ptr and of pf_up_ptr (the MLP's gate/up weight)."""
+    barrier, then one release-acquire atomic at GPU scope; the merge reads the partials after it."""
     if HEADS_FIRST:                # the KV heads of one row launch side by side (DecodeTiles.heads_first)
         kvh = tl.program_id(0) * KV_HEADS
         i = tl.program_id(1)
@@ -240,11 +237,6 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    if MLP_PREFETCH:        # HBM idles from here to the MLP: the first gate/up rows move meanwhile (one row)
-        kvh_programs = tl.num_programs(0) if HEADS_FIRST else tl.num_programs(1)
-        used = active_splits(seq_len, tl.num_programs(2), BLOCK_N) if SPLIT else 1
-        prefetch_halves_to_l2(pf_gate_ptr, pf_up_ptr, pf_bytes, (kvh // KV_HEADS) * used + split, kvh_programs * used,
-                              MLP_PREFETCH, PF_PIECES, PF_PIECE)
     if SPLIT:
         # Partial result of this (non-empty) split: normalised output and log2-sum-exp.
         o = acc / l_i[:, None]
@@ -311,7 +303,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      seq_ids: Optional[torch.Tensor] = None, max_seq_len: Optional[int] = None,
                      num_splits: Optional[int] = None, inputs_ready: bool = False,
                      tiles: Optional[DecodeTiles] = None, l2_prefetch: Optional[torch.Tensor] = None,
-                     split_merge: Optional[str] = None, mlp_prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     split_merge: Optional[str] = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys.
 
     q: [T, H, D]; the decode rows are `q_rows` (default: all T rows), row i belonging to sequence `seq_ids[i]`
@@ -321,9 +313,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     before this call (the attention backends' per-step metadata), so they may be read before the PDL wait.
     `tiles` forces the launch settings (tuning); None: `DecodeTiles()`. `l2_prefetch`: the weight read next
     (o_proj's), which a split launch's reduce may ask into L2 (kernels/l2_prefetch.py); it changes no result.
-    `split_merge` ("reduce" / "last", default SPLIT_MERGE): how a split launch's partials merge. `mlp_prefetch`: the
-    MLP's gate/up weight, read after o_proj, whose first rows a one-row launch may ask into L2 once its keys and
-    values are loaded (kernels/l2_prefetch.py, site "decode"); it changes no result either.
+    `split_merge` ("reduce" / "last", default SPLIT_MERGE): how a split launch's partials merge.
     """
     require_triton(q)
     t, h, d = q.shape
@@ -378,7 +368,6 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
     pl_strides = (part_lse.stride(0), part_lse.stride(1)) if split else (0, 0)
     counters = split_counters(q.device) if merge else out
-    mlp = mlp_prefetch_plan(mlp_prefetch, n, out)
     assert not tiles.heads_first or n < 65536, "a grid's second dimension holds fewer than 65536 programs"
     _decode_kernel[(kvh_programs, n, num_splits) if tiles.heads_first else (n, kvh_programs, num_splits)](
         q, kv_cache, block_tables, seq_lens, q_rows, seq_ids, out, part_out, part_lse, counters,
@@ -386,11 +375,11 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), *po_strides, *pl_strides,
-        bs, group, mlp.gate, mlp.up, mlp.nbytes,
+        bs, group,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split, EARLY_V=tiles.early_v,
         HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t, KV_HEADS=tiles.kv_heads,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, MERGE_LAST=merge is not None,
-        LATE_TRIGGER=merge is not None and n > 1, MLP_PREFETCH=mlp.policy if mlp.nbytes else 0,
+        LATE_TRIGGER=merge is not None and n > 1,
         **(dict(zip(("MERGE_G", "MERGE_S"), merge)) if merge else {}),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
         **pdl_launch_args(q))

@@ -204,18 +204,15 @@ class Attention(nn.Module):
 
     def forward_from_hidden(self, x: torch.Tensor, qkv_proj: nn.Module, batch: ForwardBatch,
                             rotary: RotaryEmbedding, norm: nn.Module | None = None,
-                            prefetch: torch.Tensor | None = None,
-                            mlp_prefetch: torch.Tensor | None = None) -> torch.Tensor | None:
+                            prefetch: torch.Tensor | None = None) -> torch.Tensor | None:
         """`forward` of qkv_proj(x) (of qkv_proj(norm(x)) given an RMSNorm `norm`) split into q, k, v, when one
         launch can normalise, project, rotate and write the cache (batch-1 decode on the GPU; a backend that can
         attend to an already written cache, a plain NeoX rotary embedding); None otherwise, and the caller takes
-        the usual path. `prefetch` as in `forward` (the fused launches do not take it); `mlp_prefetch`: the MLP's
-        gate/up weight, read after o_proj, a hint of the same kind (the Triton backend's `attend_cached`)."""
+        the usual path. `prefetch` as in `forward` (the fused launches do not take it)."""
         attend_cached = getattr(self.backend, "attend_cached", None)
         if attend_cached is None or not fused_qkv_rotary_rows(x) or type(rotary) is not RotaryEmbedding \
                 or not batch.is_decode_only:
             return None
         q = fused_qkv_rotary_write(x, qkv_proj, self.kv_cache, batch, rotary, self.num_heads, self.num_kv_heads,
                                    norm)
-        return None if q is None else attend_cached(q, self.kv_cache, batch, self.scale, prefetch=prefetch,
-                                                    mlp_prefetch=mlp_prefetch)
+        return None if q is None else attend_cached(q, self.kv_cache, batch, self.scale, prefetch=prefetch)

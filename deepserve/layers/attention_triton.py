@@ -176,24 +176,21 @@ class TritonPagedAttention:
         return self._attend(q, kv_cache, batch, meta, scale, prefetch)
 
     def attend_cached(self, q: torch.Tensor, kv_cache: torch.Tensor, batch, scale: float,
-                      prefetch: Optional[torch.Tensor] = None,
-                      mlp_prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`forward` once this step's keys and values are in the cache already (the batch-1 fused qkv projection
-        wrote them: kernels/qkv_rotary.py); q [T, H, D] is rotated. `mlp_prefetch`: the MLP's gate/up weight, a
-        hint like `prefetch` (decode_attention's)."""
+        wrote them: kernels/qkv_rotary.py); q [T, H, D] is rotated."""
         meta = batch.attn_metadata
         return self._attend(q, kv_cache, batch, meta if isinstance(meta, TritonAttentionMetadata)
-                            else self.build_metadata(batch), scale, prefetch, mlp_prefetch)
+                            else self.build_metadata(batch), scale, prefetch)
 
     def _attend(self, q, kv_cache, batch, meta: TritonAttentionMetadata, scale: float,
-                prefetch: Optional[torch.Tensor] = None,
-                mlp_prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             tables, lens, rows, seqs = decode_inputs(meta, batch)
             decode_attention(q, kv_cache, tables, lens, scale, out=out, q_rows=rows, seq_ids=seqs,
                              max_seq_len=meta.decode_max_len, num_splits=self.num_splits, inputs_ready=True,
-                             l2_prefetch=prefetch, mlp_prefetch=mlp_prefetch)
+                             l2_prefetch=prefetch)
         if meta.num_prefill_tiles:
             prefill_attention(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale,
                               meta.tile_seq, meta.tile_m0, out=out)

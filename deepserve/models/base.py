@@ -46,12 +46,6 @@ class DecoderLayer(nn.Module):
         # layer's add + RMSNorm (or the model's final norm) sums the pair rows as it loads them, one launch fewer.
         self.defers_moe_combine = envs.DEEPSERVE_MOE_COMBINE_IN_NORM and hasattr(mlp, "expert_load")
 
-    def mlp_gate_up(self) -> torch.Tensor | None:
-        """The MLP's gate/up weight where it is a plain Linear's: the batch-1 attention may ask its first rows into
-        L2 ahead of the MLP (kernels/l2_prefetch.py, DEEPSERVE_L2_PREFETCH=decode); None for any other MLP."""
-        gate_up = getattr(self.mlp, "gate_up_proj", None)
-        return gate_up.weight if type(gate_up) is Linear else None
-
     def shard_tensor_parallel(self, tp: RankGroup, shard_experts: bool = True) -> None:
         """Shard the attention and the MLP over `tp` (each all-reduces its own output). The one-row path is switched
         off: it adds the residual inside o_proj's / down_proj's epilogue, before the all-reduce could."""
@@ -65,7 +59,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
         if residual is None and self.fuses_norms and one_row_on_gpu(x):
-            h = self.self_attn.forward_residual(x, self.input_layernorm, batch, mlp_prefetch=self.mlp_gate_up())
+            h = self.self_attn.forward_residual(x, self.input_layernorm, batch)
             return self.mlp.forward_residual(h, self.post_attention_layernorm), None
         if residual is None:
             residual, x = x, self.input_layernorm(x)

@@ -46,12 +46,10 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.tp.all_reduce(self.o_proj(self.attend(x, batch)))
 
-    def forward_residual(self, h: torch.Tensor, norm: RMSNorm, batch: ForwardBatch,
-                         mlp_prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_residual(self, h: torch.Tensor, norm: RMSNorm, batch: ForwardBatch) -> torch.Tensor:
         """h + self(norm(h)) for the residual stream h (DecoderLayer's fused GPU path): the norm runs in the qkv
-        projection's prologue, the add in o_proj's epilogue, where the kernels allow. `mlp_prefetch`: the MLP's
-        gate/up weight, which the GPU attention may ask into L2 while it attends (kernels/l2_prefetch.py)."""
-        out = self.attend(h, batch, norm, mlp_prefetch)
+        projection's prologue, the add in o_proj's epilogue, where the kernels allow."""
+        out = self.attend(h, batch, norm)
         if self.tp.size > 1:            # the add comes after the all-reduce, not in o_proj's epilogue
             return h + self.tp.all_reduce(self.o_proj(out))
         return linear_residual(out, self.o_proj, h)
@@ -73,16 +71,14 @@ class LlamaAttention(nn.Module):
         self.attn.num_heads, self.attn.num_kv_heads = heads, kv_heads
         self.tp = tp
 
-    def attend(self, x: torch.Tensor, batch: ForwardBatch, norm: RMSNorm | None = None,
-               mlp_prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, batch: ForwardBatch, norm: RMSNorm | None = None) -> torch.Tensor:
         """The attention's output before o_proj, [T, H * D], of x (of norm(x) given an RMSNorm)."""
         t = x.shape[0]
         # o_proj's weight, which a GPU attention backend may ask into L2 while it attends (kernels/l2_prefetch.py).
         prefetch = getattr(self.o_proj, "weight", None)
         if self.q_norm is None:
             # Batch-1 decode on the GPU: norm, projection, rotary and cache write in one launch (None elsewhere).
-            out = self.attn.forward_from_hidden(x, self.qkv_proj, batch, self.rotary, norm, prefetch=prefetch,
-                                                mlp_prefetch=mlp_prefetch)
+            out = self.attn.forward_from_hidden(x, self.qkv_proj, batch, self.rotary, norm, prefetch=prefetch)
             if out is not None:
                 return out.reshape(t, self.q_size)
         qkv = self.qkv_proj(x if norm is None else norm(x))

@@ -19,7 +19,7 @@ from deepserve.kernels.paged_attention import (active_splits_ref, decode_attenti
 from deepserve.kernels.kv_write import rotary_write_kv, rotary_write_kv_ref, write_kv, write_kv_ref
 from deepserve.kernels import l2_prefetch
 from deepserve.kernels.l2_prefetch import (L2_PREFETCH_MAX_ROWS, L2_PREFETCH_PIECE, L2_PREFETCH_PIECES,
-                                          l2_prefetch_plan, mlp_prefetch_plan)
+                                          l2_prefetch_plan)
 from deepserve.kernels.rotary import apply_rotary
 from deepserve.layers.attention import TorchPagedAttention
 from deepserve.layers.forward_batch import ForwardBatch
@@ -498,38 +498,6 @@ def test_decode_reduce_l2_prefetch_changes_nothing(device, lens, l2_prefetch_set
     assert torch.equal(outs[0], outs[1]) and torch.equal(weight, weight_before)
     ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.125)
     assert_attention_close(outs[1], ref, dtype)
-
-
-@pytest.mark.parametrize("l2_prefetch_setting", ["decode", "decode_evict_last"], indirect=True)
-@pytest.mark.parametrize("mb", [12, 1000])
-@pytest.mark.parametrize("num_splits", [16, 1])
-def test_decode_mlp_l2_prefetch_changes_nothing(device, mb, num_splits, l2_prefetch_setting, monkeypatch):
-    """Batch 1's decode programs asking L2 for the MLP's gate/up weight (kernels/l2_prefetch.py, site "decode": the
-    first rows of each half, DEEPSERVE_L2_PREFETCH_MLP_MB in all, at most the whole weight) change nothing: split
-    and unsplit launches give bitwise the output of the launch without them and leave the weight as it was. Two
-    rows have no prefetch; nor has any row on a GPU before Hopper or under the interpreter."""
-    monkeypatch.setenv("DEEPSERVE_L2_PREFETCH_MLP_MB", str(mb))
-    dtype = torch.bfloat16 if not INTERPRET else torch.float16
-    batch, cache, q = _decode_case(device, dtype, 64, 4, [1000], 16, 400)
-    rows = torch.arange(1, device=device)
-    gate_up = torch.randn(2 * 8192, 2048, device=device).to(dtype)
-    before = gate_up.clone()
-    plan = mlp_prefetch_plan(gate_up, 1, q)
-    hopper = not INTERPRET and torch.cuda.get_device_capability(gate_up.device)[0] >= 9
-    half = gate_up.numel() // 2 * gate_up.element_size()
-    assert plan.nbytes == (min(mb << 19, half) if hopper else 0)
-    if hopper:
-        assert plan.policy == (2 if l2_prefetch_setting.endswith("evict_last") else 1)
-        assert plan.up.data_ptr() - plan.gate.data_ptr() == half
-    assert mlp_prefetch_plan(gate_up, 2, q).nbytes == 0 and mlp_prefetch_plan(None, 1, q).nbytes == 0
-    outs = []
-    for prefetch in (None, gate_up):
-        out = torch.full_like(q, float("nan"))
-        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.125, out=out, q_rows=rows, seq_ids=rows,
-                         num_splits=num_splits, max_seq_len=1100, inputs_ready=True, mlp_prefetch=prefetch)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(gate_up, before)
-    assert_attention_close(outs[1], decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.125), dtype)
 
 
 @pytest.mark.parametrize("head_dim,group,kv_heads_a_program", [(64, 4, 1), (128, 4, 1), (64, 1, 1), (128, 8, 1),

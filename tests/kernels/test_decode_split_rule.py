@@ -98,3 +98,5 @@ def test_one_tile_merge_takes_one_tile_partitions_past_the_tile(monkeypatch):
     assert decode_launch.merge_tile(4, 18, 64, one_tile=True) == (4, 32)
     assert decode_launch.merge_tile(4, 18, 64) is None            # partitions of two tiles keep the reduce
     assert decode_launch.merge_tile(4, 33, 64, one_tile=True) is None
+    # Only the 64-wide heads it was timed on: the 8B's 16 one-tile splits at 1k would fit the doubled tile.
+    assert splits("8b", 1, 1024) == 8 and decode_launch.merge_tile(4, 16, 128, one_tile=True) is None
