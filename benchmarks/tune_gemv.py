@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--kernel", default="1d", choices=["1d", "2d", "2d-wide"],
                     help="1d: the split-K kernel with a reduction per K step; 2d: the pair-mode GEMV (2-D accumulator); "
                          "2d-wide: the same with K steps of 512 to 2048 elements and 1 to 4 rows")
+    ap.add_argument("--shapes", default="", help="comma-separated names of the shapes to time (default: all)")
     args = ap.parse_args()
     if args.kernel == "1d":
         shapes = SHAPES
@@ -112,6 +113,8 @@ def main() -> None:
         shapes = {**SHAPES, **SHAPES_V2_LITE}
         configs = [(bn, bk, w) for bn in (1, 2, 4) for bk in (512, 1024, 2048) for w in (1, 2, 4, 8)]
         run = gemv_2d
+    if args.shapes:
+        shapes = {name: shapes[name] for name in args.shapes.split(",")}
     out = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "results": {}}
     for name, (n, k) in shapes.items():
         copies = max(1, min(8, (200 << 20) // (n * k * 2)))       # > L2 (50 MB) in total
@@ -132,9 +135,9 @@ def main() -> None:
         row["best"] = best
         print(name, "cublas", row["cublas"], "best", best, flush=True)
         out["results"][name] = row
-        del ws
-    with open(args.output, "w") as f:
-        json.dump(out, f, indent=1)
+        ws.clear()                            # the copies go before the next shape's
+        with open(args.output, "w") as f:        # after each shape: a run cut short keeps what it timed
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
