@@ -119,9 +119,15 @@ def merge_tile(num_heads: int, num_splits: int, head_dim: int, one_tile: bool = 
     launch of one-tile partitions, `one_tile`, of heads up to ONE_TILE_MAX_HEAD_DIM under ONE_TILE_MERGE) or the
     head width is not a power of two (the partials are packed at it): the launch keeps its reduce."""
     tile = (next_pow2(num_heads), next_pow2(num_splits))
-    wider = one_tile and ONE_TILE_MERGE and head_dim <= ONE_TILE_MAX_HEAD_DIM
-    cap = MERGE_MAX_ELEMENTS_ONE_TILE if wider else MERGE_MAX_ELEMENTS
+    cap = merge_elements(one_tile, head_dim)
     return tile if tile[0] * tile[1] * head_dim <= cap and head_dim == next_pow2(head_dim) else None
+
+
+def merge_elements(one_tile: bool, head_dim: int) -> int:
+    """The in-kernel merge tile's limit for a launch whose partitions are one tile (`one_tile`) or not:
+    MERGE_MAX_ELEMENTS_ONE_TILE for one-tile partitions of heads up to ONE_TILE_MAX_HEAD_DIM under ONE_TILE_MERGE."""
+    wider = ONE_TILE_MERGE and one_tile and head_dim <= ONE_TILE_MAX_HEAD_DIM
+    return MERGE_MAX_ELEMENTS_ONE_TILE if wider else MERGE_MAX_ELEMENTS
 
 
 def fits_one_wave(num_programs: int, head_dim: int, split: bool, device: torch.device) -> bool:
@@ -217,8 +223,7 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
             return short
         # One-tile partitions past the tile, up to twice its count: merged over the larger tile (ONE_TILE_MERGE).
         one_tile = short == cdiv(max_seq_len, _MERGED_MIN_PARTITION)
-        wider = ONE_TILE_MERGE and one_tile and head_dim <= ONE_TILE_MAX_HEAD_DIM
-        if wider and short <= merge_max_splits(merge_heads, head_dim, MERGE_MAX_ELEMENTS_ONE_TILE):
+        if short <= merge_max_splits(merge_heads, head_dim, merge_elements(one_tile, head_dim)):
             return short
         if splits <= most + most // 2:
             return most
@@ -240,5 +245,5 @@ def launch_num_splits(num_rows: int, num_heads: int, kv_cache: torch.Tensor, max
 __all__ = ["DECODE_BLOCK_N", "DEEP_PIPELINE_TILES", "DecodeTiles", "HEADS_FIRST", "KV_HEADS_PER_PROGRAM",
            "MERGE_MAX_ELEMENTS", "MERGE_MAX_ELEMENTS_ONE_TILE", "ONE_TILE_MAX_HEAD_DIM", "ONE_TILE_MERGE",
            "PAIRED_HEAD_BYTES", "SPLIT_COUNTERS", "SPLIT_MERGE", "SPLIT_RULE", "decode_num_splits", "decode_tiles",
-           "fits_one_wave", "kv_heads_a_program", "launch_num_splits", "merge_max_splits", "merge_tile",
-           "split_counters"]
+           "fits_one_wave", "kv_heads_a_program", "launch_num_splits", "merge_elements", "merge_max_splits",
+           "merge_tile", "split_counters"]
