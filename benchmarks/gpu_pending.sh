@@ -42,6 +42,8 @@
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
+#   bash benchmarks/gpu_pending.sh early-kv    # ~7 min: DEEPSERVE_DECODE_EARLY_KV: tests, then 1B steps at batch 1-64
+#   bash benchmarks/gpu_pending.sh gemv-tiling  # ~6 min: the batch-1 GEMV's tilings on this GPU, the best in 1B steps
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 #   (two stages in one call: `for s in tests sweeps; do bash benchmarks/gpu_pending.sh $s; done`)
 # MLA_TILES="32x4x3,16x4x3" narrows mla-ab to the settings the kernels stage favoured (default: all four).
@@ -585,6 +587,50 @@ combine-timeline)
         --batches 256 --contexts 1024 --kv-cache-dtype fp8 --profile-batch 0 --timeline-batch 256 \
         --output "$OUT/moe_combine_in_norm_timeline.json" > /tmp/combine_timeline.log 2>&1
     tail -30 /tmp/combine_timeline.log | cut -c1-300; elapsed "combine-timeline"
+    ;;
+early-kv)
+    # Session 46's DEEPSERVE_DECODE_EARLY_KV: each decode program's first tile of keys and values, but the step's own,
+    # loaded before the PDL wait. Its GPU tests, then off / on in Llama-3.2-1B steps at 1k, batch 1 / 2 / 8 / 64, two
+    # passes (early_kv_1b_ab_h100_s46.json).
+    timeout 150 python3 -m pytest -q tests/gpu/test_paged_attention.py -k "early or decode or backend" \
+        -p no:cacheprovider > "$OUT/pytest_early_kv.log" 2>&1
+    tail -2 "$OUT/pytest_early_kv.log"; elapsed "tests"
+    timeout 330 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_EARLY_KV=0,1 --passes 2 \
+        --timeout 80 --output "$OUT/early_kv_1b_ab.json" -- --shapes llama-3.2-1b --contexts 1024 \
+        --batches 1,2,8,64 --profile-batch 0 > /tmp/early_kv.log 2>&1
+    tail -2 /tmp/early_kv.log | cut -c1-300; summarise_steps "$OUT/early_kv_1b_ab.json"; elapsed "A/B"
+    ;;
+gemv-tiling)
+    # Session 46's DEEPSERVE_GEMV_TILING: the batch-1 GEMV's 36 tilings (gemv.py's table was tuned on an H200) timed
+    # on this GPU on the down, gate/up and LM-head shapes of Llama-3.2-1B and Llama-3-8B, then in 1B batch-1 steps at
+    # 1k the fastest tiling of the down (long_rows) and gate/up (many_rows) classes against the table, two passes.
+    timeout 240 python3 benchmarks/tune_gemv.py --kernel 2d-wide \
+        --shapes down,gate_up,lm_head,llama3_8b_down,llama3_8b_gate_up --output "$OUT/tune_gemv_wide.json" \
+        > /tmp/tune_gemv.log 2>&1
+    tail -6 /tmp/tune_gemv.log | cut -c1-300; elapsed "tune"
+    candidates=$(python3 - "$OUT/tune_gemv_wide.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["results"]
+table = {"long_rows": ("down", "(1, 512, 4)"), "many_rows": ("gate_up", "(4, 512, 1)")}
+picked = {}
+for shape_class, (shape, default) in table.items():
+    if shape not in rows:
+        continue
+    us, best = min((v["us"], c) for c, v in rows[shape].items() if c.startswith("(") and isinstance(v, dict))
+    print(f"{shape_class}: table {default} {rows[shape][default]['us']} us, best {best} {us} us", file=sys.stderr)
+    if us < 0.97 * rows[shape][default]["us"]:           # 3% or more faster on its own
+        picked[shape_class] = shape_class + "=" + "x".join(best.strip("()").split(", "))
+settings = list(picked.values()) + (([";".join(picked.values())]) if len(picked) > 1 else [])
+print(",".join(settings))
+PY
+)
+    echo "candidates: ${candidates:-none}"
+    if [ -n "$candidates" ]; then
+        timeout 320 python3 benchmarks/ab_env_sweep.py --setting "DEEPSERVE_GEMV_TILING=default,$candidates" \
+            --passes 2 --timeout 60 --output "$OUT/gemv_tiling_1b_ab.json" -- --shapes llama-3.2-1b \
+            --contexts 1024 --batches 1 --profile-batch 0 > /tmp/gemv_tiling_ab.log 2>&1
+        tail -2 /tmp/gemv_tiling_ab.log | cut -c1-300; summarise_steps "$OUT/gemv_tiling_1b_ab.json"; elapsed "A/B"
+    fi
     ;;
 sweeps)
     for kv in ${SWEEP_KV:-fp8 auto}; do       # SWEEP_KV=fp8: the MoE sweep over an E4M3 cache only

@@ -26,6 +26,8 @@ SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048),
 # DeepSeek-V2-Lite's batch-1 GEMVs that stay on cuBLAS: q_proj, kv_a_proj, shared experts' gate/up and down.
 SHAPES_V2_LITE = {"v2lite_q": (3072, 2048), "v2lite_kv_a": (576, 2048), "v2lite_shared_gate_up": (5632, 2048),
                   "v2lite_shared_down": (2048, 2816)}
+# Llama-3-8B's batch-1 GEMVs with the widest rows of each class (gemv.py's gemv_shape_class): down and gate/up.
+SHAPES_LLAMA3_8B = {"llama3_8b_down": (4096, 14336), "llama3_8b_gate_up": (28672, 4096)}
 
 
 @triton.jit
@@ -110,7 +112,7 @@ def main() -> None:
         configs = [(bn, bk, w) for bn in (2, 4, 8, 16) for bk in (256, 512) for w in (1, 2, 4)]
         run = gemv_2d
     else:
-        shapes = {**SHAPES, **SHAPES_V2_LITE}
+        shapes = {**SHAPES, **SHAPES_V2_LITE, **SHAPES_LLAMA3_8B}
         configs = [(bn, bk, w) for bn in (1, 2, 4) for bk in (512, 1024, 2048) for w in (1, 2, 4, 8)]
         run = gemv_2d
     if args.shapes:

@@ -164,6 +164,10 @@ _DECLARED = [
     EnvVar("DEEPSERVE_GEMV_PREFETCH", "int", 1,
            "what a GEMV does before its PDL wait: 0 nothing, 1 L2 prefetch of its first K step, 2 of all its "
            "rows, 3 first K step into registers (read at import)", choices=(0, 1, 2, 3)),
+    EnvVar("DEEPSERVE_GEMV_TILING", "str", "",
+           "the batch-1 GEMV's tiling per class of shape, over kernels/gemv.py's table (a tuning switch for a new "
+           "GPU): `class=ROWSxBLOCK_KxWARPS` entries joined by `;`, the classes many_rows (N >= 8192), long_rows "
+           "(K > 2048) and short_rows; empty or `default`: the table (read at import)"),
     EnvVar("DEEPSERVE_L2_PREFETCH", "str", "off",
            "GPU decode steps of up to 64 rows: extra programs of an attention kernel ask L2 for the o_proj weight "
            "while the attention runs (kernels/l2_prefetch.py; Hopper and later): off (the default until an H200 "
@@ -206,6 +210,11 @@ _DECLARED = [
            "the rule asks for a few more: kernels/decode_launch.py decode_num_splits; H100, Qwen3-MoE over E4M3 "
            "batch 32 steps 1.5% faster); reduce: session 42's counts, sized for a reduce launch (read at import)",
            choices=("merged", "reduce")),
+    EnvVar("DEEPSERVE_DECODE_EARLY_KV", "bool", False,
+           "GPU paged decode attention (PDL, with the step's inputs ready): each program loads its first tile's keys "
+           "and values older than this step's before the PDL wait, while the q/k/v kernel still runs; the keys this "
+           "step wrote load after it (kernels/paged_attention.py); an A/B switch until a GPU run times it (read at "
+           "import)"),
     EnvVar("DEEPSERVE_DECODE_MERGE_ONE_TILE", "bool", True,
            "GPU paged decode attention: where one-tile (64-key) partitions need more splits than the in-kernel "
            "merge's tile holds but at most twice as many, split that way and merge them in the kernel over a tile "

@@ -215,6 +215,37 @@ def _gemv_two_kernel(x_ptr, wa_ptr, wb_ptr, ya_ptr, yb_ptr, n_a, n_b, k_len, str
         tl.store(yb_ptr + n, y.to(yb_ptr.dtype.element_ty), mask=n < n_b)
 
 
+GEMV_SHAPE_CLASSES = ("many_rows", "long_rows", "short_rows")
+
+
+def parse_gemv_tiling(spec: str) -> dict[str, tuple[int, int, int]]:
+    """DEEPSERVE_GEMV_TILING's value -> {shape class: (rows per program, BLOCK_K, warps)}: `long_rows=1x1024x4;
+    many_rows=4x512x1` overrides those two classes of `gemv_config`'s table ("" or "default": none)."""
+    tilings = {}
+    for entry in filter(None, (part.strip() for part in spec.split(";"))):
+        if entry == "default":
+            continue
+        shape_class, _, tiling = entry.partition("=")
+        try:
+            rows, block_k, warps = (int(v) for v in tiling.split("x"))
+        except ValueError:
+            rows = block_k = warps = 0
+        if (shape_class not in GEMV_SHAPE_CLASSES or rows not in (1, 2, 4, 8, 16) or warps not in (1, 2, 4, 8)
+                or block_k < 16 or block_k & (block_k - 1)):
+            raise ValueError(f"DEEPSERVE_GEMV_TILING entry {entry!r}: expected CLASS=ROWSxBLOCK_KxWARPS, CLASS one "
+                             f"of {', '.join(GEMV_SHAPE_CLASSES)}, rows 1-16 and BLOCK_K (>= 16) powers of two, "
+                             "warps 1, 2, 4 or 8")
+        tilings[shape_class] = (rows, block_k, warps)
+    return tilings
+
+
+TILING_OVERRIDES = parse_gemv_tiling(envs.DEEPSERVE_GEMV_TILING)
+
+
+def gemv_shape_class(n: int, k: int) -> str:
+    return "many_rows" if n >= 8192 else "long_rows" if k > 2048 else "short_rows"
+
+
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     """(rows per program, BLOCK_K, warps), from an H200 sweep of 36 tilings in CUDA-graph chains with PDL
     (benchmarks/tune_gemv_wide.json), on Llama-3.2-1B and DeepSeek-V2-Lite shapes:
@@ -222,10 +253,15 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
         keep the most loads in flight; gate_up 16.8 us, lm_head 116.9 us);
       - long rows (K > 2048: down projections): 1 row, steps of 512, 4 warps (down 2048x8192: 9.2 us, was 11.7);
       - the rest (N < 8192, K <= 2048: qkv, o_proj, MLA's q and kv_a): 4 rows of up to 2048 in one step, 4 warps
-        (o_proj 3.3 us, was 3.9; qkv 4.6, was 5.9), whose weights load into registers before the PDL wait."""
-    if n >= 8192:
+        (o_proj 3.3 us, was 3.9; qkv 4.6, was 5.9), whose weights load into registers before the PDL wait.
+    DEEPSERVE_GEMV_TILING overrides a class (a K step past the row's length takes the row in one step)."""
+    shape_class = gemv_shape_class(n, k)
+    if shape_class in TILING_OVERRIDES:
+        rows, block_k, warps = TILING_OVERRIDES[shape_class]
+        return rows, min(block_k, max(16, next_pow2(k))), warps
+    if shape_class == "many_rows":
         return 4, min(512, max(16, next_pow2(k))), 1
-    if k > 2048:
+    if shape_class == "long_rows":
         return 1, 512, 4
     return 4, max(16, next_pow2(k)), 4
 

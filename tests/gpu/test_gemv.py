@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from deepserve.kernels.activation import silu_and_mul
-from deepserve.kernels.gemv import gemv, gemv_config, swiglu_gemv
+from deepserve.kernels import gemv as gemv_module
+from deepserve.kernels.gemv import gemv, gemv_config, parse_gemv_tiling, swiglu_gemv
 from deepserve.kernels.skinny_gemm import WIDE_MAX_ROWS, WIDE_ROWS, skinny_max_rows, skinny_wide_tiles
 from deepserve.layers import linear as linear_module
 from deepserve.layers.linear import Linear, fused_swiglu_linear, linear
@@ -45,6 +46,23 @@ def test_gemv_tiles():
     assert gemv_config(2048, 8192) == (1, 512, 4) and gemv_config(2048, 2816) == (1, 512, 4)
     assert gemv_config(3072, 2048) == (4, 2048, 4) and gemv_config(576, 2048) == (4, 2048, 4)
     assert gemv_config(7, 40) == (4, 64, 4)
+
+
+@pytest.mark.parametrize("tiling", ["long_rows=1x1024x4;short_rows=1x1024x4;many_rows=1x1024x4",
+                                    "long_rows=2x256x2;short_rows=8x64x8;many_rows=8x64x8"])
+def test_gemv_tiling_override_keeps_the_products(device, monkeypatch, tiling):
+    """DEEPSERVE_GEMV_TILING's tilings (benchmarks/tune_gemv.py's grid) give the plain and the SwiGLU GEMV the same
+    products within one rounding, on short and long rows and rows that no tile divides."""
+    monkeypatch.setattr(gemv_module, "TILING_OVERRIDES", parse_gemv_tiling(tiling))
+    for n, k in [(7, 40), (33, 1100), (64, 2500)]:
+        x = torch.randn(1, k, device=device).half()
+        w = (torch.randn(n, k, device=device) * k ** -0.5).half()
+        ref = torch.nn.functional.linear(x.float(), w.float()).half()
+        scale = (x.float().abs() @ w.float().abs().t()).max().item()
+        assert_within_ulps(gemv(x, w), ref, torch.float16, ulps=1, min_exact=0.9, atol=2.0 ** -20 * scale)
+        act = swiglu_gemv(x, w[: n - n % 2])
+        ref_act = swiglu_activation(torch.nn.functional.linear(x.float(), w[: n - n % 2].float()).half(), None)
+        assert_within_ulps(act, ref_act, torch.float16, ulps=2, min_exact=0.8, atol=2.0 ** -14)
 
 
 def test_linear_dispatch(device, monkeypatch):
