@@ -393,8 +393,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     `tiles` forces the launch settings (tuning); None: `DecodeTiles()`. `l2_prefetch`: the weight read next
     (o_proj's), which a split launch's reduce may ask into L2 (kernels/l2_prefetch.py); it changes no result.
     `split_merge` ("reduce" / "last", default SPLIT_MERGE): how a split launch's partials merge.
-    `early_kv` (default EARLY_KV; only with `inputs_ready`): each program's first tile, but for the sequence's last
-    T keys (the most this forward's T query rows can have written), loads before the PDL wait.
+    `early_kv` (default: EARLY_KV for one decode row; only with `inputs_ready`): each program's first tile, but for
+    the sequence's last T keys (the most this forward's T query rows can have written), loads before the PDL wait.
     """
     require_triton(q)
     t, h, d = q.shape
@@ -461,7 +461,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t, KV_HEADS=tiles.kv_heads,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, MERGE_LAST=merge is not None,
         LATE_TRIGGER=merge is not None and n > 1, fresh_keys=t,
-        EARLY_KV=(EARLY_KV if early_kv is None else early_kv) and inputs_ready and EARLY_INPUTS,
+        EARLY_KV=(EARLY_KV and n == 1 if early_kv is None else early_kv) and inputs_ready and EARLY_INPUTS,
         **(dict(zip(("MERGE_G", "MERGE_S"), merge)) if merge else {}),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
         **pdl_launch_args(q))
