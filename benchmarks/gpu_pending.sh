@@ -42,8 +42,6 @@
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
-#   bash benchmarks/gpu_pending.sh early-kv    # ~7 min: DEEPSERVE_DECODE_EARLY_KV: tests, then 1B steps at batch 1-64
-#   bash benchmarks/gpu_pending.sh early-kv-b1  # ~4 min: the same, one-row launches only: tests, 1B batch-1 steps
 #   bash benchmarks/gpu_pending.sh gemv-tiling  # ~6 min: the batch-1 GEMV's tilings on this GPU, the best in 1B steps
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 #   (two stages in one call: `for s in tests sweeps; do bash benchmarks/gpu_pending.sh $s; done`)
@@ -588,29 +586,6 @@ combine-timeline)
         --batches 256 --contexts 1024 --kv-cache-dtype fp8 --profile-batch 0 --timeline-batch 256 \
         --output "$OUT/moe_combine_in_norm_timeline.json" > /tmp/combine_timeline.log 2>&1
     tail -30 /tmp/combine_timeline.log | cut -c1-300; elapsed "combine-timeline"
-    ;;
-early-kv)
-    # Session 46's DEEPSERVE_DECODE_EARLY_KV: each decode program's first tile of keys and values, but the step's own,
-    # loaded before the PDL wait. Its GPU tests, then off / on in Llama-3.2-1B steps at 1k, batch 1 / 2 / 8 / 64, two
-    # passes (early_kv_1b_ab_h100_s46.json).
-    timeout 150 python3 -m pytest -q tests/gpu/test_paged_attention.py -k "early or decode or backend" \
-        -p no:cacheprovider > "$OUT/pytest_early_kv.log" 2>&1
-    tail -2 "$OUT/pytest_early_kv.log"; elapsed "tests"
-    timeout 330 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_EARLY_KV=0,1 --passes 2 \
-        --timeout 80 --output "$OUT/early_kv_1b_ab.json" -- --shapes llama-3.2-1b --contexts 1024 \
-        --batches 1,2,8,64 --profile-batch 0 > /tmp/early_kv.log 2>&1
-    tail -2 /tmp/early_kv.log | cut -c1-300; summarise_steps "$OUT/early_kv_1b_ab.json"; elapsed "A/B"
-    ;;
-early-kv-b1)
-    # The same switch once limited to one-row launches (batch 8 lost with it): its GPU tests, then off / on in
-    # Llama-3.2-1B batch-1 steps at 1k, three passes (early_kv_b1_ab_h100_s46.json).
-    timeout 120 python3 -m pytest -q tests/gpu/test_paged_attention.py -k "early" -p no:cacheprovider \
-        > "$OUT/pytest_early_kv_b1.log" 2>&1
-    tail -2 "$OUT/pytest_early_kv_b1.log"; elapsed "tests"
-    timeout 300 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_EARLY_KV=0,1 --passes 3 \
-        --timeout 60 --output "$OUT/early_kv_b1_ab.json" -- --shapes llama-3.2-1b --contexts 1024 \
-        --batches 1 --profile-batch 0 > /tmp/early_kv_b1.log 2>&1
-    tail -2 /tmp/early_kv_b1.log | cut -c1-300; summarise_steps "$OUT/early_kv_b1_ab.json"; elapsed "A/B"
     ;;
 gemv-tiling)
     # Session 46's DEEPSERVE_GEMV_TILING: the batch-1 GEMV's 36 tilings (gemv.py's table was tuned on an H200) timed

@@ -5,6 +5,7 @@ Times are CUDA-graph replays of 20 back-to-back calls (launch gaps as in the eng
 weights (each call reads a different copy when the weights fit in L2). GB/s counts the weight bytes.
 
 Run (GPU machine):  python benchmarks/tune_gemv.py --output tune_gemv.json [--kernel 2d --output tune_gemv_2d.json]
+Plot (anywhere):    python benchmarks/tune_gemv.py --plot tune_gemv.json   (tune_gemv.png beside it)
 """
 
 from __future__ import annotations
@@ -94,14 +95,41 @@ def graph_time(fn_of_copy, copies: int, calls: int = 20) -> float:
     return ev0.elapsed_time(ev1) / (10 * calls)
 
 
+def plot(path: str) -> str:
+    """A PNG beside a tune JSON: each shape's tilings, time over its fastest (cuBLAS and the best marked)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    results = json.load(open(path))["results"]
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 2.6 * len(results)), squeeze=False)
+    for ax, (name, row) in zip(axes[:, 0], results.items()):
+        timed = {c: v["us"] for c, v in row.items() if isinstance(v, dict) and "us" in v}
+        best = min(timed.values())
+        labels = list(timed)
+        ax.bar(range(len(labels)), [timed[c] / best for c in labels],
+               color=["tab:red" if c == "cublas" else "tab:green" if timed[c] == best else "tab:blue" for c in labels])
+        ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=6)
+        ax.set_ylim(0.95, min(2.0, max(timed[c] / best for c in labels) * 1.02))
+        ax.set_title(f"{name} {row['bytes'] / 1e6:.1f} MB: best {best} us (red: cuBLAS)", fontsize=8)
+        ax.set_ylabel("time / best", fontsize=7)
+    fig.tight_layout()
+    out = path.rsplit(".", 1)[0] + ".png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default="tune_gemv.json")
+    ap.add_argument("--plot", default="", help="draw the PNG of a tune JSON (no GPU) and exit")
     ap.add_argument("--kernel", default="1d", choices=["1d", "2d", "2d-wide"],
                     help="1d: the split-K kernel with a reduction per K step; 2d: the pair-mode GEMV (2-D accumulator); "
                          "2d-wide: the same with K steps of 512 to 2048 elements and 1 to 4 rows")
     ap.add_argument("--shapes", default="", help="comma-separated names of the shapes to time (default: all)")
     args = ap.parse_args()
+    if args.plot:
+        print("wrote", plot(args.plot))
+        return
     if args.kernel == "1d":
         shapes = SHAPES
         configs = [(8, 256, 1, 4, 3), (16, 256, 1, 4, 3), (16, 512, 1, 8, 3), (32, 256, 1, 4, 4), (8, 512, 1, 4, 4),

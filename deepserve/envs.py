@@ -210,12 +210,6 @@ _DECLARED = [
            "the rule asks for a few more: kernels/decode_launch.py decode_num_splits; H100, Qwen3-MoE over E4M3 "
            "batch 32 steps 1.5% faster); reduce: session 42's counts, sized for a reduce launch (read at import)",
            choices=("merged", "reduce")),
-    EnvVar("DEEPSERVE_DECODE_EARLY_KV", "bool", False,
-           "GPU paged decode attention of one row (PDL, with the step's inputs ready): each program loads its first "
-           "tile's keys and values older than this step's before the PDL wait, while the q/k/v kernel still runs; "
-           "the keys this step wrote load after it (kernels/paged_attention.py). For every row count, H100 Llama-3.2-1B "
-           "steps at 1k were 0.3% faster at batch 1 and 1-1.7% slower at batch 8 (early_kv_1b_ab_h100_s46.json); an "
-           "A/B switch until the batch-1 gain is confirmed (read at import)"),
     EnvVar("DEEPSERVE_DECODE_MERGE_ONE_TILE", "bool", True,
            "GPU paged decode attention: where one-tile (64-key) partitions need more splits than the in-kernel "
            "merge's tile holds but at most twice as many, split that way and merge them in the kernel over a tile "

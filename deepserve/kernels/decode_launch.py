@@ -99,9 +99,6 @@ MERGE_MAX_ELEMENTS = 4096
 ONE_TILE_MERGE = envs.DEEPSERVE_DECODE_MERGE_ONE_TILE
 MERGE_MAX_ELEMENTS_ONE_TILE = 2 * MERGE_MAX_ELEMENTS
 ONE_TILE_MAX_HEAD_DIM = 64
-# DEEPSERVE_DECODE_EARLY_KV: a decode program's first tile of keys and values, those older than the step's, loads
-# before the PDL wait (kernels/paged_attention.py); only where the launcher may read the step's inputs early.
-EARLY_KV = envs.DEEPSERVE_DECODE_EARLY_KV
 # The merge counters: one int32 per (row, KV-head program) of a split launch, zero between launches (the last
 # program of each zeroes its own). Allocated once per device at SPLIT_COUNTERS slots, never reallocated: a CUDA
 # graph keeps the pointer it captured. Launches on one device run one after another (one stream), so they share it.
@@ -245,7 +242,7 @@ def launch_num_splits(num_rows: int, num_heads: int, kv_cache: torch.Tensor, max
     return decode_num_splits(num_rows, hkv, max_seq_len, kv_cache.device, d, merge_heads)
 
 
-__all__ = ["DECODE_BLOCK_N", "DEEP_PIPELINE_TILES", "DecodeTiles", "EARLY_KV", "HEADS_FIRST", "KV_HEADS_PER_PROGRAM",
+__all__ = ["DECODE_BLOCK_N", "DEEP_PIPELINE_TILES", "DecodeTiles", "HEADS_FIRST", "KV_HEADS_PER_PROGRAM",
            "MERGE_MAX_ELEMENTS", "MERGE_MAX_ELEMENTS_ONE_TILE", "ONE_TILE_MAX_HEAD_DIM", "ONE_TILE_MERGE",
            "PAIRED_HEAD_BYTES", "SPLIT_COUNTERS", "SPLIT_MERGE", "SPLIT_RULE", "decode_num_splits", "decode_tiles",
            "fits_one_wave", "kv_heads_a_program", "launch_num_splits", "merge_elements", "merge_max_splits",

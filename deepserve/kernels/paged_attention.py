@@ -21,9 +21,9 @@ from typing import Optional
 import torch
 
 from deepserve.kernels import HAS_TRITON, cdiv, next_pow2, require_triton, tl, triton
-from deepserve.kernels.decode_launch import (DECODE_BLOCK_N, EARLY_KV, SPLIT_COUNTERS, SPLIT_MERGE, DecodeTiles,
-                                            decode_tiles, fits_one_wave, kv_heads_a_program, launch_num_splits,
-                                            merge_tile, split_counters)
+from deepserve.kernels.decode_launch import (DECODE_BLOCK_N, SPLIT_COUNTERS, SPLIT_MERGE, DecodeTiles, decode_tiles,
+                                            fits_one_wave, kv_heads_a_program, launch_num_splits, merge_tile,
+                                            split_counters)
 from deepserve.kernels.kv_rounding import for_products, widen_keys, widen_values
 from deepserve.kernels.l2_prefetch import (L2_PREFETCH_PIECE, L2_PREFETCH_PIECES, l2_prefetch_plan,
                                           prefetch_bytes_to_l2)
@@ -107,60 +107,6 @@ def _value_tile(v_base, off, v_off, d, kv_mask, run_mask, dtype: tl.constexpr, V
 
 
 @triton.jit
-def _widen_value_tile(v, dtype: tl.constexpr, VALUES_T: tl.constexpr):
-    """A value tile's stored codes in `dtype`, as `_value_tile` widens them."""
-    if VALUES_T:
-        return widen_keys(v, dtype)
-    else:
-        return widen_values(v, dtype)
-
-
-@triton.jit
-def _early_tile(cache_ptr, kvh, first_blk, seq_len, split, fresh_keys, block_size,
-                stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                KV_HEADS: tl.constexpr, VALUES_T: tl.constexpr, FRESH: tl.constexpr):
-    """(keys, values, the keys' mask, the values' mask) of a decode program's first tile as stored (8-bit codes stay
-    codes): with FRESH False of the keys before the sequence's last `fresh_keys`, else of those last ones; 0
-    outside the masks.
-
-    Why: the program may read before its PDL wait what was in place before the previous kernel started
-    (kernels/pdl.py rule 1), and of the cache that is every key but this step's. The step's kernels write at most
-    one key per query row of the forward, each at its sequence's end (decode_attention passes the rows' count as
-    fresh_keys), so the keys before seq_len - fresh_keys are older: they load while the q/k/v kernel still runs,
-    and after the wait only the step's own keys (usually one, in the last split's tile) and q remain.
-    With VALUES_T (values stored tokens-contiguous, `_value_tile`) a run of 16 values loads whole on one side."""
-    start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
-    tok = start + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < KV_HEADS * HEAD_DIM
-    older_than = seq_len - fresh_keys
-    if FRESH:
-        keys = (tok < end) & (tok >= older_than)
-    else:
-        keys = tok < tl.minimum(end, older_than)
-    off = first_blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
-    k_base = cache_ptr + kvh * stride_c_head
-    kv_mask = keys[:, None] & dmask[None, :]
-    k = tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    if VALUES_T:
-        slot = first_blk * stride_c_block + (tok % block_size).to(tl.int64)
-        v_off = tl.max_contiguous(tl.multiple_of(slot[:, None] + d[None, :].to(tl.int64) * block_size, [16, 16]),
-                                  [16, 1])
-        run = tok // 16 * 16
-        if FRESH:       # the runs that hold a fresh key, whole (up to the end's run, as `_value_tile` reads)
-            runs = (run < end) & (run + 16 > older_than)
-        else:           # the runs wholly older
-            runs = (run < end) & (run + 16 <= older_than)
-        v_mask = runs[:, None] & dmask[None, :]
-        v = tl.load(cache_ptr + stride_c_kv + kvh * (HEAD_DIM * block_size) + v_off, mask=v_mask, other=0.0)
-    else:
-        v_mask = kv_mask
-        v = tl.load(k_base + stride_c_kv + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    return k, v, kv_mask, v_mask
-
-
-@triton.jit
 def _own_columns(gmask, dmask, g, d, group, HEAD_DIM: tl.constexpr, KV_HEADS: tl.constexpr):
     """[BLOCK_G, BLOCK_D] mask of a decode program's q (and output) tile: live rows and columns, and with KV_HEADS 2
     only the columns of each row's own KV head (rows g of KV head g // group, columns d of head d // HEAD_DIM)."""
@@ -199,7 +145,7 @@ def _merge_own_splits(part_out_ptr, part_lse_ptr, out_ptr, row, head, first, num
 _PER_STEP_ARGS = ["stride_bt", "stride_po_r", "stride_po_h", "stride_pl_r", "stride_pl_h"]
 
 
-@triton.jit(do_not_specialize=_PER_STEP_ARGS + ["fresh_keys"])
+@triton.jit(do_not_specialize=_PER_STEP_ARGS)
 def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr, seq_ids_ptr,
                    out_ptr, part_out_ptr, part_lse_ptr, count_ptr,
                    qk_scale,
@@ -212,7 +158,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    SPLIT: tl.constexpr, EARLY_V: tl.constexpr, HEADS_FIRST: tl.constexpr, VALUES_T: tl.constexpr,
                    KV_HEADS: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr,
                    MERGE_LAST: tl.constexpr = False, MERGE_G: tl.constexpr = 1, MERGE_S: tl.constexpr = 1,
-                   LATE_TRIGGER: tl.constexpr = False, fresh_keys=1, EARLY_KV: tl.constexpr = False):
+                   LATE_TRIGGER: tl.constexpr = False):
     """One (decode row, KV_HEADS adjacent KV heads, split). KV_HEADS 2 (DecodeTiles.kv_heads): a tile row holds
     both heads' HEAD_DIM columns side by side (one load of 2 * HEAD_DIM contiguous elements a token), and the q tile
     stacks both heads' query groups, each row zero outside its own head's columns (`_own_columns`): the scores are
@@ -220,9 +166,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     MERGE_LAST (split launches): each program counts itself done in count_ptr's counter of its (row, KV heads), and
     the last of the row's active splits to do so merges them all into `out` (`_merge_own_splits`) and zeroes the
     counter for the next launch: no reduce launch. The order is CUTLASS's semaphore's: every thread's stores, a CTA
-    barrier, then one release-acquire atomic at GPU scope; the merge reads the partials after it.
-    EARLY_KV (with INPUTS_READY): the program's first tile of keys and values loads before the PDL wait, all but
-    the sequence's last `fresh_keys` keys, which the previous kernel may be writing (`_early_tile`)."""
+    barrier, then one release-acquire atomic at GPU scope; the merge reads the partials after it."""
     if HEADS_FIRST:                # the KV heads of one row launch side by side (DecodeTiles.heads_first)
         kvh = tl.program_id(0) * KV_HEADS
         i = tl.program_id(1)
@@ -238,12 +182,6 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     pdl_wait_for_inputs(INPUTS_READY, USE_PDL, not LATE_TRIGGER)
     row, seq, seq_len, table, first_blk = decode_row_inputs(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, block_tables_ptr,
                                                             stride_bt, i, split, block_size, SPLIT, BLOCK_N)
-    if EARLY_KV:
-        k_early, v_early, _, _ = _early_tile(cache_ptr, kvh, first_blk, seq_len, split, fresh_keys, block_size,
-                                             stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, HEAD_DIM,
-                                             BLOCK_D, BLOCK_N, SPLIT, KV_HEADS, VALUES_T, False)
-        first_start, first_end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
-        next_blk = tile_blocks(table, first_start + BLOCK_N + tl.arange(0, BLOCK_N), first_end, block_size)
     pdl_wait_after_inputs(INPUTS_READY, USE_PDL, not LATE_TRIGGER)
     start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
     if SPLIT:
@@ -269,25 +207,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     blk = first_blk
-    loop_start = start
-    if EARLY_KV:
-        # The first tile: the keys and values loaded before the wait, with the step's own (the last fresh_keys of
-        # the sequence) loaded now, in the same masked shapes.
-        k_late, v_late, k_now, v_now = _early_tile(cache_ptr, kvh, first_blk, seq_len, split, fresh_keys, block_size,
-                                                   stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, HEAD_DIM,
-                                                   BLOCK_D, BLOCK_N, SPLIT, KV_HEADS, VALUES_T, True)
-        k = widen_keys(tl.where(k_now, k_late, k_early), q.dtype)
-        v = _widen_value_tile(tl.where(v_now, v_late, v_early), q.dtype, VALUES_T)
-        tmask = (start + tl.arange(0, BLOCK_N)) < end
-        s = tl.where(tmask[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-        m_i = tl.max(s, 1)                            # the tile holds a key: finite
-        p = tl.math.exp2(s - m_i[:, None])
-        l_i = tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v)
-        blk = next_blk
-        loop_start = start + BLOCK_N
     # Every tile holds at least one real key (the loop stops at `end`), so m_i is finite after the first tile.
-    for n0 in range(loop_start, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < end
         off = blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
@@ -382,7 +303,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      seq_ids: Optional[torch.Tensor] = None, max_seq_len: Optional[int] = None,
                      num_splits: Optional[int] = None, inputs_ready: bool = False,
                      tiles: Optional[DecodeTiles] = None, l2_prefetch: Optional[torch.Tensor] = None,
-                     split_merge: Optional[str] = None, early_kv: Optional[bool] = None) -> torch.Tensor:
+                     split_merge: Optional[str] = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys.
 
     q: [T, H, D]; the decode rows are `q_rows` (default: all T rows), row i belonging to sequence `seq_ids[i]`
@@ -393,8 +314,6 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     `tiles` forces the launch settings (tuning); None: `DecodeTiles()`. `l2_prefetch`: the weight read next
     (o_proj's), which a split launch's reduce may ask into L2 (kernels/l2_prefetch.py); it changes no result.
     `split_merge` ("reduce" / "last", default SPLIT_MERGE): how a split launch's partials merge.
-    `early_kv` (default: EARLY_KV for one decode row; only with `inputs_ready`): each program's first tile, but for
-    the sequence's last T keys (the most this forward's T query rows can have written), loads before the PDL wait.
     """
     require_triton(q)
     t, h, d = q.shape
@@ -460,8 +379,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split, EARLY_V=tiles.early_v,
         HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t, KV_HEADS=tiles.kv_heads,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, MERGE_LAST=merge is not None,
-        LATE_TRIGGER=merge is not None and n > 1, fresh_keys=t,
-        EARLY_KV=(EARLY_KV and n == 1 if early_kv is None else early_kv) and inputs_ready and EARLY_INPUTS,
+        LATE_TRIGGER=merge is not None and n > 1,
         **(dict(zip(("MERGE_G", "MERGE_S"), merge)) if merge else {}),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
         **pdl_launch_args(q))

@@ -9,13 +9,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from deepserve.kernels import INTERPRET, tl, triton
+from deepserve.kernels import INTERPRET
 from deepserve.layers.attention_triton import TritonPagedAttention
 from deepserve.kernels import num_sms
 from deepserve.kernels.decode_launch import (DECODE_BLOCK_N, DEEP_PIPELINE_TILES, HEADS_FIRST, DecodeTiles,
                                             decode_num_splits, decode_tiles)
-from deepserve.kernels.paged_attention import (_early_tile, active_splits_ref, decode_attention, decode_attention_ref,
-                                               decode_reduce, decode_reduce_ref)
+from deepserve.kernels.paged_attention import (active_splits_ref, decode_attention, decode_attention_ref, decode_reduce,
+                                               decode_reduce_ref)
 from deepserve.kernels.kv_write import rotary_write_kv, rotary_write_kv_ref, write_kv, write_kv_ref
 from deepserve.kernels import l2_prefetch
 from deepserve.kernels.l2_prefetch import (L2_PREFETCH_MAX_ROWS, L2_PREFETCH_PIECE, L2_PREFETCH_PIECES,
@@ -811,88 +811,3 @@ def test_decode_values_transposed_matches_reference(device, cache_dtype, block_s
             decode_attention(q, transposed, batch.block_tables, batch.seq_lens, 0.1, out=out, max_seq_len=max(lens),
                              num_splits=splits, tiles=tiles)
             assert_attention_close(out, ref, dtype)
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, None], ids=["e4m3", "act-dtype"])
-@pytest.mark.parametrize("tiles", [None, DecodeTiles(kv_heads=2), DecodeTiles(values_t=True)], ids=str)
-@pytest.mark.parametrize("rows_in_forward", [1, 10])
-def test_decode_early_kv_matches_the_loads_after_the_wait(device, cache_dtype, tiles, rows_in_forward):
-    """DEEPSERVE_DECODE_EARLY_KV: each program's first tile, but for the sequence's last T keys (T: the forward's
-    query rows, the most its kernels can have written), loads before the PDL wait, the rest after. The same
-    attention as the launch that loads it all after the wait (within an ulp; the first tile's online-softmax update
-    starts from nothing instead of from an empty state), against the reference: unsplit, split, a CUDA graph's
-    grid (18 one-tile splits for 1100 keys), with the step's keys inside one tile and across two (T = 10, a
-    sequence of 65 keys)."""
-    dtype = _act_dtype()
-    lens = [1, 17, 65, 130, 1044, 700]
-    transposed = tiles is not None and tiles.values_t
-    batch, cache, q_small = _decode_case(device, dtype, 64, 4, lens, 16, cdiv_total(lens, 16) + 8)
-    cache = cache.to(cache_dtype or dtype)
-    ref = decode_attention_ref(q_small, cache, batch.block_tables, batch.seq_lens, 0.2)
-    if transposed:
-        cache = cache.clone()
-        cache[1] = cache[1].clone().permute(0, 2, 3, 1).contiguous().view(cache[1].shape)
-    t = max(rows_in_forward, len(lens))
-    q = torch.randn(t, q_small.shape[1], 64, device=device).to(dtype)
-    rows = torch.randperm(t, device=device)[:len(lens)]
-    q[rows] = q_small
-    seq_ids = torch.arange(len(lens), device=device)
-    for max_seq_len, splits in ((None, 1), (None, 3), (1100, 18)):
-        outs = {}
-        for early in (False, True):
-            out = torch.full_like(q, float("nan"))
-            decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, out=out, q_rows=rows, seq_ids=seq_ids,
-                             max_seq_len=max_seq_len, num_splits=splits, tiles=tiles, inputs_ready=True,
-                             early_kv=early)
-            assert_attention_close(out[rows], ref, dtype)
-            outs[early] = out[rows]
-        assert_within_ulps(outs[True], outs[False], dtype, ulps=1, min_exact=0.95)
-
-
-@triton.jit
-def _early_tile_probe(cache_ptr, table_ptr, out_ptr, seq_len, fresh_keys, block_size, s_kv, s_block, s_slot, s_head,
-                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, VALUES_T: tl.constexpr):
-    """Stores `_early_tile`'s keys and values of split program_id(2)'s first tile (one tile a split), before-the-wait
-    side then after-the-wait side: out [splits, 2 sides, 2 (keys, values), BLOCK_N, HEAD_DIM]."""
-    split = tl.program_id(2)
-    tok = split * BLOCK_N + tl.arange(0, BLOCK_N)
-    first_blk = tl.load(table_ptr + tok // block_size, mask=tok < seq_len, other=0).to(tl.int64)
-    tile = tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    for side in tl.static_range(2):
-        k, v, _, _ = _early_tile(cache_ptr, 0, first_blk, seq_len, split, fresh_keys, block_size, s_kv, s_block,
-                                 s_slot, s_head, HEAD_DIM, HEAD_DIM, BLOCK_N, True, 1, VALUES_T, side == 1)
-        base = out_ptr + (split * 2 + side) * 2 * BLOCK_N * HEAD_DIM
-        tl.store(base + tile, k)
-        tl.store(base + BLOCK_N * HEAD_DIM + tile, v)
-
-
-@pytest.mark.parametrize("values_t", [False, True])
-def test_early_tile_leaves_the_steps_keys_to_after_the_wait(device, values_t):
-    """`_early_tile`'s two loads of a first tile: before the wait only the keys (and values) before the sequence's
-    last `fresh_keys`, after it exactly those last ones (values stored tokens-contiguous: whole runs of 16 on one
-    side, the run holding the first fresh key after the wait); together every key of the tile once."""
-    seq_len, fresh, bs, block_n = 150, 20, 16, 64
-    cache = random_cache(16, bs, 1, 64, torch.float16, device)
-    table = torch.randperm(16, device=device)[:cdiv_total([seq_len], bs)].to(torch.int32)
-    splits = -(-seq_len // block_n)
-    out = torch.full((splits, 2, 2, block_n, 64), float("nan"), dtype=torch.float16, device=device)
-    stored = cache.clone()
-    if values_t:
-        stored[1] = cache[1].clone().permute(0, 2, 3, 1).contiguous().view(cache[1].shape)
-    _early_tile_probe[(1, 1, splits)](stored, table, out, seq_len, fresh, bs, *stored.stride()[:4], BLOCK_N=block_n, HEAD_DIM=64,
-                     VALUES_T=values_t)
-    keys = torch.zeros(splits * block_n, 64, dtype=torch.float16, device=device)
-    values = torch.zeros_like(keys)
-    slots = table.long()[torch.arange(seq_len, device=device) // bs] * bs + torch.arange(seq_len, device=device) % bs
-    keys[:seq_len] = cache[0].reshape(-1, 1, 64)[slots, 0]
-    values[:seq_len] = cache[1].reshape(-1, 1, 64)[slots, 0]
-    older = torch.arange(splits * block_n, device=device) < seq_len - fresh
-    early_k, early_v, late_k, late_v = (out[:, side, part].reshape(-1, 64) for side in (0, 1) for part in (0, 1))
-    assert torch.equal(early_k, torch.where(older[:, None], keys, 0)) and torch.equal(early_k + late_k, keys)
-    if values_t:       # whole runs of 16: the run of key seq_len - fresh (128..143) goes after the wait
-        run_older = torch.arange(splits * block_n, device=device) < (seq_len - fresh) // 16 * 16
-        past_end = torch.arange(splits * block_n, device=device) >= seq_len
-        assert torch.equal(early_v, torch.where(run_older[:, None], values, 0))
-        assert torch.equal(torch.where(past_end[:, None], 0, late_v + early_v), values)
-    else:
-        assert torch.equal(early_v, torch.where(older[:, None], values, 0)) and torch.equal(early_v + late_v, values)
