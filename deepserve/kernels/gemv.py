@@ -267,20 +267,27 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         residual: Optional[torch.Tensor] = None, norm=None) -> torch.Tensor:
+         residual: Optional[torch.Tensor] = None, norm=None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [1, K], weight [N, K] (same dtype), bias [N] or None -> [1, N] = F.linear(x, weight, bias), plus `residual`
     [1, N] if given (one rounding to x's dtype before the add, one after); of `norm(x)` if `norm` (an RMSNorm: its
-    `weight` in x's dtype and `eps`) is given."""
+    `weight` in x's dtype and `eps`) is given. `out` ([1, N] of x's dtype, contiguous): written there (a CUDA graph's
+    static logits: no copy launch after the LM head)."""
     x, weight = one_row_operands(x, weight)
     n, k = weight.shape
-    return gemv_with(x, weight, bias, *gemv_config(n, k), residual=residual, norm=norm)
+    return gemv_with(x, weight, bias, *gemv_config(n, k), residual=residual, norm=norm, out=out)
 
 
-def gemv_with(x, weight, bias, block_n: int, block_k: int, warps: int, residual=None, norm=None) -> torch.Tensor:
+def gemv_with(x, weight, bias, block_n: int, block_k: int, warps: int, residual=None, norm=None,
+              out=None) -> torch.Tensor:
     """`gemv` with a given tiling (benchmarks/tune_gemv.py sweeps these); x, weight as `one_row_operands` leaves them."""
     n, k = weight.shape
     x, norm = prologue_norm(x, norm, block_k >= k)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    else:
+        assert out.shape == (1, n) and out.dtype == x.dtype and out.is_contiguous(), \
+            f"a GEMV writes a contiguous [1, {n}] of {x.dtype}; got {tuple(out.shape)} of {out.dtype}"
+        y = out
     if residual is not None:
         assert residual.shape == (1, n) and residual.dtype == x.dtype and residual.stride(-1) == 1
     _gemv_kernel[(triton.cdiv(n, block_n),)](

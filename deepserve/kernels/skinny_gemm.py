@@ -280,11 +280,16 @@ def _tiles(rows: int, n: int, k: int, swiglu: bool) -> SkinnyTiles:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  tiles: Optional[SkinnyTiles] = None) -> torch.Tensor:
-    """x [M, K], weight [N, K] (same dtype), bias [N] or None -> [M, N] = F.linear(x, weight, bias)."""
+                  tiles: Optional[SkinnyTiles] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K], weight [N, K] (same dtype), bias [N] or None -> [M, N] = F.linear(x, weight, bias); written into
+    `out` ([M, N] of x's dtype, contiguous) when given."""
     x, weight = _operands(x, weight)
     n, k = weight.shape
-    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if out is None:
+        y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    else:
+        assert out.shape == (x.shape[0], n) and out.dtype == x.dtype and out.is_contiguous()
+        y = out
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous()
     _launch(x, weight, bias, y, n, tiles or _tiles(x.shape[0], n, k, False), swiglu=False, limit=None)

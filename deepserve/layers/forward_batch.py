@@ -51,6 +51,13 @@ class ForwardBatch:
     # profile).
     window_slot_mapping: torch.Tensor | None = None
     window_block_tables: torch.Tensor | None = None
+    # logits_indices is every row in order (a decode step: each row is sampled), so the rows whose logits are needed
+    # are the hidden states as they are: no gather launch (`logits_rows`).
+    logits_every_row: bool = False
+
+    def logits_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows of x ([T, ...]) in `logits_indices`: x itself where those are all its rows, in order."""
+        return x if self.logits_every_row else x[self.logits_indices]
 
     @property
     def num_tokens(self) -> int:

@@ -94,18 +94,28 @@ def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.cat(tiles)[:rows] if tiles else x.new_empty(0, weight.shape[0])
 
 
+def _writes_into(out: torch.Tensor | None, x: torch.Tensor) -> bool:
+    """Whether a Triton GEMV / skinny GEMM of x [rows, K] can write its product into `out` itself."""
+    return out is not None and out.dtype == x.dtype and out.is_contiguous() and x.dim() == 2
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            batch_invariant: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias; `batch_invariant`: through `invariant_linear` (a row's result is independent of its
-    batch). `out` ([rows, N], contiguous): the result is written there and returned; cuBLAS's product goes there
-    straight (a CUDA graph's LM head into its static logits: no [rows, vocab] copy), the other paths' is copied."""
+    batch). `out` ([rows, N], contiguous): the result is written there and returned; cuBLAS's, the GEMV's and the
+    skinny GEMM's products go there straight (a CUDA graph's LM head into its static logits: no [rows, vocab] copy),
+    the other paths' are copied."""
     if batch_invariant:
         y = invariant_linear(x, weight, bias)
     elif _one_row_on_gpu(x, weight) and (bias is None or bias.dtype == weight.dtype):
         from deepserve.kernels.gemv import gemv
+        if _writes_into(out, x):
+            return gemv(x, weight, bias, out=out)      # straight into `out` (a graph's logits: no copy launch)
         y = gemv(x, weight, bias)
     elif _few_rows_on_gpu(x, weight) and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())):
         from deepserve.kernels.skinny_gemm import skinny_linear
+        if _writes_into(out, x):
+            return skinny_linear(x, weight, bias, out=out)
         y = skinny_linear(x, weight, bias)
     elif out is not None and bias is None and x.dim() == 2 and out.dtype == x.dtype == weight.dtype:
         return torch.mm(x, weight.t(), out=out)

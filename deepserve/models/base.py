@@ -10,6 +10,7 @@ from torch import nn
 
 from deepserve import envs
 from deepserve.layers.cpu_decode import CpuDecodeStack
+from deepserve.layers.embedding import Embedding
 from deepserve.layers.linear import Linear, apply_linear, linear, one_row_on_gpu
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rank_group import SINGLE, RankGroup
@@ -81,7 +82,7 @@ class CausalLM(nn.Module):
 
     def build_trunk(self, cfg: dict[str, Any], layers: Iterable[nn.Module]) -> None:
         hidden = cfg["hidden_size"]
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
+        self.embed_tokens = Embedding(cfg["vocab_size"], hidden)
         self.layers = nn.ModuleList(layers)
         # CPU decode steps through GGUF-packed Llama layers: all layers in one C call (None where it does not apply).
         self.cpu_decode = CpuDecodeStack(self.layers)
@@ -116,15 +117,14 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         stream = None if self.cpu_decode is None else self.cpu_decode(x, batch)
         if stream is not None:          # every layer ran in one C call: the residual stream after the last one
-            return self.norm(stream[batch.logits_indices])
+            return self.norm(batch.logits_rows(stream))
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, batch)
         # Only rows that are sampled (or asked for prompt logprobs) go through the last norm and the LM head.
-        idx = batch.logits_indices
         if residual is None:            # the last layer passed the stream itself on (DecoderLayer)
-            return self.norm(x[idx])
-        return self.norm(x[idx], residual[idx])[0]
+            return self.norm(batch.logits_rows(x))
+        return self.norm(batch.logits_rows(x), batch.logits_rows(residual))[0]
 
     def head_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head's output in its own dtype (bf16 for a bf16 model): what a CUDA graph keeps (an argmax reads

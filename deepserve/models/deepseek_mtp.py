@@ -53,6 +53,6 @@ class MultiTokenPredictor(nn.Module):
         (spec_decode/mtp.py; SGLang's choice too)."""
         x = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(target_hidden)], dim=-1))
         x, residual = self.block(x, None, batch)
-        idx = batch.logits_indices
-        y = self.shared_head.norm(x[idx]) if residual is None else self.shared_head.norm(x[idx], residual[idx])[0]
+        rows = batch.logits_rows
+        y = self.shared_head.norm(rows(x)) if residual is None else self.shared_head.norm(rows(x), rows(residual))[0]
         return self.shared_head.head(y).float(), y

@@ -75,6 +75,7 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
         query_lens_cpu=q_lens, seq_lens_cpu=s_lens, logits_indices=views[6], block_size=block_size,
         inflight_rows=inflight, data_lens_cpu=d_lens,
         draft_lens_cpu=draft_lens if any(draft_lens) else [],
+        logits_every_row=len(logit_idx) == len(ids) and logit_idx == list(range(len(ids))),
         window_slot_mapping=views[8] if with_window else None,
         window_block_tables=views[7].view(num_seqs, max_blocks) if with_window else None,
     )

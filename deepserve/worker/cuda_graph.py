@@ -223,7 +223,8 @@ class StaticDecodeInputs:
             seq_lens=self.seq_lens[:size], query_lens_cpu=[1] * size, seq_lens_cpu=[1] * size,
             logits_indices=self.rows[:size], block_size=block_size, graph_max_seq_len=max_seq_len,
             window_slot_mapping=self.window_slots[:size] if self.window_tables is not None else None,
-            window_block_tables=self.window_tables[:size] if self.window_tables is not None else None)
+            window_block_tables=self.window_tables[:size] if self.window_tables is not None else None,
+            logits_every_row=True)
 
 
 @dataclass

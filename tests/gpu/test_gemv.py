@@ -87,6 +87,23 @@ def test_linear_dispatch(device, monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_linear_writes_the_triton_product_into_out(device, monkeypatch, rows):
+    """`linear(..., out=)` (a CUDA graph's LM head into its static logits): the GEMV (one row) and the skinny GEMM
+    (a few) write the product into `out` itself, bit for bit what they return without it; an `out` that is not
+    contiguous gets a copy."""
+    monkeypatch.setattr(linear_module, "use_triton", lambda x: True)
+    x = torch.randn(rows, 64, device=device).half()
+    w = (torch.randn(300, 64, device=device) * 0.125).half()
+    with torch.inference_mode():
+        want = linear(x, w)
+        buffer = torch.full((rows, 300), float("nan"), device=device).half()
+        got = linear(x, w, out=buffer)
+        assert got.data_ptr() == buffer.data_ptr() and torch.equal(buffer, want)
+        strided = torch.full((300, rows), float("nan"), device=device).half().t()
+        assert torch.equal(linear(x, w, out=strided), want) and torch.equal(strided, want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter,k", [(1, 16), (5, 40), (48, 1100), (300, 64)])
 @pytest.mark.parametrize("limit", [None, 0.5])

@@ -45,6 +45,7 @@ def test_static_inputs_hold_the_batch_then_padding():
     assert batch.block_tables[:2, :3].tolist() == [[7, 3, 0], [5, 1, 2]]
     assert batch.block_tables[2:].abs().sum().item() == 0
     assert batch.logits_indices.tolist() == [0, 1, 2, 3]
+    assert batch.logits_every_row     # every row samples: the model takes its hidden states without a gather
     # A smaller batch next step overwrites the old rows with padding.
     inputs.fill(SchedulerOutput(scheduled=out.scheduled[:1]), size=2, block_size=bs)
     assert inputs.batch(2, bs, 16).slot_mapping.tolist() == [3 * bs + 1, -1]
