@@ -9,7 +9,10 @@ Run (GPU machine; the sweep's arguments after --):
   python benchmarks/ab_env_sweep.py --setting DEEPSERVE_GRAPH_TOKENS=0,1 --passes 2 \\
       --output benchmarks/graph_tokens_ab_h200.json -- --shapes qwen3-moe --batches 8,128
 Several --setting flags run every combination; --combo NAME=v,NAME2=v2 (repeatable) runs exactly the listed
-settings instead, e.g. a baseline, each switch alone and all of them in one call.
+settings instead, e.g. a baseline, each switch alone and all of them in one call. --tree LABEL=DIR (repeatable) A/Bs
+source trees (a change without a switch): each setting (or none) runs once per tree, the sweep from DIR, e.g.
+  git archive HEAD~1 deepserve benchmarks | tar -x -C /tmp/before
+  python benchmarks/ab_env_sweep.py --tree before=/tmp/before --tree after=. --passes 2 --output ab.json -- ...
 """
 
 from __future__ import annotations
@@ -72,21 +75,31 @@ def main() -> None:
     ap.add_argument("--output", required=True)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per sweep process")
     ap.add_argument("--sweep", default=str(SWEEP), help="the sweep script (h200_decode_sweep.py)")
+    ap.add_argument("--tree", action="append", default=[],
+                    help="LABEL=DIR (repeatable): also A/B source trees, each run from DIR/benchmarks/"
+                         "h200_decode_sweep.py (which imports DIR's deepserve), e.g. a commit's `git archive`")
     ap.add_argument("sweep_args", nargs=argparse.REMAINDER, help="-- then the sweep's arguments")
     args = ap.parse_args()
     sweep_args = args.sweep_args[1:] if args.sweep_args[:1] == ["--"] else args.sweep_args
-    if bool(args.setting) == bool(args.combo):
+    if args.setting and args.combo:
         raise SystemExit("give --setting flags (every combination) or --combo flags (those settings), one kind")
-    chosen = settings(args.setting) if args.setting else combos(args.combo)
+    if not (args.setting or args.combo or args.tree):
+        raise SystemExit("give --setting, --combo or --tree flags")
+    chosen = settings(args.setting) if args.setting else combos(args.combo) if args.combo else [{}]
+    trees = dict(flag.partition("=")[::2] for flag in args.tree)
+    if trees:       # each setting under each tree: "tree" labels the run, the sweep script comes from that tree
+        chosen = [{"tree": label, **setting} for label in trees for setting in chosen]
     out = {"command": "python benchmarks/ab_env_sweep.py " + " ".join(sys.argv[1:]), "results": {}, "failed": []}
     with tempfile.TemporaryDirectory() as tmp:
         for p in range(1, args.passes + 1):
             for setting in chosen:
                 name = ", ".join(f"{k}={v}" for k, v in setting.items()) + f", pass {p}"
                 path = os.path.join(tmp, "sweep.json")
-                cmd = [sys.executable, args.sweep, *sweep_args, "--output", path]
+                env = {k: v for k, v in setting.items() if k != "tree"}
+                sweep = os.path.join(trees[setting["tree"]], "benchmarks", SWEEP.name) if trees else args.sweep
+                cmd = [sys.executable, sweep, *sweep_args, "--output", path]
                 try:
-                    run = subprocess.run(cmd, env={**os.environ, **setting}, timeout=args.timeout,
+                    run = subprocess.run(cmd, env={**os.environ, **env}, timeout=args.timeout,
                                          capture_output=True, text=True)
                     failed = run.returncode != 0 or not os.path.exists(path)
                     reason = (run.stderr or run.stdout)[-600:]
@@ -107,7 +120,7 @@ def main() -> None:
     output = Path(args.output)
     output.write_text(json.dumps(out, indent=1))
     from plot_ab import steps_by_batch
-    fig = steps_by_batch(output, f"decode steps by setting: {'; '.join(args.setting or args.combo)}")
+    fig = steps_by_batch(output, f"decode steps by setting: {'; '.join(args.tree + (args.setting or args.combo))}")
     fig.tight_layout()
     fig.savefig(output.with_suffix(".png"), dpi=110)
     print("wrote", output, output.with_suffix(".png"))

@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
 #   bash benchmarks/gpu_pending.sh combine-timeline  # ~4 min: Qwen3-MoE batch 256's graph timeline with it on
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
+#   bash benchmarks/gpu_pending.sh decode-edges  # ~7 min: session 46's step-edge changes: tests, 1B steps vs before
 #   bash benchmarks/gpu_pending.sh gemv-tiling  # ~6 min: the batch-1 GEMV's tilings on this GPU, the best in 1B steps
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 #   (two stages in one call: `for s in tests sweeps; do bash benchmarks/gpu_pending.sh $s; done`)
@@ -586,6 +587,20 @@ combine-timeline)
         --batches 256 --contexts 1024 --kv-cache-dtype fp8 --profile-batch 0 --timeline-batch 256 \
         --output "$OUT/moe_combine_in_norm_timeline.json" > /tmp/combine_timeline.log 2>&1
     tail -30 /tmp/combine_timeline.log | cut -c1-300; elapsed "combine-timeline"
+    ;;
+decode-edges)
+    # Session 46's changes at a decode step's ends, all three on (no switch): the hidden states taken without a
+    # gather where every row samples, the batch-1 / skinny LM head writing the graph's logits in place, the PDL
+    # embedding gather. Their GPU tests, then Llama-3.2-1B steps at 1k, batch 1 / 2 / 8 / 64, two passes, against
+    # the tree before them (BEFORE, default .scratch/s46/before: `git archive b6441ce deepserve` plus its
+    # benchmarks/*.py, carried in).
+    timeout 150 python3 -m pytest -q tests/gpu/test_embedding.py tests/gpu/test_gemv.py tests/gpu/test_engine_gpu.py \
+        -p no:cacheprovider > "$OUT/pytest_decode_edges.log" 2>&1
+    tail -2 "$OUT/pytest_decode_edges.log"; elapsed "tests"
+    timeout 330 python3 benchmarks/ab_env_sweep.py --tree before="${BEFORE:-.scratch/s46/before}" --tree after=. \
+        --passes 2 --timeout 80 --output "$OUT/decode_edges_1b_ab.json" -- --shapes llama-3.2-1b --contexts 1024 \
+        --batches 1,2,8,64 --profile-batch 0 > /tmp/decode_edges.log 2>&1
+    tail -2 /tmp/decode_edges.log | cut -c1-300; summarise_steps "$OUT/decode_edges_1b_ab.json"; elapsed "A/B"
     ;;
 gemv-tiling)
     # Session 46's DEEPSERVE_GEMV_TILING: the batch-1 GEMV's 36 tilings (gemv.py's table was tuned on an H200) timed
