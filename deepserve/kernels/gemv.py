@@ -219,7 +219,7 @@ GEMV_SHAPE_CLASSES = ("many_rows", "long_rows", "short_rows")
 
 
 def parse_gemv_tiling(spec: str) -> dict[str, tuple[int, int, int]]:
-    """DEEPSERVE_GEMV_TILING's value -> {shape class: (rows per program, BLOCK_K, warps)}: `long_rows=1x1024x4;
+    """The value of DEEPSERVE_GEMV_TILING -> {shape class: (rows per program, BLOCK_K, warps)}: `long_rows=1x1024x4;
     many_rows=4x512x1` overrides those two classes of `gemv_config`'s table ("" or "default": none)."""
     tilings = {}
     for entry in filter(None, (part.strip() for part in spec.split(";"))):
@@ -232,9 +232,9 @@ def parse_gemv_tiling(spec: str) -> dict[str, tuple[int, int, int]]:
             rows = block_k = warps = 0
         if (shape_class not in GEMV_SHAPE_CLASSES or rows not in (1, 2, 4, 8, 16) or warps not in (1, 2, 4, 8)
                 or block_k < 16 or block_k & (block_k - 1)):
-            raise ValueError(f"DEEPSERVE_GEMV_TILING entry {entry!r}: expected CLASS=ROWSxBLOCK_KxWARPS, CLASS one "
-                             f"of {', '.join(GEMV_SHAPE_CLASSES)}, rows 1-16 and BLOCK_K (>= 16) powers of two, "
-                             "warps 1, 2, 4 or 8")
+            raise ValueError(f"an entry of DEEPSERVE_GEMV_TILING, {entry!r}: expected CLASS=ROWSxBLOCK_KxWARPS, "
+                             f"CLASS one of {', '.join(GEMV_SHAPE_CLASSES)}, rows 1-16 and BLOCK_K (>= 16) powers of "
+                             "two, warps 1, 2, 4 or 8")
         tilings[shape_class] = (rows, block_k, warps)
     return tilings
 
