@@ -30,6 +30,7 @@ from torch import nn
 
 from deepserve.layers.compressor import GatedPoolCompressor
 from deepserve.layers.compressor_v4 import CSACompressor, HCACompressor, indexer_key_compressor
+from deepserve.layers.embedding import Embedding
 from deepserve.layers.hash_router import HashRouter, hash_routing_config
 from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.hyper_connection import HyperConnection, HyperHead, combine_streams, first_pre, write_back
@@ -243,7 +244,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 ropes[key] = InterleavedRope(c.qk_rope_head_dim, max(max_position, 1), base, yarn)
             return ropes[key]
 
-        self.embed = nn.Embedding(V, H)
+        self.embed = Embedding(V, H)
         primes = engram_table_primes(c) if c.engram_enabled else {}
         self.layers = nn.ModuleList(DeepseekV41Block(c, l, rope(l), c.n_routed_experts, c.num_experts_per_tok,
                                                      primes.get(l)) for l in range(c.num_hidden_layers))
@@ -337,10 +338,12 @@ class DeepseekV41ForCausalLM(nn.Module):
             R, prev_pre = block(R, prev_pre, step, ngrams)
         if features:
             self._write_main_keys(torch.cat([features[t] for t in self.dspark_targets], -1), batch)
-        idx = batch.logits_indices
         if step.kept_rows is not None:
-            idx = self._kept_index(step, idx)
-        h = combine_streams(R[idx], prev_pre[idx]) if c.hc_shifted else self.hc_head(R[idx])
+            idx = self._kept_index(step, batch.logits_indices)
+            R, prev_pre = R[idx], prev_pre[idx]
+        else:       # a decode step's rows as they are (every row samples: no gather launch)
+            R, prev_pre = batch.logits_rows(R), batch.logits_rows(prev_pre)
+        h = combine_streams(R, prev_pre) if c.hc_shifted else self.hc_head(R)
         return self.norm(h)
 
     def _write_main_keys(self, f: torch.Tensor, batch: ForwardBatch) -> None:
