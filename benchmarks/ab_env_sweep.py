@@ -86,6 +86,8 @@ def main() -> None:
     if not (args.setting or args.combo or args.tree):
         raise SystemExit("give --setting, --combo or --tree flags")
     chosen = settings(args.setting) if args.setting else combos(args.combo) if args.combo else [{}]
+    if any(not label or not tree for label, _, tree in (flag.partition("=") for flag in args.tree)):
+        raise SystemExit(f"--tree {args.tree}: expected LABEL=DIR")
     trees = dict(flag.partition("=")[::2] for flag in args.tree)
     if trees:       # each setting under each tree: "tree" labels the run, the sweep script comes from that tree
         chosen = [{"tree": label, **setting} for label in trees for setting in chosen]

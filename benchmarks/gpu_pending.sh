@@ -594,7 +594,8 @@ decode-edges)
     # embedding gather. Their GPU tests, then Llama-3.2-1B steps at 1k, batch 1 / 2 / 8 / 64, two passes, against
     # the tree before them (BEFORE, default .scratch/s46/before: `git archive b6441ce deepserve` plus its
     # benchmarks/*.py, carried in).
-    timeout 150 python3 -m pytest -q tests/gpu/test_embedding.py tests/gpu/test_gemv.py tests/gpu/test_engine_gpu.py \
+    # (session 46's run also took tests/gpu/test_engine_gpu.py here, which outran the timeout; the `tests` stage has it)
+    timeout 150 python3 -m pytest -q tests/gpu/test_embedding.py tests/gpu/test_gemv.py \
         -p no:cacheprovider > "$OUT/pytest_decode_edges.log" 2>&1
     tail -2 "$OUT/pytest_decode_edges.log"; elapsed "tests"
     timeout 330 python3 benchmarks/ab_env_sweep.py --tree before="${BEFORE:-.scratch/s46/before}" --tree after=. \
