@@ -44,6 +44,8 @@
 #   bash benchmarks/gpu_pending.sh mla-splits  # ~4 min: V2-Lite's MLA decode kernel at batch 128 / 256, tiles x splits
 #   bash benchmarks/gpu_pending.sh decode-edges  # ~7 min: session 46's step-edge changes: tests, 1B steps vs before
 #   bash benchmarks/gpu_pending.sh gemv-tiling  # ~6 min: the batch-1 GEMV's tilings on this GPU, the best in 1B steps
+#   bash benchmarks/gpu_pending.sh s47-first  # ~6 min: V4.1's GPU tests; a step's input / output paths; 1B's gaps
+#   bash benchmarks/gpu_pending.sh mapped-io  # ~7 min: DEEPSERVE_MAPPED_STEP_IO: its GPU tests, then 1B steps 0 / 1
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 #   (two stages in one call: `for s in tests sweeps; do bash benchmarks/gpu_pending.sh $s; done`)
 # MLA_TILES="32x4x3,16x4x3" narrows mla-ab to the settings the kernels stage favoured (default: all four).
@@ -634,6 +636,33 @@ PY
             --contexts 1024 --batches 1 --profile-batch 0 > /tmp/gemv_tiling_ab.log 2>&1
         tail -2 /tmp/gemv_tiling_ab.log | cut -c1-300; summarise_steps "$OUT/gemv_tiling_1b_ab.json"; elapsed "A/B"
     fi
+    ;;
+s47-first)
+    # DeepSeek-V4.1's GPU tests since session 46's step-edge changes (never run on a GPU with them), then what a
+    # step's inputs and outputs cost between two graph replays: the ways they can travel on a stand-in forward
+    # (step_io_paths.py), and what runs between Llama-3.2-1B's replays at batch 1 / 8 (step_outside_graph.py).
+    timeout 240 python3 -m pytest -q tests/gpu/test_deepseek_v41_gpu.py tests/gpu/test_dspark_gpu.py \
+        tests/gpu/test_embedding.py -p no:cacheprovider > "$OUT/pytest_v41.log" 2>&1
+    tail -3 "$OUT/pytest_v41.log"; elapsed "V4.1 tests"
+    timeout 150 python3 benchmarks/step_io_paths.py --output "$OUT/step_io_paths.json" 2>&1 | tail -16
+    elapsed "step io paths"
+    timeout 150 python3 benchmarks/step_outside_graph.py --cases 'llama-3.2-1b:1,8' \
+        --output "$OUT/step_outside_graph_1b.json" > /tmp/outside.log 2>&1
+    tail -2 /tmp/outside.log | cut -c1-2500; elapsed "outside graph"
+    ;;
+mapped-io)
+    # Session 47's DEEPSERVE_MAPPED_STEP_IO: decode graphs that read their inputs from pinned host memory and write
+    # the greedy tokens there (no copies queued between two replays). Its GPU tests (the load against its twin,
+    # the argmax into host memory, an engine's tokens against an eager one's), then Llama-3.2-1B steps at 1k,
+    # batch 1 / 2 / 8 / 64, off / on, two passes.
+    DEEPSERVE_MAPPED_STEP_IO=1 timeout 150 python3 -m pytest -q tests/gpu/test_graph_inputs.py \
+        tests/gpu/test_argmax.py tests/gpu/test_engine_gpu.py -k "load or argmax or pinned or graph_input_switches" \
+        -p no:cacheprovider > "$OUT/pytest_mapped_io.log" 2>&1
+    tail -3 "$OUT/pytest_mapped_io.log"; elapsed "tests"
+    timeout 330 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MAPPED_STEP_IO=0,1 --passes 2 --timeout 80 \
+        --output "$OUT/mapped_io_1b_ab.json" -- --shapes llama-3.2-1b --contexts 1024 \
+        --batches "${BATCHES:-1,2,8,64}" --profile-batch 0 > /tmp/mapped_io.log 2>&1
+    tail -2 /tmp/mapped_io.log | cut -c1-300; summarise_steps "$OUT/mapped_io_1b_ab.json"; elapsed "A/B"
     ;;
 sweeps)
     for kv in ${SWEEP_KV:-fp8 auto}; do       # SWEEP_KV=fp8: the MoE sweep over an E4M3 cache only

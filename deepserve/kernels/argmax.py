@@ -37,7 +37,8 @@ def _piece_argmax_kernel(x_ptr, val_ptr, idx_ptr, stride_x, n_cols, num_pieces, 
 
 
 @triton.jit(do_not_specialize=["num_pieces"])
-def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_pieces, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr):
+def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_pieces, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr,
+                       host_out_ptr, HOST_OUT: tl.constexpr):
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, BLOCK_P)
@@ -45,18 +46,26 @@ def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_pieces, BLOCK_P: tl.conste
     vals = tl.load(val_ptr + row * num_pieces + p, mask=ok, other=float("-inf"))
     idx = tl.load(idx_ptr + row * num_pieces + p, mask=ok, other=2147483647)
     best = tl.max(vals, 0)
-    tl.store(out_ptr + row, tl.min(tl.where(vals == best, idx, 2147483647), 0).to(tl.int64))
+    token = tl.min(tl.where(vals == best, idx, 2147483647), 0).to(tl.int64)
+    tl.store(out_ptr + row, token)
+    if HOST_OUT:        # pinned host memory too, written over PCIe: no copy to the host after the kernel
+        tl.store(host_out_ptr + row, token)
 
 
-def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None,
+                host_out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [B, V] (unit stride along V) -> [B] int64, the first index of each row's maximum (written into `out`, a
-    contiguous [B] int64 tensor, when given)."""
+    contiguous [B] int64 tensor, when given; and into `host_out`, a contiguous [B] int64 tensor in pinned host
+    memory, when given: the host reads it once the launch's work is done, an event later)."""
     require_triton(x)
     assert x.dim() == 2 and x.stride(1) == 1
     rows, n = x.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=x.device)
     assert out.shape == (rows,) and out.dtype == torch.int64 and out.is_contiguous()
+    if host_out is not None:
+        assert host_out.shape == (rows,) and host_out.dtype == torch.int64 and host_out.is_contiguous() \
+            and host_out.is_pinned(), "host_out: a contiguous [rows] int64 tensor in pinned host memory"
     if rows == 0:
         return out
     pieces = cdiv(n, _BLOCK)
@@ -65,7 +74,8 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     _piece_argmax_kernel[(rows, pieces)](x, vals, idx, x.stride(0), n, pieces, BLOCK=_BLOCK, num_warps=8,
                                          **pdl_launch_args(x))
     _row_argmax_kernel[(rows,)](vals, idx, out, pieces, BLOCK_P=max(16, next_pow2(pieces)), num_warps=1,
-                                 **pdl_launch_args(x))
+                                 host_out_ptr=host_out if host_out is not None else out,
+                                 HOST_OUT=host_out is not None, **pdl_launch_args(x))
     return out
 
 

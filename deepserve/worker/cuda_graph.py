@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepserve.kernels.graph_inputs import patch_tokens, patch_tokens_ref, unpack_tables, unpack_tables_ref
+from deepserve.kernels.graph_inputs import (load_inputs, load_inputs_ref, patch_tokens, patch_tokens_ref, unpack_tables,
+                                            unpack_tables_ref)
 from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.sampler import greedy_tokens
@@ -102,18 +103,23 @@ class StaticDecodeInputs:
 
     `compact`: the tables travel packed at the step's width (its longest table), and the graph spreads them into
     `block_tables` / `window_tables` ([max_batch, max_blocks], a tensor of their own: kernels/graph_inputs.py)
-    with `unpack`. Otherwise they travel at max_blocks entries a row, straight into place."""
+    with `unpack`. Otherwise they travel at max_blocks entries a row, straight into place.
+
+    `mapped` (compact too): nothing is copied; the graph's first launch reads the host buffer of the fill's `turn`
+    itself (`load`), so a graph is captured per host buffer. A third host buffer, `scratch`, holds padding for the
+    captures' warm-ups, which run while the other two may still be read by a replay in flight."""
 
     def __init__(self, max_batch: int, max_blocks: int, device: torch.device, window: bool = False,
-                 compact: bool = False) -> None:
-        self.max_batch, self.max_blocks, self.compact = max_batch, max_blocks, compact
+                 compact: bool = False, mapped: bool = False) -> None:
+        compact = compact or mapped
+        self.max_batch, self.max_blocks, self.compact, self.mapped = max_batch, max_blocks, compact, mapped
         self.tables_per_row = 2 if window else 1
         self.tables_start = COLUMNS * max_batch + 2
         n = self.tables_start + max_batch * max_blocks * self.tables_per_row
         pin = device.type == "cuda"
         # Two host buffers used in turn: with overlapped scheduling the copy out of one may still be queued
         # while the next step fills the other (a step is collected before the one after next is filled).
-        self.hosts = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.hosts = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(3 if mapped else 2)]
         self.turn = 0
         self.num_rows = 0       # rows (sequences and their drafts) of the last fill
         self.device = torch.zeros(n, dtype=torch.int64, device=device)
@@ -193,9 +199,26 @@ class StaticDecodeInputs:
                 else:
                     kept.append((row, seq_id))
             inflight = kept
-        used = start + size * per_row * stride
-        self.device[:used].copy_(host[:used], non_blocking=True)
+        if not self.mapped:
+            used = start + size * per_row * stride
+            self.device[:used].copy_(host[:used], non_blocking=True)
         return inflight
+
+    def take_tokens_from_buffer(self, rows: list[tuple[int, int]]) -> None:
+        """(mapped) The rows of the last fill whose in-flight tokens the caller writes into the graphs' token buffer
+        at the same row before the replay: their token source becomes that row. (A copy into input_ids, as
+        without `mapped`, would be overwritten by the replay's own load.)"""
+        src = self.hosts[self.turn].numpy()[(COLUMNS - 1) * self.max_batch:COLUMNS * self.max_batch]
+        for row, _ in rows:
+            src[row] = row
+
+    def load(self, size: int, turn: int | None, tokens: torch.Tensor) -> None:
+        """(mapped) The step's inputs from host buffer `turn` (None: `scratch`) into the device buffers, the token
+        sources patched from `tokens`: a decode graph's first launch."""
+        host = self.hosts[2 if turn is None else turn]
+        args = (host, self.device, self.tables, tokens, size, self.max_batch, COLUMNS, self.tables_start, 0,
+                COLUMNS - 1)
+        (load_inputs if use_triton(self.device) else load_inputs_ref)(*args)
 
     def unpack(self, size: int) -> None:
         """(compact) The step's packed tables into the tables the kernels read: a decode graph's first launch."""
@@ -203,7 +226,14 @@ class StaticDecodeInputs:
         (unpack_tables if use_triton(out) else unpack_tables_ref)(self.packed, self.shape, out)
 
     def clear(self, size: int) -> None:
-        """Padding-only inputs for a capture: every row reads block 0 and writes nothing (slot -1)."""
+        """Padding-only inputs for a capture: every row reads block 0 and writes nothing (slot -1). (mapped: in the
+        scratch host buffer too, which the capture's warm-up loads.)"""
+        if self.mapped:
+            scratch, mb = self.hosts[2], self.max_batch
+            for column, value in enumerate((0, 0, -1, 1, -1, -1)):
+                scratch[column * mb:column * mb + size] = value
+            scratch[self.tables_start - 2:self.tables_start] = torch.tensor([size * self.tables_per_row, 1])
+            scratch[self.tables_start:self.tables_start + size * self.tables_per_row] = 0
         self.input_ids[:size].zero_()
         self.positions[:size].zero_()
         self.slots[:size].fill_(-1)
@@ -235,6 +265,7 @@ class GraphReplay:
     batch: ForwardBatch                 # the static inputs the graph read (one decode row per position, padded)
     inflight: list[tuple[int, int]]     # (row, seq_id) of rows whose token was patched in on the device
     tokens: torch.Tensor | None = None  # [rows] int64: the greedy argmax of each row (carry_tokens graphs)
+    host_tokens: torch.Tensor | None = None   # the same in pinned host memory (mapped_io graphs), an event later
 
 
 class CUDAGraphRunner:
@@ -257,12 +288,17 @@ class CUDAGraphRunner:
     rows whose token_src names a row of it (the module docstring); `run` hands the argmax out as GraphReplay.tokens.
     The buffer holds the last decode replay's argmax until the next decode replay: mixed graphs leave it alone.
 
-    compact_tables: the block tables travel packed at the step's width (StaticDecodeInputs, StaticMixedInputs)."""
+    compact_tables: the block tables travel packed at the step's width (StaticDecodeInputs, StaticMixedInputs).
+
+    mapped_io (with carry_tokens, DEEPSERVE_MAPPED_STEP_IO): a decode graph reads its inputs from the host buffer
+    itself and its argmax also writes the tokens into pinned host memory (`host_tokens`, one buffer a host input
+    buffer): no copy is queued between two replays. Two graphs a key, one per host buffer (`turn_graphs` holds the
+    second); `run` hands the host tokens out as GraphReplay.host_tokens."""
 
     def __init__(self, model, attn_backend, block_size: int, max_model_len: int, vocab_size: int,
                  capture_sizes: list[int], device: torch.device, keep_hidden: bool = False,
                  window: bool = False, mixed_buckets: list[int] = (), carry_tokens: bool = False,
-                 compact_tables: bool = False) -> None:
+                 compact_tables: bool = False, mapped_io: bool = False) -> None:
         self.model, self.attn_backend = model, attn_backend
         self.block_size, self.max_model_len = block_size, max_model_len
         self.sizes = sorted(capture_sizes)
@@ -270,7 +306,9 @@ class CUDAGraphRunner:
                         else [max_model_len])
         self.device = device
         max_blocks = -(-max_model_len // block_size)
-        self.inputs = StaticDecodeInputs(self.sizes[-1], max_blocks, device, window, compact=compact_tables)
+        self.mapped = mapped_io and carry_tokens
+        self.inputs = StaticDecodeInputs(self.sizes[-1], max_blocks, device, window, compact=compact_tables,
+                                         mapped=self.mapped)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.batches: dict[tuple[int, int], ForwardBatch] = {}
         # One logits buffer for every graph: each copies its logits in, so the graphs' own outputs die after
@@ -283,6 +321,10 @@ class CUDAGraphRunner:
         self.keep_hidden = keep_hidden
         self.hidden: torch.Tensor | None = None     # allocated at the first capture, like the model's output
         self.tokens = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device) if carry_tokens else None
+        # (mapped) the argmax's copy on the host: one buffer per host input buffer (the last: the warm-ups')
+        self.host_tokens = [torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=device.type == "cuda")
+                            for _ in range(3)] if self.mapped else None
+        self.turn_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         self.num_replays = 0
         self._pool = self._stream = None
@@ -296,21 +338,26 @@ class CUDAGraphRunner:
         self.mixed_batches: dict[int, ForwardBatch] = {}
         self.num_mixed_replays = 0
 
-    def _forward(self, batch: ForwardBatch, size: int, decode: bool = False) -> None:
+    def _forward(self, batch: ForwardBatch, size: int, decode: bool = False, turn: int | None = None) -> None:
         """The captured work: (a decode graph: the packed tables' unpacking and, with carried tokens, the in-flight
-        patch,) the attention backend's per-forward input work (`begin_forward`, if it has one), the forward, its
-        outputs copied into the static buffers (and the greedy argmax into `tokens`)."""
-        if decode and self.inputs.compact:
+        patch; mapped: the load of host buffer `turn`, None the scratch one, which does both,) the attention
+        backend's per-forward input work (`begin_forward`, if it has one), the forward, its outputs copied into the
+        static buffers (and the greedy argmax into `tokens`, mapped: and into `host_tokens[turn]`)."""
+        mapped = decode and self.mapped
+        if mapped:
+            self.inputs.load(size, turn, self.tokens)
+        elif decode and self.inputs.compact:
             self.inputs.unpack(size)
         elif not decode and self.mixed is not None and self.mixed.compact:
             self.mixed.unpack()
         carry = decode and self.tokens is not None
-        if carry:
+        if carry and not mapped:
             ids = self.inputs.input_ids[:size]
             (patch_tokens if use_triton(ids) else patch_tokens_ref)(ids, self.inputs.token_src[:size], self.tokens)
         self._forward_logits(batch, size)
         if carry:
-            greedy_tokens(self.logits[:size], out=self.tokens[:size])
+            host_out = self.host_tokens[2 if turn is None else turn][:size] if mapped else None
+            greedy_tokens(self.logits[:size], out=self.tokens[:size], host_out=host_out)
 
     def _forward_logits(self, batch: ForwardBatch, size: int) -> None:
         begin_forward = getattr(self.attn_backend, "begin_forward", None)
@@ -352,7 +399,9 @@ class CUDAGraphRunner:
         self.inputs.clear(size)
         if getattr(self.model, "reads_attention_metadata", True):
             batch.attn_metadata = self.attn_backend.build_graph_metadata(batch, bucket)
-        self.graphs[size, bucket], self.batches[size, bucket] = self._record(size, batch, decode=True), batch
+        self.graphs[size, bucket], self.batches[size, bucket] = self._record(size, batch, decode=True, turn=0), batch
+        if self.mapped:
+            self.turn_graphs[size, bucket] = self._record(size, batch, decode=True, turn=1)
 
     def _capture_mixed_buckets(self) -> None:
         try:
@@ -393,9 +442,10 @@ class CUDAGraphRunner:
         self.num_mixed_replays += 1
         return GraphReplay(self.logits[:len(out.scheduled)], None, self.mixed_batches[tokens], inflight)
 
-    def _record(self, size: int, batch: ForwardBatch, decode: bool = False) -> torch.cuda.CUDAGraph:
+    def _record(self, size: int, batch: ForwardBatch, decode: bool = False, turn: int | None = None
+                ) -> torch.cuda.CUDAGraph:
         """The CUDA graph of one forward of `batch`, its outputs copied into the static buffers (_forward; `decode`:
-        a decode graph, on the static decode inputs)."""
+        a decode graph, on the static decode inputs; mapped: of host buffer `turn`, warmed up on the scratch one)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
@@ -406,7 +456,7 @@ class CUDAGraphRunner:
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-            self._forward(batch, size, decode)
+            self._forward(batch, size, decode, turn)
         current.wait_stream(stream)
         return graph
 
@@ -450,13 +500,19 @@ class CUDAGraphRunner:
         if key not in self.graphs:
             self._capture_late(key)         # before fill: capturing overwrites the static inputs
         inflight = self.inputs.fill(out, key[0], self.block_size, carried if self.tokens is not None else None)
+        turn = self.inputs.turn
         if inflight and patch_inflight is not None:
-            patch_inflight(self.inputs.input_ids, inflight)
-        self.graphs[key].replay()
+            if self.mapped:     # through the token buffer: the replay's load would overwrite input_ids
+                self.inputs.take_tokens_from_buffer(inflight)
+                patch_inflight(self.tokens, inflight)
+            else:
+                patch_inflight(self.inputs.input_ids, inflight)
+        (self.turn_graphs[key] if self.mapped and turn == 1 else self.graphs[key]).replay()
         self.num_replays += 1
         rows = self.inputs.num_rows
         return GraphReplay(self.logits[:rows], self.hidden[:rows] if self.hidden is not None else None,
-                           self.batches[key], inflight, self.tokens[:rows] if self.tokens is not None else None)
+                           self.batches[key], inflight, self.tokens[:rows] if self.tokens is not None else None,
+                           self.host_tokens[turn][:rows] if self.mapped else None)
 
 
 __all__ = ["CUDAGraphRunner", "GraphReplay", "StaticDecodeInputs", "context_buckets", "default_capture_sizes",

@@ -339,7 +339,8 @@ class ModelRunner:
                                  keep_hidden=_drafts_with_mtp(self.model), window=bool(self.window_states()),
                                  mixed_buckets=self._mixed_graph_buckets(), carry_tokens=carry,
                                  compact_tables=compact_tables_for(envs.DEEPSERVE_COMPACT_BLOCK_TABLES,
-                                                                   sched.max_model_len, self.block_size))
+                                                                   sched.max_model_len, self.block_size),
+                                 mapped_io=envs.DEEPSERVE_MAPPED_STEP_IO)
         try:
             graphs.capture()
         except Exception:   # a layer that cannot be captured must not stop the engine: run eagerly instead
@@ -408,7 +409,7 @@ class ModelRunner:
             # Decode-only: one logits row per sequence; rows of non-final 1-token prompt chunks are not sampled.
             carried = previous.row_of if previous is not None and previous.carried else None
             replay = self.cuda_graphs.run(out, graph_size, patch, carried)
-            self._pick_tokens(replay.logits, out.scheduled, step, replay.tokens)
+            self._pick_tokens(replay.logits, out.scheduled, step, replay.tokens, replay.host_tokens)
             if _drafts_with_mtp(self.model):      # eagerly, from the hidden states the graph kept
                 self._draft_with_mtp(out.scheduled, replay.hidden, step)
             elif _drafts_with_dspark(self.model):  # eagerly; the replay wrote this step's main-cache keys
@@ -491,12 +492,12 @@ class ModelRunner:
                                   self.config.scheduler.max_model_len, self.block_size, self.mtp_scratch)
 
     def _pick_tokens(self, logits: torch.Tensor, scheduled: list[ScheduledSequence], step: "LaunchedStep",
-                     argmax: torch.Tensor | None = None) -> None:
+                     argmax: torch.Tensor | None = None, argmax_host: torch.Tensor | None = None) -> None:
         """Sampling and verification of a graph-replayed decode step: `logits` has one row per scheduled position,
-        `argmax` (carried-token graphs) their greedy argmax."""
+        `argmax` (carried-token graphs) their greedy argmax, `argmax_host` (mapped graphs) its host copy."""
         if all(s.samples and not s.draft_token_ids for s in scheduled):
             # The common step: every row samples, in order.
-            self._sample(logits, [s.seq for s in scheduled], step, argmax)
+            self._sample(logits, [s.seq for s in scheduled], step, argmax, argmax_host)
             return
         sample_rows, samplers, verify_rows, verifiers = [], [], [], []
         offset = 0
@@ -554,15 +555,19 @@ class ModelRunner:
         return result
 
     def _sample(self, logits: torch.Tensor, seqs: list, step: "LaunchedStep",
-                argmax: torch.Tensor | None = None) -> None:
+                argmax: torch.Tensor | None = None, argmax_host: torch.Tensor | None = None) -> None:
         """The rows' tokens (and logprobs); `argmax`: the rows' greedy argmax, computed in the graph, which is their
-        sample when every row takes the argmax of its raw logits and none asks for logprobs."""
+        sample when every row takes the argmax of its raw logits and none asks for logprobs; `argmax_host`: the
+        graph's own copy of it in pinned host memory (mapped graphs), which then needs no copy to the host."""
         rows = [SequenceSamplingRow(seq, self.eos_token_ids) for seq in seqs]
         meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
+        host_tokens = None
         if argmax is not None and meta.argmax_of_raw_logits and meta.max_num_logprobs is None:
             # The graphs' buffer, which the next decode replay overwrites: the host reads a copy (to_host's below on
-            # a GPU; the CPU stand-in's here).
+            # a GPU; the CPU stand-in's here; a mapped graph's own, written by its argmax, which the replay after
+            # next overwrites: a step is collected before then).
             sampled, step.carried = SamplerOutput(argmax if argmax.is_cuda else argmax.clone(), None, None, None), True
+            host_tokens = argmax_host
         else:
             sampled = self.sampler(logits, meta)
         if self.parallel.tp.size > 1:
@@ -573,8 +578,11 @@ class ModelRunner:
         step.row_of = {seq.seq_id: i for i, seq in enumerate(seqs)}
         step.device_tokens = sampled.token_ids
         # Start the copies to the host now, behind this step's work and ahead of the next step's.
-        step.host = SamplerOutput(*(to_host(t) for t in (sampled.token_ids, sampled.logprobs,
-                                                            sampled.top_logprob_ids, sampled.top_logprobs)))
+        if host_tokens is not None:
+            step.host = SamplerOutput(host_tokens, None, None, None)
+        else:
+            step.host = SamplerOutput(*(to_host(t) for t in (sampled.token_ids, sampled.logprobs,
+                                                                sampled.top_logprob_ids, sampled.top_logprobs)))
         if self.device.type == "cuda":
             step.ready = torch.cuda.Event()
             step.ready.record()

@@ -35,3 +35,24 @@ def test_into_a_given_buffer(device):
     got = argmax_rows(x, out=buffer[:5])
     assert got.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:5], argmax_rows_ref(x))
     assert buffer[5:].tolist() == [-7] * 3
+
+
+def test_into_pinned_host_memory_too(device):
+    """`host_out` (DEEPSERVE_MAPPED_STEP_IO): the kernel also writes the tokens into pinned host memory, which the
+    host reads after a synchronisation, with no copy launched; inside a CUDA graph too."""
+    if torch.device(device).type != "cuda":
+        pytest.skip("pinned host memory written by a kernel needs a GPU")
+    x = torch.randn(5, 30000, device=device)
+    out = torch.empty(5, dtype=torch.int64, device=device)
+    host = torch.full((5,), -7, dtype=torch.int64, pin_memory=True)
+    argmax_rows(x, out=out, host_out=host)
+    torch.cuda.synchronize()
+    assert torch.equal(host, argmax_rows_ref(x).cpu()) and torch.equal(out.cpu(), host)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        argmax_rows(x, out=out, host_out=host)
+    x.copy_(torch.randn(5, 30000, device=device))
+    host.fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(host, argmax_rows_ref(x).cpu())

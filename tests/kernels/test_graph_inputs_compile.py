@@ -8,10 +8,14 @@ from tests.kernels.sm90_compile import compile_for_sm90
 
 def test_graph_input_kernels_compile_for_hopper(monkeypatch):
     pytest.importorskip("triton")
-    from deepserve.kernels.graph_inputs import UNPACK_BLOCK, _patch_tokens_kernel, _unpack_tables_kernel
+    from deepserve.kernels.graph_inputs import (UNPACK_BLOCK, _load_inputs_kernel, _patch_tokens_kernel,
+                                                _unpack_tables_kernel)
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     i64 = {"ids_ptr": "*i64", "src_ptr": "*i64", "tokens_ptr": "*i64", "packed_ptr": "*i64", "shape_ptr": "*i64",
-           "out_ptr": "*i64"}
+           "out_ptr": "*i64", "host_ptr": "*i64", "dev_ptr": "*i64", "tables_ptr": "*i64"}
     assert "ld.global" in compile_for_sm90(_patch_tokens_kernel, i64, {"BLOCK": 16})
     ptx = compile_for_sm90(_unpack_tables_kernel, i64, {"BLOCK": UNPACK_BLOCK})
     assert "st.global" in ptx
+    ptx = compile_for_sm90(_load_inputs_kernel, i64, {"COLUMNS": 6, "IDS_COLUMN": 0, "SRC_COLUMN": 5,
+                                                      "TABLES_PER_ROW": 2, "BLOCK": 256})
+    assert "ld.global" in ptx and "st.global" in ptx

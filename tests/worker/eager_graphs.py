@@ -10,31 +10,31 @@ class _EagerReplay:
     input buffers, so the captured-decode code path (padding rows, placeholder host lengths, slot -1 writes,
     context buckets) runs exactly as it would inside a graph."""
 
-    def __init__(self, graphs, size: int, batch, decode: bool) -> None:
-        self.graphs, self.size, self.batch, self.decode = graphs, size, batch, decode
+    def __init__(self, graphs, size: int, batch, decode: bool, turn: int | None = None) -> None:
+        self.graphs, self.size, self.batch, self.decode, self.turn = graphs, size, batch, decode, turn
 
     def replay(self) -> None:
-        self.graphs._forward(self.batch, self.size, self.decode)
+        self.graphs._forward(self.batch, self.size, self.decode, self.turn)
 
 
 def install_eager_replay_graphs(llm, buckets: list[int], sizes: tuple[int, ...] = (1, 2, 4, 8),
                                 mixed_buckets: tuple[int, ...] = (), carry_tokens: bool = False,
-                                compact_tables: bool = False):
+                                compact_tables: bool = False, mapped_io: bool = False):
     """The engine's decode steps (and, with `mixed_buckets`, its steps with prompt work, which needs an attention
     backend with `build_mixed_graph_metadata`: install_twin_triton_attention) through a CUDAGraphRunner whose graphs
-    are `_EagerReplay`s (CPU); `carry_tokens` and `compact_tables` as CUDAGraphRunner's."""
+    are `_EagerReplay`s (CPU); `carry_tokens`, `compact_tables` and `mapped_io` as CUDAGraphRunner's."""
     from deepserve.worker.cuda_graph import CUDAGraphRunner
 
     class EagerReplayRunner(CUDAGraphRunner):
-        def _record(self, size, batch, decode=False):
-            return _EagerReplay(self, size, batch, decode)
+        def _record(self, size, batch, decode=False, turn=None):
+            return _EagerReplay(self, size, batch, decode, turn)
 
     runner = llm.engine.runner
     sched = llm.engine.config.scheduler
     graphs = EagerReplayRunner(runner.model, runner.attn_backend, runner.block_size, sched.max_model_len,
                                llm.engine.config.model.vocab_size, list(sizes), runner.device,
                                window=bool(runner.window_states()), mixed_buckets=list(mixed_buckets),
-                               carry_tokens=carry_tokens, compact_tables=compact_tables)
+                               carry_tokens=carry_tokens, compact_tables=compact_tables, mapped_io=mapped_io)
     graphs.buckets = buckets
     graphs.capture()
     runner.cuda_graphs = graphs
