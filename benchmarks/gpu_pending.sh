@@ -45,6 +45,8 @@
 #   bash benchmarks/gpu_pending.sh decode-edges  # ~7 min: session 46's step-edge changes: tests, 1B steps vs before
 #   bash benchmarks/gpu_pending.sh gemv-tiling  # ~6 min: the batch-1 GEMV's tilings on this GPU, the best in 1B steps
 #   bash benchmarks/gpu_pending.sh s47-first  # ~6 min: V4.1's GPU tests; a step's input / output paths; 1B's gaps
+#   bash benchmarks/gpu_pending.sh s47-all   # ~8 min: V4.1's GPU tests, step_io_paths.py, then mapped-io at b1 / 8 / 64
+#   bash benchmarks/gpu_pending.sh s47-check  # ~9 min: tests/gpu with mapped step I/O on, then Qwen3-MoE steps 0 / 1
 #   bash benchmarks/gpu_pending.sh mapped-io  # ~7 min: DEEPSERVE_MAPPED_STEP_IO: its GPU tests, then 1B steps 0 / 1
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 #   (two stages in one call: `for s in tests sweeps; do bash benchmarks/gpu_pending.sh $s; done`)
@@ -650,12 +652,30 @@ s47-first)
         --output "$OUT/step_outside_graph_1b.json" > /tmp/outside.log 2>&1
     tail -2 /tmp/outside.log | cut -c1-2500; elapsed "outside graph"
     ;;
+s47-all)
+    # One call for session 47's first device time: s47-first without step_outside_graph.py, then mapped-io.
+    timeout 150 python3 -m pytest -q tests/gpu/test_deepseek_v41_gpu.py tests/gpu/test_dspark_gpu.py \
+        tests/gpu/test_embedding.py -p no:cacheprovider > "$OUT/pytest_v41.log" 2>&1
+    tail -3 "$OUT/pytest_v41.log"; elapsed "V4.1 tests"
+    timeout 100 python3 benchmarks/step_io_paths.py --repeats 3 --output "$OUT/step_io_paths.json" 2>&1 | tail -16
+    elapsed "step io paths"
+    BATCHES=1,8,64 bash "$0" mapped-io
+    ;;
+s47-check)
+    # DEEPSERVE_MAPPED_STEP_IO on by default: all of tests/gpu (the `tests` stage), then Qwen3-MoE decode steps over
+    # an E4M3 cache at batch 8 / 64, off / on, one pass.
+    bash "$0" tests
+    timeout 240 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MAPPED_STEP_IO=0,1 --passes 1 --timeout 110 \
+        --output "$OUT/mapped_io_qwen3_moe_ab.json" -- --shapes qwen3-moe --contexts 1024 --batches 8,64 \
+        --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mapped_io_moe.log 2>&1
+    tail -2 /tmp/mapped_io_moe.log | cut -c1-300; summarise_steps "$OUT/mapped_io_qwen3_moe_ab.json"; elapsed "A/B"
+    ;;
 mapped-io)
     # Session 47's DEEPSERVE_MAPPED_STEP_IO: decode graphs that read their inputs from pinned host memory and write
     # the greedy tokens there (no copies queued between two replays). Its GPU tests (the load against its twin,
     # the argmax into host memory, an engine's tokens against an eager one's), then Llama-3.2-1B steps at 1k,
     # batch 1 / 2 / 8 / 64, off / on, two passes.
-    DEEPSERVE_MAPPED_STEP_IO=1 timeout 150 python3 -m pytest -q tests/gpu/test_graph_inputs.py \
+    timeout 150 python3 -m pytest -q tests/gpu/test_graph_inputs.py \
         tests/gpu/test_argmax.py tests/gpu/test_engine_gpu.py -k "load or argmax or pinned or graph_input_switches" \
         -p no:cacheprovider > "$OUT/pytest_mapped_io.log" 2>&1
     tail -3 "$OUT/pytest_mapped_io.log"; elapsed "tests"

@@ -164,10 +164,11 @@ def test_profiled_kv_budget_fits_the_gpu(tiny_llama):
     assert len(out[0].outputs[0].token_ids) == 8
 
 
-@pytest.mark.parametrize("switches", [{"DEEPSERVE_GRAPH_TOKENS": "1", "DEEPSERVE_COMPACT_BLOCK_TABLES": "0"},
-                                      {"DEEPSERVE_GRAPH_TOKENS": "0", "DEEPSERVE_COMPACT_BLOCK_TABLES": "1"},
-                                      {"DEEPSERVE_GRAPH_TOKENS": "1", "DEEPSERVE_COMPACT_BLOCK_TABLES": "1"},
-                                      {"DEEPSERVE_GRAPH_TOKENS": "1", "DEEPSERVE_MAPPED_STEP_IO": "1"}])
+@pytest.mark.parametrize("switches", [
+    {"DEEPSERVE_GRAPH_TOKENS": "1", "DEEPSERVE_COMPACT_BLOCK_TABLES": "0", "DEEPSERVE_MAPPED_STEP_IO": "0"},
+    {"DEEPSERVE_GRAPH_TOKENS": "0", "DEEPSERVE_COMPACT_BLOCK_TABLES": "1", "DEEPSERVE_MAPPED_STEP_IO": "1"},
+    {"DEEPSERVE_GRAPH_TOKENS": "1", "DEEPSERVE_COMPACT_BLOCK_TABLES": "1", "DEEPSERVE_MAPPED_STEP_IO": "0"},
+    {"DEEPSERVE_GRAPH_TOKENS": "1", "DEEPSERVE_COMPACT_BLOCK_TABLES": "0", "DEEPSERVE_MAPPED_STEP_IO": "1"}])
 def test_cuda_graphs_with_graph_input_switches_match_eager(tiny_llama, monkeypatch, switches):
     """DEEPSERVE_GRAPH_TOKENS: the decode graphs take the greedy argmax in the graph and patch the in-flight tokens
     themselves (overlapped scheduling), and the steps take the graphs' tokens; DEEPSERVE_COMPACT_BLOCK_TABLES: the
@@ -175,7 +176,7 @@ def test_cuda_graphs_with_graph_input_switches_match_eager(tiny_llama, monkeypat
     read their inputs from pinned host memory and write the tokens there. The shrinking batch's tokens equal an
     eager engine's either way."""
     carry = switches["DEEPSERVE_GRAPH_TOKENS"] == "1"
-    mapped = switches.get("DEEPSERVE_MAPPED_STEP_IO") == "1"
+    mapped = carry and switches["DEEPSERVE_MAPPED_STEP_IO"] == "1"     # (mapped graphs carry tokens)
     prompts, params = _mixed_workload()
     eager = LLM(tiny_llama, skip_tokenizer_init=True, device="cuda", dtype="float32", enforce_eager=True,
                 kv_cache_memory_bytes=1 << 26)
@@ -187,7 +188,7 @@ def test_cuda_graphs_with_graph_input_switches_match_eager(tiny_llama, monkeypat
               kv_cache_memory_bytes=1 << 26, async_scheduling=True)
     graphs = llm.engine.runner.cuda_graphs
     assert graphs is not None and (graphs.tokens is not None) == carry
-    assert graphs.inputs.compact == (switches.get("DEEPSERVE_COMPACT_BLOCK_TABLES") == "1" or mapped)
+    assert graphs.inputs.compact == (switches["DEEPSERVE_COMPACT_BLOCK_TABLES"] == "1" or mapped)
     assert graphs.mapped == mapped
     carried = record_carried_steps(llm)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
