@@ -20,6 +20,7 @@ Each step carries a counter in its inputs and the forward returns it plus one: t
 collects, so a path that lost or reordered bytes fails instead of timing well.
 
 Run (GPU machine):  python benchmarks/step_io_paths.py --output step_io_paths.json
+Plot (any machine): python benchmarks/step_io_paths.py --plot step_io_paths.json   (writes the PNG beside it)
 """
 
 from __future__ import annotations
@@ -127,8 +128,33 @@ def run_path(stand: Stand, path: str, steps: int) -> tuple[float, int]:
     return (time.perf_counter() - t0) / steps * 1e6, checked
 
 
+def plot(path: str) -> None:
+    """Each path's time a step over the graph alone, per size of the step's inputs, into PATH's .png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(path) as f:
+        data = json.load(f)
+    sizes = list(data["results"])
+    paths = [p for p in data["results"][sizes[0]] if p != "graph"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(sizes)
+    for i, size in enumerate(sizes):
+        rows = data["results"][size]
+        ax.bar([j + i * width for j in range(len(paths))], [rows[p].get("over_graph_us", 0) for p in paths],
+               width, label=f"inputs {size} B")
+    ax.set_xticks([j + width * (len(sizes) - 1) / 2 for j in range(len(paths))], paths)
+    ax.set_ylabel("us a step over the graph alone")
+    ax.set_title(f"{data['gpu']}: a step's inputs / tokens, by the way they travel (median of "
+                 f"{len(data['results'][sizes[0]]['graph']['us'])})", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path.rsplit(".", 1)[0] + ".png", dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--plot", help="a JSON this script wrote: draw its PNG and exit")
     ap.add_argument("--paths", default="graph,copies,copy_in,copy_out,mapped,mapped_in,graph_memcpy")
     ap.add_argument("--in-elems", default="3074,70", help="int64 elements of a step's inputs (the engine's batch-1 "
                     "copy at a 512-row capture: 6 columns x 512 + 2, then a compact layout's)")
@@ -138,6 +164,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--output", default="step_io_paths.json")
     args = ap.parse_args()
+    if args.plot:
+        plot(args.plot)
+        return
     result = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__, "layers": args.layers, "hidden": args.hidden,
               "results": {}}

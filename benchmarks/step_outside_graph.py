@@ -7,6 +7,7 @@ Per (shape, batch): the mean step (one graph launch to the next), the graph's sp
 last kernel and the next graph's first, and the operations in that interval with their durations and start offsets.
 
 Run (GPU machine):  python benchmarks/step_outside_graph.py --cases qwen3-moe:8,deepseek-v2-lite:128,256 --output F
+Plot (any machine): python benchmarks/step_outside_graph.py --plot F   (the PNG beside F)
 """
 
 from __future__ import annotations
@@ -89,13 +90,37 @@ def run_case(name: str, batches: list[int], context: int, steps: int) -> dict:
     return out
 
 
+def plot(path: str) -> None:
+    """Per (shape, batch): the mean step, the graph's span and the time between two graphs, into F's .png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(path) as f:
+        data = json.load(f)
+    cases = [(f"{shape} b{batch}", r) for shape, by_batch in data["results"].items() for batch, r in by_batch.items()]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(range(len(cases)), [r["between_graphs_us_mean"] for _, r in cases])
+    for i, (_, r) in enumerate(cases):
+        ax.annotate(f"step {r['step_us_mean']} us\nspan {r['graph_span_us_mean']} us", (i, r["between_graphs_us_mean"]),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(cases)), [name for name, _ in cases])
+    ax.set_ylabel("us between two graph replays")
+    ax.set_title(f"{data['gpu']}: device time outside the decode graph", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.rsplit(".", 1)[0] + ".png", dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--plot", help="a JSON this script wrote: draw its PNG and exit")
     ap.add_argument("--cases", default="qwen3-moe:8;deepseek-v2-lite:128,256", help="shape:batches;...")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--output", default="step_outside_graph.json")
     args = ap.parse_args()
+    if args.plot:
+        plot(args.plot)
+        return
     result = {"command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "results": {}}
     for case in args.cases.split(";"):
         name, batches = case.split(":")

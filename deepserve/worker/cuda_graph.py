@@ -5,7 +5,8 @@ one from Python they take longer than the GPU needs to run them. At start-up we 
 (embedding -> layers -> LM head) of a decode-only batch once per batch size in `capture_sizes`, and a step
 replays the graph of the smallest size that holds its batch:
 
-  - inputs live in static device buffers (one flat int64 buffer, filled by one host-to-device copy per step);
+  - inputs live in static device buffers (one flat int64 buffer, filled by one host-to-device copy per step, or,
+    mapped, by the graph's first launch from the host buffer);
   - padding rows read one key of block 0 (a valid address) and write nothing (slot -1);
   - attention metadata is fixed per size: the split-K partition is sized for `max_model_len`, so a context
     of any length fits the same launch grid (splits past a sequence's end are empty and weigh nothing);
@@ -13,7 +14,9 @@ replays the graph of the smallest size that holds its batch:
     (DEEPSERVE_GRAPH_TOKENS): then every decode graph also ends with the greedy argmax of its rows into a token
     buffer it keeps, and starts by patching in the in-flight tokens the previous replay left there (token_src among
     the static inputs, kernels/graph_inputs.py). A greedy step without logprobs takes those tokens as its sample:
-    between two replays there is then only the inputs' copy in and the tokens' copy out;
+    between two replays there is then only the inputs' copy in and the tokens' copy out, and with `mapped_io`
+    (DEEPSERVE_MAPPED_STEP_IO, on by default) not even those: the graph reads the inputs from pinned host memory in
+    its first launch and its argmax writes the tokens there;
   - with `keep_hidden`, so do the hidden states the model returns (every row's), for a drafter that runs eagerly
     after sampling (DeepSeek-V3's MTP layer reads the target's final hidden state of every position).
 
