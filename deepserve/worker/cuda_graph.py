@@ -123,6 +123,9 @@ class StaticDecodeInputs:
         # Two host buffers used in turn: with overlapped scheduling the copy out of one may still be queued
         # while the next step fills the other (a step is collected before the one after next is filled).
         self.hosts = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(3 if mapped else 2)]
+        if mapped:      # what a replay before the first fill loads (the verification-cost curve's timing replays)
+            for host in self.hosts:
+                self._write_padding(host, max_batch)
         self.turn = 0
         self.num_rows = 0       # rows (sequences and their drafts) of the last fill
         self.device = torch.zeros(n, dtype=torch.int64, device=device)
@@ -232,11 +235,7 @@ class StaticDecodeInputs:
         """Padding-only inputs for a capture: every row reads block 0 and writes nothing (slot -1). (mapped: in the
         scratch host buffer too, which the capture's warm-up loads.)"""
         if self.mapped:
-            scratch, mb = self.hosts[2], self.max_batch
-            for column, value in enumerate((0, 0, -1, 1, -1, -1)):
-                scratch[column * mb:column * mb + size] = value
-            scratch[self.tables_start - 2:self.tables_start] = torch.tensor([size * self.tables_per_row, 1])
-            scratch[self.tables_start:self.tables_start + size * self.tables_per_row] = 0
+            self._write_padding(self.hosts[2], size)
         self.input_ids[:size].zero_()
         self.positions[:size].zero_()
         self.slots[:size].fill_(-1)
@@ -246,6 +245,14 @@ class StaticDecodeInputs:
         self.tables[:size].zero_()
         self.shape.copy_(torch.tensor([size * self.tables_per_row, 1]))
         self.packed[:size * self.tables_per_row].zero_()
+
+    def _write_padding(self, host: torch.Tensor, size: int) -> None:
+        """(mapped) `clear`'s padding rows into a host buffer: `size` rows, tables packed one entry wide."""
+        mb = self.max_batch
+        for column, value in enumerate((0, 0, -1, 1, -1, -1)):     # ids, positions, slots, lengths, window, source
+            host[column * mb:column * mb + size] = value
+        host[self.tables_start - 2:self.tables_start] = torch.tensor([size * self.tables_per_row, 1])
+        host[self.tables_start:self.tables_start + size * self.tables_per_row] = 0
 
     def batch(self, size: int, block_size: int, max_seq_len: int) -> ForwardBatch:
         """A ForwardBatch of views into the static buffers (the same tensors at every replay); rows see at most

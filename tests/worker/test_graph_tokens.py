@@ -48,6 +48,13 @@ def test_mapped_inputs_stay_on_the_host_until_the_replay_loads_them():
     from the step's width; rows whose token the caller puts into the token buffer take their own row as source."""
     inputs = StaticDecodeInputs(max_batch=8, max_blocks=4, device=torch.device("cpu"), mapped=True)
     assert inputs.compact
+    # Before any fill every host buffer holds padding rows (read block 0, write nothing), as captures leave the
+    # copied inputs: what the start-up's timing replays load.
+    for turn in (0, 1, None):
+        inputs.load(8, turn, torch.arange(8))
+        assert inputs.slots.tolist() == [-1] * 8 and inputs.seq_lens.tolist() == [1] * 8
+        assert inputs.token_src.tolist() == [-1] * 8 and inputs.input_ids.tolist() == [0] * 8
+    inputs.device.zero_()
     seqs = [_seq(7, 5, [1, 2]), _seq(8, 6, [3, 4]), _seq(5, 9, [5, 6, 7])]
     out = SchedulerOutput(scheduled=[ScheduledSequence(seqs[0], 5, 1), ScheduledSequence(seqs[1], 6, 1),
                                      ScheduledSequence(seqs[2], 8, 1)])
