@@ -37,6 +37,7 @@
 #   bash benchmarks/gpu_pending.sh deploy-len-moe-vs  # ~2 min: those against engines sized for ~1.1k, one call
 #   bash benchmarks/gpu_pending.sh kernel-table  # ~3 min: 1B batch 1 / 8 / 64 replays' kernels by name, PDL off / on
 #   bash benchmarks/gpu_pending.sh kernel-table-splits  # ~4 min: the same at batch 1 / 8, decode splits forced
+#   bash benchmarks/gpu_pending.sh splits-4k  # ~4 min: 1B batch 1 / 8 at 4k, decode splits by the rule / 16 / 64
 #   bash benchmarks/gpu_pending.sh merge-one-tile  # ~2 min: DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 in 1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
 #   bash benchmarks/gpu_pending.sh combine-ab  # ~9 min: MoE decode steps, DEEPSERVE_MOE_COMBINE_IN_NORM=0,1
@@ -75,13 +76,13 @@ for setting, rows in d["results"].items():
 PY
 }
 
-summarise_timelines() {   # the graph timelines of a Llama-3.2-1B h200_decode_sweep.py JSON at 1k: step, span, idle,
-    # one layer's launches in order (sequence), the replay's ten longest kernels by name (by_kernel) and the eight
+summarise_timelines() {   # the graph timelines of a Llama-3.2-1B h200_decode_sweep.py JSON at 1k (or $2): step, span,
+    # idle, one layer's launches in order (sequence), the replay's ten longest kernels by name (by_kernel) and the eight
     # that add the most to the span (exposed_by_kernel)
-    python3 - "$1" <<'PY'
+    python3 - "$1" "${2:-1024}" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
-for b in d["results"]["llama-3.2-1b"]["1024"]["batches"]:
+for b in d["results"]["llama-3.2-1b"][sys.argv[2]]["batches"]:
     t = b.get("graph_timeline") or {}
     print(sys.argv[1].rsplit("/", 1)[-1], "batch", b["batch"], "step", b["step_ms"], "span", t.get("span_us"),
           "idle", t.get("idle_us"), [(n[:18], us) for n, us in t.get("sequence", [])[8:20]])
@@ -542,6 +543,21 @@ kernel-table-splits)
         done
     done
     elapsed "kernel-table-splits"
+    ;;
+splits-4k)
+    # Llama-3.2-1B batch 1 at 4k: 0.764 of the roofline against 0.804 at 1k (session 47,
+    # h100_decode_sweep_dense_1b_s47.json), the step 98 us longer for 6.3 MB more KV a layer (~1 TB/s at the margin).
+    # There the rule (decode_num_splits) splits batch 1's launch ~33 ways (128-key partitions), past the in-kernel
+    # merge's 16, so a reduce launch merges them; 16 splits (256 keys each) merge in the kernel; 64 (one 64-key tile
+    # each) take the reduce too. Batch 8 gets 9, merged in the kernel. Steps and graph timelines (what each launch
+    # adds to the step, PDL on) at batch 1 / 8, the split count forced.
+    for splits in 0 16 64; do
+        DEEPSERVE_DECODE_SPLITS=$splits timeout 100 python3 benchmarks/h200_decode_sweep.py --shapes llama-3.2-1b \
+            --contexts 4096 --batches 1,8 --profile-batch 0 --timeline-batch 1,8 \
+            --output "$OUT/splits_4k_1b_splits${splits}.json" > /tmp/splits_4k.log 2>&1
+        echo "splits $splits"; summarise_timelines "$OUT/splits_4k_1b_splits${splits}.json" 4096
+    done
+    elapsed "splits-4k"
     ;;
 merge-one-tile)
     # Session 45's DEEPSERVE_DECODE_MERGE_ONE_TILE (on by default since): one-tile partitions past the in-kernel
