@@ -230,21 +230,26 @@ def test_captured_decode_path_matches_reference(tiny_v41, variant):
     _captured_decode_matches_reference(tiny_v41, variant)
 
 
-def test_captured_decode_with_compact_tables_and_carried_tokens(tiny_v41, monkeypatch):
+@pytest.mark.parametrize("mapped", [False, True], ids=["copied", "mapped"])
+def test_captured_decode_with_compact_tables_and_carried_tokens(tiny_v41, monkeypatch, mapped):
     """The same through graphs whose block and window tables travel packed at the step's width (unpacked by the
     replay) and that carry their greedy argmax to the next replay under overlapped scheduling: the reference's
-    tokens (late captures of the wider buckets included)."""
+    tokens (late captures of the wider buckets included). `mapped` (DEEPSERVE_MAPPED_STEP_IO): the replays load
+    both tables a row from the host buffers themselves, the late captures warmed up on the padding buffer while a
+    replay is in flight."""
     monkeypatch.setenv("DEEPSERVE_GRAPH_TOKENS", "1")
-    _captured_decode_matches_reference(tiny_v41, "mixed", async_scheduling=True, compact_tables=True)
+    _captured_decode_matches_reference(tiny_v41, "mixed", async_scheduling=True, compact_tables=True, mapped=mapped)
 
 
-def _captured_decode_matches_reference(tiny_v41, variant, async_scheduling=False, compact_tables=False):
+def _captured_decode_matches_reference(tiny_v41, variant, async_scheduling=False, compact_tables=False,
+                                       mapped=False):
     path, ref = tiny_v41(variant)
     llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8, max_model_len=128,
               async_scheduling=async_scheduling)
     graphs = install_eager_replay_graphs(llm, [32, 64, 128], compact_tables=compact_tables,
-                                         carry_tokens=async_scheduling)
+                                         carry_tokens=async_scheduling, mapped_io=mapped)
     assert graphs.inputs.compact == compact_tables and graphs.inputs.window_tables is not None
+    assert graphs.mapped == mapped and (not mapped or graphs.inputs.tables_per_row == 2)
     prompts = [random_prompt(n, seed=n, vocab=VOCAB) for n in (37, 9, 21)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
@@ -252,6 +257,7 @@ def _captured_decode_matches_reference(tiny_v41, variant, async_scheduling=False
         assert out.outputs[0].token_ids == reference_greedy(ref, ids, 30)[0]
     assert graphs.num_replays >= 25
     assert {bucket for _, bucket in graphs.graphs} == {32, 64, 128}     # 9 + 30 tokens: 32 -> 64; 37 + 30: 128
+    assert set(graphs.turn_graphs) == (set(graphs.graphs) if mapped else set())
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
