@@ -549,8 +549,9 @@ splits-4k)
     # h100_decode_sweep_dense_1b_s47.json), the step 98 us longer for 6.3 MB more KV a layer (~1 TB/s at the margin).
     # There the rule (decode_num_splits) splits batch 1's launch ~33 ways (128-key partitions), past the in-kernel
     # merge's 16, so a reduce launch merges them; 16 splits (256 keys each) merge in the kernel; 64 (one 64-key tile
-    # each) take the reduce too. Batch 8 gets 9, merged in the kernel. Steps and graph timelines (what each launch
-    # adds to the step, PDL on) at batch 1 / 8, the split count forced.
+    # each) take the reduce too. Batch 8 gets 9, merged in the kernel. At kernel level (merge_splits_last_h100_s43.json)
+    # batch 1's launch took 7.82 us at 16 splits and 7.25 at 32, without the reduce launch that 32 adds in a step.
+    # Steps and graph timelines (what each launch adds to the step, PDL on) at batch 1 / 8, the split count forced.
     for splits in 0 16 64; do
         DEEPSERVE_DECODE_SPLITS=$splits timeout 100 python3 benchmarks/h200_decode_sweep.py --shapes llama-3.2-1b \
             --contexts 4096 --batches 1,8 --profile-batch 0 --timeline-batch 1,8 \
