@@ -37,6 +37,7 @@
 #   bash benchmarks/gpu_pending.sh deploy-len-moe-vs  # ~2 min: those against engines sized for ~1.1k, one call
 #   bash benchmarks/gpu_pending.sh kernel-table  # ~3 min: 1B batch 1 / 8 / 64 replays' kernels by name, PDL off / on
 #   bash benchmarks/gpu_pending.sh kernel-table-splits  # ~4 min: the same at batch 1 / 8, decode splits forced
+#   bash benchmarks/gpu_pending.sh next-first # ~7 min: kernel-table at today's code, then splits-4k (session 47's next)
 #   bash benchmarks/gpu_pending.sh splits-4k  # ~4 min: 1B batch 1 / 8 at 4k, decode splits by the rule / 16 / 64
 #   bash benchmarks/gpu_pending.sh merge-one-tile  # ~2 min: DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 in 1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
@@ -543,6 +544,12 @@ kernel-table-splits)
         done
     done
     elapsed "kernel-table-splits"
+    ;;
+next-first)
+    # Session 47's note, items 1-2, in one call: where the 1B's batch 1 / 8 / 64 steps go now that no copy runs
+    # between replays (kernel-table: PDL off and on), then the batch-1 decode's split counts at 4k.
+    bash "$0" kernel-table
+    bash "$0" splits-4k
     ;;
 splits-4k)
     # Llama-3.2-1B batch 1 at 4k: 0.764 of the roofline against 0.804 at 1k (session 47,
