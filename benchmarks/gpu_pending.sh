@@ -38,6 +38,8 @@
 #   bash benchmarks/gpu_pending.sh kernel-table  # ~3 min: 1B batch 1 / 8 / 64 replays' kernels by name, PDL off / on
 #   bash benchmarks/gpu_pending.sh kernel-table-splits  # ~4 min: the same at batch 1 / 8, decode splits forced
 #   bash benchmarks/gpu_pending.sh next-first # ~7 min: kernel-table at today's code, then splits-4k (session 47's next)
+#   bash benchmarks/gpu_pending.sh v2lite-timeline  # ~3 min: V2-Lite batch 64 / 256 graph timelines over E4M3
+#   bash benchmarks/gpu_pending.sh s48-first  # ~7 min: v2lite-timeline, then splits-4k
 #   bash benchmarks/gpu_pending.sh splits-4k  # ~4 min: 1B batch 1 / 8 at 4k, decode splits by the rule / 16 / 64
 #   bash benchmarks/gpu_pending.sh merge-one-tile  # ~2 min: DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 in 1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
@@ -77,13 +79,13 @@ for setting, rows in d["results"].items():
 PY
 }
 
-summarise_timelines() {   # the graph timelines of a Llama-3.2-1B h200_decode_sweep.py JSON at 1k (or $2): step, span,
-    # idle, one layer's launches in order (sequence), the replay's ten longest kernels by name (by_kernel) and the eight
-    # that add the most to the span (exposed_by_kernel)
-    python3 - "$1" "${2:-1024}" <<'PY'
+summarise_timelines() {   # the graph timelines of an h200_decode_sweep.py JSON's shape $3 (Llama-3.2-1B) at context $2
+    # (1k): step, span, idle, one layer's launches in order (sequence), the replay's ten longest kernels by name
+    # (by_kernel) and the eight that add the most to the span (exposed_by_kernel)
+    python3 - "$1" "${2:-1024}" "${3:-llama-3.2-1b}" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
-for b in d["results"]["llama-3.2-1b"][sys.argv[2]]["batches"]:
+for b in d["results"][sys.argv[3]][sys.argv[2]]["batches"]:
     t = b.get("graph_timeline") or {}
     print(sys.argv[1].rsplit("/", 1)[-1], "batch", b["batch"], "step", b["step_ms"], "span", t.get("span_us"),
           "idle", t.get("idle_us"), [(n[:18], us) for n, us in t.get("sequence", [])[8:20]])
@@ -545,6 +547,11 @@ kernel-table-splits)
     done
     elapsed "kernel-table-splits"
     ;;
+s48-first)
+    # Session 48's first call: where V2-Lite's batch 64 / 256 steps go (v2lite-timeline), then splits-4k.
+    bash "$0" v2lite-timeline
+    bash "$0" splits-4k
+    ;;
 next-first)
     # Session 47's note, items 1-2, in one call: where the 1B's batch 1 / 8 / 64 steps go now that no copy runs
     # between replays (kernel-table: PDL off and on), then the batch-1 decode's split counts at 4k.
@@ -607,6 +614,16 @@ combine-ab)
         --timeout 140 --output "$OUT/moe_combine_in_norm_ab.json" -- --shapes qwen3-moe,deepseek-v2-lite \
         --batches 8,64,128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/combine_ab.log 2>&1
     tail -3 /tmp/combine_ab.log; summarise_steps "$OUT/moe_combine_in_norm_ab.json"; elapsed "combine-ab"
+    ;;
+v2lite-timeline)
+    # Where DeepSeek-V2-Lite's batch 64 / 256 steps over an E4M3 cache go today (its batch 256 is issue 21's last MoE
+    # target: 1.61x the experts' roofline, h100_decode_sweep_moe_fp8_s47.json; batch 64 touches as many experts in
+    # 12.25 ms against 15.27): each graph replay's kernels by name and what each adds to the span (PDL on).
+    timeout 280 python3 benchmarks/h200_decode_sweep.py --shapes deepseek-v2-lite --batches 64,256 --contexts 1024 \
+        --kv-cache-dtype fp8 --profile-batch 0 --timeline-batch 64,256 --output "$OUT/v2lite_timeline.json" \
+        > /tmp/v2lite_timeline.log 2>&1
+    tail -1 /tmp/v2lite_timeline.log | cut -c1-200
+    summarise_timelines "$OUT/v2lite_timeline.json" 1024 deepseek-v2-lite; elapsed "v2lite-timeline"
     ;;
 combine-timeline)
     # Where a batch-256 layer's time goes with the combine in the norm (session 32's, without: 605 us in 14 launches,
