@@ -11,6 +11,7 @@ fused_us, against the engine's as fused_s23_us; the variant lost and was removed
 
 Run (GPU machine):  python benchmarks/moe_shared_fusion_ab.py --output benchmarks/moe_shared_fusion_ab_h200.json
   python benchmarks/moe_shared_fusion_ab.py --uncapped --batches 32,64,128,256 --output /tmp/uncapped.json
+  python benchmarks/moe_shared_fusion_ab.py --uncapped --shapes deepseek-v2-lite --batches 128,256 --output x.json
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ def main() -> None:
     ap.add_argument("--batches", default="8,16,32,64,128,256")
     ap.add_argument("--output", default="benchmarks/moe_shared_fusion_ab_h200.json")
     ap.add_argument("--uncapped", action="store_true", help="fuse at every batch, past the engine's cap")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     args = ap.parse_args()
     if args.uncapped:
         moe_triton.fused_shared_max_tokens = lambda gate_up: 1 << 30
     dev = "cuda"
     results = {}
-    for name, (e, k, h, i, s) in SHAPES.items():
+    for name in args.shapes.split(","):
+        e, k, h, i, s = SHAPES[name]
         gen = torch.Generator(device=dev).manual_seed(0)
         w13 = torch.randn(e, 2 * i, h, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
         w2 = torch.randn(e, h, i, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02

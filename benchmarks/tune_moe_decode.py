@@ -31,8 +31,9 @@ TILES = [(32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 4), (64, 128,
 CANDIDATES = [MoEConfig(bm, *t) for bm, t in itertools.product((16, 32, 64), TILES)]
 
 
-# --down: the engine's pick with the down GEMM's tiles replaced: (block_n_down, block_k_down, warps, stages).
-DOWN_TILES = list(itertools.product((64, 128), (128, 256), (4, 8), (3, 4)))
+# --down: the engine's pick with the down GEMM's tiles replaced: (block_n_down, block_k_down, warps, stages). Session
+# 48 added 256-wide N tiles and 64-wide K steps (fewer, longer programs; two an SM where shared memory allows).
+DOWN_TILES = list(itertools.product((64, 128, 256), (64, 128, 256), (4, 8), (3, 4)))
 
 
 def run_down(name: str, s: dict, tokens: int) -> dict:
