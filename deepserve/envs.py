@@ -161,6 +161,10 @@ _DECLARED = [
     EnvVar("DEEPSERVE_MOE_FUSED_SHARED", "bool", True,
            "GPU MoE layers in the aligned (grouped GEMM) mode, up to 64 tokens, run the shared experts as extra blocks "
            "of the routed experts' GEMMs; 0: their own launches, before the routed experts"),
+    EnvVar("DEEPSERVE_MOE_DOWN_TILES", "str", "",
+           "GPU MoE layers in the aligned (grouped GEMM) mode at decode sizes (up to 256 rows an expert): the down "
+           "GEMM's tiles, `NxKxWARPSxSTAGES` (output columns, K step, warps, pipeline stages), over "
+           "kernels/fused_moe.py's pick (a tuning switch); empty: the pick (read at import)"),
     EnvVar("DEEPSERVE_MOE_COMBINE_IN_NORM", "bool", False,
            "GPU MoE layers (one process) hand their output on uncombined: the next layer's add + RMSNorm (or the "
            "final norm) sums each token's expert rows as it loads them (kernels/norm.py combine_add_rms_norm), one "

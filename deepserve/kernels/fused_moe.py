@@ -37,11 +37,12 @@ else. Inputs bf16/fp16/fp32; products accumulate in float32 (fp32 inputs use IEE
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
+from deepserve import envs
 from deepserve.kernels import cdiv, next_pow2, num_sms, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_rows, prefetch_rows_to_l2, swiglu, swiglu_rows
 from deepserve.kernels.moe_align import align_max_rows, aligned_launch_args, moe_align
@@ -304,6 +305,25 @@ class MoEPairConfig:
     num_warps: int = 4
 
 
+def parse_down_tiles(text: str) -> Optional[tuple[int, int, int, int]]:
+    """The down-GEMM tiles of DEEPSERVE_MOE_DOWN_TILES: 'NxKxWARPSxSTAGES' -> (block_n_down, block_k_down, warps,
+    stages); '' or 'default' -> None (the pick)."""
+    if not text or text == "default":
+        return None
+    try:
+        n, k, warps, stages = (int(p) for p in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"MoE down tiles {text!r} (DEEPSERVE_MOE_DOWN_TILES): expected NxKxWARPSxSTAGES, "
+                         "e.g. 256x64x4x3") from None
+    if any(v < 16 or v & (v - 1) for v in (n, k)) or warps not in (1, 2, 4, 8) or not 1 <= stages <= 6:
+        raise ValueError(f"MoE down tiles {text!r} (DEEPSERVE_MOE_DOWN_TILES): N and K powers of two >= 16, "
+                         "warps 1/2/4/8, stages 1-6")
+    return n, k, warps, stages
+
+
+FORCED_DOWN_TILES = parse_down_tiles(envs.DEEPSERVE_MOE_DOWN_TILES)
+
+
 def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, device: torch.device) -> MoEConfig:
     """BLOCK_M follows the rows an active expert gets (small batches waste no padded rows); narrower N tiles
     when few blocks are active, so that a decode step still has enough programs to pull weights at full
@@ -319,7 +339,11 @@ def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, devic
     # Few rows per block: long K steps keep more weight bytes in flight per program. At 256 decode tokens (16-24
     # rows per expert) 32-row blocks with 128-wide down tiles and K steps were 3% faster than the next best on an
     # H200 (benchmarks/tune_moe_decode.py, tune_moe_decode.json).
-    return MoEConfig(block_m, n_up, n_down, block_k=128 if block_m <= 32 else 64)
+    cfg = MoEConfig(block_m, n_up, n_down, block_k=128 if block_m <= 32 else 64)
+    if FORCED_DOWN_TILES:
+        n, k, warps, stages = FORCED_DOWN_TILES
+        cfg = replace(cfg, block_n_down=n, block_k_down=k, num_warps_down=warps, num_stages_down=stages)
+    return cfg
 
 
 PAIR_MODE_MAX_PAIRS = 32
