@@ -32,8 +32,9 @@ CANDIDATES = [MoEConfig(bm, *t) for bm, t in itertools.product((16, 32, 64), TIL
 
 
 # --down: the engine's pick with the down GEMM's tiles replaced: (block_n_down, block_k_down, warps, stages). Session
-# 48 added 256-wide N tiles and 64-wide K steps (fewer, longer programs; two an SM where shared memory allows).
-DOWN_TILES = list(itertools.product((64, 128, 256), (64, 128, 256), (4, 8), (3, 4)))
+# 48 moved the grid to 128- / 256-wide N tiles and 64- / 128-wide K steps (fewer, longer programs; two an SM where
+# shared memory allows); session 35's had 64 / 128 and 128 / 256 (tune_moe_down_h100_s35.json).
+DOWN_TILES = list(itertools.product((128, 256), (64, 128), (4, 8), (3, 4)))
 
 
 def run_down(name: str, s: dict, tokens: int) -> dict:
