@@ -43,6 +43,7 @@
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
 #   bash benchmarks/gpu_pending.sh merge-chunks  # ~8 min: DEEPSERVE_DECODE_MERGE_CHUNKS: tests, kernels, 1B 4k steps
 #   bash benchmarks/gpu_pending.sh s48-second  # ~9 min: merge-chunks (steps only), then moe-b256 (batch 256 only)
+#   bash benchmarks/gpu_pending.sh s48-min     # ~6 min: merge-chunks (steps at batch 1 / 2), the down tiles alone
 #   bash benchmarks/gpu_pending.sh splits-4k  # ~4 min: 1B batch 1 / 8 at 4k, decode splits by the rule / 16 / 64
 #   bash benchmarks/gpu_pending.sh merge-one-tile  # ~2 min: DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 in 1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
@@ -633,6 +634,14 @@ s48-second)
     # batch 1 / 2, then moe-b256 with the down-tiles A/B at batch 256 only and no shared-experts part.
     MC_KERNELS=0 BATCHES=1,2 bash "$0" merge-chunks
     SHARED=0 DOWN_BATCHES=256 bash "$0" moe-b256
+    ;;
+s48-min)
+    # s48-second cut to what little device time is left: merge-chunks' tests and steps at batch 1 / 2, then the MoE
+    # down tiles at kernel level only (no A/B in steps, no shared-experts part).
+    MC_KERNELS=0 BATCHES=1,2 bash "$0" merge-chunks
+    timeout 150 python3 benchmarks/tune_moe_decode.py --down --shapes deepseek-v2-lite --tokens 256 \
+        --output "$OUT/tune_moe_down_v2lite.json" > /tmp/tune_down.log 2>&1
+    grep -E "best|engine pick" /tmp/tune_down.log | cut -c1-300; elapsed "tune down"
     ;;
 merge-chunks)
     # Session 48's DEEPSERVE_DECODE_MERGE_CHUNKS: a split launch past the in-kernel merge's tile merges over several
