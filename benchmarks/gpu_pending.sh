@@ -41,9 +41,6 @@
 #   bash benchmarks/gpu_pending.sh v2lite-timeline  # ~3 min: V2-Lite batch 64 / 256 graph timelines over E4M3
 #   bash benchmarks/gpu_pending.sh s48-first  # ~7 min: v2lite-timeline, then splits-4k
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
-#   bash benchmarks/gpu_pending.sh merge-chunks  # ~8 min: DEEPSERVE_DECODE_MERGE_CHUNKS: tests, kernels, 1B 4k steps
-#   bash benchmarks/gpu_pending.sh s48-second  # ~9 min: merge-chunks (steps only), then moe-b256 (batch 256 only)
-#   bash benchmarks/gpu_pending.sh s48-min     # ~6 min: merge-chunks (steps at batch 1 / 2), the down tiles alone
 #   bash benchmarks/gpu_pending.sh splits-4k  # ~4 min: 1B batch 1 / 8 at 4k, decode splits by the rule / 16 / 64
 #   bash benchmarks/gpu_pending.sh merge-one-tile  # ~2 min: DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 in 1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
@@ -628,47 +625,6 @@ v2lite-timeline)
         > /tmp/v2lite_timeline.log 2>&1
     tail -1 /tmp/v2lite_timeline.log | cut -c1-200
     summarise_timelines "$OUT/v2lite_timeline.json" 1024 deepseek-v2-lite; elapsed "v2lite-timeline"
-    ;;
-s48-second)
-    # One call for both of session 48's experiments, trimmed to fit: merge-chunks without its kernel-level part at
-    # batch 1 / 2, then moe-b256 with the down-tiles A/B at batch 256 only and no shared-experts part.
-    MC_KERNELS=0 BATCHES=1,2 bash "$0" merge-chunks
-    SHARED=0 DOWN_BATCHES=256 bash "$0" moe-b256
-    ;;
-s48-min)
-    # s48-second cut to what little device time is left: merge-chunks' tests and steps at batch 1 / 2, then the MoE
-    # down tiles at kernel level only (no A/B in steps, no shared-experts part).
-    MC_KERNELS=0 BATCHES=1,2 bash "$0" merge-chunks
-    timeout 150 python3 benchmarks/tune_moe_decode.py --down --shapes deepseek-v2-lite --tokens 256 \
-        --output "$OUT/tune_moe_down_v2lite.json" > /tmp/tune_down.log 2>&1
-    grep -E "best|engine pick" /tmp/tune_down.log | cut -c1-300; elapsed "tune down"
-    ;;
-merge-chunks)
-    # Session 48's DEEPSERVE_DECODE_MERGE_CHUNKS: a split launch past the in-kernel merge's tile merges over several
-    # tiles instead of a reduce launch (Llama-3.2-1B batch 1 at 4k: 33 splits, whose reduce added 3.7 us a layer,
-    # splits_4k_1b_splits0_h100_s48.json). Its GPU tests, the decode call at kernel level (1B and 8B at 4k, batch 1 /
-    # 2, every split count, off / on), then 1B steps at 4k, batch 1 / 2 / 4, off / on, two passes.
-    timeout 150 python3 -m pytest -q tests/gpu/test_paged_attention.py -k "split_merge or one_tile or several_tiles" \
-        -p no:cacheprovider > "$OUT/pytest_merge_chunks.log" 2>&1
-    tail -2 "$OUT/pytest_merge_chunks.log"; elapsed "tests"
-    for chunks in $([ "${MC_KERNELS:-1}" = 1 ] && echo 1 4); do      # MC_KERNELS=0: no kernel-level part
-        DEEPSERVE_DECODE_MERGE_CHUNKS=$chunks timeout 100 python3 benchmarks/tune_decode_attention.py \
-            --shapes llama-3.2-1b,llama-3-8b --batches 1,2 --contexts 4096 \
-            --output "$OUT/merge_chunks_kernels_c${chunks}.json" > /tmp/merge_chunks_kernels.log 2>&1
-        tail -1 /tmp/merge_chunks_kernels.log | cut -c1-200
-        python3 - "$OUT/merge_chunks_kernels_c${chunks}.json" "$chunks" <<'PY'
-import json, sys
-for shape, rows in json.load(open(sys.argv[1]))["results"].items():
-    for r in rows:
-        print("chunks", sys.argv[2], shape, r["batch"], r["context"], "engine", r["engine_splits"], r["engine_us"],
-              {k: v for k, v in r["splits_us"].items() if int(k) >= 16})
-PY
-    done
-    elapsed "kernels"
-    timeout 330 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_DECODE_MERGE_CHUNKS=1,4 --passes 2 --timeout 80 \
-        --output "$OUT/merge_chunks_1b_ab.json" -- --shapes llama-3.2-1b --contexts 4096 --batches "${BATCHES:-1,2,4}" \
-        --profile-batch 0 > /tmp/merge_chunks_ab.log 2>&1
-    tail -2 /tmp/merge_chunks_ab.log | cut -c1-300; summarise_steps "$OUT/merge_chunks_1b_ab.json"; elapsed "A/B"
     ;;
 moe-b256)
     # V2-Lite batch 256 over E4M3 (v2lite_timeline_h100_s48.json): per MoE layer the gate/up GEMM reads 738 MB in

@@ -88,15 +88,12 @@ def gqa_cases() -> dict:
         # The split merge in the decode kernel (DEEPSERVE_DECODE_SPLIT_MERGE=last): its [heads, splits, head_dim]
         # merge tile beside the loop's registers, at the 1B's splits at 1k (9: a tile of 16, the largest it takes:
         # decode_launch.MERGE_MAX_ELEMENTS) and tiles of twice that (session 42's first limit): 64-wide heads
-        # (Llama-3.2-1B at 4k), 128-wide of group 4 and 8 (Llama-3-8B, Qwen3-MoE); session 48's merges over several
-        # tiles (DEEPSERVE_DECODE_MERGE_CHUNKS): the 1B's batch 1 at 4k (33 splits: 3 tiles of 16), the 8B's (32: 4
-        # of 8).
-        for head_dim, group, splits, chunks in ((64, 4, 16, 1), (64, 4, 32, 1), (128, 4, 16, 1), (128, 8, 8, 1),
-                                                (64, 4, 16, 3), (128, 4, 8, 4)):
+        # (Llama-3.2-1B at 4k), 128-wide of group 4 and 8 (Llama-3-8B, Qwen3-MoE).
+        for head_dim, group, splits in ((64, 4, 16), (64, 4, 32), (128, 4, 16), (128, 8, 8)):
             tiles = DecodeTiles(heads_first=True)
-            merge = dict(MERGE_LAST=True, MERGE_G=group, MERGE_S=splits, LATE_TRIGGER=True, MERGE_C=chunks)
-            out[_gqa_name(head_dim, cache, tiles, True) + f" merge-last g{group} s{splits}" +
-                (f" x{chunks}" if chunks > 1 else "")] = _gqa_case(ptrs, head_dim, tiles, True, merge)
+            merge = dict(MERGE_LAST=True, MERGE_G=group, MERGE_S=splits, LATE_TRIGGER=True)
+            out[_gqa_name(head_dim, cache, tiles, True) + f" merge-last g{group} s{splits}"] = \
+                _gqa_case(ptrs, head_dim, tiles, True, merge)
     return out
 
 

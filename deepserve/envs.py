@@ -226,11 +226,6 @@ _DECLARED = [
            "twice the size (Llama-3.2-1B batch 1-2 near 1k: 18 splits, 17 used, instead of 9 of two tiles; H100 "
            "batch-1 steps 2.7-2.9% faster, merge_one_tile_1b_ab_h100_s45.json); 0: those launches keep the merge "
            "tile's count (kernels/decode_launch.py, read at import)"),
-    EnvVar("DEEPSERVE_DECODE_MERGE_CHUNKS", "int", 1,
-           "GPU paged decode attention: where a split launch has more splits than the in-kernel merge's tile holds, "
-           "merge them in the kernel over up to this many tiles, one after another, instead of a reduce launch "
-           "(Llama-3.2-1B batch 1 at 4k: 33 splits, three tiles of 16); 1: those launches keep the reduce "
-           "(kernels/decode_launch.py, read at import)"),
     EnvVar("DEEPSERVE_EARLY_INPUTS", "bool", True,
            "decode / reduce / rotary-write kernels read the step's inputs before the PDL wait (read at import)"),
     EnvVar("DEEPSERVE_GC_FREEZE", "bool", True,

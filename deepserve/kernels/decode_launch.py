@@ -99,14 +99,6 @@ MERGE_MAX_ELEMENTS = 4096
 ONE_TILE_MERGE = envs.DEEPSERVE_DECODE_MERGE_ONE_TILE
 MERGE_MAX_ELEMENTS_ONE_TILE = 2 * MERGE_MAX_ELEMENTS
 ONE_TILE_MAX_HEAD_DIM = 64
-# DEEPSERVE_DECODE_MERGE_CHUNKS (session 48's, 1 = off by default until timed): a split launch whose splits are past
-# the merge tile merges them in the kernel anyway, over up to this many tiles read one after another (`merge_tile`),
-# instead of a reduce launch: Llama-3.2-1B batch 1 at 4k splits 33 ways (the rule's 128-key partitions), and on an
-# H100 its reduce launch added 3.7 us a layer to the step (splits_4k_1b_splits0_h100_s48.json); forcing 16 splits,
-# which the one tile holds, made each decode launch 7.5 us longer (256-key partitions).
-MERGE_MAX_CHUNKS = envs.DEEPSERVE_DECODE_MERGE_CHUNKS
-if MERGE_MAX_CHUNKS < 1:
-    raise ValueError(f"decode merge tiles (DEEPSERVE_DECODE_MERGE_CHUNKS): {MERGE_MAX_CHUNKS}, expected 1 (off) or more")
 # The merge counters: one int32 per (row, KV-head program) of a split launch, zero between launches (the last
 # program of each zeroes its own). Allocated once per device at SPLIT_COUNTERS slots, never reallocated: a CUDA
 # graph keeps the pointer it captured. Launches on one device run one after another (one stream), so they share it.
@@ -121,24 +113,14 @@ def split_counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[key]
 
 
-def merge_tile(num_heads: int, num_splits: int, head_dim: int, one_tile: bool = False,
-               max_chunks: Optional[int] = None) -> Optional[tuple[int, int, int]]:
-    """(MERGE_G, MERGE_S, MERGE_C) of a split launch's in-kernel merge for programs of `num_heads` query heads: it
-    reads MERGE_C tiles of [MERGE_G, MERGE_S, head_dim], one after another (the partials packed at MERGE_S x MERGE_C
-    splits). One tile up to MERGE_MAX_ELEMENTS (MERGE_MAX_ELEMENTS_ONE_TILE for a launch of one-tile partitions,
-    `one_tile`, of heads up to ONE_TILE_MAX_HEAD_DIM under ONE_TILE_MERGE); past that, tiles of MERGE_MAX_ELEMENTS,
-    up to `max_chunks` of them (default MERGE_MAX_CHUNKS). None where those do not hold the splits or the head width
-    is not a power of two (the partials are packed at it): the launch keeps its reduce."""
-    if head_dim != next_pow2(head_dim):
-        return None
-    heads, splits = next_pow2(num_heads), next_pow2(num_splits)
-    if heads * splits * head_dim <= merge_elements(one_tile, head_dim):
-        return heads, splits, 1
-    per_tile = MERGE_MAX_ELEMENTS // (heads * head_dim)      # a power of two (every factor is), maybe 0
-    chunks = cdiv(num_splits, per_tile) if per_tile else 0
-    if 1 < chunks <= (MERGE_MAX_CHUNKS if max_chunks is None else max_chunks):
-        return heads, per_tile, chunks
-    return None
+def merge_tile(num_heads: int, num_splits: int, head_dim: int, one_tile: bool = False) -> Optional[tuple[int, int]]:
+    """(MERGE_G, MERGE_S) of a split launch's in-kernel merge for programs of `num_heads` query heads: its tile is
+    [MERGE_G, MERGE_S, head_dim]. None where that is past MERGE_MAX_ELEMENTS (MERGE_MAX_ELEMENTS_ONE_TILE for a
+    launch of one-tile partitions, `one_tile`, of heads up to ONE_TILE_MAX_HEAD_DIM under ONE_TILE_MERGE) or the
+    head width is not a power of two (the partials are packed at it): the launch keeps its reduce."""
+    tile = (next_pow2(num_heads), next_pow2(num_splits))
+    cap = merge_elements(one_tile, head_dim)
+    return tile if tile[0] * tile[1] * head_dim <= cap and head_dim == next_pow2(head_dim) else None
 
 
 def merge_elements(one_tile: bool, head_dim: int) -> int:
@@ -261,7 +243,7 @@ def launch_num_splits(num_rows: int, num_heads: int, kv_cache: torch.Tensor, max
 
 
 __all__ = ["DECODE_BLOCK_N", "DEEP_PIPELINE_TILES", "DecodeTiles", "HEADS_FIRST", "KV_HEADS_PER_PROGRAM",
-           "MERGE_MAX_CHUNKS", "MERGE_MAX_ELEMENTS", "MERGE_MAX_ELEMENTS_ONE_TILE", "ONE_TILE_MAX_HEAD_DIM", "ONE_TILE_MERGE",
+           "MERGE_MAX_ELEMENTS", "MERGE_MAX_ELEMENTS_ONE_TILE", "ONE_TILE_MAX_HEAD_DIM", "ONE_TILE_MERGE",
            "PAIRED_HEAD_BYTES", "SPLIT_COUNTERS", "SPLIT_MERGE", "SPLIT_RULE", "decode_num_splits", "decode_tiles",
            "fits_one_wave", "kv_heads_a_program", "launch_num_splits", "merge_elements", "merge_max_splits",
            "merge_tile", "split_counters"]

@@ -118,52 +118,24 @@ def _own_columns(gmask, dmask, g, d, group, HEAD_DIM: tl.constexpr, KV_HEADS: tl
 
 @triton.jit
 def _merge_own_splits(part_out_ptr, part_lse_ptr, out_ptr, row, head, first, num_heads, used, stride_ot, stride_oh,
-                      HEAD_DIM: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
-                      MERGE_C: tl.constexpr = 1):
+                      HEAD_DIM: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr):
     """The split merge of `_decode_reduce_kernel` for `num_heads` query heads from `head` of q row `row`, in one
     [MERGE_G, MERGE_S, HEAD_DIM] tile: one round trip for all of a program's heads. The partials lie packed
     ([rows, heads, MERGE_S, HEAD_DIM] and [rows, heads, MERGE_S]; `first`: the (decode row, head) pair's index),
     so the tile is a contiguous run that loads as 16-byte vectors (far fewer registers than one pointer per element
-    would take). They were stored by other programs of this launch: loaded from L2 (.cg), past this SM's L1.
-    MERGE_C > 1 (more splits than one tile holds, decode_launch.merge_tile): the partials are packed at
-    MERGE_S * MERGE_C splits and merged over MERGE_C such tiles; the largest log-sum-exp of all of them first, so
-    every split's weight is the one the reduce gives it (the sums run in another order)."""
+    would take). They were stored by other programs of this launch: loaded from L2 (.cg), past this SM's L1."""
     g = tl.arange(0, MERGE_G)
     s = tl.arange(0, MERGE_S)
     d = tl.arange(0, HEAD_DIM)
     g_ok = g < num_heads
-    if MERGE_C == 1:
-        gs_ok = g_ok[:, None] & (s < used)[None, :]
-        gs = g[:, None] * MERGE_S + s[None, :]
-        lse = tl.load(part_lse_ptr + first * MERGE_S + gs, mask=gs_ok, other=float("-inf"), cache_modifier=".cg")
-        lse = tl.where(g_ok[:, None], lse, 0.0)          # padded heads: finite weights, never stored
-        w = tl.math.exp2(lse - tl.max(lse, 1)[:, None])  # [G, S]; 0 for the empty splits (split 0 holds key 0)
-        o = tl.load(part_out_ptr + first * (MERGE_S * HEAD_DIM) + gs[:, :, None] * HEAD_DIM + d[None, None, :],
-                    mask=gs_ok[:, :, None], other=0.0, cache_modifier=".cg")
-        out = tl.sum(o * w[:, :, None], 1) / tl.sum(w, 1)[:, None]
-    else:
-        SLOTS: tl.constexpr = MERGE_S * MERGE_C
-        lse_max = tl.full([MERGE_G], float("-inf"), tl.float32)
-        for c in tl.static_range(MERGE_C):
-            sc = c * MERGE_S + s
-            gs_ok = g_ok[:, None] & (sc < used)[None, :]
-            lse = tl.load(part_lse_ptr + first * SLOTS + g[:, None] * SLOTS + sc[None, :], mask=gs_ok,
-                          other=float("-inf"), cache_modifier=".cg")
-            lse_max = tl.maximum(lse_max, tl.max(lse, 1))
-        lse_max = tl.where(g_ok, lse_max, 0.0)           # padded heads: finite weights, never stored
-        acc = tl.zeros([MERGE_G, HEAD_DIM], tl.float32)
-        w_sum = tl.zeros([MERGE_G], tl.float32)
-        for c in tl.static_range(MERGE_C):
-            sc = c * MERGE_S + s
-            gs_ok = g_ok[:, None] & (sc < used)[None, :]
-            gs = g[:, None] * SLOTS + sc[None, :]
-            lse = tl.load(part_lse_ptr + first * SLOTS + gs, mask=gs_ok, other=float("-inf"), cache_modifier=".cg")
-            w = tl.math.exp2(tl.where(g_ok[:, None], lse, 0.0) - lse_max[:, None])   # 0 for the empty splits
-            o = tl.load(part_out_ptr + first * (SLOTS * HEAD_DIM) + gs[:, :, None] * HEAD_DIM + d[None, None, :],
-                        mask=gs_ok[:, :, None], other=0.0, cache_modifier=".cg")
-            acc += tl.sum(o * w[:, :, None], 1)
-            w_sum += tl.sum(w, 1)
-        out = acc / w_sum[:, None]
+    gs_ok = g_ok[:, None] & (s < used)[None, :]
+    gs = g[:, None] * MERGE_S + s[None, :]
+    lse = tl.load(part_lse_ptr + first * MERGE_S + gs, mask=gs_ok, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.where(g_ok[:, None], lse, 0.0)          # padded heads: finite weights, never stored
+    w = tl.math.exp2(lse - tl.max(lse, 1)[:, None])  # [G, S]; 0 for the empty splits (split 0 holds key 0)
+    o = tl.load(part_out_ptr + first * (MERGE_S * HEAD_DIM) + gs[:, :, None] * HEAD_DIM + d[None, None, :],
+                mask=gs_ok[:, :, None], other=0.0, cache_modifier=".cg")
+    out = tl.sum(o * w[:, :, None], 1) / tl.sum(w, 1)[:, None]
     tl.store(out_ptr + row * stride_ot + (head + g)[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
@@ -186,7 +158,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    SPLIT: tl.constexpr, EARLY_V: tl.constexpr, HEADS_FIRST: tl.constexpr, VALUES_T: tl.constexpr,
                    KV_HEADS: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr,
                    MERGE_LAST: tl.constexpr = False, MERGE_G: tl.constexpr = 1, MERGE_S: tl.constexpr = 1,
-                   LATE_TRIGGER: tl.constexpr = False, MERGE_C: tl.constexpr = 1):
+                   LATE_TRIGGER: tl.constexpr = False):
     """One (decode row, KV_HEADS adjacent KV heads, split). KV_HEADS 2 (DecodeTiles.kv_heads): a tile row holds
     both heads' HEAD_DIM columns side by side (one load of 2 * HEAD_DIM contiguous elements a token), and the q tile
     stacks both heads' query groups, each row zero outside its own head's columns (`_own_columns`): the scores are
@@ -282,7 +254,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                 # The partials are packed here (decode_attention): row i's heads from i * all heads.
                 first = i.to(tl.int64) * (kvh_programs * KV_HEADS * group) + kvh * group
                 _merge_own_splits(part_out_ptr, part_lse_ptr, out_ptr, row, kvh * group, first, KV_HEADS * group, used,
-                                  stride_ot, stride_oh, HEAD_DIM, MERGE_G, MERGE_S, MERGE_C)
+                                  stride_ot, stride_oh, HEAD_DIM, MERGE_G, MERGE_S)
                 tl.store(counter, 0)    # for the next launch (the next layer's, a CUDA graph's next replay)
     else:
         o = acc / l_i[:, None]
@@ -387,8 +359,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     if split and merging and n * kvh_programs <= SPLIT_COUNTERS:
         merge = merge_tile(tiles.kv_heads * group, num_splits, d, one_tile=partition == block_n)
     if split:
-        # Packed at the merge tiles' splits for an in-kernel merge (`_merge_own_splits` reads them as one run).
-        slots = merge[1] * merge[2] if merge else num_splits
+        # Packed at the merge tile's splits for an in-kernel merge (`_merge_own_splits` reads them as one run).
+        slots = merge[1] if merge else num_splits
         part_out = torch.empty(n, h, slots, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(n, h, slots, dtype=torch.float32, device=q.device)
     else:
@@ -408,7 +380,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t, KV_HEADS=tiles.kv_heads,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, MERGE_LAST=merge is not None,
         LATE_TRIGGER=merge is not None and n > 1,
-        **(dict(zip(("MERGE_G", "MERGE_S", "MERGE_C"), merge)) if merge else {}),
+        **(dict(zip(("MERGE_G", "MERGE_S"), merge)) if merge else {}),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
         **pdl_launch_args(q))
     if split and merge is None:

@@ -539,13 +539,12 @@ def test_decode_split_merge_in_the_kernel_matches_the_reduce(device, head_dim, g
 def test_decode_split_merge_keeps_the_reduce_past_its_tile(device, monkeypatch):
     """A merge tile past MERGE_MAX_ELEMENTS (many splits of wide heads), a head width that is not a power of two:
     the launch keeps its reduce."""
-    from deepserve.kernels import decode_launch, paged_attention
+    from deepserve.kernels import paged_attention
     from deepserve.kernels.decode_launch import merge_tile
-    assert merge_tile(4, 8, 64) == (4, 8, 1)
-    assert merge_tile(3, 5, 64) == (4, 8, 1)
-    assert merge_tile(4, 32, 128, max_chunks=1) is None
+    assert merge_tile(4, 8, 64) == (4, 8)
+    assert merge_tile(3, 5, 64) == (4, 8)
+    assert merge_tile(4, 32, 128) is None
     assert merge_tile(4, 2, 96) is None        # partials packed at a power-of-two head width
-    monkeypatch.setattr(decode_launch, "MERGE_MAX_CHUNKS", 1)
     reduces = []
     real = paged_attention.decode_reduce
     monkeypatch.setattr(paged_attention, "decode_reduce", lambda *a, **k: reduces.append(1) or real(*a, **k))
@@ -583,40 +582,8 @@ def test_one_tile_partitions_merge_in_the_kernel_past_the_tile(device, lens, mon
         reduces.clear()
         assert_attention_close(out, ref, dtype)
         outs[one_tile] = out
-    assert decode_launch.merge_tile(4, 18, 64, one_tile=True) == (4, 32, 1)
+    assert decode_launch.merge_tile(4, 18, 64, one_tile=True) == (4, 32)
     assert_within_ulps(outs[True], outs[False], dtype, ulps=1, min_exact=0.9)
-    assert not split_counters(q.device).any()
-
-
-@pytest.mark.parametrize("head_dim,chunks", [(64, 3), (128, 5)])
-def test_splits_past_the_tile_merge_over_several_tiles(device, head_dim, chunks, monkeypatch):
-    """DEEPSERVE_DECODE_MERGE_CHUNKS: a launch with more splits than one merge tile holds (35 one-tile partitions of
-    a graph sized for 2200 keys: 16 / 8 splits a tile at head width 64 / 128) merges them in the kernel over several
-    tiles, without a reduce launch: against the reference, within an ulp of the reduce's merge (whose weights it
-    shares), every counter back to zero; rows whose splits fill one, two or all of the tiles. Off (one tile at
-    most), the same launch takes the reduce."""
-    from deepserve.kernels import decode_launch, paged_attention
-    from deepserve.kernels.decode_launch import split_counters
-    reduces = []
-    real = paged_attention.decode_reduce
-    monkeypatch.setattr(paged_attention, "decode_reduce", lambda *a, **k: reduces.append(1) or real(*a, **k))
-    dtype = torch.float16
-    lens = [2150, 1, 700, 1100]
-    batch, cache, q = _decode_case(device, dtype, head_dim, 4, lens, 16, cdiv_total(lens, 16) + 8)
-    rows = torch.arange(len(lens), device=device)
-    ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.2)
-    outs = {}
-    for max_chunks in (1, 8):
-        monkeypatch.setattr(decode_launch, "MERGE_MAX_CHUNKS", max_chunks)
-        out = torch.full_like(q, float("nan"))
-        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.2, out=out, q_rows=rows, seq_ids=rows,
-                         max_seq_len=2200, num_splits=35, split_merge="last")
-        assert len(reduces) == (1 if max_chunks == 1 else 0)
-        reduces.clear()
-        assert_attention_close(out, ref, dtype)
-        outs[max_chunks] = out
-    assert decode_launch.merge_tile(4, 35, head_dim, one_tile=True, max_chunks=8) == (4, 4096 // (4 * head_dim), chunks)
-    assert_within_ulps(outs[8], outs[1], dtype, ulps=1, min_exact=0.9)
     assert not split_counters(q.device).any()
 
 

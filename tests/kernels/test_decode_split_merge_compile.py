@@ -15,13 +15,12 @@ POINTERS = {**{name: "*i32" for name in ("block_tables_ptr", "seq_lens_ptr", "q_
             "cache_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
 
 
-def decode_ptx(merge_last: bool, late_trigger: bool = False, merge_c: int = 1) -> list[str]:
+def decode_ptx(merge_last: bool, late_trigger: bool = False) -> list[str]:
     from deepserve.kernels.paged_attention import _decode_kernel
-    # Llama-3.2-1B's split launch at batch 1-8 and 1k context: 64-wide heads, group 4, 8 splits (merge_c 3: its
-    # batch-1 launch at 4k, 33 splits merged over three tiles of 16).
+    # Llama-3.2-1B's split launch at batch 1-8 and 1k context: 64-wide heads, group 4, 8 splits.
     constexprs = dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_G=16, BLOCK_N=64, SPLIT=True, EARLY_V=False, HEADS_FIRST=True,
                       VALUES_T=False, KV_HEADS=1, INPUTS_READY=True, USE_PDL=True, MERGE_LAST=merge_last,
-                      MERGE_G=4, MERGE_S=8 if merge_c == 1 else 16, LATE_TRIGGER=late_trigger, MERGE_C=merge_c)
+                      MERGE_G=4, MERGE_S=8, LATE_TRIGGER=late_trigger)
     return compile_for_sm90(_decode_kernel, POINTERS, constexprs, {"qk_scale": "fp32"},
                             aligned(_decode_kernel)).splitlines()
 
@@ -32,9 +31,8 @@ def _triton(monkeypatch):
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
 
 
-@pytest.mark.parametrize("merge_c", [1, 3])
-def test_the_count_follows_every_partial_store_and_precedes_the_merge(merge_c):
-    lines = decode_ptx(True, merge_c=merge_c)
+def test_the_count_follows_every_partial_store_and_precedes_the_merge():
+    lines = decode_ptx(True)
     atoms = [j for j, line in enumerate(lines) if re.search(r"\batom\.global\.gpu\.acq_rel\.add\b", line)]
     assert len(atoms) == 1, atoms
     a = atoms[0]

@@ -95,28 +95,8 @@ def test_one_tile_merge_takes_one_tile_partitions_past_the_tile(monkeypatch):
     after = {key: splits(*key) for key in before}
     assert [after[key] for key in moved] == [18, 18]
     assert [after[key] for key in kept] == [before[key] for key in kept]
-    assert decode_launch.merge_tile(4, 18, 64, one_tile=True) == (4, 32, 1)
-    assert decode_launch.merge_tile(4, 18, 64, max_chunks=1) is None     # partitions of two tiles keep the reduce
-    assert decode_launch.merge_tile(4, 33, 64, one_tile=True, max_chunks=1) is None
+    assert decode_launch.merge_tile(4, 18, 64, one_tile=True) == (4, 32)
+    assert decode_launch.merge_tile(4, 18, 64) is None            # partitions of two tiles keep the reduce
+    assert decode_launch.merge_tile(4, 33, 64, one_tile=True) is None
     # Only the 64-wide heads it was timed on: the 8B's 16 one-tile splits at 1k would fit the doubled tile.
-    assert splits("8b", 1, 1024) == 8
-    assert decode_launch.merge_tile(4, 16, 128, one_tile=True, max_chunks=1) is None
-
-
-def test_merge_over_several_tiles_past_the_one_tile(monkeypatch):
-    """DEEPSERVE_DECODE_MERGE_CHUNKS: splits past one merge tile merge over up to that many tiles of
-    MERGE_MAX_ELEMENTS; the split counts the rule picks do not move (only how those launches merge)."""
-    merge_tile = decode_launch.merge_tile
-    assert merge_tile(4, 33, 64, max_chunks=4) == (4, 16, 3)       # Llama-3.2-1B batch 1 at 4k: no reduce launch
-    assert merge_tile(4, 32, 128, max_chunks=4) == (4, 8, 4)       # Llama-3-8B's
-    assert merge_tile(4, 33, 128, max_chunks=4) is None            # five tiles: the reduce
-    assert merge_tile(4, 8, 64, max_chunks=4) == (4, 8, 1)         # one tile as before
-    assert merge_tile(4, 18, 64, one_tile=True, max_chunks=4) == (4, 32, 1)   # the doubled one-tile tile first
-    assert merge_tile(4, 18, 64, max_chunks=4) == (4, 16, 2)
-    assert merge_tile(32, 2, 128, max_chunks=4) == (32, 1, 2)      # one split a tile
-    assert merge_tile(64, 2, 128, max_chunks=4) is None             # a tile holds no split: no merge in the kernel
-    assert merge_tile(4, 2, 96, max_chunks=4) is None               # partials packed at a power-of-two head width
-    monkeypatch.setattr(decode_launch, "MERGE_MAX_CHUNKS", 1)
-    counts = {key: splits(*key) for key in (("1b", 1, 4096), ("8b", 1, 4096), ("1b", 8, 4096), ("1b", 1, 1100))}
-    monkeypatch.setattr(decode_launch, "MERGE_MAX_CHUNKS", 4)
-    assert counts == {key: splits(*key) for key in counts} and merge_tile(4, 33, 64) == (4, 16, 3)
+    assert splits("8b", 1, 1024) == 8 and decode_launch.merge_tile(4, 16, 128, one_tile=True) is None
