@@ -41,6 +41,7 @@
 #   bash benchmarks/gpu_pending.sh v2lite-timeline  # ~3 min: V2-Lite batch 64 / 256 graph timelines over E4M3
 #   bash benchmarks/gpu_pending.sh s48-first  # ~7 min: v2lite-timeline, then splits-4k
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
+#   bash benchmarks/gpu_pending.sh routing-skew  # ~2 min: tokens per expert in V2-Lite's batch-256 step vs uniform
 #   bash benchmarks/gpu_pending.sh splits-4k  # ~4 min: 1B batch 1 / 8 at 4k, decode splits by the rule / 16 / 64
 #   bash benchmarks/gpu_pending.sh merge-one-tile  # ~2 min: DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 in 1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
@@ -666,6 +667,13 @@ PY
     [ "${SHARED:-1}" = 1 ] && timeout 200 python3 benchmarks/moe_shared_fusion_ab.py --uncapped --shapes deepseek-v2-lite --batches 128,256 \
         --output "$OUT/moe_shared_fusion_v2lite.json" 2>&1 | tail -4 | cut -c1-300
     elapsed "shared fusion"
+    ;;
+routing-skew)
+    # How evenly V2-Lite's batch-256 decode step spreads its tokens over the experts (benchmarks/moe_routing_skew.py)
+    # against the uniform routing the MoE kernel benchmarks time: the MoE kernels took ~430 us a layer in the step
+    # (v2lite_timeline_h100_s48.json) against 389 us alone (tune_moe_down_v2lite_h100_s48.json).
+    timeout 200 python3 benchmarks/moe_routing_skew.py --output "$OUT/moe_routing_skew.json" 2>&1 | tail -30 | cut -c1-250
+    elapsed "routing-skew"
     ;;
 combine-timeline)
     # Where a batch-256 layer's time goes with the combine in the norm (session 32's, without: 605 us in 14 launches,
