@@ -159,8 +159,9 @@ _DECLARED = [
            "stores, no round trips through its scratch (kernels/moe_align.py; H100: 7.3 -> 4.8 us at Qwen3-MoE's 256 "
            "tokens); 0: the scratch round trip and a binary search of 8 dependent loads, for A/Bs (read at import)"),
     EnvVar("DEEPSERVE_MOE_FUSED_SHARED", "bool", True,
-           "GPU MoE layers in the aligned (grouped GEMM) mode, up to 64 tokens, run the shared experts as extra blocks "
-           "of the routed experts' GEMMs; 0: their own launches, before the routed experts"),
+           "GPU MoE layers in the aligned (grouped GEMM) mode, up to 128 tokens (64 where the shared gate/up weight "
+           "passes 32 MB), run the shared experts as extra blocks of the routed experts' GEMMs; 0: their own "
+           "launches, before the routed experts"),
     EnvVar("DEEPSERVE_MOE_DOWN_TILES", "str", "",
            "GPU MoE layers in the aligned (grouped GEMM) mode at decode sizes (up to 256 rows an expert): the down "
            "GEMM's tiles, `NxKxWARPSxSTAGES` (output columns, K step, warps, pipeline stages), over "
