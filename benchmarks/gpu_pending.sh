@@ -664,15 +664,18 @@ PY
         tail -2 /tmp/down_tiles_ab.log | cut -c1-300; summarise_steps "$OUT/moe_down_tiles_v2lite_ab.json"
         elapsed "down tiles A/B"
     fi
-    [ "${SHARED:-1}" = 1 ] && timeout 200 python3 benchmarks/moe_shared_fusion_ab.py --uncapped --shapes deepseek-v2-lite --batches 128,256 \
-        --output "$OUT/moe_shared_fusion_v2lite.json" 2>&1 | tail -4 | cut -c1-300
-    elapsed "shared fusion"
+    if [ "${SHARED:-1}" = 1 ]; then     # SHARED=0: no shared-experts part
+        timeout 200 python3 benchmarks/moe_shared_fusion_ab.py --uncapped --shapes deepseek-v2-lite \
+            --batches 128,256 --output "$OUT/moe_shared_fusion_v2lite.json" 2>&1 | tail -4 | cut -c1-300
+        elapsed "shared fusion"
+    fi
     ;;
 routing-skew)
     # How evenly V2-Lite's batch-256 decode step spreads its tokens over the experts (benchmarks/moe_routing_skew.py)
     # against the uniform routing the MoE kernel benchmarks time: the MoE kernels took ~430 us a layer in the step
     # (v2lite_timeline_h100_s48.json) against 389 us alone (tune_moe_down_v2lite_h100_s48.json).
-    timeout 200 python3 benchmarks/moe_routing_skew.py --output "$OUT/moe_routing_skew.json" 2>&1 | tail -30 | cut -c1-250
+    timeout 200 python3 benchmarks/moe_routing_skew.py --output "$OUT/moe_routing_skew.json" 2>&1 | tail -30 \
+        | cut -c1-250
     elapsed "routing-skew"
     ;;
 combine-timeline)
