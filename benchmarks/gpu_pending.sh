@@ -41,7 +41,6 @@
 #   bash benchmarks/gpu_pending.sh v2lite-timeline  # ~3 min: V2-Lite batch 64 / 256 graph timelines over E4M3
 #   bash benchmarks/gpu_pending.sh s48-first  # ~7 min: v2lite-timeline, then splits-4k
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
-#   bash benchmarks/gpu_pending.sh routing-skew  # ~2 min: tokens per expert in V2-Lite's batch-256 step vs uniform
 #   bash benchmarks/gpu_pending.sh splits-4k  # ~4 min: 1B batch 1 / 8 at 4k, decode splits by the rule / 16 / 64
 #   bash benchmarks/gpu_pending.sh merge-one-tile  # ~2 min: DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 in 1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
@@ -628,11 +627,11 @@ v2lite-timeline)
     summarise_timelines "$OUT/v2lite_timeline.json" 1024 deepseek-v2-lite; elapsed "v2lite-timeline"
     ;;
 moe-b256)
-    # V2-Lite batch 256 over E4M3 (v2lite_timeline_h100_s48.json): per MoE layer the gate/up GEMM reads 738 MB in
-    # 252 us (2.93 TB/s), the down GEMM 369 MB in 154 us (2.40 TB/s), and the shared experts run apart (fused only up
-    # to 128 tokens): cuBLAS gate/up + SiLU-and-mul + cuBLAS down, 25 us. On this GPU: the down GEMM's tiles at 256
-    # tokens (the whole fused_moe call timed, only the down tiles varied), then the shared experts fused / apart at
-    # 128 / 256 tokens.
+    # V2-Lite batch 256 over E4M3 (v2lite_timeline_h100_s48.json): per MoE layer the down GEMM's launch lasts 157.5 us
+    # for 369 MB against the gate/up's 253.9 for 738 MB (it adds 132.6 to the step), and the shared experts run apart
+    # (fused only up to 128 tokens): cuBLAS gate/up + SiLU-and-mul + cuBLAS down, 25 us. On this GPU: the down GEMM's
+    # tiles at 256 tokens (the whole fused_moe call timed, only the down tiles varied; session 48: the pick is the
+    # fastest), then the shared experts fused / apart at 128 / 256 tokens.
     timeout 300 python3 benchmarks/tune_moe_decode.py --down --shapes deepseek-v2-lite --tokens 256 \
         --output "$OUT/tune_moe_down_v2lite.json" > /tmp/tune_down.log 2>&1
     grep -E "best|engine pick" /tmp/tune_down.log | cut -c1-300; tail -2 /tmp/tune_down.log | cut -c1-300
@@ -669,14 +668,6 @@ PY
             --batches 128,256 --output "$OUT/moe_shared_fusion_v2lite.json" 2>&1 | tail -4 | cut -c1-300
         elapsed "shared fusion"
     fi
-    ;;
-routing-skew)
-    # How evenly V2-Lite's batch-256 decode step spreads its tokens over the experts (benchmarks/moe_routing_skew.py)
-    # against the uniform routing the MoE kernel benchmarks time: the MoE kernels took ~430 us a layer in the step
-    # (v2lite_timeline_h100_s48.json) against 389 us alone (tune_moe_down_v2lite_h100_s48.json).
-    timeout 200 python3 benchmarks/moe_routing_skew.py --output "$OUT/moe_routing_skew.json" 2>&1 | tail -30 \
-        | cut -c1-250
-    elapsed "routing-skew"
     ;;
 combine-timeline)
     # Where a batch-256 layer's time goes with the combine in the norm (session 32's, without: 605 us in 14 launches,

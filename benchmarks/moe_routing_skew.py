@@ -2,15 +2,16 @@
 random prompts), against the uniform random routing that the MoE kernel benchmarks time (tune_moe_decode.py,
 moe_shared_fusion_ab.py: softmax of Gaussian logits, top-k).
 
-Why: V2-Lite's MoE layer at 256 tokens took 389 us alone under random routing (tune_moe_down_v2lite_h100_s48.json)
-and some 430 us of kernels (align, gate/up, down, combine) inside the batch-256 step (v2lite_timeline_h100_s48.json).
-Uneven expert loads would explain it: an expert with more tokens runs more blocks of BLOCK_M rows. The engine counts
-each layer's routed tokens per expert (FusedMoE.expert_load, EPLB's counters, inside CUDA graphs too): reset, one
-steady decode step, read. Reported per MoE layer: tokens per expert (max, mean), the blocks of BLOCK_M rows the
-aligned mode runs (sum of ceil(count / BLOCK_M)) and the same for uniform random routing of as many tokens.
+Why: the MoE kernel benchmarks time uniform routing, and a step whose experts get uneven loads runs more blocks of
+BLOCK_M rows than they do. The engine counts each layer's routed tokens per expert (FusedMoE.expert_load, EPLB's
+counters, inside CUDA graphs too): reset, one steady decode step, read. Reported per MoE layer: tokens per expert
+(max, mean), the blocks of BLOCK_M rows the aligned mode runs (sum of ceil(count / BLOCK_M)) and the same for
+uniform random routing of as many tokens. Session 48 (moe_routing_skew_v2lite_cpu_s48.json): the engine's
+random-weight V2-Lite routes as evenly as uniform routing (740 blocks against 736 over 11 MoE layers).
 
 Run (GPU machine): python benchmarks/moe_routing_skew.py --output moe_routing_skew.json
-  (--shape tiny-moe --device cpu: a quick check anywhere)
+  (--shape tiny-moe --device cpu: a quick check anywhere; --layers 4 --device cpu: the shape's first layers on a
+  CPU, routing only: the dummy weights are drawn on each device, so a proxy for the GPU's step)
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--kv-cache-dtype", default="fp8")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=0, help="the model cut to this many layers (0: all; a CPU run)")
     ap.add_argument("--output", default="moe_routing_skew.json")
     args = ap.parse_args()
-    shape = MOE[args.shape]
+    shape = dict(MOE[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {}))
     config = h200_moe.write_config(shape)
     max_len = args.context + 64 + prefill_steps(args.batch, args.context)
     with open(os.path.join(config, "config.json")) as f:
@@ -101,6 +103,7 @@ def main() -> None:
     print("blocks over all layers:", total, "block_m", block_m, flush=True)
     out = {"command": "python benchmarks/moe_routing_skew.py " + " ".join(sys.argv[1:]),
            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "shape": args.shape,
+           "num_layers": args.layers or shape["num_hidden_layers"],
            "batch": args.batch, "context": args.context, "block_m": block_m, "total": total, "layers": rows}
     with open(args.output, "w") as f:
         json.dump(out, f, indent=1)
