@@ -238,17 +238,23 @@ def kv_fits(name: str, batch: int, context: int, budget_bytes: float) -> bool:
     return batch * (context + 64) * kv_bytes_per_token(name) <= budget_bytes
 
 
-def run_shape(name: str, context: int, batches: list[int], args, result: dict) -> None:
-    config = (h200_dense.write_config(DENSE[name]) if name in DENSE else h200_moe.write_config(MOE[name]))
-    max_len = context + args.steps + 16 + prefill_steps(max(batches), context)
-    # --max-model-len: an engine sized for longer sequences than the sweep runs (a deployment's default is the
-    # model's context), whose per-step inputs (block tables) and graph grids follow max_model_len.
-    max_len = max(max_len, args.max_model_len or 0)
+def write_shape_config(shape: dict, max_len: int, dense: bool = False) -> str:
+    """A config folder for `shape` (h200_dense's or h200_moe's) whose max_position_embeddings holds max_len."""
+    config = h200_dense.write_config(shape) if dense else h200_moe.write_config(shape)
     with open(os.path.join(config, "config.json")) as f:
         cfg = json.load(f)
     cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), max_len)   # room for 4k prompts
     with open(os.path.join(config, "config.json"), "w") as f:
         json.dump(cfg, f)
+    return config
+
+
+def run_shape(name: str, context: int, batches: list[int], args, result: dict) -> None:
+    max_len = context + args.steps + 16 + prefill_steps(max(batches), context)
+    # --max-model-len: an engine sized for longer sequences than the sweep runs (a deployment's default is the
+    # model's context), whose per-step inputs (block tables) and graph grids follow max_model_len.
+    max_len = max(max_len, args.max_model_len or 0)
+    config = write_shape_config(DENSE[name] if name in DENSE else MOE[name], max_len, dense=name in DENSE)
     free = torch.cuda.mem_get_info()[0] if args.device == "cuda" else 8e9
     weights = (h200_dense.weight_bytes(DENSE[name]) if name in DENSE
                else h200_moe.active_weight_bytes(MOE[name])["total_weights_bytes"])

@@ -26,8 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import h200_moe  # noqa: E402
-from h200_decode_sweep import MAX_BATCHED_TOKENS, MOE, prefill_steps  # noqa: E402
+from h200_decode_sweep import MAX_BATCHED_TOKENS, MOE, prefill_steps, write_shape_config  # noqa: E402
 from deepserve import LLM, SamplingParams  # noqa: E402
 from deepserve.bench.throughput import random_prompts  # noqa: E402
 from deepserve.kernels.fused_moe import pick_config  # noqa: E402
@@ -70,13 +69,8 @@ def main() -> None:
     ap.add_argument("--output", default="moe_routing_skew.json")
     args = ap.parse_args()
     shape = dict(MOE[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {}))
-    config = h200_moe.write_config(shape)
     max_len = args.context + 64 + prefill_steps(args.batch, args.context)
-    with open(os.path.join(config, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), max_len)
-    with open(os.path.join(config, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    config = write_shape_config(shape, max_len)
     kw = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", device=args.device,
               max_model_len=max_len, max_num_seqs=args.batch, max_num_batched_tokens=MAX_BATCHED_TOKENS,
               kv_cache_dtype=args.kv_cache_dtype if args.device == "cuda" else "auto")
