@@ -41,6 +41,7 @@
 #   bash benchmarks/gpu_pending.sh v2lite-timeline  # ~3 min: V2-Lite batch 64 / 256 graph timelines over E4M3
 #   bash benchmarks/gpu_pending.sh s48-first  # ~7 min: v2lite-timeline, then splits-4k
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
+#   bash benchmarks/gpu_pending.sh side-streams  # ~9 min: the side-stream switches: GPU tests, V2-Lite steps 64-256
 #   bash benchmarks/gpu_pending.sh splits-4k  # ~4 min: 1B batch 1 / 8 at 4k, decode splits by the rule / 16 / 64
 #   bash benchmarks/gpu_pending.sh merge-one-tile  # ~2 min: DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 in 1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
@@ -615,6 +616,27 @@ combine-ab)
         --timeout 140 --output "$OUT/moe_combine_in_norm_ab.json" -- --shapes qwen3-moe,deepseek-v2-lite \
         --batches 8,64,128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/combine_ab.log 2>&1
     tail -3 /tmp/combine_ab.log; summarise_steps "$OUT/moe_combine_in_norm_ab.json"; elapsed "combine-ab"
+    ;;
+side-streams)
+    # Session 49's DEEPSERVE_MOE_SHARED_STREAM and DEEPSERVE_MLA_WRITE_STREAM (layers/side_stream.py). At V2-Lite batch
+    # 256 over E4M3 (v2lite_timeline_h100_s48.json) each MoE layer runs the shared experts apart (cuBLAS gate/up 12.8
+    # us + SiLU-and-mul 2.7 + down 8.7 exposed), after the router (6.8 + 2.5) and before the align (3.9): all short
+    # launches on part of the SMs, one after the other. On a side stream the shared experts run beside the router and
+    # the routed experts; the latent cache write (3.6) beside W_UK's product (4.6). Their GPU test (the same bits,
+    # eager and in CUDA graphs), then steps at batch 64 / 128 / 256 (64 and 128 fuse the shared experts into the
+    # grouped GEMMs by default: the third setting runs them apart on the side stream there), one pass.
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+        -k "side_stream or combine_in_norm or deepseek" > /tmp/side_tests.log 2>&1
+    tail -3 /tmp/side_tests.log | cut -c1-300; grep -E "^(E  |FAILED)" /tmp/side_tests.log | head -12 | cut -c1-300
+    elapsed "side-stream tests"
+    timeout 420 python3 benchmarks/ab_env_sweep.py --combo DEEPSERVE_MOE_SHARED_STREAM=0 \
+        --combo DEEPSERVE_MOE_SHARED_STREAM=1 \
+        --combo DEEPSERVE_MOE_SHARED_STREAM=1,DEEPSERVE_MLA_WRITE_STREAM=1,DEEPSERVE_MOE_FUSED_SHARED=0 \
+        --passes 1 --timeout 135 --output "$OUT/side_streams_v2lite_ab.json" -- --shapes deepseek-v2-lite \
+        --contexts 1024 --batches "${SIDE_BATCHES:-64,128,256}" --kv-cache-dtype fp8 --profile-batch 0 \
+        > /tmp/side_ab.log 2>&1
+    tail -2 /tmp/side_ab.log | cut -c1-300; grep -iE "error|Traceback" /tmp/side_ab.log | head -5 | cut -c1-300
+    summarise_steps "$OUT/side_streams_v2lite_ab.json"; elapsed "side-streams A/B"
     ;;
 v2lite-timeline)
     # Where DeepSeek-V2-Lite's batch 64 / 256 steps over an E4M3 cache go today (its batch 256 is issue 21's last MoE

@@ -20,6 +20,7 @@ from torch import nn
 
 from deepserve.kernels.reference.moe import (PairRows, RoutingConfig, count_expert_load, moe_experts,  # noqa: F401
                                              route)
+from deepserve.layers import side_stream
 from deepserve.layers.kernel_dispatch import use_triton
 from deepserve.layers.linear import invariant_linear
 from deepserve.layers.mlp import GatedMLP, copy_checked  # noqa: F401 (used by models)
@@ -44,7 +45,10 @@ class MoEBackend(Protocol):
         shared_experts (instead of shared_out): the shared experts' module, for the backend to run on x; its output
         is added as shared_out would be (the GPU backend folds plain weights into its grouped GEMMs).
         combine False (only passed to a backend with `defers_combine` True, the GPU one): no combine; the pairs'
-        weighted rows come back as a PairRows, for the next RMSNorm to add as it loads them."""
+        weighted rows come back as a PairRows, for the next RMSNorm to add as it loads them.
+        A backend with `shared_beside(x, w13, top_k, shared_experts, swiglu_limit)` (the GPU one) may ask the layer
+        to launch the shared experts on a side stream before its router; their output then comes as shared_out
+        with shared_on_side=True, for the backend to join (layers/side_stream.py) before anything reads it."""
         ...
 
 
@@ -165,6 +169,16 @@ class FusedMoE(nn.Module):
         `combine` False: the output may come back uncombined (PairRows), for an RMSNorm to sum as it reads it
         (models/base.py DecoderLayer); only in one process (no tensor or expert parallelism: their reduce and
         dispatch need the sum)."""
+        # The shared experts need only x: where the GPU backend runs them as their own launches, it may have them
+        # launched on a side stream first, to fill the SMs that the router's short launches leave idle
+        # (layers/side_stream.py; the backend joins before their output is read).
+        beside = (self.shared_experts is not None and self.expert_parallel is None
+                  and hasattr(self.backend, "shared_beside")
+                  and self.backend.shared_beside(x, self.w13, self.gate.cfg.top_k, self.shared_experts,
+                                                 self.swiglu_limit))
+        if beside:
+            with side_stream.fork(x.device):
+                shared_out = self.shared_experts(x)
         # The gate also counts the tokens routed to each expert.
         if token_ids is None:
             weights, ids = self.gate(x, self.expert_load)
@@ -177,8 +191,10 @@ class FusedMoE(nn.Module):
             out = self.expert_parallel.forward(self, x, weights, ids, shared)
         else:
             defer = not combine and self.tp.size == 1 and getattr(self.backend, "defers_combine", False)
-            out = self.backend.forward(x, self.w13, self.w2, weights, ids, self.swiglu_limit,
-                                       shared_experts=self.shared_experts, **({"combine": False} if defer else {}))
+            shared = ({"shared_out": shared_out, "shared_on_side": True} if beside
+                      else {"shared_experts": self.shared_experts})
+            out = self.backend.forward(x, self.w13, self.w2, weights, ids, self.swiglu_limit, **shared,
+                                       **({"combine": False} if defer else {}))
             if defer:
                 return out
         return self.tp.all_reduce(out)

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from deepserve import envs
-from deepserve.kernels.fused_moe import MoEConfig, MoEPairConfig, fused_moe, pick_moe_config
+from deepserve.kernels.fused_moe import MoEConfig, MoEPairConfig, fused_moe, moe_combine, pick_moe_config
+from deepserve.layers import side_stream
 from deepserve.layers.linear import Linear
 from deepserve.layers.mlp import GatedMLP
 
@@ -48,24 +49,49 @@ class TritonMoE:
         self.config = config
 
     def forward(self, x, w13, w2, topk_weights, topk_ids, swiglu_limit=None, shared_out=None, shared_experts=None,
-                combine=True):
-        num_experts, two_i, hidden = w13.shape
-        config = self.config or pick_moe_config(x.shape[0], topk_ids.shape[1], num_experts, two_i // 2, hidden,
-                                                x.dtype, x.device)
+                combine=True, shared_on_side=False):
+        """MoEBackend.forward. `shared_on_side`: `shared_out` is still being computed on the side stream
+        (FusedMoE.forward launched it there, `shared_beside`); joined before the combine, or before returning the
+        pair rows whose shared output the next layer's norm reads."""
+        config = self._config(x, w13, topk_ids.shape[1])
         shared_weights = None
         if shared_experts is not None:
-            # The aligned mode runs plain shared weights as extra blocks of its grouped GEMMs (two launches fewer,
-            # their weight reads beside the routed experts') up to fused_shared_max_tokens; the pair mode (batches
-            # of a few tokens) has no such blocks, and the shared experts run as their own module (GEMV kernels).
-            fuse = isinstance(config, MoEConfig) and x.shape[0] <= FUSED_SHARED_MAX_TOKENS
-            if fuse and envs.DEEPSERVE_MOE_FUSED_SHARED:
-                shared_weights = plain_shared_weights(shared_experts, x, swiglu_limit)
-                if shared_weights is not None and x.shape[0] > fused_shared_max_tokens(shared_weights[0]):
-                    shared_weights = None
+            shared_weights = self._fused_shared_weights(x, config, shared_experts, swiglu_limit)
             if shared_weights is None:
                 shared_out = shared_experts(x)
+        if shared_on_side:
+            pairs = fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit, config=config, shared_out=shared_out,
+                              combine=False)
+            side_stream.join(x.device)
+            return moe_combine(pairs.pair_out, pairs.top_k, pairs.shared_out) if combine else pairs
         return fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit, config=config, shared_out=shared_out,
                          shared_weights=shared_weights, combine=combine)
+
+    def shared_beside(self, x, w13, top_k: int, shared_experts, swiglu_limit) -> bool:
+        """Whether the layer should launch its shared experts on the side stream before its router
+        (DEEPSERVE_MOE_SHARED_STREAM, on a CUDA device): where they would run as their own launches, not as blocks
+        of the grouped GEMMs."""
+        if not envs.DEEPSERVE_MOE_SHARED_STREAM or not side_stream.available(x.device):
+            return False
+        return self._fused_shared_weights(x, self._config(x, w13, top_k), shared_experts, swiglu_limit) is None
+
+    def _config(self, x, w13, top_k: int):
+        num_experts, two_i, hidden = w13.shape
+        return self.config or pick_moe_config(x.shape[0], top_k, num_experts, two_i // 2, hidden, x.dtype, x.device)
+
+    @staticmethod
+    def _fused_shared_weights(x, config, shared_experts, swiglu_limit):
+        """The shared experts' (gate_up, down) weights where the grouped GEMMs run them as extra blocks (two
+        launches fewer, their weight reads beside the routed experts'), up to fused_shared_max_tokens, else None:
+        the pair mode (batches of a few tokens) has no such blocks, and the shared experts run as their own module
+        (GEMV kernels)."""
+        if not (isinstance(config, MoEConfig) and x.shape[0] <= FUSED_SHARED_MAX_TOKENS
+                and envs.DEEPSERVE_MOE_FUSED_SHARED):
+            return None
+        weights = plain_shared_weights(shared_experts, x, swiglu_limit)
+        if weights is not None and x.shape[0] > fused_shared_max_tokens(weights[0]):
+            return None
+        return weights
 
 
 def plain_shared_weights(shared: GatedMLP, x, swiglu_limit):
