@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_pending.sh s48-first  # ~7 min: v2lite-timeline, then splits-4k
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
 #   bash benchmarks/gpu_pending.sh side-streams  # ~9 min: the side-stream switches: GPU tests, V2-Lite steps 64-256
+#   bash benchmarks/gpu_pending.sh side-timeline  # ~2 min: V2-Lite batch 256's graph timeline, side streams on
 #   bash benchmarks/gpu_pending.sh splits-4k  # ~4 min: 1B batch 1 / 8 at 4k, decode splits by the rule / 16 / 64
 #   bash benchmarks/gpu_pending.sh merge-one-tile  # ~2 min: DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 in 1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
@@ -639,6 +640,16 @@ side-streams)
         > /tmp/side_ab.log 2>&1
     tail -2 /tmp/side_ab.log | cut -c1-300; grep -iE "error|Traceback" /tmp/side_ab.log | head -5 | cut -c1-300
     summarise_steps "$OUT/side_streams_v2lite_ab.json"; elapsed "side-streams A/B"
+    ;;
+side-timeline)
+    # V2-Lite batch 256's graph timeline over E4M3 with the side streams on (DEEPSERVE_MOE_SHARED_STREAM=1,
+    # DEEPSERVE_MLA_WRITE_STREAM=1): what each launch adds to the span once the shared experts run beside the router
+    # and the routed experts (v2lite_timeline_h100_s48.json is the same without them).
+    DEEPSERVE_MOE_SHARED_STREAM=1 DEEPSERVE_MLA_WRITE_STREAM=1 timeout 200 python3 benchmarks/h200_decode_sweep.py \
+        --shapes deepseek-v2-lite --batches 256 --contexts 1024 --kv-cache-dtype fp8 --profile-batch 0 \
+        --timeline-batch 256 --output "$OUT/v2lite_side_timeline.json" > /tmp/v2lite_side_timeline.log 2>&1
+    tail -1 /tmp/v2lite_side_timeline.log | cut -c1-200
+    summarise_timelines "$OUT/v2lite_side_timeline.json" 1024 deepseek-v2-lite; elapsed "side-timeline"
     ;;
 v2lite-timeline)
     # Where DeepSeek-V2-Lite's batch 64 / 256 steps over an E4M3 cache go today (its batch 256 is issue 21's last MoE
