@@ -43,6 +43,7 @@
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
 #   bash benchmarks/gpu_pending.sh side-streams  # ~9 min: the side-stream switches: GPU tests, V2-Lite steps 64-256
 #   bash benchmarks/gpu_pending.sh side-timeline  # ~2 min: V2-Lite batch 256's graph timeline, side streams on
+#   bash benchmarks/gpu_pending.sh cublaslt-dense  # ~4 min: TORCH_BLAS_PREFER_CUBLASLT=0,1 in 1B steps, 64-256
 #   bash benchmarks/gpu_pending.sh splits-4k  # ~4 min: 1B batch 1 / 8 at 4k, decode splits by the rule / 16 / 64
 #   bash benchmarks/gpu_pending.sh merge-one-tile  # ~2 min: DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 in 1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
@@ -640,6 +641,14 @@ side-streams)
         > /tmp/side_ab.log 2>&1
     tail -2 /tmp/side_ab.log | cut -c1-300; grep -iE "error|Traceback" /tmp/side_ab.log | head -5 | cut -c1-300
     summarise_steps "$OUT/side_streams_v2lite_ab.json"; elapsed "side-streams A/B"
+    ;;
+cublaslt-dense)
+    # PyTorch's GEMMs through cuBLASLt (TORCH_BLAS_PREFER_CUBLASLT=1) in Llama-3.2-1B steps at 1k, where cuBLAS
+    # takes the projections past the skinny GEMM's rows (33-64 rows: qkv and o_proj; 65+: all), one pass.
+    timeout 260 python3 benchmarks/ab_env_sweep.py --setting TORCH_BLAS_PREFER_CUBLASLT=0,1 --passes 1 --timeout 120 \
+        --output "$OUT/cublaslt_1b_ab.json" -- --shapes llama-3.2-1b --contexts 1024 --batches 64,128,256 \
+        --profile-batch 0 > /tmp/cublaslt_1b.log 2>&1
+    tail -2 /tmp/cublaslt_1b.log | cut -c1-300; summarise_steps "$OUT/cublaslt_1b_ab.json"; elapsed "cublaslt-dense"
     ;;
 side-timeline)
     # V2-Lite batch 256's graph timeline over E4M3 with the side streams on (DEEPSERVE_MOE_SHARED_STREAM=1,
