@@ -625,7 +625,7 @@ side-streams)
     # us + SiLU-and-mul 2.7 + down 8.7 exposed), after the router (6.8 + 2.5) and before the align (3.9): all short
     # launches on part of the SMs, one after the other. On a side stream the shared experts run beside the router and
     # the routed experts; the latent cache write (3.6) beside W_UK's product (4.6). Their GPU test (the same bits,
-    # eager and in CUDA graphs), then steps at batch 64 / 128 / 256 (64 and 128 fuse the shared experts into the
+    # eager and in CUDA graphs), then steps at batch 8 / 64 / 128 / 256 (64 and 128 fuse the shared experts into the
     # grouped GEMMs by default: the fourth setting runs them apart on the side stream there), one pass. The third
     # asks PyTorch for cuBLASLt's GEMMs (the stacked q / kv_a GEMM took 10.5 us for 4.9 us of bytes, o_proj 6.3 for
     # 2.8: few output tiles at 256 rows).
@@ -637,7 +637,7 @@ side-streams)
         --combo DEEPSERVE_MOE_SHARED_STREAM=1 --combo DEEPSERVE_MOE_SHARED_STREAM=1,TORCH_BLAS_PREFER_CUBLASLT=1 \
         --combo DEEPSERVE_MOE_SHARED_STREAM=1,DEEPSERVE_MLA_WRITE_STREAM=1,DEEPSERVE_MOE_FUSED_SHARED=0 \
         --passes 1 --timeout 125 --output "$OUT/side_streams_v2lite_ab.json" -- --shapes deepseek-v2-lite \
-        --contexts 1024 --batches "${SIDE_BATCHES:-64,128,256}" --kv-cache-dtype fp8 --profile-batch 0 \
+        --contexts 1024 --batches "${SIDE_BATCHES:-8,64,128,256}" --kv-cache-dtype fp8 --profile-batch 0 \
         > /tmp/side_ab.log 2>&1
     tail -2 /tmp/side_ab.log | cut -c1-300; grep -iE "error|Traceback" /tmp/side_ab.log | head -5 | cut -c1-300
     summarise_steps "$OUT/side_streams_v2lite_ab.json"; elapsed "side-streams A/B"
