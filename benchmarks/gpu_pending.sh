@@ -42,8 +42,9 @@
 #   bash benchmarks/gpu_pending.sh s48-first  # ~7 min: v2lite-timeline, then splits-4k
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
 #   bash benchmarks/gpu_pending.sh side-streams  # ~9 min: the side-stream switches: GPU tests, V2-Lite steps 64-256
-#   bash benchmarks/gpu_pending.sh side-timeline  # ~2 min: V2-Lite batch 256's graph timeline, side streams on
+#   bash benchmarks/gpu_pending.sh side-timeline  # ~1 min: V2-Lite batch 256's graph timeline (side stream)
 #   bash benchmarks/gpu_pending.sh cublaslt-dense  # ~4 min: TORCH_BLAS_PREFER_CUBLASLT=0,1 in 1B steps, 64-256
+#   bash benchmarks/gpu_pending.sh s49-check  # ~6 min: tests/gpu, the MoE sweep over E4M3, pair-mode side stream A/B
 #   bash benchmarks/gpu_pending.sh splits-4k  # ~4 min: 1B batch 1 / 8 at 4k, decode splits by the rule / 16 / 64
 #   bash benchmarks/gpu_pending.sh merge-one-tile  # ~2 min: DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 in 1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
@@ -620,7 +621,8 @@ combine-ab)
     tail -3 /tmp/combine_ab.log; summarise_steps "$OUT/moe_combine_in_norm_ab.json"; elapsed "combine-ab"
     ;;
 side-streams)
-    # Session 49's DEEPSERVE_MOE_SHARED_STREAM and DEEPSERVE_MLA_WRITE_STREAM (layers/side_stream.py). At V2-Lite batch
+    # Session 49's DEEPSERVE_MOE_SHARED_STREAM and DEEPSERVE_MLA_WRITE_STREAM (layers/side_stream.py; the second
+    # was removed after this stage timed it, its code is at commit 9efb72d). At V2-Lite batch
     # 256 over E4M3 (v2lite_timeline_h100_s48.json) each MoE layer runs the shared experts apart (cuBLAS gate/up 12.8
     # us + SiLU-and-mul 2.7 + down 8.7 exposed), after the router (6.8 + 2.5) and before the align (3.9): all short
     # launches on part of the SMs, one after the other. On a side stream the shared experts run beside the router and
@@ -650,11 +652,26 @@ cublaslt-dense)
         --profile-batch 0 > /tmp/cublaslt_1b.log 2>&1
     tail -2 /tmp/cublaslt_1b.log | cut -c1-300; summarise_steps "$OUT/cublaslt_1b_ab.json"; elapsed "cublaslt-dense"
     ;;
+s49-check)
+    # Session 49's default (DEEPSERVE_MOE_SHARED_STREAM on): tests/gpu, then the MoE sweep over an E4M3 cache (issue
+    # 21's MoE targets), then V2-Lite batch 1 / 2 / 4 (the pair mode, which side-streams timed only from batch 8)
+    # with the switch 0 / 1, two passes.
+    n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
+    timeout 200 python3 -m pytest -q $n tests/gpu -m "not gpu_alone" -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
+    tail -4 "$OUT/pytest_gpu.log" | cut -c1-300; grep -E "^FAILED" "$OUT/pytest_gpu.log" | head | cut -c1-300
+    elapsed "tests/gpu"
+    SWEEP_KV=fp8 SWEEP_DENSE=0 bash "$0" sweeps
+    timeout 150 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_SHARED_STREAM=0,1 --passes 2 --timeout 70 \
+        --output "$OUT/side_stream_pair_mode_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
+        --batches 1,2,4 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/side_pair.log 2>&1
+    tail -1 /tmp/side_pair.log | cut -c1-300; summarise_steps "$OUT/side_stream_pair_mode_v2lite_ab.json"
+    elapsed "s49-check"
+    ;;
 side-timeline)
-    # V2-Lite batch 256's graph timeline over E4M3 with the side streams on (DEEPSERVE_MOE_SHARED_STREAM=1,
-    # DEEPSERVE_MLA_WRITE_STREAM=1): what each launch adds to the span once the shared experts run beside the router
-    # and the routed experts (v2lite_timeline_h100_s48.json is the same without them).
-    DEEPSERVE_MOE_SHARED_STREAM=1 DEEPSERVE_MLA_WRITE_STREAM=1 timeout 200 python3 benchmarks/h200_decode_sweep.py \
+    # V2-Lite batch 256's graph timeline over E4M3 with the shared experts on the side stream (session 49's
+    # DEEPSERVE_MOE_SHARED_STREAM, then also with DEEPSERVE_MLA_WRITE_STREAM=1, since removed): what each launch adds
+    # to the span (v2lite_timeline_h100_s48.json is the same without them).
+    timeout 200 python3 benchmarks/h200_decode_sweep.py \
         --shapes deepseek-v2-lite --batches 256 --contexts 1024 --kv-cache-dtype fp8 --profile-batch 0 \
         --timeline-batch 256 --output "$OUT/v2lite_side_timeline.json" > /tmp/v2lite_side_timeline.log 2>&1
     tail -1 /tmp/v2lite_side_timeline.log | cut -c1-200

@@ -160,16 +160,13 @@ _DECLARED = [
            "tokens); 0: the scratch round trip and a binary search of 8 dependent loads, for A/Bs (read at import)"),
     EnvVar("DEEPSERVE_MOE_FUSED_SHARED", "bool", True,
            "GPU MoE layers in the aligned (grouped GEMM) mode, up to 128 tokens (64 where the shared gate/up weight "
-           "passes 32 MB), run the shared experts as extra blocks of the routed experts' GEMMs; 0: their own "
-           "launches, before the routed experts"),
-    EnvVar("DEEPSERVE_MOE_SHARED_STREAM", "bool", False,
-           "GPU MoE layers whose shared experts run as their own launches (past the fused blocks' tokens, and in "
-           "the pair mode) launch them on a second CUDA stream, beside the router and the routed experts "
-           "(layers/side_stream.py: a fork and a join, edges inside a CUDA graph); an A/B switch until a GPU run "
-           "times it"),
-    EnvVar("DEEPSERVE_MLA_WRITE_STREAM", "bool", False,
-           "GPU MLA decode steps: the latent cache write (with the rotary of q_pe and k_pe) on a second CUDA stream, "
-           "beside the W_UK product of the query (layers/side_stream.py); an A/B switch until a GPU run times it"),
+           "passes 32 MB), run the shared experts as extra blocks of the routed experts' GEMMs, where "
+           "DEEPSERVE_MOE_SHARED_STREAM=0 keeps them off the side stream; 0: their own launches, before the routed "
+           "experts"),
+    EnvVar("DEEPSERVE_MOE_SHARED_STREAM", "bool", True,
+           "GPU MoE layers launch their shared experts on a second CUDA stream, beside the router and the routed "
+           "experts (layers/side_stream.py: a fork and a join, edges inside a CUDA graph), never as blocks of the "
+           "grouped GEMMs; 0: in order on one stream (fused up to DEEPSERVE_MOE_FUSED_SHARED's tokens)"),
     EnvVar("DEEPSERVE_MOE_DOWN_TILES", "str", "",
            "GPU MoE layers in the aligned (grouped GEMM) mode at decode sizes (up to 256 rows an expert): the down "
            "GEMM's tiles, `NxKxWARPSxSTAGES` (output columns, K step, warps, pipeline stages), over "

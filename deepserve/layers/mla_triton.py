@@ -27,7 +27,6 @@ from deepserve import envs
 from deepserve.kernels.mla_absorb import absorb_query, absorb_supported, expand_values, use_mma
 from deepserve.kernels.mla_decode import mla_decode, rotary_write_latents, write_latents
 from deepserve.kernels.mla_prefill import MLAPrefillPlan, mla_prefill, plan_prefill
-from deepserve.layers import side_stream
 from deepserve.layers.mla import MLAWeights, TorchMLA
 from deepserve.layers.forward_batch import upload_int64
 
@@ -81,72 +80,52 @@ class TritonMLA:
         if q_nope.shape[0] == 0 or (not decode_only and not isinstance(meta, TritonMLAMetadata)):
             return self.reference.forward(q_nope, q_pe, latent, k_pe, kv_cache, weights, batch, scale, rotary,
                                           latent_norm)
-        if decode_only:
-            # Row b is sequence b's one token.
-            longest = meta.max_seq_len if isinstance(meta, TritonMLAMetadata) else max(batch.seq_lens_cpu)
-            if rotary is not None and envs.DEEPSERVE_MLA_WRITE_STREAM and side_stream.available(q_nope.device):
-                # The cache write and the query's W_UK product need only the projections: the write on the side
-                # stream, joined before the decode kernel reads the cache and the rotated q_pe.
-                with side_stream.fork(q_nope.device):
-                    q_pe = self._write(q_pe, latent, k_pe, kv_cache, batch, rotary, latent_norm)
-                q_lat = self._absorb(q_nope, weights)
-                side_stream.join(q_nope.device)
-            else:
-                q_pe = self._write(q_pe, latent, k_pe, kv_cache, batch, rotary, latent_norm)
-                q_lat = self._absorb(q_nope, weights)
-            return self._attend(q_lat, q_pe, kv_cache, weights, batch.block_tables, batch.seq_lens, longest, scale)
-        q_pe = self._write(q_pe, latent, k_pe, kv_cache, batch, rotary, latent_norm)
-        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], weights.w_uv.shape[1])
-        if meta.decode_rows is not None:
-            rows = meta.decode_rows
-            q_lat = self._absorb(q_nope.index_select(0, rows), weights)
-            out[rows] = self._attend(q_lat, q_pe.index_select(0, rows), kv_cache, weights, meta.decode_tables,
-                                     meta.decode_seq_lens, meta.max_seq_len, scale)
-        mla_prefill(q_nope, q_pe, kv_cache, weights.stacked(), meta.prefill, batch.query_start_loc, batch.seq_lens,
-                    scale, out)
-        return out
-
-    @staticmethod
-    def _write(q_pe, latent, k_pe, kv_cache, batch, rotary, latent_norm):
-        """The step's latents into the cache; returns q_pe, rotated where the layer has a rotary embedding."""
         if rotary is None:
             if latent_norm is not None:
                 latent = latent_norm(latent)
             write_latents(kv_cache, latent, k_pe, batch.slot_mapping)
-            return q_pe
-        # One launch normalises the latent, rotates q_pe (into a new tensor) and k_pe, and writes [latent | k_pe]:
-        # the normalised latent and the rotated k_pe are only read back from the cache.
-        return rotary_write_latents(kv_cache, q_pe, latent, k_pe, batch.slot_mapping, batch.positions,
-                                    rotary.cos_cache, rotary.sin_cache, rotary.interleaved,
-                                    None if latent_norm is None else latent_norm.weight,
-                                    0.0 if latent_norm is None else latent_norm.eps, inputs_ready=True)
+        else:
+            # One launch normalises the latent, rotates q_pe (into a new tensor) and k_pe, and writes
+            # [latent | k_pe]: the normalised latent and the rotated k_pe are only read back from the cache.
+            q_pe = rotary_write_latents(kv_cache, q_pe, latent, k_pe, batch.slot_mapping, batch.positions,
+                                        rotary.cos_cache, rotary.sin_cache, rotary.interleaved,
+                                        None if latent_norm is None else latent_norm.weight,
+                                        0.0 if latent_norm is None else latent_norm.eps, inputs_ready=True)
+        if decode_only:
+            # Row b is sequence b's one token.
+            longest = meta.max_seq_len if isinstance(meta, TritonMLAMetadata) else max(batch.seq_lens_cpu)
+            return self._decode(q_nope, q_pe, kv_cache, weights, batch.block_tables, batch.seq_lens, longest, scale)
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], weights.w_uv.shape[1])
+        if meta.decode_rows is not None:
+            rows = meta.decode_rows
+            out[rows] = self._decode(q_nope.index_select(0, rows), q_pe.index_select(0, rows), kv_cache, weights,
+                                     meta.decode_tables, meta.decode_seq_lens, meta.max_seq_len, scale)
+        mla_prefill(q_nope, q_pe, kv_cache, weights.stacked(), meta.prefill, batch.query_start_loc, batch.seq_lens,
+                    scale, out)
+        return out
 
-    @staticmethod
-    def _on_triton(q_nope, weights: MLAWeights) -> bool:
-        """Up to MAX_MMA_BATCH rows the two per-head weight products are Triton kernels that read W_UK / W_UV once
-        and start under PDL (GEMVs at one or two rows, tensor-core GEMMs above), not cuBLAS's batched GEMMs
-        (kernels/mla_absorb.py has the numbers)."""
-        bsz = q_nope.shape[0]
-        return absorb_supported(bsz) and weights.w_uk.dtype == q_nope.dtype and (_ABSORB_MMA or not use_mma(bsz))
-
-    def _absorb(self, q_nope, weights: MLAWeights):
-        """W_UK absorbed into the query: q_nope [B, H, nope] -> q_lat [B, H, R]."""
-        if self._on_triton(q_nope, weights):
-            return absorb_query(q_nope, weights.w_uk)
-        return torch.bmm(q_nope.transpose(0, 1), weights.w_uk).transpose(0, 1)     # [B, H, R] view
-
-    def _attend(self, q_lat, q_pe, kv_cache, weights: MLAWeights, block_tables, seq_lens, longest: int, scale):
-        """One query per sequence: row b of q_lat [B, H, R] / q_pe [B, H, rope] is sequence b of block_tables /
-        seq_lens -> [B, H, v], contiguous: the decode kernel over the latent cache, then W_UV."""
-        bsz, heads, rank = q_lat.shape
+    def _decode(self, q_nope, q_pe, kv_cache, weights: MLAWeights, block_tables, seq_lens, longest: int, scale):
+        """One query per sequence: row b of q_nope [B, H, nope] / q_pe [B, H, rope] is sequence b of block_tables
+        / seq_lens -> [B, H, v], contiguous."""
+        bsz, heads, _ = q_nope.shape
+        rank = weights.w_uk.shape[-1]
+        # Up to MAX_MMA_BATCH rows the two per-head weight products are Triton kernels that read W_UK / W_UV once
+        # and start under PDL (GEMVs at one or two rows, tensor-core GEMMs above), not cuBLAS's batched GEMMs
+        # (kernels/mla_absorb.py has the numbers).
+        on_triton = (absorb_supported(bsz) and weights.w_uk.dtype == q_nope.dtype
+                     and (_ABSORB_MMA or not use_mma(bsz)))
+        if on_triton:
+            q_lat = absorb_query(q_nope, weights.w_uk)                                  # [B, H, R]
+        else:
+            q_lat = torch.bmm(q_nope.transpose(0, 1), weights.w_uk).transpose(0, 1)   # [B, H, R] view
         # Heads-major output, so the W_UV GEMM reads it without a copy.
-        out_lat = torch.empty(heads, bsz, rank, dtype=q_lat.dtype, device=q_lat.device)
+        out_lat = torch.empty(heads, bsz, rank, dtype=q_nope.dtype, device=q_nope.device)
         mla_decode(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, out=out_lat.transpose(0, 1),
                    max_seq_len=longest, num_splits=self.num_splits, inputs_ready=True)
         # The W_UV product writes [B, H, v] through a heads-major view (cuBLAS takes the row stride), so the layer's
         # reshape to [B, H * v] for o_proj is a view: a [H, B, v] result would be copied there, once per layer.
-        out = torch.empty(bsz, heads, weights.w_uv.shape[1], dtype=q_lat.dtype, device=q_lat.device)
-        if self._on_triton(q_lat, weights):
+        out = torch.empty(bsz, heads, weights.w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
+        if on_triton:
             expand_values(out_lat.transpose(0, 1), weights.w_uv, out)
         else:
             torch.bmm(out_lat, weights.w_uv.transpose(1, 2), out=out.transpose(0, 1))

@@ -46,9 +46,9 @@ class MoEBackend(Protocol):
         is added as shared_out would be (the GPU backend folds plain weights into its grouped GEMMs).
         combine False (only passed to a backend with `defers_combine` True, the GPU one): no combine; the pairs'
         weighted rows come back as a PairRows, for the next RMSNorm to add as it loads them.
-        A backend with `shared_beside(x, w13, top_k, shared_experts, swiglu_limit)` (the GPU one) may ask the layer
-        to launch the shared experts on a side stream before its router; their output then comes as shared_out
-        with shared_on_side=True, for the backend to join (layers/side_stream.py) before anything reads it."""
+        A backend with `shared_beside(x)` (the GPU one) may ask the layer to launch the shared experts on a side
+        stream before its router; their output then comes as shared_out with shared_on_side=True, for the backend
+        to join (layers/side_stream.py) before anything reads it."""
         ...
 
 
@@ -169,13 +169,11 @@ class FusedMoE(nn.Module):
         `combine` False: the output may come back uncombined (PairRows), for an RMSNorm to sum as it reads it
         (models/base.py DecoderLayer); only in one process (no tensor or expert parallelism: their reduce and
         dispatch need the sum)."""
-        # The shared experts need only x: where the GPU backend runs them as their own launches, it may have them
-        # launched on a side stream first, to fill the SMs that the router's short launches leave idle
-        # (layers/side_stream.py; the backend joins before their output is read).
+        # The shared experts need only x: the GPU backend has them launched on a side stream first, beside the
+        # router's short launches and the routed experts' GEMMs (layers/side_stream.py; the backend joins before
+        # their output is read).
         beside = (self.shared_experts is not None and self.expert_parallel is None
-                  and hasattr(self.backend, "shared_beside")
-                  and self.backend.shared_beside(x, self.w13, self.gate.cfg.top_k, self.shared_experts,
-                                                 self.swiglu_limit))
+                  and hasattr(self.backend, "shared_beside") and self.backend.shared_beside(x))
         if beside:
             with side_stream.fork(x.device):
                 shared_out = self.shared_experts(x)

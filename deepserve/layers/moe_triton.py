@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from deepserve import envs
-from deepserve.kernels.fused_moe import MoEConfig, MoEPairConfig, fused_moe, moe_combine, pick_moe_config
+from deepserve.kernels import fused_moe as moe_kernels
+from deepserve.kernels.fused_moe import MoEConfig, MoEPairConfig, fused_moe, pick_moe_config
 from deepserve.layers import side_stream
 from deepserve.layers.linear import Linear
 from deepserve.layers.mlp import GatedMLP
@@ -63,17 +64,17 @@ class TritonMoE:
             pairs = fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit, config=config, shared_out=shared_out,
                               combine=False)
             side_stream.join(x.device)
-            return moe_combine(pairs.pair_out, pairs.top_k, pairs.shared_out) if combine else pairs
+            return moe_kernels.moe_combine(pairs.pair_out, pairs.top_k, pairs.shared_out) if combine else pairs
         return fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit, config=config, shared_out=shared_out,
                          shared_weights=shared_weights, combine=combine)
 
-    def shared_beside(self, x, w13, top_k: int, shared_experts, swiglu_limit) -> bool:
-        """Whether the layer should launch its shared experts on the side stream before its router
-        (DEEPSERVE_MOE_SHARED_STREAM, on a CUDA device): where they would run as their own launches, not as blocks
-        of the grouped GEMMs."""
-        if not envs.DEEPSERVE_MOE_SHARED_STREAM or not side_stream.available(x.device):
-            return False
-        return self._fused_shared_weights(x, self._config(x, w13, top_k), shared_experts, swiglu_limit) is None
+    def shared_beside(self, x) -> bool:
+        """Whether the layer should launch its shared experts on the side stream before its router: on a CUDA
+        device, unless DEEPSERVE_MOE_SHARED_STREAM=0. Then they never run as blocks of the grouped GEMMs: on the
+        side stream they overlap the router's short launches and the routed experts' GEMMs, which took V2-Lite's
+        steps from 7.19 / 12.57 / 13.76 / 15.56 ms (fused up to 128 tokens) to 7.03 / 12.46 / 13.49 / 15.33 at
+        batch 8 / 64 / 128 / 256 on an H100 (side_streams_v2lite_ab_h100_s49.json, docs/gpu.md)."""
+        return envs.DEEPSERVE_MOE_SHARED_STREAM and side_stream.available(x.device)
 
     def _config(self, x, w13, top_k: int):
         num_experts, two_i, hidden = w13.shape

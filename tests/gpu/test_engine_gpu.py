@@ -111,16 +111,15 @@ def test_moe_combine_in_norm_gives_the_same_bits(model, request, monkeypatch):
 
 
 @pytest.mark.parametrize("combine_in_norm", ["0", "1"])
-def test_side_stream_launches_give_the_same_bits(tiny_deepseek_v2, monkeypatch, combine_in_norm):
-    """DEEPSERVE_MOE_SHARED_STREAM and DEEPSERVE_MLA_WRITE_STREAM (layers/side_stream.py): the shared experts (run
-    apart: DEEPSERVE_MOE_FUSED_SHARED=0) on a side stream beside the router and routed experts, the latent cache
-    write beside W_UK's product: the same tokens and logprobs bit for bit, eager and in CUDA graphs (the fork and
-    join captured as edges), in bf16, a prompt alone (pair mode) and six together (aligned mode); with the combine
-    in the next norm, the join comes before the norm reads the shared output."""
+def test_shared_experts_on_the_side_stream_give_the_same_bits(tiny_deepseek_v2, monkeypatch, combine_in_norm):
+    """DEEPSERVE_MOE_SHARED_STREAM (layers/side_stream.py, on by default): the shared experts on a side stream
+    beside the router and the routed experts give the same tokens and logprobs bit for bit as the same launches in
+    order on one stream (DEEPSERVE_MOE_SHARED_STREAM=0 with DEEPSERVE_MOE_FUSED_SHARED=0), eager and in CUDA graphs
+    (the fork and join captured as edges), in bf16, a prompt alone (pair mode) and six together (aligned mode);
+    with the combine in the next norm, the join comes before the norm reads the shared output."""
     from deepserve.layers import side_stream
     prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
-    monkeypatch.setenv("DEEPSERVE_MOE_FUSED_SHARED", "0")
     monkeypatch.setenv("DEEPSERVE_MOE_COMBINE_IN_NORM", combine_in_norm)
 
     def run(eager):
@@ -129,12 +128,14 @@ def test_side_stream_launches_give_the_same_bits(tiny_deepseek_v2, monkeypatch, 
         out = [llm.generate(prompts[0], params, use_tqdm=False)[0]] + llm.generate(prompts, params, use_tqdm=False)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].cumulative_logprob) for o in out]
 
-    want = {eager: run(eager) for eager in (True, False)}
     forks = []
     real_fork = side_stream.fork
     monkeypatch.setattr(side_stream, "fork", lambda device: forks.append(1) or real_fork(device))
-    monkeypatch.setenv("DEEPSERVE_MOE_SHARED_STREAM", "1")
-    monkeypatch.setenv("DEEPSERVE_MLA_WRITE_STREAM", "1")
+    monkeypatch.setenv("DEEPSERVE_MOE_SHARED_STREAM", "0")
+    monkeypatch.setenv("DEEPSERVE_MOE_FUSED_SHARED", "0")
+    want = {eager: run(eager) for eager in (True, False)}
+    assert not forks
+    monkeypatch.delenv("DEEPSERVE_MOE_SHARED_STREAM")
     for eager in (True, False):
         forks.clear()
         assert run(eager) == want[eager]

@@ -334,21 +334,26 @@ def test_decode_touches_only_the_routed_experts(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config,tokens", [(None, 13), (SMALL_PAIR_TILES, 13), (None, FUSED_SHARED_MAX_TOKENS + 1)],
                          ids=["picked", "pair-mode", "picked-past-the-fusion"])
-@pytest.mark.parametrize("fuse_shared", [True, False], ids=["fused-shared", "shared-module"])
-def test_backend_in_moe_layer(device, dtype, config, tokens, fuse_shared, monkeypatch):
+@pytest.mark.parametrize("shared", ["fused", "module", "side-stream"])
+def test_backend_in_moe_layer(device, dtype, config, tokens, shared, monkeypatch):
     """A whole FusedMoE layer (router, shared experts) with TritonMoE equals the same layer on TorchMoE, on 16
-    experts: the aligned mode when picked (the shared experts' weights in its grouped GEMMs up to
-    FUSED_SHARED_MAX_TOKENS tokens, unless DEEPSERVE_MOE_FUSED_SHARED=0), and the pair mode forced (the shared
-    experts as their own module)."""
+    experts: the aligned mode when picked (with DEEPSERVE_MOE_SHARED_STREAM=0, the shared experts' weights in its
+    grouped GEMMs up to FUSED_SHARED_MAX_TOKENS tokens, unless DEEPSERVE_MOE_FUSED_SHARED=0), and the pair mode
+    forced (the shared experts as their own module); by default, on CUDA, the shared experts on the side stream
+    (their output handed in, joined before the combine), in the interpreter as "fused"."""
     skip_bf16_in_interpreter(dtype)
     if tokens > 13 and (INTERPRET or dtype != torch.bfloat16):
         pytest.skip("the threshold's side: once, on the GPU")
-    monkeypatch.setenv("DEEPSERVE_MOE_FUSED_SHARED", "1" if fuse_shared else "0")
+    monkeypatch.setenv("DEEPSERVE_MOE_SHARED_STREAM", "1" if shared == "side-stream" else "0")
+    monkeypatch.setenv("DEEPSERVE_MOE_FUSED_SHARED", "0" if shared == "module" else "1")
+    beside = shared == "side-stream" and torch.device(device).type == "cuda"
+    fuse_shared = shared != "module" and not beside
     calls = []
     real_fused_moe = fused_moe_module.fused_moe
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("shared_weights") is not None)
+        assert (kwargs.get("shared_out") is not None and not kwargs.get("combine", True)) == beside
         return real_fused_moe(*args, **kwargs)
     monkeypatch.setattr(moe_triton_module, "fused_moe", spy)
     routing = RoutingConfig(top_k=4, topk_method="group_limited_greedy", num_groups=4, topk_groups=2,

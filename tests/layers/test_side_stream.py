@@ -1,18 +1,17 @@
-"""layers/side_stream.py and its users, host-side: a MoE layer launches its shared experts on the side stream before
-its router where the backend asks (DEEPSERVE_MOE_SHARED_STREAM), and the backend joins before the combine. The
-streams themselves, and the same bits with and without them, are tests/gpu/test_engine_gpu.py's."""
+"""layers/side_stream.py and its user, host-side: a MoE layer launches its shared experts on the side stream before
+its router where the backend asks (on CUDA, unless DEEPSERVE_MOE_SHARED_STREAM=0), and the backend joins before the
+combine. The streams themselves, and the same bits with and without them, are tests/gpu's (test_engine_gpu.py,
+test_fused_moe.py)."""
 
 from __future__ import annotations
 
 import contextlib
 
-import pytest
 import torch
 
-from deepserve.kernels.fused_moe import MoEConfig, MoEPairConfig
 from deepserve.layers import side_stream
 from deepserve.layers.moe import FusedMoE, RoutingConfig, TorchMoE
-from deepserve.layers.moe_triton import FUSED_SHARED_MAX_TOKENS, TritonMoE
+from deepserve.layers.moe_triton import TritonMoE
 
 HIDDEN, INTER, SHARED, EXPERTS = 24, 12, 20, 8
 ROUTING = RoutingConfig(top_k=2, scoring="softmax", renormalize=True)
@@ -24,13 +23,6 @@ def _moe() -> FusedMoE:
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return moe
-
-
-def test_no_side_stream_off_cuda(monkeypatch):
-    assert not side_stream.available(torch.device("cpu"))
-    monkeypatch.setenv("DEEPSERVE_MOE_SHARED_STREAM", "1")
-    moe, x = _moe(), torch.randn(5, HIDDEN)
-    assert not TritonMoE(MoEPairConfig(8, 16, 32)).shared_beside(x, moe.w13, 2, moe.shared_experts, None)
 
 
 class _Events:
@@ -63,7 +55,7 @@ class _SideBackend:
     def __init__(self, events: _Events) -> None:
         self.events = events
 
-    def shared_beside(self, x, w13, top_k, shared_experts, swiglu_limit) -> bool:
+    def shared_beside(self, x) -> bool:
         return True
 
     def forward(self, x, w13, w2, weights, ids, swiglu_limit=None, shared_out=None, shared_experts=None,
@@ -93,18 +85,11 @@ def test_layer_keeps_the_backends_order_where_it_declines(monkeypatch):
     assert events.log == ["router", "shared"]
 
 
-@pytest.mark.parametrize("tokens, fused_shared, config, beside", [
-    (FUSED_SHARED_MAX_TOKENS + 1, "1", MoEConfig(16, 32, 32), True),     # past the fused blocks' tokens
-    (FUSED_SHARED_MAX_TOKENS, "1", MoEConfig(16, 32, 32), False),        # shared experts inside the grouped GEMMs
-    (64, "0", MoEConfig(16, 32, 32), True),                              # fusion switched off
-    (4, "1", MoEPairConfig(8, 16, 32), True),                            # the pair mode has no shared blocks
-])
-def test_triton_backend_asks_where_shared_experts_run_apart(monkeypatch, tokens, fused_shared, config, beside):
+def test_triton_backend_asks_for_the_side_stream_on_cuda_unless_switched_off(monkeypatch):
+    monkeypatch.delenv("DEEPSERVE_MOE_SHARED_STREAM", raising=False)     # the default: on
+    x = torch.randn(4, HIDDEN)
+    assert not TritonMoE().shared_beside(x)                                # no side stream off CUDA
     monkeypatch.setattr(side_stream, "available", lambda device: True)    # as on a CUDA device
-    monkeypatch.setenv("DEEPSERVE_MOE_FUSED_SHARED", fused_shared)
-    moe, x = _moe(), torch.randn(tokens, HIDDEN)
-    backend = TritonMoE(config)
-    monkeypatch.setenv("DEEPSERVE_MOE_SHARED_STREAM", "1")
-    assert backend.shared_beside(x, moe.w13, 2, moe.shared_experts, None) == beside
+    assert TritonMoE().shared_beside(x)
     monkeypatch.setenv("DEEPSERVE_MOE_SHARED_STREAM", "0")
-    assert not backend.shared_beside(x, moe.w13, 2, moe.shared_experts, None)
+    assert not TritonMoE().shared_beside(x)
