@@ -44,7 +44,7 @@
 #   bash benchmarks/gpu_pending.sh side-streams  # ~9 min: the side-stream switches: GPU tests, V2-Lite steps 64-256
 #   bash benchmarks/gpu_pending.sh side-timeline  # ~1 min: V2-Lite batch 256's graph timeline (side stream)
 #   bash benchmarks/gpu_pending.sh cublaslt-dense  # ~4 min: TORCH_BLAS_PREFER_CUBLASLT=0,1 in 1B steps, 64-256
-#   bash benchmarks/gpu_pending.sh s49-check  # ~6 min: tests/gpu, the MoE sweep over E4M3, pair-mode side stream A/B
+#   bash benchmarks/gpu_pending.sh s49-check  # ~7 min: tests/gpu, side stream in pair mode, MoE sweep, priority
 #   bash benchmarks/gpu_pending.sh splits-4k  # ~4 min: 1B batch 1 / 8 at 4k, decode splits by the rule / 16 / 64
 #   bash benchmarks/gpu_pending.sh merge-one-tile  # ~2 min: DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 in 1B steps
 #   bash benchmarks/gpu_pending.sh gqa-pairs-moe  # ~4 min: the same in Qwen3-MoE steps over an E4M3 cache
@@ -653,18 +653,24 @@ cublaslt-dense)
     tail -2 /tmp/cublaslt_1b.log | cut -c1-300; summarise_steps "$OUT/cublaslt_1b_ab.json"; elapsed "cublaslt-dense"
     ;;
 s49-check)
-    # Session 49's default (DEEPSERVE_MOE_SHARED_STREAM on): tests/gpu, then the MoE sweep over an E4M3 cache (issue
-    # 21's MoE targets), then V2-Lite batch 1 / 2 / 4 (the pair mode, which side-streams timed only from batch 8)
-    # with the switch 0 / 1, two passes.
+    # Session 49's default (DEEPSERVE_MOE_SHARED_STREAM on): tests/gpu; V2-Lite batch 1 / 2 / 4 (the pair mode, which
+    # side-streams timed only from batch 8) with the switch 0 / 1, two passes; the MoE sweep over an E4M3 cache
+    # (issue 21's MoE targets); the side stream at a higher priority (DEEPSERVE_SIDE_STREAM_PRIORITY=-1: at batch 256
+    # the shared experts' down GEMM ends after the routed down GEMM, v2lite_side_timeline_h100_s49.json), two passes.
     n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
     timeout 200 python3 -m pytest -q $n tests/gpu -m "not gpu_alone" -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
     tail -4 "$OUT/pytest_gpu.log" | cut -c1-300; grep -E "^FAILED" "$OUT/pytest_gpu.log" | head | cut -c1-300
     elapsed "tests/gpu"
-    SWEEP_KV=fp8 SWEEP_DENSE=0 bash "$0" sweeps
-    timeout 150 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_SHARED_STREAM=0,1 --passes 2 --timeout 70 \
+    timeout 130 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_SHARED_STREAM=0,1 --passes 2 --timeout 60 \
         --output "$OUT/side_stream_pair_mode_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
         --batches 1,2,4 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/side_pair.log 2>&1
     tail -1 /tmp/side_pair.log | cut -c1-300; summarise_steps "$OUT/side_stream_pair_mode_v2lite_ab.json"
+    elapsed "pair mode A/B"
+    SWEEP_KV=fp8 SWEEP_DENSE=0 bash "$0" sweeps
+    timeout 130 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_SIDE_STREAM_PRIORITY=0,-1 --passes 2 \
+        --timeout 60 --output "$OUT/side_stream_priority_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
+        --batches 128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/side_prio.log 2>&1
+    tail -1 /tmp/side_prio.log | cut -c1-300; summarise_steps "$OUT/side_stream_priority_v2lite_ab.json"
     elapsed "s49-check"
     ;;
 side-timeline)
