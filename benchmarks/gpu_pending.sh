@@ -656,7 +656,9 @@ s49-check)
     # Session 49's default (DEEPSERVE_MOE_SHARED_STREAM on): tests/gpu; V2-Lite batch 1 / 2 / 4 (the pair mode, which
     # side-streams timed only from batch 8) with the switch 0 / 1, two passes; the MoE sweep over an E4M3 cache
     # (issue 21's MoE targets); the side stream at a higher priority (DEEPSERVE_SIDE_STREAM_PRIORITY=-1: at batch 256
-    # the shared experts' down GEMM ends after the routed down GEMM, v2lite_side_timeline_h100_s49.json), two passes.
+    # the shared experts' down GEMM ends after the routed down GEMM, v2lite_side_timeline_h100_s49.json) and forked
+    # after the routing (DEEPSERVE_MOE_SHARED_FORK=experts: there the shared gate/up GEMM's one wave of 132 blocks
+    # holds the SMs until it ends, 11.2 us exposed, and the routed gate/up starts after it), one pass.
     n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
     timeout 200 python3 -m pytest -q $n tests/gpu -m "not gpu_alone" -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
     tail -4 "$OUT/pytest_gpu.log" | cut -c1-300; grep -E "^FAILED" "$OUT/pytest_gpu.log" | head | cut -c1-300
@@ -667,8 +669,9 @@ s49-check)
     tail -1 /tmp/side_pair.log | cut -c1-300; summarise_steps "$OUT/side_stream_pair_mode_v2lite_ab.json"
     elapsed "pair mode A/B"
     SWEEP_KV=fp8 SWEEP_DENSE=0 bash "$0" sweeps
-    timeout 130 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_SIDE_STREAM_PRIORITY=0,-1 --passes 2 \
-        --timeout 60 --output "$OUT/side_stream_priority_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
+    timeout 150 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_SHARED_FORK=router,experts \
+        --setting DEEPSERVE_SIDE_STREAM_PRIORITY=0,-1 --passes 1 --timeout 60 \
+        --output "$OUT/side_stream_priority_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
         --batches 128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/side_prio.log 2>&1
     tail -1 /tmp/side_prio.log | cut -c1-300; summarise_steps "$OUT/side_stream_priority_v2lite_ab.json"
     elapsed "s49-check"

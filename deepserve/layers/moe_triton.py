@@ -56,7 +56,10 @@ class TritonMoE:
         pair rows whose shared output the next layer's norm reads."""
         config = self._config(x, w13, topk_ids.shape[1])
         shared_weights = None
-        if shared_experts is not None:
+        if shared_on_side and shared_experts is not None:       # DEEPSERVE_MOE_SHARED_FORK=experts: fork here
+            with side_stream.fork(x.device):
+                shared_out = shared_experts(x)
+        elif shared_experts is not None:
             shared_weights = self._fused_shared_weights(x, config, shared_experts, swiglu_limit)
             if shared_weights is None:
                 shared_out = shared_experts(x)
