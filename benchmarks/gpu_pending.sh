@@ -44,6 +44,7 @@
 #   bash benchmarks/gpu_pending.sh side-streams  # ~9 min: the side-stream switches: GPU tests, V2-Lite steps 64-256
 #   bash benchmarks/gpu_pending.sh side-timeline  # ~1 min: V2-Lite batch 256's graph timeline (side stream)
 #   bash benchmarks/gpu_pending.sh cublaslt-dense  # ~4 min: TORCH_BLAS_PREFER_CUBLASLT=0,1 in 1B steps, 64-256
+#   bash benchmarks/gpu_pending.sh s49-short  # ~4 min: s49-check's A/Bs in one pass, its side-stream tests only
 #   bash benchmarks/gpu_pending.sh s49-check  # ~7 min: tests/gpu, side stream in pair mode, MoE sweep, priority
 #   bash benchmarks/gpu_pending.sh splits-4k  # ~4 min: 1B batch 1 / 8 at 4k, decode splits by the rule / 16 / 64
 #   bash benchmarks/gpu_pending.sh merge-one-tile  # ~2 min: DEEPSERVE_DECODE_MERGE_ONE_TILE=0,1 in 1B steps
@@ -675,6 +676,23 @@ s49-check)
         --batches 128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/side_prio.log 2>&1
     tail -1 /tmp/side_prio.log | cut -c1-300; summarise_steps "$OUT/side_stream_priority_v2lite_ab.json"
     elapsed "s49-check"
+    ;;
+s49-short)
+    # s49-check in less device time: the side-stream GPU tests only, the pair-mode A/B and the fork / priority A/B
+    # one pass each, the V2-Lite sweep only.
+    timeout 120 python3 -m pytest -q -n 4 -p no:cacheprovider tests/gpu/test_engine_gpu.py tests/gpu/test_fused_moe.py \
+        -k "side_stream or combine_in_norm or backend_in_moe" > "$OUT/pytest_gpu.log" 2>&1
+    tail -2 "$OUT/pytest_gpu.log" | cut -c1-300; grep -E "^FAILED" "$OUT/pytest_gpu.log" | head | cut -c1-300
+    elapsed "side-stream tests"
+    timeout 150 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_SHARED_FORK=router,experts \
+        --setting DEEPSERVE_SIDE_STREAM_PRIORITY=0,-1 --passes 1 --timeout 60 \
+        --output "$OUT/side_stream_priority_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
+        --batches 128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/side_prio.log 2>&1
+    summarise_steps "$OUT/side_stream_priority_v2lite_ab.json"; elapsed "fork / priority A/B"
+    timeout 80 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_SHARED_STREAM=0,1 --passes 1 --timeout 60 \
+        --output "$OUT/side_stream_pair_mode_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
+        --batches 1,2,4 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/side_pair.log 2>&1
+    summarise_steps "$OUT/side_stream_pair_mode_v2lite_ab.json"; elapsed "pair mode A/B"
     ;;
 side-timeline)
     # V2-Lite batch 256's graph timeline over E4M3 with the shared experts on the side stream (session 49's
