@@ -684,15 +684,15 @@ s49-short)
         -k "side_stream or combine_in_norm or backend_in_moe" > "$OUT/pytest_gpu.log" 2>&1
     tail -2 "$OUT/pytest_gpu.log" | cut -c1-300; grep -E "^FAILED" "$OUT/pytest_gpu.log" | head | cut -c1-300
     elapsed "side-stream tests"
+    timeout 80 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_SHARED_STREAM=0,1 --passes 1 --timeout 60 \
+        --output "$OUT/side_stream_pair_mode_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
+        --batches 1,2,4 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/side_pair.log 2>&1
+    summarise_steps "$OUT/side_stream_pair_mode_v2lite_ab.json"; elapsed "pair mode A/B"
     timeout 150 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_SHARED_FORK=router,experts \
         --setting DEEPSERVE_SIDE_STREAM_PRIORITY=0,-1 --passes 1 --timeout 60 \
         --output "$OUT/side_stream_priority_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
         --batches 128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/side_prio.log 2>&1
     summarise_steps "$OUT/side_stream_priority_v2lite_ab.json"; elapsed "fork / priority A/B"
-    timeout 80 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MOE_SHARED_STREAM=0,1 --passes 1 --timeout 60 \
-        --output "$OUT/side_stream_pair_mode_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
-        --batches 1,2,4 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/side_pair.log 2>&1
-    summarise_steps "$OUT/side_stream_pair_mode_v2lite_ab.json"; elapsed "pair mode A/B"
     ;;
 side-timeline)
     # V2-Lite batch 256's graph timeline over E4M3 with the shared experts on the side stream (session 49's
