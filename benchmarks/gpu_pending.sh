@@ -678,8 +678,8 @@ s49-check)
     elapsed "s49-check"
     ;;
 s49-short)
-    # s49-check in less device time: the side-stream GPU tests only, the pair-mode A/B and the fork / priority A/B
-    # one pass each, the V2-Lite sweep only.
+    # s49-check in less device time: the side-stream GPU tests only, then the pair-mode A/B and the fork / priority
+    # A/B, one pass each (no MoE sweep: the A/B rows carry the experts-roofline ratios).
     timeout 120 python3 -m pytest -q -n 4 -p no:cacheprovider tests/gpu/test_engine_gpu.py tests/gpu/test_fused_moe.py \
         -k "side_stream or combine_in_norm or backend_in_moe" > "$OUT/pytest_gpu.log" 2>&1
     tail -2 "$OUT/pytest_gpu.log" | cut -c1-300; grep -E "^FAILED" "$OUT/pytest_gpu.log" | head | cut -c1-300
