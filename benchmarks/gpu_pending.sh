@@ -654,6 +654,8 @@ cublaslt-dense)
     tail -2 /tmp/cublaslt_1b.log | cut -c1-300; summarise_steps "$OUT/cublaslt_1b_ab.json"; elapsed "cublaslt-dense"
     ;;
 s49-check)
+    # (DEEPSERVE_MOE_SHARED_FORK and DEEPSERVE_SIDE_STREAM_PRIORITY were removed after s49-short timed them: their
+    # code is at commit 104c2b9, where this stage and s49-short run as written.)
     # Session 49's default (DEEPSERVE_MOE_SHARED_STREAM on): tests/gpu; V2-Lite batch 1 / 2 / 4 (the pair mode, which
     # side-streams timed only from batch 8) with the switch 0 / 1, two passes; the MoE sweep over an E4M3 cache
     # (issue 21's MoE targets); the side stream at a higher priority (DEEPSERVE_SIDE_STREAM_PRIORITY=-1: at batch 256

@@ -167,13 +167,6 @@ _DECLARED = [
            "GPU MoE layers launch their shared experts on a second CUDA stream, beside the router and the routed "
            "experts (layers/side_stream.py: a fork and a join, edges inside a CUDA graph), never as blocks of the "
            "grouped GEMMs; 0: in order on one stream (fused up to DEEPSERVE_MOE_FUSED_SHARED's tokens)"),
-    EnvVar("DEEPSERVE_MOE_SHARED_FORK", "str", "router",
-           "GPU MoE layers with DEEPSERVE_MOE_SHARED_STREAM on: where the shared experts fork to the side stream, "
-           "`router` (the default: before the router's launches) or `experts` (after the routing, before the routed "
-           "experts' launches), an A/B switch", choices=("router", "experts")),
-    EnvVar("DEEPSERVE_SIDE_STREAM_PRIORITY", "int", 0,
-           "GPU side stream (layers/side_stream.py): its CUDA priority, 0 (the default) or -1 (higher: the block "
-           "scheduler starts its pending blocks first), an A/B switch (read when the stream is made)"),
     EnvVar("DEEPSERVE_MOE_DOWN_TILES", "str", "",
            "GPU MoE layers in the aligned (grouped GEMM) mode at decode sizes (up to 256 rows an expert): the down "
            "GEMM's tiles, `NxKxWARPSxSTAGES` (output columns, K step, warps, pipeline stages), over "

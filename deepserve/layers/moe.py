@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepserve import envs
 from deepserve.kernels.reference.moe import (PairRows, RoutingConfig, count_expert_load, moe_experts,  # noqa: F401
                                              route)
 from deepserve.layers import side_stream
@@ -49,8 +48,7 @@ class MoEBackend(Protocol):
         weighted rows come back as a PairRows, for the next RMSNorm to add as it loads them.
         A backend with `shared_beside(x)` (the GPU one) may ask the layer to launch the shared experts on a side
         stream before its router; their output then comes as shared_out with shared_on_side=True, for the backend
-        to join (layers/side_stream.py) before anything reads it (with DEEPSERVE_MOE_SHARED_FORK=experts the
-        module comes with shared_on_side=True, for the backend to fork to the side stream itself)."""
+        to join (layers/side_stream.py) before anything reads it."""
         ...
 
 
@@ -176,8 +174,7 @@ class FusedMoE(nn.Module):
         # their output is read).
         beside = (self.shared_experts is not None and self.expert_parallel is None
                   and hasattr(self.backend, "shared_beside") and self.backend.shared_beside(x))
-        early = beside and envs.DEEPSERVE_MOE_SHARED_FORK == "router"
-        if early:
+        if beside:
             with side_stream.fork(x.device):
                 shared_out = self.shared_experts(x)
         # The gate also counts the tokens routed to each expert.
@@ -192,9 +189,8 @@ class FusedMoE(nn.Module):
             out = self.expert_parallel.forward(self, x, weights, ids, shared)
         else:
             defer = not combine and self.tp.size == 1 and getattr(self.backend, "defers_combine", False)
-            shared = ({"shared_out": shared_out} if early else {"shared_experts": self.shared_experts})
-            if beside:
-                shared["shared_on_side"] = True
+            shared = ({"shared_out": shared_out, "shared_on_side": True} if beside
+                      else {"shared_experts": self.shared_experts})
             out = self.backend.forward(x, self.w13, self.w2, weights, ids, self.swiglu_limit, **shared,
                                        **({"combine": False} if defer else {}))
             if defer:

@@ -56,10 +56,7 @@ class TritonMoE:
         pair rows whose shared output the next layer's norm reads."""
         config = self._config(x, w13, topk_ids.shape[1])
         shared_weights = None
-        if shared_on_side and shared_experts is not None:       # DEEPSERVE_MOE_SHARED_FORK=experts: fork here
-            with side_stream.fork(x.device):
-                shared_out = shared_experts(x)
-        elif shared_experts is not None:
+        if shared_experts is not None:
             shared_weights = self._fused_shared_weights(x, config, shared_experts, swiglu_limit)
             if shared_weights is None:
                 shared_out = shared_experts(x)
@@ -76,7 +73,8 @@ class TritonMoE:
         device, unless DEEPSERVE_MOE_SHARED_STREAM=0. Then they never run as blocks of the grouped GEMMs: on the
         side stream they overlap the router's short launches and the routed experts' GEMMs, which took V2-Lite's
         steps from 7.19 / 12.57 / 13.76 / 15.56 ms (fused up to 128 tokens) to 7.03 / 12.46 / 13.49 / 15.33 at
-        batch 8 / 64 / 128 / 256 on an H100 (side_streams_v2lite_ab_h100_s49.json, docs/gpu.md)."""
+        batch 8 / 64 / 128 / 256 on an H100, and from 2.62 / 3.82 / 5.06 to 2.43 / 3.57 / 4.82 at batch 1 / 2 / 4
+        (the pair mode; side_streams2_v2lite_ab_h100_s49.json, side_stream_pair_mode_v2lite_ab_h100_s49.json)."""
         return envs.DEEPSERVE_MOE_SHARED_STREAM and side_stream.available(x.device)
 
     def _config(self, x, w13, top_k: int):

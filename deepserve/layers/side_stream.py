@@ -27,8 +27,6 @@ from typing import Iterator
 
 import torch
 
-from deepserve import envs
-
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -41,7 +39,7 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The one side stream of `device` (made on first use, shared by every layer: each forks and joins in turn)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _STREAMS:
-        _STREAMS[index] = torch.cuda.Stream(device=index, priority=envs.DEEPSERVE_SIDE_STREAM_PRIORITY)
+        _STREAMS[index] = torch.cuda.Stream(device=index)
     return _STREAMS[index]
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
 import torch
 
 from deepserve.layers import side_stream
@@ -61,29 +60,20 @@ class _SideBackend:
 
     def forward(self, x, w13, w2, weights, ids, swiglu_limit=None, shared_out=None, shared_experts=None,
                 shared_on_side=False):
-        assert shared_on_side and (shared_experts is None) != (shared_out is None)
-        if shared_experts is not None:          # DEEPSERVE_MOE_SHARED_FORK=experts: the backend forks
-            with side_stream.fork(x.device):
-                shared_out = shared_experts(x)
+        assert shared_on_side and shared_experts is None and shared_out is not None
         self.events.log.append("routed")
         side_stream.join(x.device)
         return TorchMoE().forward(x, w13, w2, weights, ids, swiglu_limit, shared_out=shared_out)
 
 
-@pytest.mark.parametrize("fork_at, order", [
-    ("router", ["fork", "shared", "forked", "router", "routed", "join"]),
-    ("experts", ["router", "fork", "shared", "forked", "routed", "join"]),
-])
-def test_layer_forks_the_shared_experts_where_asked(monkeypatch, fork_at, order):
-    """DEEPSERVE_MOE_SHARED_FORK: before the router (the default) or, in the backend, after the routing."""
-    monkeypatch.setenv("DEEPSERVE_MOE_SHARED_FORK", fork_at)
+def test_layer_forks_the_shared_experts_before_its_router(monkeypatch):
     moe = _moe()
     x = torch.randn(6, HIDDEN)
     want = moe(x)                        # the reference backend: the shared experts inside it, in order
     events = _Events(monkeypatch, moe)
     moe.backend = _SideBackend(events)
     got = moe(x)
-    assert events.log == order
+    assert events.log == ["fork", "shared", "forked", "router", "routed", "join"]
     assert torch.equal(got, want)
 
 
