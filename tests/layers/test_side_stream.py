@@ -91,5 +91,6 @@ def test_triton_backend_asks_for_the_side_stream_on_cuda_unless_switched_off(mon
     assert not TritonMoE().shared_beside(x)                                # no side stream off CUDA
     monkeypatch.setattr(side_stream, "available", lambda device: True)    # as on a CUDA device
     assert TritonMoE().shared_beside(x)
+    assert not TritonMoE().shared_beside(x[:0])                            # nothing to overlap
     monkeypatch.setenv("DEEPSERVE_MOE_SHARED_STREAM", "0")
     assert not TritonMoE().shared_beside(x)
