@@ -42,6 +42,8 @@
 #   bash benchmarks/gpu_pending.sh s48-first  # ~7 min: v2lite-timeline, then splits-4k
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
 #   bash benchmarks/gpu_pending.sh side-streams  # ~9 min: the side-stream switches: GPU tests, V2-Lite steps 64-256
+#   bash benchmarks/gpu_pending.sh s50        # ~9 min: DEEPSERVE_MLA_WARP_CHUNKS tests, calls, steps; capture priority
+#   bash benchmarks/gpu_pending.sh s50-v41    # ~6 min: DeepSeek-V4.1 decode steps, shared experts on a side stream 0/1
 #   bash benchmarks/gpu_pending.sh side-timeline  # ~1 min: V2-Lite batch 256's graph timeline (side stream)
 #   bash benchmarks/gpu_pending.sh cublaslt-dense  # ~4 min: TORCH_BLAS_PREFER_CUBLASLT=0,1 in 1B steps, 64-256
 #   bash benchmarks/gpu_pending.sh s49-short  # ~4 min: s49-check's A/Bs in one pass, its side-stream tests only
@@ -695,6 +697,56 @@ s49-short)
         --output "$OUT/side_stream_priority_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
         --batches 128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/side_prio.log 2>&1
     summarise_steps "$OUT/side_stream_priority_v2lite_ab.json"; elapsed "fork / priority A/B"
+    ;;
+s50)
+    # Session 50. (1) DEEPSERVE_MLA_WARP_CHUNKS: the MLA decode kernel with its four column chunks as the products'
+    # batch dimension, one a warp. The default kernel's warps split the tile's keys in the score product, so every
+    # warp reads the whole [16, 576] query from shared memory in every tile (sm_90 build: 36 of 51 ldmatrix a tile
+    # and warp; over E4M3 the kernel reads HBM at 1.4 TB/s with its shared-memory pipe 75% busy, session 34). Its
+    # tests, then kernel calls at V2-Lite batch 64 / 128 / 256 (bf16 and E4M3 caches, five tiles), then steps over
+    # E4M3 at batch 64 / 128 / 256 (default tiles, and MLA_CHUNK_TILES forced), one pass. (2) The capture stream
+    # above the side stream (DEEPSERVE_GRAPH_STREAM_PRIORITY=-1): at batch 256 the shared experts' cuBLAS gate/up
+    # (one wave of 132 blocks) holds the SMs until it ends, and the routed gate/up starts after it
+    # (v2lite_side_timeline_h100_s49.json); with the main launches first, the router's chain and the routed GEMMs
+    # take free SMs before the shared blocks. Steps at batch 64 / 128 / 256, one pass.
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_decode.py -k "warp_chunks or matches" \
+        > "$OUT/pytest_warp_chunks.log" 2>&1
+    tail -2 "$OUT/pytest_warp_chunks.log" | cut -c1-300; grep -E "^FAILED" "$OUT/pytest_warp_chunks.log" | head -5
+    elapsed "warp-chunk tests"
+    timeout 170 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes bfloat16,float8_e4m3fn \
+        --settings "DEEPSERVE_FP8_PRODUCTS=f16;DEEPSERVE_FP8_PRODUCTS=f16+DEEPSERVE_MLA_WARP_CHUNKS=1" \
+        --cases "v2-lite b64 ctx1024,v2-lite b128,v2-lite b256" --output "$OUT/mla_warp_chunks_kernels.json" \
+        --tiles "${MLA_TILES50:-32x4x3,16x4x4,32x4x4,64x4x2,16x4x3}" > /tmp/mla_chunks_kernels.log 2>&1
+    tail -1 /tmp/mla_chunks_kernels.log | cut -c1-300; summarise_kernels "$OUT/mla_warp_chunks_kernels.json"
+    elapsed "warp-chunk kernels"
+    timeout 200 python3 benchmarks/ab_env_sweep.py --combo DEEPSERVE_MLA_WARP_CHUNKS=0 \
+        --combo DEEPSERVE_MLA_WARP_CHUNKS=1 \
+        --combo "DEEPSERVE_MLA_WARP_CHUNKS=1,DEEPSERVE_MLA_DECODE_TILES=${MLA_CHUNK_TILES:-16x4x4}" --passes 1 \
+        --timeout 60 --output "$OUT/mla_warp_chunks_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
+        --batches 64,128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_chunks_ab.log 2>&1
+    tail -1 /tmp/mla_chunks_ab.log | cut -c1-300; summarise_steps "$OUT/mla_warp_chunks_v2lite_ab.json"
+    elapsed "warp-chunk steps"
+    timeout 130 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_GRAPH_STREAM_PRIORITY=0,-1 --passes 1 \
+        --timeout 60 --output "$OUT/graph_priority_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
+        --batches 64,128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/graph_prio.log 2>&1
+    tail -1 /tmp/graph_prio.log | cut -c1-300; summarise_steps "$OUT/graph_priority_v2lite_ab.json"
+    elapsed "graph stream priority A/B"
+    ;;
+s50-v41)
+    # DeepSeek-V4.1's scaled shape (h200_v41.py: MoE on every layer, one shared expert) with its shared experts on
+    # the side stream (session 49's default) or not: decode steps at batch 1 / 8 / 64 / 256.
+    for on in 0 1; do
+        DEEPSERVE_MOE_SHARED_STREAM=$on timeout 170 python3 benchmarks/h200_v41.py --prefill "" --eager-batches "" \
+            --batches 1,8,64,256 --output "$OUT/v41_side_stream_$on.json" > "/tmp/v41_side_$on.log" 2>&1
+        tail -1 "/tmp/v41_side_$on.log" | cut -c1-200
+        python3 - "$OUT/v41_side_stream_$on.json" "$on" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1])).get("decode", []):
+    keys = ("batch_size", "decode_ms_per_step", "fraction_of_roofline", "error")
+    print("side stream", sys.argv[2], {k: r.get(k) for k in keys})
+PY
+        elapsed "V4.1 side stream $on"
+    done
     ;;
 side-timeline)
     # V2-Lite batch 256's graph timeline over E4M3 with the shared experts on the side stream (session 49's
