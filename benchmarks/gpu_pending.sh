@@ -42,8 +42,8 @@
 #   bash benchmarks/gpu_pending.sh s48-first  # ~7 min: v2lite-timeline, then splits-4k
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
 #   bash benchmarks/gpu_pending.sh side-streams  # ~9 min: the side-stream switches: GPU tests, V2-Lite steps 64-256
-#   bash benchmarks/gpu_pending.sh s50        # ~9 min: DEEPSERVE_MLA_WARP_CHUNKS tests, calls, steps; capture priority
-#   bash benchmarks/gpu_pending.sh s50-v41    # ~6 min: DeepSeek-V4.1 decode steps, shared experts on a side stream 0/1
+#   bash benchmarks/gpu_pending.sh s50        # ~5 min: (d9ec60b) MLA warp chunks: tests, calls, steps; capture priority
+#   bash benchmarks/gpu_pending.sh s50-v41    # ~2 min: DeepSeek-V4.1 decode steps, shared experts on a side stream 0/1
 #   bash benchmarks/gpu_pending.sh side-timeline  # ~1 min: V2-Lite batch 256's graph timeline (side stream)
 #   bash benchmarks/gpu_pending.sh cublaslt-dense  # ~4 min: TORCH_BLAS_PREFER_CUBLASLT=0,1 in 1B steps, 64-256
 #   bash benchmarks/gpu_pending.sh s49-short  # ~4 min: s49-check's A/Bs in one pass, its side-stream tests only
@@ -699,6 +699,9 @@ s49-short)
     summarise_steps "$OUT/side_stream_priority_v2lite_ab.json"; elapsed "fork / priority A/B"
     ;;
 s50)
+    # (Both switches were removed after this stage timed them on an H100: slower, or no gain. Their code is at commit
+    # d9ec60b, where this stage runs as written: mla_warp_chunks_*_h100_s50.json and
+    # graph_priority_v2lite_ab_h100_s50.json.)
     # Session 50. (1) DEEPSERVE_MLA_WARP_CHUNKS: the MLA decode kernel with its four column chunks as the products'
     # batch dimension, one a warp. The default kernel's warps split the tile's keys in the score product, so every
     # warp reads the whole [16, 576] query from shared memory in every tile (sm_90 build: 36 of 51 ldmatrix a tile

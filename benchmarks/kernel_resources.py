@@ -50,23 +50,19 @@ OPCODES = ("LDL", "STL", "HMMA", "HGMMA", "LDG", "LDGSTS", "LDSM", "BAR", "F2FP"
 # more program per SM than the uncapped build holds.
 MLA_TILES = [(16, 4, 3, None), (16, 4, 2, None), (32, 4, 3, None), (32, 4, 2, None), (32, 8, 3, None),
              (32, 8, 2, None), (64, 4, 2, None), (64, 8, 2, None), (16, 4, 3, 128), (32, 4, 2, 128), (32, 4, 2, 168)]
-MLA_CHUNK_TILES = [(32, 4, 3, None), (32, 4, 4, None), (16, 4, 4, None), (16, 4, 3, None), (64, 4, 2, None)]
 
 
 def mla_cases() -> dict:
-    """The MLA decode kernel at MLA_TILES, and its warp-chunk twin (DEEPSERVE_MLA_WARP_CHUNKS) at MLA_CHUNK_TILES."""
-    from deepserve.kernels.mla_decode import _mla_decode_kernel, _mla_decode_warp_chunks_kernel
+    from deepserve.kernels.mla_decode import _mla_decode_kernel
     out = {}
     for cache in ("bf16", "fp8e4nv"):
         ptrs = {"cache_ptr": f"*{cache}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
-        for kernel, label, tiles in ((_mla_decode_kernel, "mla_decode", MLA_TILES),
-                                     (_mla_decode_warp_chunks_kernel, "mla_decode_warp_chunks", MLA_CHUNK_TILES)):
-            for block_n, warps, stages, cap in tiles:
-                constexprs = dict(RANK=512, ROPE=64, CHUNK=128, BLOCK_P=64, BLOCK_H=16, BLOCK_N=block_n, SPLIT=False,
-                                  PRECISION="tf32", INPUTS_READY=True, USE_PDL=True)
-                name = f"{label} {cache} {block_n}x{warps}x{stages}" + (f"r{cap}" if cap else "")
-                out[name] = (kernel, ptrs, constexprs, {"qk_scale": "fp32"}, warps, stages, cap)
+        for block_n, warps, stages, cap in MLA_TILES:
+            constexprs = dict(RANK=512, ROPE=64, CHUNK=128, BLOCK_P=64, BLOCK_H=16, BLOCK_N=block_n, SPLIT=False,
+                              PRECISION="tf32", INPUTS_READY=True, USE_PDL=True)
+            name = f"mla_decode {cache} {block_n}x{warps}x{stages}" + (f"r{cap}" if cap else "")
+            out[name] = (_mla_decode_kernel, ptrs, constexprs, {"qk_scale": "fp32"}, warps, stages, cap)
     return out
 
 

@@ -150,10 +150,6 @@ _DECLARED = [
            "GPU MLA decode: every launch with these tiles, 'KEYSxWARPSxSTAGES[rREGISTERS]' (e.g. 16x4x3, or "
            "32x4x2r168 with a register cap), an A/B switch for decode steps (benchmarks/ab_env_sweep.py; "
            "kernel_resources.py prices each); unset: 32x4x3 (kernels/mla_decode.py, read at import)"),
-    EnvVar("DEEPSERVE_MLA_WARP_CHUNKS", "bool", False,
-           "GPU MLA decode: each of the kernel's four warps takes a quarter of the latent's columns in both products "
-           "(scores summed across the warps), so no warp reads the whole query from shared memory in every tile "
-           "(kernels/mla_decode.py; read at each launch)"),
     EnvVar("DEEPSERVE_MLA_PROGRAMS_PER_SM", "int", 2,
            "GPU MLA decode: the context is split until (sequences x head tiles x splits) reaches this many programs "
            "an SM (kernels/mla_decode.py mla_num_splits; 2 measured best on an H200 with the unchunked kernel), an "
@@ -171,10 +167,6 @@ _DECLARED = [
            "GPU MoE layers launch their shared experts on a second CUDA stream, beside the router and the routed "
            "experts (layers/side_stream.py: a fork and a join, edges inside a CUDA graph), never as blocks of the "
            "grouped GEMMs; 0: in order on one stream (fused up to DEEPSERVE_MOE_FUSED_SHARED's tokens)"),
-    EnvVar("DEEPSERVE_GRAPH_STREAM_PRIORITY", "int", 0,
-           "GPU CUDA graphs: the priority of the stream they are captured on, which their kernels keep in a replay "
-           "(0, the default, is the lowest; -1 and below rank above the MoE side stream's, so the main launches take "
-           "free SMs first)"),
     EnvVar("DEEPSERVE_MOE_DOWN_TILES", "str", "",
            "GPU MoE layers in the aligned (grouped GEMM) mode at decode sizes (up to 256 rows an expert): the down "
            "GEMM's tiles, `NxKxWARPSxSTAGES` (output columns, K step, warps, pipeline stages), over "

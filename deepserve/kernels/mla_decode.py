@@ -314,86 +314,6 @@ def _mla_decode_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_len
     store_columns(o_rows, 3 * CHUNK, c, h_ok, acc3 / l_i[:, None], RANK)
 
 
-@triton.jit(do_not_specialize=_PER_STEP_ARGS + ["stride_bt"])
-def _mla_decode_warp_chunks_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
-                                   out_ptr, part_out_ptr, part_lse_ptr,
-                                   qk_scale,
-                                   stride_qlb, stride_qlh, stride_qpb, stride_qph,
-                                   stride_c_block, stride_c_slot, stride_bt, stride_ob, stride_oh,
-                                   stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
-                                   num_heads, block_size,
-                                   RANK: tl.constexpr, ROPE: tl.constexpr, CHUNK: tl.constexpr,
-                                   BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   SPLIT: tl.constexpr, PRECISION: tl.constexpr, INPUTS_READY: tl.constexpr,
-                                   USE_PDL: tl.constexpr):
-    """`_mla_decode_kernel`'s work with the four column chunks as the products' batch dimension, one chunk a warp
-    (DEEPSERVE_MLA_WARP_CHUNKS). Why: there every warp takes its keys of the tile in the score product, so each warp
-    reads the whole [BLOCK_H, 576] query from shared memory in every tile (an sm_90 build: 36 of its 51 ldmatrix a
-    tile and warp). Here warp w holds chunk w of the query (and a quarter of the RoPE part) and reads chunk w of
-    the tile: the scores are transposed partials [chunk, keys, heads] summed across the warps, and the output is
-    [chunk, heads, CHUNK] per warp. The tile is widened once and read by both products, as there."""
-    b = tl.program_id(0).to(tl.int64)
-    head_tile = tl.program_id(1)
-    split = tl.program_id(2)
-    table = block_tables_ptr + b * stride_bt
-    pdl_wait_for_inputs(INPUTS_READY, USE_PDL)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
-    blk = tile_blocks(table, start + tl.arange(0, BLOCK_N), end, block_size)
-    pdl_wait_after_inputs(INPUTS_READY, USE_PDL)
-    if SPLIT:
-        if start >= end:        # an empty split: the reduce does not read it, so nothing to load or store
-            return
-
-    NCHUNK: tl.constexpr = 4
-    PCHUNK: tl.constexpr = BLOCK_P // NCHUNK
-    heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < num_heads
-    k = tl.arange(0, NCHUNK)
-    p = tl.arange(0, BLOCK_P)
-    col = k[:, None, None] * CHUNK + tl.arange(0, CHUNK)[None, None, :]           # [NCHUNK, 1, CHUNK]
-    col_t = k[:, None, None] * CHUNK + tl.arange(0, CHUNK)[None, :, None]         # [NCHUNK, CHUNK, 1]
-    pcol_t = k[:, None, None] * PCHUNK + tl.arange(0, PCHUNK)[None, :, None]      # [NCHUNK, PCHUNK, 1]
-    # The queries transposed ([chunk, columns, heads]: the heads are the score products' columns), loaded once.
-    q_t = for_products(tl.load(q_lat_ptr + b * stride_qlb + heads[None, None, :] * stride_qlh + col_t,
-                               mask=h_ok[None, None, :] & (col_t < RANK), other=0.0), cache_ptr)
-    qp_t = for_products(tl.load(q_pe_ptr + b * stride_qpb + heads[None, None, :] * stride_qph + pcol_t,
-                                mask=h_ok[None, None, :] & (pcol_t < ROPE), other=0.0), cache_ptr)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([NCHUNK, BLOCK_H, CHUNK], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N)
-        t_ok = tok < end
-        slot = cache_ptr + blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot      # [BLOCK_N]
-        blk = tile_blocks(table, tok + BLOCK_N, end, block_size)     # the next tile's, a round trip ahead
-        lat = widen_values(tl.load(slot[None, :, None] + col, mask=t_ok[None, :, None] & (col < RANK), other=0.0),
-                           q_t.dtype)                                               # [NCHUNK, BLOCK_N, CHUNK]
-        # The RoPE keys load as one [BLOCK_N, BLOCK_P] tile (staged like the latents), then split in four.
-        k_pe = tl.load(slot[:, None] + RANK + p[None, :], mask=t_ok[:, None] & (p < ROPE)[None, :],
-                       other=0.0).to(qp_t.dtype)
-        k_pe = tl.permute(tl.reshape(k_pe, [BLOCK_N, NCHUNK, PCHUNK]), (1, 0, 2))   # [NCHUNK, BLOCK_N, PCHUNK]
-        s_t = tl.dot(k_pe, qp_t, tl.dot(lat, q_t, input_precision=PRECISION), input_precision=PRECISION)
-        s_t = tl.sum(s_t, 0)                                                        # [BLOCK_N, BLOCK_H]
-        s_t = tl.where(t_ok[:, None], s_t * qk_scale, float("-inf"))              # log2 domain
-        m_new = tl.maximum(m_i, tl.max(s_t, 0))
-        alpha = tl.math.exp2(m_i - m_new)
-        prob_t = tl.math.exp2(s_t - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(prob_t, 0)
-        prob = tl.broadcast_to(tl.trans(prob_t.to(lat.dtype))[None, :, :], (NCHUNK, BLOCK_H, BLOCK_N))
-        acc = tl.dot(prob, lat, acc * alpha[None, :, None], input_precision=PRECISION)
-        m_i = m_new
-
-    if SPLIT:
-        o_rows = part_out_ptr + b * stride_po_b + heads[None, :, None] * stride_po_h + split * stride_po_s
-        tl.store(part_lse_ptr + b * stride_pl_b + heads * stride_pl_h + split, m_i + tl.math.log2(l_i), mask=h_ok)
-    else:
-        o_rows = out_ptr + b * stride_ob + heads[None, :, None] * stride_oh
-    tl.store(o_rows + col, (acc / l_i[None, :, None]).to(o_rows.dtype.element_ty),
-             mask=h_ok[None, :, None] & (col < RANK))
-
-
 @triton.jit(do_not_specialize=_PER_STEP_ARGS + ["num_splits"])
 def _mla_reduce_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
                        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_ob, stride_oh,
@@ -488,17 +408,13 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     # 64-token tiles on 2 stages took the kernel alone from 101 to 87 us, but V2-Lite's decode step from 12.10-12.24
     # to 12.28-12.31 ms (two A/B pairs in one run, session23_steps_ab_h200.json): not taken.
     precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"      # fp32 inputs: no TF32 rounding
-    # The warp-chunk kernel splits the RoPE part in four too: at least 16 columns each (a tl.dot's K).
-    warp_chunks = envs.DEEPSERVE_MLA_WARP_CHUNKS
-    kernel = _mla_decode_warp_chunks_kernel if warp_chunks else _mla_decode_kernel
-    block_p = max(64 if warp_chunks else 16, next_pow2(rope))
-    kernel[(bsz, cdiv(heads, MLA_BLOCK_H), num_splits)](
+    _mla_decode_kernel[(bsz, cdiv(heads, MLA_BLOCK_H), num_splits)](
         q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * _LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         *po, *pl, heads, kv_cache.shape[1],
-        RANK=rank, ROPE=rope, CHUNK=chunk, BLOCK_P=block_p,
+        RANK=rank, ROPE=rope, CHUNK=chunk, BLOCK_P=max(16, next_pow2(rope)),
         BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_launch_args(q_lat))

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepserve import envs
 from deepserve.kernels.graph_inputs import (load_inputs, load_inputs_ref, patch_tokens, patch_tokens_ref, unpack_tables,
                                             unpack_tables_ref)
 from deepserve.layers.forward_batch import ForwardBatch
@@ -459,9 +458,7 @@ class CUDAGraphRunner:
         a decode graph, on the static decode inputs; mapped: of host buffer `turn`, warmed up on the scratch one)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-            # The capture stream's priority becomes its kernels' in the graph: above the side stream's (-1 and
-            # below), the main stream's launches win free SMs over the side launches (layers/side_stream.py).
-            self._stream = torch.cuda.Stream(self.device, priority=envs.DEEPSERVE_GRAPH_STREAM_PRIORITY)
+            self._stream = torch.cuda.Stream(self.device)
         stream, current = self._stream, torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):

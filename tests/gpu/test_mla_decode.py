@@ -184,41 +184,6 @@ def test_forced_tiles_over_fp8_cache_with_splits(device, tiles, monkeypatch):
         assert_close_rel(out, ref, KERNEL_TOL[dtype])
 
 
-
-@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-R{}-P{}".format(*s))
-def test_warp_chunks_match_reference(device, shape, cache_dtype, monkeypatch):
-    """DEEPSERVE_MLA_WARP_CHUNKS: the column chunks as the products' batch dimension (scores summed across the
-    warps; a rank or RoPE width that does not fill the chunks, a partial head tile), one split and three."""
-    monkeypatch.setenv("DEEPSERVE_MLA_WARP_CHUNKS", "1")
-    dtype = torch.float16 if INTERPRET else torch.bfloat16
-    heads, rank, rope = shape
-    batch, cache, q_lat, q_pe = _decode_case(device, dtype, heads, rank, rope, LENS, 16)
-    if cache_dtype is not None:
-        cache = cache.to(cache_dtype)
-    scale = 1 / math.sqrt(rank + rope)
-    ref = mla_decode_ref(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, scale)
-    for splits in (1, 3):
-        out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, scale, max_seq_len=max(LENS),
-                         num_splits=splits)
-        assert_close_rel(out, ref, KERNEL_TOL[dtype])
-
-
-@pytest.mark.parametrize("tiles", [(32, 4, 3, None), (16, 4, 4, None), (64, 4, 2, None)],
-                         ids=lambda t: "x".join(map(str, t[:3])))
-def test_warp_chunks_forced_tiles_float32(device, tiles, monkeypatch):
-    """The warp-chunk kernel at the tiles it is timed with, in float32 (exact products: a tight tolerance)."""
-    import deepserve.kernels.mla_decode as mla
-    monkeypatch.setenv("DEEPSERVE_MLA_WARP_CHUNKS", "1")
-    monkeypatch.setattr(mla, "FORCED_TILES", tiles)
-    lens = [1, 17, 64, 100, 300]
-    batch, cache, q_lat, q_pe = _decode_case(device, torch.float32, 16, 512, 64, lens, 16)
-    ref = mla_decode_ref(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 1 / math.sqrt(576))
-    for splits in (1, 2):
-        out = mla_decode(q_lat, q_pe, cache, batch.block_tables, batch.seq_lens, 1 / math.sqrt(576),
-                         max_seq_len=max(lens), num_splits=splits)
-        assert_close_rel(out, ref, KERNEL_TOL[torch.float32])
-
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_write_latents_into_fp8(device, cache_dtype):
     """The codes written are the reference's (clamped to the format's largest value, rounded to nearest), bit for
