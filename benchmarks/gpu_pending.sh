@@ -704,7 +704,7 @@ s50)
     # graph_priority_v2lite_ab_h100_s50.json.)
     # Session 50. (1) DEEPSERVE_MLA_WARP_CHUNKS: the MLA decode kernel with its four column chunks as the products'
     # batch dimension, one a warp. The default kernel's warps split the tile's keys in the score product, so every
-    # warp reads the whole [16, 576] query from shared memory in every tile (sm_90 build: 36 of 51 ldmatrix a tile
+    # warp reads the whole [16, 576] query from shared memory in every tile (sm_90 build: about 36 of 51 ldmatrix a tile
     # and warp; over E4M3 the kernel reads HBM at 1.4 TB/s with its shared-memory pipe 75% busy, session 34). Its
     # tests, then kernel calls at V2-Lite batch 64 / 128 / 256 (bf16 and E4M3 caches, five tiles), then steps over
     # E4M3 at batch 64 / 128 / 256 (default tiles, and MLA_CHUNK_TILES forced), one pass. (2) The capture stream

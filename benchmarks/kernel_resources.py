@@ -7,6 +7,7 @@ Why: at DeepSeek-V2-Lite's batch 256 the MLA decode kernel reads an E4M3 cache a
 the copy bandwidth, in the same ~110 us (H100, session 30; Nsight Compute: 12.5% theoretical occupancy, "limited by
 registers and shared memory"), and the MoE down GEMM reaches 75% of the copy bandwidth where gate/up reaches 94%.
 This prices each candidate launch setting's registers and spills before any device time is spent on it.
+Each case also lists its longest loop's instructions (`loop_counts`: a decode kernel's tile, a GEMM's K step).
 
 Cases: the MLA decode kernel (V2-Lite: 16 heads, 512 + 64 latent; one split, as at batch 256) over a bf16 and an E4M3
 cache at a grid of (tokens per tile, warps, stages, register cap); the paged GQA decode kernel over both caches
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -180,6 +182,24 @@ def resident_blocks(regs: int, shared: int, warps: int) -> dict:
             "occupancy": round(blocks * warps / SM_WARPS, 4)}
 
 
+def loop_body(sass: str) -> list[str]:
+    """The mnemonics (with their modifiers, e.g. LDSM.16.M88.4) of the longest loop in `sass`: from a backward
+    branch's target to the branch. A decode kernel's main loop runs once a tile, so these are a tile's instructions
+    a warp."""
+    lines = sass.splitlines()
+    address = {int(m.group(1), 16): i for i, line in enumerate(lines)
+               if (m := re.search(r"/\*([0-9a-f]{4,})\*/\s", line))}
+    best: list[str] = []
+    for i, line in enumerate(lines):
+        m = re.search(r"/\*([0-9a-f]{4,})\*/.*\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", line)
+        if m and int(m.group(2), 16) < int(m.group(1), 16) and int(m.group(2), 16) in address:
+            body = [re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", x)
+                    for x in lines[address[int(m.group(2), 16)]:i + 1]]
+            ops = [o[0] for o in body if o]
+            best = ops if len(ops) > len(best) else best
+    return best
+
+
 def measure(case) -> dict:
     from sm90_compile import aligned, compile_sm90_kernel
     kernel, ptrs, constexprs, scalars, warps, stages, maxnreg, *more_aligned = case
@@ -195,10 +215,12 @@ def measure(case) -> dict:
     mnemonics = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
     counts = {op: sum(1 for m in mnemonics if m == op or m.startswith(op + "_") or m.startswith(op + "."))
               for op in OPCODES}
+    loop = loop_body(sass)
     regs, shared = int(fields["REG"]), compiled.metadata.shared
     return {"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg, "registers": regs,
             "stack_bytes": int(fields["STACK"]), "shared_bytes": shared, **resident_blocks(regs, shared, warps),
             "sass_instructions": len(mnemonics), "sass_counts": counts,
+            "loop_instructions": len(loop), "loop_counts": dict(sorted(Counter(loop).items(), key=lambda kv: -kv[1])),
             "compile_s": round(time.perf_counter() - start, 1)}
 
 
