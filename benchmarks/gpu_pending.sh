@@ -43,6 +43,8 @@
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
 #   bash benchmarks/gpu_pending.sh side-streams  # ~9 min: the side-stream switches: GPU tests, V2-Lite steps 64-256
 #   bash benchmarks/gpu_pending.sh s50        # ~5 min: (d9ec60b) MLA warp chunks: tests, calls, steps; capture priority
+#   bash benchmarks/gpu_pending.sh s51        # ~5 min: V2-Lite steps over E4M3, MLA decode tiles 32x4x3 / 32x4x4
+#   bash benchmarks/gpu_pending.sh s51-v41    # ~3 min: DeepSeek-V4.1 decode kernel tables at batch 1 / 8
 #   bash benchmarks/gpu_pending.sh s50-v41    # ~2 min: DeepSeek-V4.1 decode steps, shared experts on a side stream 0/1
 #   bash benchmarks/gpu_pending.sh side-timeline  # ~1 min: V2-Lite batch 256's graph timeline (side stream)
 #   bash benchmarks/gpu_pending.sh cublaslt-dense  # ~4 min: TORCH_BLAS_PREFER_CUBLASLT=0,1 in 1B steps, 64-256
@@ -734,6 +736,35 @@ s50)
         --batches 64,128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/graph_prio.log 2>&1
     tail -1 /tmp/graph_prio.log | cut -c1-300; summarise_steps "$OUT/graph_priority_v2lite_ab.json"
     elapsed "graph stream priority A/B"
+    ;;
+s51)
+    # Session 51. Session 50's kernel calls had the MLA decode kernel over an E4M3 cache 1-2% faster at 32x4x4 (four
+    # cp.async stages) than at the default 32x4x3 (34.4 / 56.8 / 99.1 against 34.6 / 57.6 / 101.1 us at V2-Lite batch
+    # 64 / 128 / 256, mla_warp_chunks_kernels_h100_s50.json); its builds hold 2 programs an SM either way. Here in
+    # V2-Lite steps over E4M3 at batch 8 / 64 / 128 / 256, two passes, both forced so that each row names its tiles.
+    timeout 330 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MLA_DECODE_TILES=32x4x3,32x4x4 --passes 2 \
+        --timeout 70 --output "$OUT/mla_stages_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
+        --batches 8,64,128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_stages_ab.log 2>&1
+    tail -1 /tmp/mla_stages_ab.log | cut -c1-300; summarise_steps "$OUT/mla_stages_v2lite_ab.json"
+    elapsed "MLA stages A/B"
+    ;;
+s51-v41)
+    # Where a DeepSeek-V4.1 decode step goes with today's code (the last kernel table, profile_v41_b1.json, is an
+    # H200 run of 2026-12-01 at commit 89a48d0, before most of the decode work): the scaled shape at batch 1 / 8,
+    # ~1k context. Its batch-1 step ran at 0.651 of the roofline in session 50 (v41_side_stream_ab_h100_s50.json).
+    timeout 300 python3 benchmarks/profile_v41_decode.py --batches 1,8 --output "$OUT/profile_v41_decode.json" \
+        > /tmp/profile_v41.log 2>&1
+    tail -2 /tmp/profile_v41.log | cut -c1-300
+    python3 - "$OUT/profile_v41_decode.json" <<'PY'
+import json, sys
+for batch, r in json.load(open(sys.argv[1]))["results"].items():
+    k = r["kernels"]
+    print("batch", batch, "replay", r.get("graph_replay_ms"), "ms; kernels a step", k["kernels_per_step"],
+          "kernel us a step", k["total_us_per_step"])
+    for name, us, n in k["top"][:25]:
+        print(f"    {us:8.1f} us  x{n:5.1f}  {name[:90]}")
+PY
+    elapsed "V4.1 decode profile"
     ;;
 s50-v41)
     # DeepSeek-V4.1's scaled shape (h200_v41.py: MoE on every layer, one shared expert) with its shared experts on
