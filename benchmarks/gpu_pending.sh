@@ -43,6 +43,7 @@
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
 #   bash benchmarks/gpu_pending.sh side-streams  # ~9 min: the side-stream switches: GPU tests, V2-Lite steps 64-256
 #   bash benchmarks/gpu_pending.sh s50        # ~5 min: (d9ec60b) MLA warp chunks: tests, calls, steps; capture priority
+#   bash benchmarks/gpu_pending.sh s51-wgmma  # ~7 min: DEEPSERVE_MLA_WGMMA: tests, kernel calls, V2-Lite steps
 #   bash benchmarks/gpu_pending.sh s51        # ~5 min: V2-Lite steps over E4M3, MLA decode tiles 32x4x3 / 32x4x4
 #   bash benchmarks/gpu_pending.sh s51-v41    # ~3 min: DeepSeek-V4.1 decode kernel tables at batch 1 / 8
 #   bash benchmarks/gpu_pending.sh s50-v41    # ~2 min: DeepSeek-V4.1 decode steps, shared experts on a side stream 0/1
@@ -736,6 +737,27 @@ s50)
         --batches 64,128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/graph_prio.log 2>&1
     tail -1 /tmp/graph_prio.log | cut -c1-300; summarise_steps "$OUT/graph_priority_v2lite_ab.json"
     elapsed "graph stream priority A/B"
+    ;;
+s51-wgmma)
+    # Session 51: DEEPSERVE_MLA_WGMMA, the MLA decode over an 8-bit cache with tokens as the products' rows on
+    # warpgroup MMAs, in Gluon (kernels/mla_decode_wgmma.py; sm_90 build: 255 registers, 2 programs an SM,
+    # kernel_resources_mla_wgmma_triton36_s51.json). Its tests, then kernel calls at V2-Lite batch 64 / 128 / 256
+    # against the default kernel (E4M3), then V2-Lite steps over E4M3 at batch 64 / 128 / 256, one pass.
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_decode_wgmma.py -x \
+        > "$OUT/pytest_mla_wgmma.log" 2>&1
+    tail -2 "$OUT/pytest_mla_wgmma.log" | cut -c1-300; grep -E "^(FAILED|E )" "$OUT/pytest_mla_wgmma.log" | head -8
+    elapsed "wgmma tests"
+    timeout 150 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes float8_e4m3fn \
+        --settings "DEEPSERVE_FP8_PRODUCTS=f16;DEEPSERVE_FP8_PRODUCTS=f16+DEEPSERVE_MLA_WGMMA=1" \
+        --cases "v2-lite b64 ctx1024,v2-lite b128,v2-lite b256" --output "$OUT/mla_wgmma_kernels.json" \
+        > /tmp/mla_wgmma_kernels.log 2>&1
+    tail -1 /tmp/mla_wgmma_kernels.log | cut -c1-300; summarise_kernels "$OUT/mla_wgmma_kernels.json"
+    elapsed "wgmma kernels"
+    timeout 200 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MLA_WGMMA=0,1 --passes 1 --timeout 60 \
+        --output "$OUT/mla_wgmma_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
+        --batches 64,128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_wgmma_ab.log 2>&1
+    tail -1 /tmp/mla_wgmma_ab.log | cut -c1-300; summarise_steps "$OUT/mla_wgmma_v2lite_ab.json"
+    elapsed "wgmma steps"
     ;;
 s51)
     # Session 51. Session 50's kernel calls had the MLA decode kernel over an E4M3 cache 1-2% faster at 32x4x4 (four

@@ -65,6 +65,12 @@ def mla_cases() -> dict:
                               PRECISION="tf32", INPUTS_READY=True, USE_PDL=True)
             name = f"mla_decode {cache} {block_n}x{warps}x{stages}" + (f"r{cap}" if cap else "")
             out[name] = (_mla_decode_kernel, ptrs, constexprs, {"qk_scale": "fp32"}, warps, stages, cap)
+    from deepserve.kernels import mla_decode_wgmma
+    if mla_decode_wgmma.HAVE_GLUON:     # the warpgroup-MMA kernel over E4M3 (DEEPSERVE_MLA_WGMMA), unsplit and split
+        for split in (False, True):
+            out["mla_decode_wgmma fp8e4nv 64x4" + (" split" if split else "")] = (
+                mla_decode_wgmma._mla_decode_wgmma_kernel, {**ptrs, "cache_ptr": "*fp8e4nv"},
+                dict(RANK=512, SPLIT=split), {"qk_scale": "fp32"}, 4, 1, None)
     return out
 
 

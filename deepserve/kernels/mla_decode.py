@@ -25,6 +25,7 @@ import torch
 
 from deepserve import envs
 from deepserve.kernels import and_scalar, cdiv, next_pow2, num_sms, require_triton, tl, triton
+from deepserve.kernels import mla_decode_wgmma
 from deepserve.kernels.kv_rounding import for_products, store_rounded, widen_values
 from deepserve.kernels.norm import rms_normed
 from deepserve.kernels.kv_write import copy_heads, rotary_write_prologue
@@ -391,6 +392,9 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         max_seq_len = int(seq_lens.max().item())
     if num_splits is None:
         num_splits = mla_num_splits(bsz, heads, max_seq_len, q_lat.device)
+    if envs.DEEPSERVE_MLA_WGMMA and mla_decode_wgmma.wgmma_supported(q_lat, kv_cache):
+        return _mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, out, max_seq_len,
+                                 num_splits)
     partition = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_seq_len, partition))
     split = num_splits > 1
@@ -421,6 +425,23 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     if split:
         # The decode kernel, the reduce's predecessor, does not write seq_lens: ready for it.
         mla_reduce(part_out, part_lse, seq_lens, out, block_n, inputs_ready=EARLY_INPUTS)
+    return out
+
+
+def _mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, out, max_seq_len, num_splits):
+    """`mla_decode` on kernels/mla_decode_wgmma.py's kernel (DEEPSERVE_MLA_WGMMA): the same splits, partitioned
+    in its 64-key tiles, merged by `mla_reduce`."""
+    bsz, heads, rank = q_lat.shape
+    tokens = mla_decode_wgmma.TOKENS
+    num_splits = max(1, cdiv(max_seq_len, cdiv(cdiv(max_seq_len, num_splits), tokens) * tokens))
+    part_out = part_lse = out
+    if num_splits > 1:
+        part_out = torch.empty(bsz, heads, num_splits, rank, dtype=torch.float32, device=q_lat.device)
+        part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q_lat.device)
+    mla_decode_wgmma.launch_mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out,
+                                             part_lse, scale * _LOG2E, num_splits)
+    if num_splits > 1:
+        mla_reduce(part_out, part_lse, seq_lens, out, tokens)
     return out
 
 

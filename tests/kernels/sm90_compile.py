@@ -43,7 +43,10 @@ def compile_sm90_kernel(kernel, pointer_types: dict, constexprs: dict, scalar_ty
     missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
     assert not missing, missing
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params) if p.name in divisible_by_16}
-    compiled = triton_compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+    source = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():     # a Gluon kernel (kernels/mla_decode_wgmma.py)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    compiled = triton_compile(source(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages,
                                        **({"maxnreg": maxnreg} if maxnreg else {})})

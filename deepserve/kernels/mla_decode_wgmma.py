@@ -1,0 +1,224 @@
+"""MLA decode over an 8-bit latent cache on Hopper's warpgroup MMAs (an experiment, DEEPSERVE_MLA_WGMMA=1): the
+work of `mla_decode._mla_decode_kernel` with tokens as the products' rows, written in Gluon (Triton's explicit-layout
+dialect) so that every operand's place is chosen here, not by the compiler.
+
+Why: at DeepSeek-V2-Lite's 16 heads the default kernel's products have 16 rows, so they run as warp MMAs fed by
+ldmatrix, and each of its four warps reads the whole [16, 576] query from shared memory for every 32-key tile. Over
+an E4M3 cache it reads HBM at 1.4 TB/s with its shared-memory pipe 75% busy (session 34's Nsight Compute run), and
+no Triton rewrite of it ran faster (sessions 34-50, docs/gpu.md). Token-major, a 64-key tile is a warpgroup MMA's
+64 rows, and the MMA reads both operands from shared memory itself, once a warpgroup: by session 51's count a
+64-key tile moves ~246 KB through shared memory here against ~432 KB in the default kernel. Session 34's plain
+Triton try at this shape (commit 591fe71) held the widened keys in registers (255 of them, one program an SM);
+here they stay in shared memory and the kernel holds two programs an SM.
+
+One program: one sequence, 16 heads (one head tile), one split of its keys, one warpgroup (4 warps). A tile:
+  1. the 64 keys' 8-bit rows [64, RANK + 64] load into registers (a [64, 64] chunk at a time: 16 bytes a load),
+     widen to fp16 and go to shared memory, C [9 chunks, 64 keys, 64];
+  2. scores^T [64 keys, 16 heads] = sum over chunks of C_j q_j^T (the query in shared memory as fp16 [9, 16, 64]);
+  3. the online softmax down the key axis (float32 statistics, log2 domain, as the default kernel);
+  4. p^T goes to shared memory as fp16 [16 heads, 64 keys];
+  5. out_j^T [64 latent columns, 16 heads] += C_j^T p^T for the 8 latent chunks (C_j read transposed: 16-bit
+     operands may be).
+A tile's out products run while the next tile's block ids load; its keys load after them (the second program on
+the SM covers that wait). Arithmetic as the default kernel's
+with FP8_F16_PRODUCTS: the query clamped to fp16's range and rounded to fp16, the cache's codes widened exactly,
+probabilities in fp16, float32 accumulation; summation order differs inside the products.
+
+Scope: RANK a multiple of 64, a 64-wide RoPE part, any head count (16 a program, padded heads masked), 8-bit
+caches (E4M3 / E5M2), sm_90 (warpgroup MMAs). No PDL: the launch waits for the previous kernel as a plain launch.
+"""
+
+from __future__ import annotations
+
+from deepserve.kernels import triton
+
+try:        # Gluon ships with Triton 3.5+; without it the switch stays unusable (wgmma_supported says so)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    HAVE_GLUON = True
+except ImportError:         # pragma: no cover - older Triton
+    HAVE_GLUON = False
+
+TOKENS = 64         # keys a tile: a warpgroup MMA's rows
+HEADS = 16          # heads a program: the products' N
+COLS = 64           # latent columns a chunk (128 bytes of fp16: one swizzled shared-memory row)
+ROPE = 64
+if HAVE_GLUON:      # the same, as values a Gluon function may read
+    TOKENS_C, HEADS_C, COLS_C = gl.constexpr(TOKENS), gl.constexpr(HEADS), gl.constexpr(COLS)
+
+
+def wgmma_supported(q_lat, kv_cache) -> bool:
+    """Whether this kernel can take the launch: Gluon, an sm_90 device, an 8-bit cache, RANK a multiple of 64 and a
+    64-wide RoPE part."""
+    import torch
+    if not HAVE_GLUON or not q_lat.is_cuda or torch.cuda.get_device_capability(q_lat.device)[0] != 9:
+        return False
+    rank = q_lat.shape[-1]
+    return (kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and rank % COLS == 0
+            and kv_cache.shape[-1] == rank + ROPE)
+
+
+if HAVE_GLUON:
+    @gluon.jit
+    def _load_chunk(rows, first: gl.constexpr, cols, t_ok):
+        """Columns first + cols of the tile's key rows (pointers [64, 1]): 8-bit codes, 0 on masked keys."""
+        return gl.load(rows + first + cols[None, :], mask=t_ok[:, None], other=0.0)
+
+    @gluon.jit
+    def _stage_chunk(c_smem, j: gl.constexpr, codes):
+        """Chunk j of the tile, widened to fp16 (exact for E4M3 / E5M2 codes), into shared memory."""
+        c_smem.index(j).store(codes.to(gl.float16))
+
+    @gluon.jit
+    def _stage_query(q_smem, j: gl.constexpr, rows, cols, h_ok):
+        """Query columns j * 64 + cols of the program's heads (pointers [16, 1]) as fp16, clamped to its range."""
+        x = gl.load(rows + j * COLS_C + cols[None, :], mask=h_ok[:, None], other=0.0).to(gl.float32)
+        q_smem.index(j).store(gl.minimum(gl.maximum(x, -65504.0), 65504.0).to(gl.float16))
+
+    @gluon.jit
+    def _store_out(rows, j: gl.constexpr, r, h_ok, acc, l_i):
+        """out^T chunk j ([64 columns, 16 heads] float32) / l into the heads' rows (pointers [1, 16])."""
+        gl.store(rows + j * COLS_C + r[:, None], (acc / l_i[None, :]).to(rows.dtype.element_ty), mask=h_ok[None, :])
+
+    @gluon.jit
+    def _mla_decode_wgmma_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
+                                 out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
+                                 stride_qlb, stride_qlh, stride_qpb, stride_qph,
+                                 stride_c_block, stride_c_slot, stride_bt, stride_ob, stride_oh,
+                                 stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
+                                 num_heads, block_size,
+                                 RANK: gl.constexpr, SPLIT: gl.constexpr):
+        TOKENS: gl.constexpr = TOKENS_C
+        HEADS: gl.constexpr = HEADS_C
+        COLS: gl.constexpr = COLS_C
+        CHUNKS: gl.constexpr = RANK // COLS
+        # Loads: 16 bytes a thread a row, 4 threads a 64-byte chunk row, 8 rows a warp.
+        load_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEADS, 16])
+        c_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TOKENS, COLS], gl.float16)
+        q_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, COLS], gl.float16)
+        p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, TOKENS], gl.float16)
+        c_smem = gl.allocate_shared_memory(gl.float16, [CHUNKS + 1, TOKENS, COLS], c_shared)
+        q_smem = gl.allocate_shared_memory(gl.float16, [CHUNKS + 1, HEADS, COLS], q_shared)
+        p_smem = gl.allocate_shared_memory(gl.float16, [HEADS, TOKENS], p_shared)
+
+        b = gl.program_id(0).to(gl.int64)
+        head_tile = gl.program_id(1)
+        split = gl.program_id(2)
+        table = block_tables_ptr + b * stride_bt
+        seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
+        if SPLIT:
+            partition = gl.cdiv(gl.cdiv(seq_len, gl.num_programs(2)), TOKENS) * TOKENS
+            start = split * partition
+            end = gl.minimum(start + partition, seq_len)
+        else:
+            start = 0
+            end = seq_len
+        if start < end:
+            # The query: latent chunks then the RoPE part, fp16 in shared memory.
+            qh = head_tile * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, q_layout))
+            qc = gl.arange(0, COLS, layout=gl.SliceLayout(0, q_layout))
+            q_rows = q_lat_ptr + b * stride_qlb + qh[:, None] * stride_qlh
+            qh_ok = qh < num_heads
+            for j in gl.static_range(CHUNKS):
+                _stage_query(q_smem, j, q_rows, qc, qh_ok)
+            pe = gl.load(q_pe_ptr + b * stride_qpb + qh[:, None] * stride_qph + qc[None, :], mask=qh_ok[:, None],
+                         other=0.0).to(gl.float32)
+            q_smem.index(CHUNKS).store(gl.minimum(gl.maximum(pe, -65504.0), 65504.0).to(gl.float16))
+
+            cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, load_layout))
+            keys = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, load_layout))
+            s_keys = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, mma_layout))
+            m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma_layout))
+            l_i = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(0, mma_layout))
+            zero = gl.zeros([TOKENS, HEADS], gl.float32, layout=mma_layout)
+            o0 = zero
+            o1 = zero
+            o2 = zero
+            o3 = zero
+            o4 = zero
+            o5 = zero
+            o6 = zero
+            o7 = zero
+            for n0 in range(start, end, TOKENS):
+                tok = n0 + keys
+                t_ok = tok < end
+                blk = gl.load(table + tok // block_size, mask=t_ok, other=0).to(gl.int64)
+                rows = (cache_ptr + blk * stride_c_block + (tok % block_size).to(gl.int64) * stride_c_slot)[:, None]
+                # The previous tile's out products read C and p: done before they are overwritten.
+                o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
+                for j in gl.static_range(CHUNKS):
+                    _stage_chunk(c_smem, j, _load_chunk(rows, j * COLS, cols, t_ok))
+                _stage_chunk(c_smem, CHUNKS, _load_chunk(rows, RANK, cols, t_ok))
+                fence_async_shared()
+                gl.thread_barrier()
+
+                s = warpgroup_mma(c_smem.index(0), q_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                                  is_async=True)
+                for j in gl.static_range(1, CHUNKS + 1):
+                    s = warpgroup_mma(c_smem.index(j), q_smem.index(j).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s,))
+
+                s_ok = (n0 + s_keys) < end
+                s = gl.where(s_ok[:, None], s * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 0))
+                alpha = gl.exp2(m_i - m_new)
+                p = gl.exp2(s - m_new[None, :])
+                l_i = l_i * alpha + gl.sum(p, 0)
+                m_i = m_new
+                p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
+                fence_async_shared()
+                gl.thread_barrier()
+
+                pt = p_smem.permute((1, 0))
+                o0 = warpgroup_mma(c_smem.index(0).permute((1, 0)), pt, o0 * alpha[None, :], is_async=True)
+                o1 = warpgroup_mma(c_smem.index(1).permute((1, 0)), pt, o1 * alpha[None, :], is_async=True)
+                o2 = warpgroup_mma(c_smem.index(2).permute((1, 0)), pt, o2 * alpha[None, :], is_async=True)
+                o3 = warpgroup_mma(c_smem.index(3).permute((1, 0)), pt, o3 * alpha[None, :], is_async=True)
+                o4 = warpgroup_mma(c_smem.index(4).permute((1, 0)), pt, o4 * alpha[None, :], is_async=True)
+                o5 = warpgroup_mma(c_smem.index(5).permute((1, 0)), pt, o5 * alpha[None, :], is_async=True)
+                o6 = warpgroup_mma(c_smem.index(6).permute((1, 0)), pt, o6 * alpha[None, :], is_async=True)
+                o7 = warpgroup_mma(c_smem.index(7).permute((1, 0)), pt, o7 * alpha[None, :], is_async=True)
+                # Back to tensors for the loop (no wait yet: the next tile's block ids load first).
+                o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(8, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
+            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
+
+            oh = head_tile * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma_layout))
+            r = gl.arange(0, COLS, layout=gl.SliceLayout(1, mma_layout))
+            oh_ok = oh < num_heads
+            if SPLIT:
+                o_rows = part_out_ptr + b * stride_po_b + oh[None, :] * stride_po_h + split * stride_po_s
+                gl.store(part_lse_ptr + b * stride_pl_b + oh * stride_pl_h + split, m_i + gl.log2(l_i), mask=oh_ok)
+            else:
+                o_rows = out_ptr + b * stride_ob + oh[None, :] * stride_oh
+            _store_out(o_rows, 0, r, oh_ok, o0, l_i)
+            _store_out(o_rows, 1, r, oh_ok, o1, l_i)
+            _store_out(o_rows, 2, r, oh_ok, o2, l_i)
+            _store_out(o_rows, 3, r, oh_ok, o3, l_i)
+            _store_out(o_rows, 4, r, oh_ok, o4, l_i)
+            _store_out(o_rows, 5, r, oh_ok, o5, l_i)
+            _store_out(o_rows, 6, r, oh_ok, o6, l_i)
+            _store_out(o_rows, 7, r, oh_ok, o7, l_i)
+
+
+def launch_mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse, qk_scale: float,
+                            num_splits: int) -> None:
+    """One launch of the kernel over a (bsz, head tiles, num_splits) grid; the caller sized the split partials
+    (part_out [B, H, S, R] float32, part_lse [B, H, S]) where num_splits > 1 and merges them (mla_reduce, 64-key
+    partitions). qk_scale: the softmax scale times log2(e)."""
+    bsz, heads, rank = q_lat.shape
+    split = num_splits > 1
+    po = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
+    pl = (part_lse.stride(0), part_lse.stride(1)) if split else (0, 0)
+    _mla_decode_wgmma_kernel[(bsz, triton.cdiv(heads, HEADS), num_splits)](
+        q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse, qk_scale,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        *po, *pl, heads, kv_cache.shape[1], RANK=rank, SPLIT=split, num_warps=4)
+
+
+__all__ = ["HAVE_GLUON", "TOKENS", "launch_mla_decode_wgmma", "wgmma_supported"]
