@@ -19,8 +19,7 @@ One program: one sequence, 16 heads (one head tile), one split of its keys, one 
   4. p^T goes to shared memory as fp16 [16 heads, 64 keys];
   5. out_j^T [64 latent columns, 16 heads] += C_j^T p^T for the 8 latent chunks (C_j read transposed: 16-bit
      operands may be).
-A tile's out products run while the next tile's block ids load; its keys load after them (the second program on
-the SM covers that wait). Arithmetic as the default kernel's
+A tile's keys load while the previous tile's out products run. Arithmetic as the default kernel's
 with FP8_F16_PRODUCTS: the query clamped to fp16's range and rounded to fp16, the cache's codes widened exactly,
 probabilities in fp16, float32 accumulation; summation order differs inside the products.
 
@@ -149,18 +148,37 @@ if HAVE_GLUON:
                 t_ok = tok < end
                 blk = gl.load(table + tok // block_size, mask=t_ok, other=0).to(gl.int64)
                 rows = (cache_ptr + blk * stride_c_block + (tok % block_size).to(gl.int64) * stride_c_slot)[:, None]
+                k0 = _load_chunk(rows, 0 * COLS, cols, t_ok)
+                k1 = _load_chunk(rows, 1 * COLS, cols, t_ok)
+                k2 = _load_chunk(rows, 2 * COLS, cols, t_ok)
+                k3 = _load_chunk(rows, 3 * COLS, cols, t_ok)
+                k4 = _load_chunk(rows, 4 * COLS, cols, t_ok)
+                k5 = _load_chunk(rows, 5 * COLS, cols, t_ok)
+                k6 = _load_chunk(rows, 6 * COLS, cols, t_ok)
+                k7 = _load_chunk(rows, 7 * COLS, cols, t_ok)
+                k8 = _load_chunk(rows, RANK, cols, t_ok)
                 # The previous tile's out products read C and p: done before they are overwritten.
                 o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
-                for j in gl.static_range(CHUNKS):
-                    _stage_chunk(c_smem, j, _load_chunk(rows, j * COLS, cols, t_ok))
-                _stage_chunk(c_smem, CHUNKS, _load_chunk(rows, RANK, cols, t_ok))
+                _stage_chunk(c_smem, 0, k0)
+                _stage_chunk(c_smem, 1, k1)
+                _stage_chunk(c_smem, 2, k2)
+                _stage_chunk(c_smem, 3, k3)
+                _stage_chunk(c_smem, 4, k4)
+                _stage_chunk(c_smem, 5, k5)
+                _stage_chunk(c_smem, 6, k6)
+                _stage_chunk(c_smem, 7, k7)
+                _stage_chunk(c_smem, 8, k8)
                 fence_async_shared()
                 gl.thread_barrier()
 
-                s = warpgroup_mma(c_smem.index(0), q_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                # z is 0, but not to the compiler: the products' shared-memory descriptors are then computed in
+                # the loop (uniform registers, cheap) instead of hoisted out of it, where 68 of them held 255
+                # registers with spills (sm_90 build with Triton 3.6: 136-179 registers, no spills).
+                z = (n0 < 0).to(gl.int32)
+                s = warpgroup_mma(c_smem.index(z), q_smem.index(z).permute((1, 0)), zero, use_acc=False,
                                   is_async=True)
                 for j in gl.static_range(1, CHUNKS + 1):
-                    s = warpgroup_mma(c_smem.index(j), q_smem.index(j).permute((1, 0)), s, is_async=True)
+                    s = warpgroup_mma(c_smem.index(j + z), q_smem.index(j + z).permute((1, 0)), s, is_async=True)
                 s = warpgroup_mma_wait(0, deps=(s,))
 
                 s_ok = (n0 + s_keys) < end
@@ -175,15 +193,15 @@ if HAVE_GLUON:
                 gl.thread_barrier()
 
                 pt = p_smem.permute((1, 0))
-                o0 = warpgroup_mma(c_smem.index(0).permute((1, 0)), pt, o0 * alpha[None, :], is_async=True)
-                o1 = warpgroup_mma(c_smem.index(1).permute((1, 0)), pt, o1 * alpha[None, :], is_async=True)
-                o2 = warpgroup_mma(c_smem.index(2).permute((1, 0)), pt, o2 * alpha[None, :], is_async=True)
-                o3 = warpgroup_mma(c_smem.index(3).permute((1, 0)), pt, o3 * alpha[None, :], is_async=True)
-                o4 = warpgroup_mma(c_smem.index(4).permute((1, 0)), pt, o4 * alpha[None, :], is_async=True)
-                o5 = warpgroup_mma(c_smem.index(5).permute((1, 0)), pt, o5 * alpha[None, :], is_async=True)
-                o6 = warpgroup_mma(c_smem.index(6).permute((1, 0)), pt, o6 * alpha[None, :], is_async=True)
-                o7 = warpgroup_mma(c_smem.index(7).permute((1, 0)), pt, o7 * alpha[None, :], is_async=True)
-                # Back to tensors for the loop (no wait yet: the next tile's block ids load first).
+                o0 = warpgroup_mma(c_smem.index(0 + z).permute((1, 0)), pt, o0 * alpha[None, :], is_async=True)
+                o1 = warpgroup_mma(c_smem.index(1 + z).permute((1, 0)), pt, o1 * alpha[None, :], is_async=True)
+                o2 = warpgroup_mma(c_smem.index(2 + z).permute((1, 0)), pt, o2 * alpha[None, :], is_async=True)
+                o3 = warpgroup_mma(c_smem.index(3 + z).permute((1, 0)), pt, o3 * alpha[None, :], is_async=True)
+                o4 = warpgroup_mma(c_smem.index(4 + z).permute((1, 0)), pt, o4 * alpha[None, :], is_async=True)
+                o5 = warpgroup_mma(c_smem.index(5 + z).permute((1, 0)), pt, o5 * alpha[None, :], is_async=True)
+                o6 = warpgroup_mma(c_smem.index(6 + z).permute((1, 0)), pt, o6 * alpha[None, :], is_async=True)
+                o7 = warpgroup_mma(c_smem.index(7 + z).permute((1, 0)), pt, o7 * alpha[None, :], is_async=True)
+                # Back to tensors for the loop (no wait yet: the next tile's keys load first).
                 o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(8, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
             o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
 
