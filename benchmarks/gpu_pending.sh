@@ -753,6 +753,17 @@ s51-wgmma)
         > /tmp/mla_wgmma_kernels.log 2>&1
     tail -1 /tmp/mla_wgmma_kernels.log | cut -c1-300; summarise_kernels "$OUT/mla_wgmma_kernels.json"
     elapsed "wgmma kernels"
+    # The steps only where the tests passed and the kernel beat the default at batch 256 (a device call's minutes).
+    python3 - "$OUT/mla_wgmma_kernels.json" "$OUT/pytest_mla_wgmma.log" <<'PY' || { echo "steps skipped"; exit 0; }
+import json, sys
+if " passed" not in open(sys.argv[2]).read() or " failed" in open(sys.argv[2]).read():
+    sys.exit(1)
+us = {s: [r.get("us") for case, rows in cases.items() if "b256" in case for r in rows.values()]
+      for s, cases in json.load(open(sys.argv[1]))["by_setting"].items()}
+base, wgmma = (us[s][0] for s in sorted(us, key=lambda s: "WGMMA" in s))
+print("batch 256 kernel us: default", base, "wgmma", wgmma)
+sys.exit(0 if wgmma and base and wgmma < base else 1)
+PY
     timeout 200 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MLA_WGMMA=0,1 --passes 1 --timeout 60 \
         --output "$OUT/mla_wgmma_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
         --batches 64,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_wgmma_ab.log 2>&1
