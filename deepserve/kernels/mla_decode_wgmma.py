@@ -23,7 +23,7 @@ A tile's keys load while the previous tile's out products run. Arithmetic as the
 with FP8_F16_PRODUCTS: the query clamped to fp16's range and rounded to fp16, the cache's codes widened exactly,
 probabilities in fp16, float32 accumulation; summation order differs inside the products.
 
-Scope: RANK a multiple of 64, a 64-wide RoPE part, any head count (16 a program, padded heads masked), 8-bit
+Scope: a 512-wide latent (DeepSeek-V2 / V3's; eight chunks, written out) and a 64-wide RoPE part, any head count (16 a program, padded heads masked), 8-bit
 caches (E4M3 / E5M2), sm_90 (warpgroup MMAs). No PDL: the launch waits for the previous kernel as a plain launch.
 """
 
@@ -44,18 +44,19 @@ TOKENS = 64         # keys a tile: a warpgroup MMA's rows
 HEADS = 16          # heads a program: the products' N
 COLS = 64           # latent columns a chunk (128 bytes of fp16: one swizzled shared-memory row)
 ROPE = 64
+RANK = 512          # latent columns: the eight chunks the kernel writes out (k0..k7, o0..o7)
 if HAVE_GLUON:      # the same, as values a Gluon function may read
     TOKENS_C, HEADS_C, COLS_C = gl.constexpr(TOKENS), gl.constexpr(HEADS), gl.constexpr(COLS)
 
 
 def wgmma_supported(q_lat, kv_cache) -> bool:
-    """Whether this kernel can take the launch: Gluon, an sm_90 device, an 8-bit cache, RANK a multiple of 64 and a
+    """Whether this kernel can take the launch: Gluon, an sm_90 device, an 8-bit cache, a 512-wide latent and a
     64-wide RoPE part."""
     import torch
     if not HAVE_GLUON or not q_lat.is_cuda or torch.cuda.get_device_capability(q_lat.device)[0] != 9:
         return False
     rank = q_lat.shape[-1]
-    return (kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and rank % COLS == 0
+    return (kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and rank == RANK
             and kv_cache.shape[-1] == rank + ROPE)
 
 
@@ -93,6 +94,7 @@ if HAVE_GLUON:
         HEADS: gl.constexpr = HEADS_C
         COLS: gl.constexpr = COLS_C
         CHUNKS: gl.constexpr = RANK // COLS
+        gl.static_assert(CHUNKS == 8, "eight latent chunks (k0..k7, o0..o7 below)")
         # Loads: 16 bytes a thread a row, 4 threads a 64-byte chunk row, 8 rows a warp.
         load_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])

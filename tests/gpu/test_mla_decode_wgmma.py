@@ -41,12 +41,13 @@ def _case(device, heads, lens, block_size, cache_dtype, rank=512, rope=64):
 
 
 def test_supported_only_on_hopper_fp8(device):
-    """Refused for a 16-bit cache, a rank that is not a multiple of 64, a RoPE part other than 64 wide, and off
-    sm_90 (or on the CPU); taken for V2-Lite's shape over E4M3 on an H100 / H200."""
+    """Refused for a 16-bit cache, a latent other than 512 wide, a RoPE part other than 64 wide, and off sm_90 (or
+    on the CPU); taken for V2-Lite's shape over E4M3 on an H100 / H200."""
     q = torch.zeros(1, 16, 512, device=device, dtype=torch.bfloat16)
     fp8 = torch.zeros(4, 16, 576, device=device, dtype=torch.float8_e4m3fn)
     assert not mla_decode_wgmma.wgmma_supported(q, fp8.to(torch.bfloat16))
     assert not mla_decode_wgmma.wgmma_supported(q[..., :500], fp8[..., :564])
+    assert not mla_decode_wgmma.wgmma_supported(q[..., :256], fp8[..., :320])
     assert not mla_decode_wgmma.wgmma_supported(q, fp8[..., :560])
     assert mla_decode_wgmma.wgmma_supported(q, fp8) == _hopper(device)
 
