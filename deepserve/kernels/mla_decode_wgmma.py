@@ -16,15 +16,16 @@ One program: one sequence, 16 heads (one head tile), one split of its keys, one 
      widen to fp16 and go to shared memory, C [9 chunks, 64 keys, 64];
   2. scores^T [64 keys, 16 heads] = sum over chunks of C_j q_j^T (the query in shared memory as fp16 [9, 16, 64]);
   3. the online softmax down the key axis (float32 statistics, log2 domain, as the default kernel);
-  4. p^T goes to shared memory as fp16 [16 heads, 64 keys];
+  4. the probabilities go to shared memory as fp16 [16 heads, 64 keys] (p, read as p^T);
   5. out_j^T [64 latent columns, 16 heads] += C_j^T p^T for the 8 latent chunks (C_j read transposed: 16-bit
      operands may be).
 A tile's keys load while the previous tile's out products run. Arithmetic as the default kernel's
 with FP8_F16_PRODUCTS: the query clamped to fp16's range and rounded to fp16, the cache's codes widened exactly,
 probabilities in fp16, float32 accumulation; summation order differs inside the products.
 
-Scope: a 512-wide latent (DeepSeek-V2 / V3's; eight chunks, written out) and a 64-wide RoPE part, any head count (16 a program, padded heads masked), 8-bit
-caches (E4M3 / E5M2), sm_90 (warpgroup MMAs). No PDL: the launch waits for the previous kernel as a plain launch.
+Scope: a 512-wide latent (DeepSeek-V2 / V3's; eight chunks, written out) and a 64-wide RoPE part, any head
+count (16 a program, padded heads masked), 8-bit caches (E4M3 / E5M2), sm_90 (warpgroup MMAs), Gluon as Triton 3.6
+(the device's) and 3.9 spell it. No PDL: the launch waits for the previous kernel as a plain launch.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ try:        # Gluon ships with Triton 3.5+; without it the switch stays unusable
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     HAVE_GLUON = True
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier      # Triton 3.6's name, then 3.9's
 except ImportError:         # pragma: no cover - older Triton
     HAVE_GLUON = False
 
@@ -171,7 +173,7 @@ if HAVE_GLUON:
                 _stage_chunk(c_smem, 7, k7)
                 _stage_chunk(c_smem, 8, k8)
                 fence_async_shared()
-                gl.thread_barrier()
+                cta_barrier()
 
                 # z is 0, but not to the compiler: the products' shared-memory descriptors are then computed in
                 # the loop (uniform registers, cheap) instead of hoisted out of it, where 68 of them held 255
@@ -192,7 +194,7 @@ if HAVE_GLUON:
                 m_i = m_new
                 p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
                 fence_async_shared()
-                gl.thread_barrier()
+                cta_barrier()
 
                 pt = p_smem.permute((1, 0))
                 o0 = warpgroup_mma(c_smem.index(0 + z).permute((1, 0)), pt, o0 * alpha[None, :], is_async=True)

@@ -1,0 +1,54 @@
+"""The warpgroup-MMA MLA decode kernel (kernels/mla_decode_wgmma.py, Gluon) compiled for an H100/H200 (sm_90)
+without a GPU, over E4M3 and E5M2 caches, unsplit and split: both products run as warpgroup MMAs of 64 keys x 16
+heads (36 for the scores over 9 column chunks of 4 K-steps, 32 for the output's 8 chunks), the output products read
+the widened tile transposed, nothing spills and two programs fit an SM (the reason for its opaque-zero buffer
+index; tests/gpu checks the numbers)."""
+
+import re
+import tempfile
+
+import pytest
+
+from tests.kernels.sm90_compile import aligned, compile_sm90_kernel
+
+wgmma = pytest.importorskip("deepserve.kernels.mla_decode_wgmma")
+if not wgmma.HAVE_GLUON:
+    pytest.skip("Gluon (Triton 3.5+) is not installed", allow_module_level=True)
+
+PTRS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+
+
+def _build(cache: str, split: bool):
+    kernel = wgmma._mla_decode_wgmma_kernel
+    return compile_sm90_kernel(kernel, {**PTRS, "cache_ptr": f"*{cache}"}, dict(RANK=512, SPLIT=split),
+                               {"qk_scale": "fp32"}, aligned(kernel), num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("cache", ["fp8e4nv", "fp8e5"])
+@pytest.mark.parametrize("split", [False, True])
+def test_products_are_warpgroup_mmas(cache, split):
+    ptx = _build(cache, split).asm["ptx"]
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.f16\.f16 \{[^}]*\}, %rd\d+, %rd\d+, "
+                      r"[^,]+, 1, 1, ([01]), ([01]);", ptx)
+    assert len(mmas) == 68
+    assert mmas.count(("0", "0")) == 36 and mmas.count(("1", "0")) == 32       # (transposed A, transposed B)
+    assert "ldmatrix" not in ptx
+
+
+def test_two_programs_an_sm_without_spills():
+    """No local memory; registers (allocated per warp in units of 256) and shared memory (+1 KB reserved a
+    program) for two 4-warp programs of an SM's 64K registers and 228 KB."""
+    import os
+    import subprocess
+    import triton
+    compiled = _build("fp8e4nv", False)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
+    assert int(fields["STACK"]) == 0 and int(fields["LOCAL"]) == 0
+    regs_a_warp = -(-int(fields["REG"]) * 32 // 256) * 256
+    assert 65536 // (regs_a_warp * 4) >= 2 and 228 * 1024 // (compiled.metadata.shared + 1024) >= 2
