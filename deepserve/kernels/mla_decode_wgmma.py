@@ -6,10 +6,11 @@ Why: at DeepSeek-V2-Lite's 16 heads the default kernel's products have 16 rows, 
 ldmatrix, and each of its four warps reads the whole [16, 576] query from shared memory for every 32-key tile. Over
 an E4M3 cache it reads HBM at 1.4 TB/s with its shared-memory pipe 75% busy (session 34's Nsight Compute run), and
 no Triton rewrite of it ran faster (sessions 34-50, docs/gpu.md). Token-major, a 64-key tile is a warpgroup MMA's
-64 rows, and the MMA reads both operands from shared memory itself, once a warpgroup: by session 51's count a
-64-key tile moves ~246 KB through shared memory here against ~432 KB in the default kernel. Session 34's plain
-Triton try at this shape (commit 591fe71) held the widened keys in registers (255 of them, one program an SM);
-here they stay in shared memory and the kernel holds two programs an SM.
+64 rows, and the MMA reads both operands from shared memory itself, once a warpgroup. By operand sizes a 64-key
+tile moves ~246 KB through shared memory here (the widened tile's 72 KB stored, 90 KB read by the score products,
+80 KB by the output's, the probabilities) against ~432 KB in the default kernel (two 32-key tiles of session 50's
+count). Session 34's plain-Triton try at this shape (commit 591fe71) left Triton to place the widened keys, which
+it held in registers as the MMAs' left operand; here they stay in shared memory.
 
 One program: one sequence, 16 heads (one head tile), one split of its keys, one warpgroup (4 warps). A tile:
   1. the 64 keys' 8-bit rows [64, RANK + 64] load into registers (a [64, 64] chunk at a time: 16 bytes a load),
