@@ -15,6 +15,11 @@ wgmma = pytest.importorskip("deepserve.kernels.mla_decode_wgmma")
 if not wgmma.HAVE_GLUON:
     pytest.skip("Gluon (Triton 3.5+) is not installed", allow_module_level=True)
 
+@pytest.fixture(autouse=True)
+def _fp_fusion(monkeypatch):
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")      # the default today; Triton 3.9 warns when unset
+
+
 PTRS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
 
 
