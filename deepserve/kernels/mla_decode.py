@@ -392,9 +392,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         max_seq_len = int(seq_lens.max().item())
     if num_splits is None:
         num_splits = mla_num_splits(bsz, heads, max_seq_len, q_lat.device)
-    if envs.DEEPSERVE_MLA_WGMMA and mla_decode_wgmma.wgmma_supported(q_lat, kv_cache):
-        return _mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, out, max_seq_len,
-                                 num_splits)
+    # DEEPSERVE_MLA_WGMMA: kernels/mla_decode_wgmma.py's kernel where it applies, the same splits in its 64-key tiles.
+    wgmma = envs.DEEPSERVE_MLA_WGMMA and mla_decode_wgmma.wgmma_supported(q_lat, kv_cache)
+    if wgmma:
+        block_n = mla_decode_wgmma.TOKENS
     partition = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_seq_len, partition))
     split = num_splits > 1
@@ -412,36 +413,23 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     # 64-token tiles on 2 stages took the kernel alone from 101 to 87 us, but V2-Lite's decode step from 12.10-12.24
     # to 12.28-12.31 ms (two A/B pairs in one run, session23_steps_ab_h200.json): not taken.
     precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"      # fp32 inputs: no TF32 rounding
-    _mla_decode_kernel[(bsz, cdiv(heads, MLA_BLOCK_H), num_splits)](
-        q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * _LOG2E,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        *po, *pl, heads, kv_cache.shape[1],
-        RANK=rank, ROPE=rope, CHUNK=chunk, BLOCK_P=max(16, next_pow2(rope)),
-        BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision,
-        INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=num_warps, num_stages=num_stages,
-        **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_launch_args(q_lat))
+    if wgmma:
+        mla_decode_wgmma.launch_mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out,
+                                                 part_lse, scale * _LOG2E, num_splits)
+    else:
+        _mla_decode_kernel[(bsz, cdiv(heads, MLA_BLOCK_H), num_splits)](
+            q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse,
+            scale * _LOG2E,
+            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+            *po, *pl, heads, kv_cache.shape[1],
+            RANK=rank, ROPE=rope, CHUNK=chunk, BLOCK_P=max(16, next_pow2(rope)),
+            BLOCK_H=MLA_BLOCK_H, BLOCK_N=block_n, SPLIT=split, PRECISION=precision,
+            INPUTS_READY=inputs_ready and EARLY_INPUTS, num_warps=num_warps, num_stages=num_stages,
+            **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_launch_args(q_lat))
     if split:
         # The decode kernel, the reduce's predecessor, does not write seq_lens: ready for it.
         mla_reduce(part_out, part_lse, seq_lens, out, block_n, inputs_ready=EARLY_INPUTS)
-    return out
-
-
-def _mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, scale, out, max_seq_len, num_splits):
-    """`mla_decode` on kernels/mla_decode_wgmma.py's kernel (DEEPSERVE_MLA_WGMMA): the same splits, partitioned
-    in its 64-key tiles, merged by `mla_reduce`."""
-    bsz, heads, rank = q_lat.shape
-    tokens = mla_decode_wgmma.TOKENS
-    num_splits = max(1, cdiv(max_seq_len, cdiv(cdiv(max_seq_len, num_splits), tokens) * tokens))
-    part_out = part_lse = out
-    if num_splits > 1:
-        part_out = torch.empty(bsz, heads, num_splits, rank, dtype=torch.float32, device=q_lat.device)
-        part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q_lat.device)
-    mla_decode_wgmma.launch_mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out,
-                                             part_lse, scale * _LOG2E, num_splits)
-    if num_splits > 1:
-        mla_reduce(part_out, part_lse, seq_lens, out, tokens)
     return out
 
 

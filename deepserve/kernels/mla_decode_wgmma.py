@@ -178,7 +178,8 @@ if HAVE_GLUON:
 
                 # z is 0, but not to the compiler: the products' shared-memory descriptors are then computed in
                 # the loop (uniform registers, cheap) instead of hoisted out of it, where 68 of them held 255
-                # registers with spills (sm_90 build with Triton 3.6: 136-179 registers, no spills).
+                # registers with spills (sm_90 builds with Triton 3.6: 179 registers, no spills; commit 121d439:
+                # 255 and spills).
                 z = (n0 < 0).to(gl.int32)
                 s = warpgroup_mma(c_smem.index(z), q_smem.index(z).permute((1, 0)), zero, use_acc=False,
                                   is_async=True)
