@@ -740,7 +740,7 @@ s50)
     ;;
 s51-wgmma)
     # Session 51: DEEPSERVE_MLA_WGMMA, the MLA decode over an 8-bit cache with tokens as the products' rows on
-    # warpgroup MMAs, in Gluon (kernels/mla_decode_wgmma.py; sm_90 build: 255 registers, 2 programs an SM,
+    # warpgroup MMAs, in Gluon (kernels/mla_decode_wgmma.py; sm_90 build: 179 registers, 2 programs an SM,
     # kernel_resources_mla_wgmma_triton36_s51.json). Its tests, then kernel calls at V2-Lite batch 64 / 128 / 256
     # against the default kernel (E4M3), then V2-Lite steps over E4M3 at batch 64 / 256, one pass.
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_decode_wgmma.py -x \
