@@ -55,6 +55,28 @@ def logprob_drift(llm: LLM, seed: int = 0) -> float:
     return worst
 
 
+def plot(payload: dict, path: str) -> None:
+    """The mode's tokens/s over the default's per case (1.0: free)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = {k: v for k, v in payload["results"].items() if isinstance(v, dict) and "on_over_off" in v}
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    bars = ax.bar(list(cases), [v["on_over_off"] for v in cases.values()], color="#9db4d6")
+    for b, v in zip(bars, cases.values()):
+        ax.text(b.get_x() + b.get_width() / 2, v["on_over_off"], f"{v['on_over_off']:.2f}\n({v['on']} vs {v['off']})",
+                ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel("batch-invariant / default tokens/s")
+    cpu = payload["machine"].get("cpu", {})
+    ax.set_title(f"{payload['model']} {payload['dtype']} on {payload['device']}, "
+                 f"{payload['machine'].get('torch_threads')} thread(s)\n{cpu.get('model', '')}: "
+                 f"{' '.join(f for f in cpu.get('isa_flags', []) if 'avx' in f or 'amx' in f)}", fontsize=8)
+    ax.set_ylim(0, 1.4 * max(v["on_over_off"] for v in cases.values()))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -84,13 +106,15 @@ def main() -> None:
         results[name] = {"batch": batch, "input_len": input_len, "output_len": output_len, "metric": key,
                          "off": off, "on": on, "on_over_off": round(on / off, 3),
                          "samples": samples[name]}
-    write_json(args.output, {
+    payload = {
         "command": "python " + " ".join(sys.argv),
         "model": os.path.basename(path), "dtype": args.dtype, "device": args.device,
         "what": "batch-invariant mode (EngineArgs(batch_invariant=True)) vs the default, same process, rounds "
                 "alternating; medians of tokens/s (decode: steps where the whole batch decodes; prefill: batch x "
                 "prompt tokens / time to every first token)",
-        "machine": machine_info(), "results": results})
+        "machine": machine_info(), "results": results}
+    write_json(args.output, payload)
+    plot(payload, os.path.splitext(args.output)[0] + ".png")
 
 
 if __name__ == "__main__":

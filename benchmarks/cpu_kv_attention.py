@@ -3,8 +3,11 @@ run: fp32, bf16, fp8 E4M3 and E5M2 as the engine builds them (the fp16 conversio
 has them), and the fp8 builds with -DKV_FP8_PORTABLE (the integer-only widening other CPUs run). One call is one
 layer's decode attention of `--batch` sequences over `--context` keys, the default model's heads (3 KV heads of 64,
 group 3); the best of `--repeats` timed loops is reported, the dtypes alternating within each repeat.
+`--lanes 8,16` builds each dtype at both vector widths (-DATTN_LANES: 16 floats, one AVX-512 register, or 8, one
+AVX one; without it each build takes the CPU's own width) and times them all in the same run ("fp32@8", ...).
 
-Run:  python benchmarks/cpu_kv_attention.py [--context 4096] [--batch 1] [--output benchmarks/cpu_kv_attention.json]
+Run:  python benchmarks/cpu_kv_attention.py [--context 4096] [--batch 1] [--lanes 8,16]
+          [--output benchmarks/cpu_kv_attention.json]
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import shlex
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,6 +39,27 @@ def load(dtype: torch.dtype, extra: tuple[str, ...]):
     return cpu._build.load(cpu._SOURCE, {"paged_decode_attention": cpu._ARGTYPES}, defines=defines)
 
 
+def plot(result: dict, path: str) -> None:
+    """One bar per build: microseconds per call (lower is better)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    us = result["us_per_call"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(us)), 3.8))
+    bars = ax.bar(list(us), list(us.values()), color="#9db4d6")
+    for b, v in zip(bars, us.values()):
+        ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+    setup = result["setup"]
+    ax.set_ylabel("us per call (one layer)")
+    ax.set_title(f"CPU decode attention, batch {setup['batch']}, {setup['context']} keys, {setup['kv_heads']} KV heads x"
+                 f" {setup['head_dim']}, group {setup['group']}, {setup['torch_threads']} threads\n"
+                 f"{setup['cpu']['model']}: {' '.join(f for f in setup['cpu']['isa_flags'] if 'avx' in f or 'amx' in f)}",
+                 fontsize=8)
+    ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=4096)
@@ -44,8 +69,13 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--lanes", default="", help="comma-separated vector widths to build each dtype at (8, 16)")
     ap.add_argument("--output", default="benchmarks/cpu_kv_attention.json")
     args = ap.parse_args()
+    builds = dict(BUILDS)
+    if args.lanes:
+        builds = {f"{name}@{lanes}": (dtype, extra + (f"ATTN_LANES={lanes}",))
+                  for lanes in args.lanes.split(",") for name, (dtype, extra) in BUILDS.items()}
     bs = 16
     blocks_per_seq = -(-args.context // bs)
     num_blocks = args.batch * blocks_per_seq + 1
@@ -56,8 +86,8 @@ def main() -> None:
     q = torch.randn(args.batch, args.kv_heads * args.group, args.head_dim, generator=gen)
     out = torch.empty_like(q)
     plan = cpu.DecodePlan(torch.arange(args.batch), tables, lens)
-    caches = {name: cache32.to(dtype) for name, (dtype, _) in BUILDS.items()}
-    libs = {name: load(dtype, extra) for name, (dtype, extra) in BUILDS.items()}
+    caches = {name: cache32.to(dtype) for name, (dtype, _) in builds.items()}
+    libs = {name: load(dtype, extra) for name, (dtype, extra) in builds.items()}
     k_ptrs = {name: c.data_ptr() for name, c in caches.items()}
 
     def call(name: str) -> None:
@@ -68,20 +98,22 @@ def main() -> None:
             *plan._ptrs, out.data_ptr(), out.stride(0), out.stride(1), args.batch, q.shape[1], hkv, d, block,
             plan.max_blocks, 0.125, torch.get_num_threads())
 
-    best = {name: float("inf") for name in BUILDS}
-    for name in BUILDS:
+    best = {name: float("inf") for name in builds}
+    for name in builds:
         call(name)                                  # warm up (and page in) every cache
     for _ in range(args.repeats):
-        for name in BUILDS:
+        for name in builds:
             t0 = time.perf_counter()
             for _ in range(args.calls):
                 call(name)
             best[name] = min(best[name], (time.perf_counter() - t0) / args.calls)
     us = {name: round(t * 1e6, 1) for name, t in best.items()}
-    result = {"us_per_call": us, "ratio_to_fp32": {n: round(v / us["fp32"], 3) for n, v in us.items()},
+    first = next(iter(us))
+    result = {"us_per_call": us, f"ratio_to_{first}": {n: round(v / us[first], 3) for n, v in us.items()},
               "setup": {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), **vars(args),
                         "date": time.strftime("%Y-%m-%d"), **machine_info()}}
     write_json(args.output, result)
+    plot(result, str(Path(args.output).with_suffix(".png")))
     print(us)
 
 

@@ -13,8 +13,19 @@ from deepserve.layers.linear import INVARIANT_ROW_TILE, invariant_linear
 needs_kernel = pytest.mark.skipif(c_linear._library() is None, reason="the CPU C kernels are not buildable here")
 
 # (K, N): the tiny test models' shapes and the default model's (SmolLM2-135M: hidden 576, MLP 1536, vocab 49152).
-SHAPES = [(64, 128), (64, 36), (576, 960), (1536, 576), (576, 5003)]
+# (64, 13) and (128, 64): one weight row left over after blocks of 3 and of 4 (AVX2's and AVX-512's column blocks).
+SHAPES = [(64, 128), (64, 36), (576, 960), (1536, 576), (576, 5003), (64, 13), (128, 64)]
 ROW_COUNTS = [1, 2, 3, 4, 5, 7, 16, 33, 64, 65, 130]
+
+
+@pytest.fixture(params=[8, 16], ids=["lanes8", "lanes16"])
+def lanes(request, monkeypatch):
+    """The kernel built with 8-float vectors (CPUs without AVX-512) and with 16-float ones (AVX-512's), whatever this
+    CPU's own width: both keep the invariant anywhere, so both are tested on every CPU."""
+    monkeypatch.setattr(c_linear, "_DEFINES", (f"LINEAR_LANES={request.param}",))
+    c_linear._load.cache_clear()
+    yield request.param
+    c_linear._load.cache_clear()
 
 
 def rows_alone_and_batched(fn, k: int, n: int, seed: int = 0):
@@ -35,7 +46,7 @@ def rows_alone_and_batched(fn, k: int, n: int, seed: int = 0):
 @needs_kernel
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_c_kernel_row_is_independent_of_its_batch(k, n, threads):
+def test_c_kernel_row_is_independent_of_its_batch(k, n, threads, lanes):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -47,7 +58,7 @@ def test_c_kernel_row_is_independent_of_its_batch(k, n, threads):
 
 
 @needs_kernel
-def test_c_kernel_same_result_on_one_and_two_threads():
+def test_c_kernel_same_result_on_one_and_two_threads(lanes):
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(37, 576, generator=gen), torch.randn(300, 576, generator=gen)
     old = torch.get_num_threads()
@@ -63,7 +74,7 @@ def test_c_kernel_same_result_on_one_and_two_threads():
 
 @needs_kernel
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_c_kernel_is_close_to_the_exact_product(k, n):
+def test_c_kernel_is_close_to_the_exact_product(k, n, lanes):
     gen = torch.Generator().manual_seed(2)
     x, w, b = torch.randn(19, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     exact = F.linear(x.double(), w.double(), b.double())

@@ -67,11 +67,23 @@ def assert_matches_reference(out, ref):
 SEQ_LENS = [[1], [15], [16], [17], [300], [1, 15, 16, 17, 300, 33, 2, 64]]
 
 
+@pytest.fixture(params=[8, 16], ids=["lanes8", "lanes16"])
+def lanes(request, monkeypatch):
+    """Every cache dtype's kernel built with 8-float vectors (one AVX register, the build of CPUs without AVX-512)
+    and with 16-float ones (AVX-512's), whatever this CPU's own width: both are correct anywhere, only slower off
+    their own ISA, so both are tested on every CPU."""
+    for dtype, defines in list(cpu._VARIANTS.items()):
+        monkeypatch.setitem(cpu._VARIANTS, dtype, defines + (f"ATTN_LANES={request.param}",))
+    cpu._load.cache_clear()
+    yield request.param
+    cpu._load.cache_clear()
+
+
 @requires_kernel
 @pytest.mark.parametrize("seq_lens", SEQ_LENS, ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize("group", [1, 3, 4, 5])
-@pytest.mark.parametrize("head_dim", [64, 128, 96])      # 96: the path for head sizes without a special case
-def test_kernel_matches_reference(seq_lens, group, head_dim):
+@pytest.mark.parametrize("head_dim", [64, 128, 96, 256])      # 96: the path for head sizes without a special case
+def test_kernel_matches_reference(seq_lens, group, head_dim, lanes):
     q, kv_cache, tables, lens = random_case(seq_lens, hkv=3, group=group, head_dim=head_dim)
     scale = 1 / math.sqrt(head_dim)
     assert_matches_reference(run_kernel(q, kv_cache, tables, lens, scale),
@@ -80,7 +92,7 @@ def test_kernel_matches_reference(seq_lens, group, head_dim):
 
 @requires_kernel
 @pytest.mark.parametrize("block_size", [1, 8, 32])
-def test_other_block_sizes(block_size):
+def test_other_block_sizes(block_size, lanes):
     q, kv_cache, tables, lens = random_case([1, 7, 8, 9, 31, 32, 33, 100], hkv=2, group=2, head_dim=32,
                                             block_size=block_size)
     assert_matches_reference(run_kernel(q, kv_cache, tables, lens, 0.25),
@@ -88,7 +100,7 @@ def test_other_block_sizes(block_size):
 
 
 @requires_kernel
-def test_peaked_scores():
+def test_peaked_scores(lanes):
     """Scores spread over ~200: most probabilities underflow, and the running max changes within the sequence."""
     q, kv_cache, tables, lens = random_case([300, 40], hkv=1, group=2, head_dim=64)
     kv_cache[0] *= torch.linspace(0.5, 3.0, kv_cache.shape[1])[:, None, None, None]
@@ -115,7 +127,7 @@ def test_strided_rows_of_a_mixed_batch():
 
 
 @requires_kernel
-def test_rows_do_not_depend_on_the_batch_or_threads():
+def test_rows_do_not_depend_on_the_batch_or_threads(lanes):
     """Bitwise: a sequence alone, in a batch, and with 1 or 2 threads (which changes how work is split)."""
     lens = [300, 17, 1, 64, 15, 128, 16, 99, 5, 250]
     q, kv_cache, tables, seq_lens = random_case(lens, hkv=3, group=3, head_dim=64)
@@ -338,7 +350,7 @@ requires_bf16_kernel = pytest.mark.skipif(cpu.library(torch.bfloat16) is None, r
 @pytest.mark.parametrize("seq_lens", SEQ_LENS, ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("head_dim", [64, 128, 96])
-def test_bf16_cache_kernel_matches_reference(seq_lens, group, head_dim):
+def test_bf16_cache_kernel_matches_reference(seq_lens, group, head_dim, lanes):
     q, kv_cache, tables, lens = random_case(seq_lens, hkv=3, group=group, head_dim=head_dim)
     cache16 = kv_cache.bfloat16()
     # The reference reads the same bf16 values (widened to float64): only the arithmetic differs.
@@ -397,7 +409,7 @@ def fp8_build(request, monkeypatch):
 
 @requires_kernel
 @pytest.mark.parametrize("dtype", FP8, ids=str)
-def test_fp8_cache_widens_every_code_exactly(dtype, fp8_build):
+def test_fp8_cache_widens_every_code_exactly(dtype, fp8_build, lanes):
     """A sequence of one key attends with weight exactly 1, so the output is its value as the kernel widened it: every
     one of the 256 codes (NaN codes included) in value rows, against torch's own widening."""
     head_dim, hkv = 64, 2
@@ -417,7 +429,7 @@ def test_fp8_cache_widens_every_code_exactly(dtype, fp8_build):
 @pytest.mark.parametrize("seq_lens", SEQ_LENS[-2:], ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_fp8_cache_kernel_matches_reference(dtype, seq_lens, group, head_dim, fp8_build):
+def test_fp8_cache_kernel_matches_reference(dtype, seq_lens, group, head_dim, fp8_build, lanes):
     q, kv_cache, tables, lens = random_case(seq_lens, hkv=2, group=group, head_dim=head_dim)
     cache8 = kv_cache.to(dtype)
     assert_matches_reference(run_kernel(q, cache8, tables, lens, 0.125), reference_decode(q, cache8, tables, lens, 0.125))

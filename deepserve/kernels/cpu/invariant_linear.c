@@ -3,7 +3,8 @@
  * The invariant: every output element is computed by one fixed sequence of operations that depends only on K,
  * never on M (the number of rows), on the row's place among them, on N, on the thread count or on which thread
  * ran it. That sequence: 16 lane accumulators, lane j summing x[k] * w[k] for k = j, j + 16, j + 32, ... in
- * increasing k (one vector FMA per 16 k), then one fixed tree over the 16 lanes, then the bias. BLAS libraries
+ * increasing k (one vector FMA per 16 k), then one fixed tree over the 16 lanes, then the bias (16: the vector
+ * width W of an AVX-512 CPU; other CPUs build W = 8, see below). BLAS libraries
  * do not promise this: MKL picks a GEMV for one row and other kernels (and K splits) by M and thread count, so a
  * row's result moves by an ulp when its batch changes (tests/engine/test_batch_invariant_mode.py shows it).
  *
@@ -12,19 +13,48 @@
  * the same. K must be a multiple of 16 (the Python side checks it and otherwise pads nothing: it falls back).
  * Rows are taken 64 at a time (their x stays in L2) and weight rows are split over threads in blocks of 4.
  *
- * Written with GCC/Clang vector extensions (16-float vectors: one AVX-512 register, two AVX ones, whatever
- * -march=native has), not intrinsics; no -ffast-math, so the compiler keeps the written order.
+ * Written with GCC/Clang vector extensions, not intrinsics; no -ffast-math, so the compiler keeps the written
+ * order. Vectors are one register of what -march=native has: W = 16 floats (AVX-512), else 8 (AVX2) with a 4 x 3
+ * block for its 16 registers. 16-float vectors on 256-bit registers compile to code that goes through the stack:
+ * on an AVX2-only Zen 3 the 16-float build ran 2.8-9.2x slower than the 8-float one, and 1.5-10.6x slower than
+ * F.linear (1 to 256 rows, 576 <-> 1536; benchmarks/cpu_invariant_linear_avx2_lanes_s52.json). -DLINEAR_LANES=8 / 16 forces a width (the tests build
+ * both); the width is part of the fixed order, so results are invariant on a CPU, not between widths.
  */
 
 #include <stdint.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+/* No contraction of a * b + c into an FMA behind our back: GCC decides that per inlined copy of `block`, and on an
+ * AVX2 CPU it fused in some row x column edge cases and not in others, so a row's result changed with the row
+ * count (session 52). FMAs are written out (fma_v) where the CPU has them, and nowhere else. */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#else
+#pragma GCC optimize("fp-contract=off")
+#endif
 
 #if !(defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
 #error "needs __builtin_shufflevector (GCC >= 12 or Clang); the fixed-tile F.linear path is used instead"
 #endif
 
+#if defined(LINEAR_LANES)
+#define W LINEAR_LANES
+#elif defined(__AVX512F__)
 #define W 16
+#else
+#define W 8
+#endif
+#if W == 16
 #define MR 4
 #define NR 4
+#elif W == 8      /* 16 registers: 4 x 3 ran best of 2-4 x 2-4 on a Zen 3 (session 52) */
+#define MR 4
+#define NR 3
+#else
+#error "LINEAR_LANES must be 8 or 16"
+#endif
 #define M_CHUNK 64
 
 typedef float vf __attribute__((vector_size(4 * W)));
@@ -32,13 +62,31 @@ typedef float vf_u __attribute__((vector_size(4 * W), aligned(4)));
 
 static inline vf load_f(const float *p) { return *(const vf_u *)p; }
 
+/* a * b + c: one rounding where the CPU has a vector FMA of this width, else two; the same in every call. */
+static inline vf fma_v(vf a, vf b, vf c)
+{
+#if W == 16 && defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif W == 8 && defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
 /* Sum of the lanes in one fixed tree (the same as paged_attention.c's). */
 static inline float sum_lanes(vf x)
 {
+#if W == 16
     x = x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     x = x + __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
     x = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
     x = x + __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#else
+    x = x + __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+    x = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5);
+    x = x + __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
+#endif
     return x[0];
 }
 
@@ -59,7 +107,7 @@ block(const float *restrict x, int64_t x_stride, const float *restrict w, int64_
             wv[j] = load_f(w + j * w_stride + k);
         for (int i = 0; i < mr; ++i)
             for (int j = 0; j < nr; ++j)
-                acc[i][j] += xv[i] * wv[j];
+                acc[i][j] = fma_v(xv[i], wv[j], acc[i][j]);
     }
     for (int i = 0; i < mr; ++i)
         for (int j = 0; j < nr; ++j) {
@@ -86,8 +134,10 @@ rows_by_cols(const float *x, int64_t x_stride, const float *w, int64_t w_stride,
 static void col_block(const float *x, int64_t x_stride, const float *w, int64_t w_stride, const float *bias,
                       float *y, int64_t y_stride, int64_t m, int64_t K, int64_t nr)
 {
-    switch (nr) {
+    switch (nr) {   /* nr <= NR */
+#if NR == 4
     case 4: rows_by_cols(x, x_stride, w, w_stride, bias, y, y_stride, m, K, 4); break;
+#endif
     case 3: rows_by_cols(x, x_stride, w, w_stride, bias, y, y_stride, m, K, 3); break;
     case 2: rows_by_cols(x, x_stride, w, w_stride, bias, y, y_stride, m, K, 2); break;
     case 1: rows_by_cols(x, x_stride, w, w_stride, bias, y, y_stride, m, K, 1); break;

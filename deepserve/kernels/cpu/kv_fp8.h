@@ -9,7 +9,9 @@
  * float's fields and the bias difference is added to the exponent; a subnormal one (exponent 0) is its mantissa
  * times 2^(1 - bias - mantissa bits), an exact int -> float product. Measured on a 2-core AVX-512 EPYC (one decode
  * call over 4096 keys of 3 x 64-wide heads, benchmarks/cpu_kv_attention.json): fp32 cache 164 us, bf16 142, E4M3 189,
- * E5M2 151; through fp8_widen (-DKV_FP8_PORTABLE) E4M3 574, E5M2 607.
+ * E5M2 151; through fp8_widen (-DKV_FP8_PORTABLE) E4M3 574, E5M2 607. On an AVX2-only Zen 3, with the 8-float
+ * vectors such CPUs build (benchmarks/cpu_kv_attention_avx2_lanes_s52.json): fp32 319, bf16 301, E4M3 559, E5M2 344;
+ * portable 1337 / 1434.
  * fp8_narrow: one float -> its code, rounded to nearest (ties to even) and saturated at the largest finite value,
  * as kernels/reference/attention.py's to_cache_dtype (a clamp, then torch's cast).
  */
@@ -61,6 +63,12 @@ static inline vf fp8_widen(vi code)
 #if !defined(KV_FP8_PORTABLE) && (defined(__AVX512F__) || (defined(__F16C__) && defined(__AVX2__)))
 #include <immintrin.h>
 typedef uint16_t fp8_vh __attribute__((vector_size(2 * W)));
+#if W == 16
+#define FP8_TO_HALVES 0, 16, 1, 16, 2, 16, 3, 16, 4, 16, 5, 16, 6, 16, 7, 16, 8, 16, 9, 16, 10, 16, 11, 16, 12, 16, \
+    13, 16, 14, 16, 15, 16           /* code i, then a zero byte: W little-endian 16-bit lanes */
+#else
+#define FP8_TO_HALVES 0, 8, 1, 8, 2, 8, 3, 8, 4, 8, 5, 8, 6, 8, 7, 8
+#endif
 
 /* W codes at p -> W floats through fp16: each code moves into an fp16's bits (E5M2 is fp16's high byte; E4M3's
  * exponent and mantissa sit one bit lower, with a bias 8 below fp16's) and the CPU's fp16 -> fp32 conversion (F16C /
@@ -76,17 +84,22 @@ typedef uint16_t fp8_vh __attribute__((vector_size(2 * W)));
 static inline vf fp8_widen_f16c(const uint8_t *p)
 {
     const fp8_vb b = *(const fp8_vb *)p, z = {0};
-    const fp8_vh c = (fp8_vh)__builtin_shufflevector(b, z, 0, 16, 1, 16, 2, 16, 3, 16, 4, 16, 5, 16, 6, 16, 7, 16,
-                                                     8, 16, 9, 16, 10, 16, 11, 16, 12, 16, 13, 16, 14, 16, 15, 16);
+    const fp8_vh c = (fp8_vh)__builtin_shufflevector(b, z, FP8_TO_HALVES);
 #if defined(KV_FP8_E4M3)
     const fp8_vh nan = (fp8_vh)((c & 0x7f) == 0x7f);              /* all ones where the code is NaN */
     const fp8_vh h = (((c & 0x80) << 8) | ((c & 0x7f) << 7) | nan) & (~nan | 0x7e00);
 #else
     const fp8_vh h = c << 8;
 #endif
+    vf out;
+#if W == 8
+    __m128i bits;
+    memcpy(&bits, &h, sizeof bits);
+    const __m256 f = _mm256_cvtph_ps(bits);
+    memcpy(&out, &f, sizeof out);
+#else
     __m256i bits;
     memcpy(&bits, &h, sizeof bits);
-    vf out;
 #if defined(__AVX512F__) && !defined(KV_FP8_F16C_ONLY)      /* KV_FP8_F16C_ONLY: a test's build of the path below */
     const __m512 f = _mm512_cvtph_ps(bits);
     memcpy(&out, &f, sizeof out);
@@ -95,6 +108,7 @@ static inline vf fp8_widen_f16c(const uint8_t *p)
     const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1));
     memcpy(&out, &lo, sizeof lo);
     memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
+#endif
 #endif
     return out;
 }

@@ -22,9 +22,14 @@
  * Everything accumulates in fp32 in a fixed order that depends only on the sequence's own data: a row's
  * result does not depend on the rest of the batch, on the thread count, nor on which thread ran it.
  *
- * Written with GCC/Clang vector extensions (16-float vectors: one AVX-512 register, two AVX ones, whatever
- * -march=native has), not intrinsics. Built with -O3 -march=native -fno-math-errno and no -ffast-math: the
- * compiler may not reorder sums, so the order written here is the order computed.
+ * Written with GCC/Clang vector extensions, not intrinsics: vectors of W floats, one register of what
+ * -march=native has: W = 16 (AVX-512), else W = 8 (AVX2, or two SSE registers). A 16-float vector on a CPU
+ * without AVX-512 does compile, but GCC moves much of its shuffling through the stack: on an AVX2-only Zen 3 that
+ * build ran 2.4-4.9x slower than the 8-float one (benchmarks/cpu_kv_attention_avx2_lanes_s52.json). -DATTN_LANES=8
+ * or 16 forces a width (the tests build both on any CPU); the width fixes the order of the sums, so results are
+ * the same for every batch, thread count and thread on a CPU, but not between widths. Built with -O3
+ * -march=native -fno-math-errno and no -ffast-math: the compiler may not reorder sums, so the order written here
+ * is the order computed.
  */
 
 #include <math.h>
@@ -35,23 +40,42 @@
 #error "needs __builtin_shufflevector (GCC >= 12 or Clang); the PyTorch path is used instead"
 #endif
 
-#define W 16          /* floats per vector, and keys per chunk */
+#if defined(ATTN_LANES)
+#define W ATTN_LANES  /* floats per vector, and keys per chunk: 8 or 16 */
+#elif defined(__AVX512F__)
+#define W 16
+#else
+#define W 8
+#endif
+#if W != 8 && W != 16
+#error "ATTN_LANES must be 8 or 16"
+#endif
 #define MAX_VEC 16    /* query heads x (D / W) kept in registers at once */
 #define MAX_GROUP 4   /* query heads per group */
-#define MAX_DV 16     /* vectors per head: head_dim <= 256 */
+#define MAX_DV (256 / W)  /* vectors per head: head_dim <= 256 */
 
 typedef float vf __attribute__((vector_size(4 * W)));
 typedef float vf_u __attribute__((vector_size(4 * W), aligned(4)));          /* unaligned access */
 typedef int32_t vi __attribute__((vector_size(4 * W)));
 
+/* Lane patterns of two W-lane vectors a, b (index i < W: a's lane i, W + i: b's lane i). */
+#if W == 16
 #define EVENS 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
 #define ODDS 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+#define ZIP_LO 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23          /* a0 b0 a1 b1 ... of the low halves */
+#define ZIP_HI 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31
+#else
+#define EVENS 0, 2, 4, 6, 8, 10, 12, 14
+#define ODDS 1, 3, 5, 7, 9, 11, 13, 15
+#define ZIP_LO 0, 8, 1, 9, 2, 10, 3, 11
+#define ZIP_HI 4, 12, 5, 13, 6, 14, 7, 15
+#endif
 
 static inline vf load_f(const float *p) { return *(const vf_u *)p; }
 static inline void store_f(float *p, vf x) { *(vf_u *)p = x; }
 
 /* Dimensions are handled in pairs of vectors: 2 W consecutive entries of a query, key, value or output row.
- * The bf16 build loads 2 W cache entries in one 64-byte load and widens them with a shift and a mask:
+ * The bf16 build loads 2 W cache entries in one 4 W-byte load and widens them with a shift and a mask:
  * the even entries come out in the first vector, the odd ones in the second. Queries are loaded in that
  * same order and outputs put back in place, so every product still pairs the same dimension of q and k,
  * and of p and v. */
@@ -72,8 +96,8 @@ static inline void load_q_pair(const float *p, vf *lo, vf *hi)
 }
 static inline void store_pair(float *p, vf lo, vf hi)
 {
-    store_f(p, __builtin_shufflevector(lo, hi, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
-    store_f(p + W, __builtin_shufflevector(lo, hi, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
+    store_f(p, __builtin_shufflevector(lo, hi, ZIP_LO));
+    store_f(p + W, __builtin_shufflevector(lo, hi, ZIP_HI));
 }
 #elif defined(KV_FP8_E4M3) || defined(KV_FP8_E5M2)
 #include "kv_fp8.h"
@@ -110,10 +134,11 @@ static inline void store_pair(float *p, vf lo, vf hi)
 
 static inline vf splat(float x) { return (vf){0} + x; }
 
-/* out[i] = sum of the 16 lanes of p[i], for 16 vectors at once: each step adds the two halves of every
- * vector's remaining lanes while packing two vectors into one (30 shuffles and 15 adds in all). */
-static inline vf sum_lanes_16(const vf p[W])
+/* out[i] = sum of the W lanes of p[i], for W vectors at once: each step adds the two halves of every vector's
+ * remaining lanes while packing two vectors into one (2 (W - 1) shuffles and W - 1 adds in all). */
+static inline vf sum_lanes_transposed(const vf p[W])
 {
+#if W == 16
     vf c[8], d[4], e[2];
     for (int i = 0; i < 8; ++i)
         c[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
@@ -124,8 +149,17 @@ static inline vf sum_lanes_16(const vf p[W])
     for (int i = 0; i < 2; ++i)
         e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
              + __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-         + __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return __builtin_shufflevector(e[0], e[1], EVENS) + __builtin_shufflevector(e[0], e[1], ODDS);
+#else
+    vf c[4], d[2];
+    for (int i = 0; i < 4; ++i)     /* lanes 0-3: p[2i]'s halves summed, 4-7: p[2i + 1]'s */
+        c[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; ++i)     /* lane pairs: p[4i], p[4i + 1], p[4i + 2], p[4i + 3] */
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+             + __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(d[0], d[1], EVENS) + __builtin_shufflevector(d[0], d[1], ODDS);
+#endif
 }
 
 static inline vf vmax(vf a, vf b)
@@ -134,23 +168,39 @@ static inline vf vmax(vf a, vf b)
     return (vf)((gt & (vi)a) | (~gt & (vi)b));
 }
 
+/* Each lane swapped with the one 8, 4, 2 or 1 lanes away (SWAP8 only where W = 16). */
+#if W == 16
+#define SWAP8 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7
+#define SWAP4 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11
+#define SWAP2 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13
+#define SWAP1 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14
+#else
+#define SWAP4 4, 5, 6, 7, 0, 1, 2, 3
+#define SWAP2 2, 3, 0, 1, 6, 7, 4, 5
+#define SWAP1 1, 0, 3, 2, 5, 4, 7, 6
+#endif
+
 /* Largest lane (exact whatever the order). */
 static inline float max_lanes(vf x)
 {
-    x = vmax(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-    x = vmax(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-    x = vmax(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-    x = vmax(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#if W == 16
+    x = vmax(x, __builtin_shufflevector(x, x, SWAP8));
+#endif
+    x = vmax(x, __builtin_shufflevector(x, x, SWAP4));
+    x = vmax(x, __builtin_shufflevector(x, x, SWAP2));
+    x = vmax(x, __builtin_shufflevector(x, x, SWAP1));
     return x[0];
 }
 
 /* Sum of the lanes in one fixed tree. */
 static inline float sum_lanes(vf x)
 {
-    x = x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    x = x + __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    x = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    x = x + __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#if W == 16
+    x = x + __builtin_shufflevector(x, x, SWAP8);
+#endif
+    x = x + __builtin_shufflevector(x, x, SWAP4);
+    x = x + __builtin_shufflevector(x, x, SWAP2);
+    x = x + __builtin_shufflevector(x, x, SWAP1);
     return x[0];
 }
 
@@ -232,7 +282,7 @@ fold_chunk(const float *restrict q, int64_t q_stride, const kv_t *restrict k, co
 
     vf acc[MAX_GROUP][MAX_DV];
     for (int g = 0; g < GS; ++g) {
-        vf s = sum_lanes_16(part[g]) * scale;
+        vf s = sum_lanes_transposed(part[g]) * scale;
         for (int t = (int)cnt; t < W; ++t)
             s[t] = -INFINITY;
         const float mx = fmaxf(st[g].m, max_lanes(s));
@@ -289,13 +339,14 @@ static void fold_group(const float *q, int64_t q_stride, const kv_t *k, const kv
                        int64_t token_stride, float scale, Running *st, int64_t gs, int64_t D)
 {
 #define FOLD(GS, DV) fold_block(q, q_stride, k, v, pk, pv, n, token_stride, scale, st, GS, DV)
-    switch (D / W * 8 + gs) {     /* (D / W, gs) for the common head sizes 64 and 128 */
+    switch (D / W * 8 + gs) {     /* (D / W, gs) for the common head sizes 64 and 128 (and 256 at W = 16) */
     case 4 * 8 + 1: FOLD(1, 4); return;
     case 4 * 8 + 2: FOLD(2, 4); return;
     case 4 * 8 + 3: FOLD(3, 4); return;
     case 4 * 8 + 4: FOLD(4, 4); return;
     case 8 * 8 + 1: FOLD(1, 8); return;
     case 8 * 8 + 2: FOLD(2, 8); return;
+    case 16 * 8 + 1: FOLD(1, 16); return;
     }
 #undef FOLD
     for (int64_t i = 0; i < gs; ++i)   /* other head sizes: a head at a time, its vectors counted at run time */
@@ -307,7 +358,7 @@ static void fold_group(const float *q, int64_t q_stride, const kv_t *k, const kv
 static int64_t group_size(int64_t D)
 {
     const int64_t per_head = D / W;
-    return per_head == 4 || per_head == 8 ? MAX_VEC / per_head : 1;
+    return per_head == 4 || per_head == 8 || per_head == 16 ? MAX_VEC / per_head : 1;
 }
 
 /* One work item: sequence b, kv heads [h0, h0 + nh). Block by block (each block is read front to back

@@ -1,0 +1,98 @@
+"""The batch-invariant linear layer's C kernel (kernels/cpu/invariant_linear.c) against F.linear on the CPU, by row
+count, on the default model's MLP shape (576 -> 1536) and its down projection (1536 -> 576), float32. `--lanes 8,16`
+builds the kernel at both vector widths (-DLINEAR_LANES: 16 floats, AVX-512's register, or 8, AVX's; the CPU's own
+width is the default build) and times them in the same run, rounds alternating; best of `--repeats` is reported.
+
+Run:  python benchmarks/cpu_invariant_linear.py [--lanes 8,16] [--output benchmarks/cpu_invariant_linear.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from deepserve.bench.throughput import machine_info, write_json
+from deepserve.kernels.cpu import build as cpu_build
+from deepserve.kernels.cpu import invariant_linear as il
+
+SIGNATURE = {"invariant_linear": [il._P, il._I64, il._P, il._I64, il._P, il._P, il._I64, il._I64, il._I64, il._I64,
+                                  il._INT]}
+
+
+def kernel_call(lib, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor):
+    (m, k), n = x.shape, w.shape[0]
+    return lambda: lib.invariant_linear(x.data_ptr(), k, w.data_ptr(), k, None, y.data_ptr(), n, m, n, k,
+                                        torch.get_num_threads())
+
+
+def best_us(fn, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(result["us_per_call"]), figsize=(5.5 * len(result["us_per_call"]), 3.8))
+    for ax, (shape, rows) in zip(axes if len(result["us_per_call"]) > 1 else [axes], result["us_per_call"].items()):
+        ms = [int(m) for m in rows]
+        for name in next(iter(rows.values())):
+            ax.plot(ms, [rows[str(m)][name] / rows[str(m)]["F.linear"] for m in ms], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rows")
+        ax.set_ylabel("time / F.linear's")
+        ax.set_title(shape, fontsize=9)
+        ax.legend(fontsize=8)
+    cpu = result["setup"]["cpu"]
+    fig.suptitle(f"invariant_linear (C) vs F.linear, {result['setup']['torch_threads']} threads: {cpu['model']}, "
+                 f"{' '.join(f for f in cpu['isa_flags'] if 'avx' in f or 'amx' in f)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lanes", default="", help="comma-separated vector widths to build the kernel at (8, 16)")
+    ap.add_argument("--rows", default="1,8,32,256")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--output", default="benchmarks/cpu_invariant_linear.json")
+    args = ap.parse_args()
+    builds = {f"C@{lanes}": (f"LINEAR_LANES={lanes}",) for lanes in args.lanes.split(",")} if args.lanes \
+        else {"C": ()}
+    libs = {name: cpu_build.load(il._SOURCE, SIGNATURE, defines=defines) for name, defines in builds.items()}
+    gen = torch.Generator().manual_seed(0)
+    us: dict = {}
+    for n, k in [(1536, 576), (576, 1536)]:
+        w = torch.randn(n, k, generator=gen)
+        shape = f"{k} -> {n}"
+        us[shape] = {}
+        for m in map(int, args.rows.split(",")):
+            x, y = torch.randn(m, k, generator=gen), torch.empty(m, n)
+            calls = {name: kernel_call(lib, x, w, y) for name, lib in libs.items()}
+            calls["F.linear"] = lambda: F.linear(x, w)
+            reps = max(3, 2000 // m)
+            best = {name: float("inf") for name in calls}
+            for fn in calls.values():
+                fn()
+            for _ in range(args.repeats):
+                for name, fn in calls.items():
+                    best[name] = min(best[name], best_us(fn, reps))
+            us[shape][str(m)] = {name: round(v, 1) for name, v in best.items()}
+            print(shape, m, us[shape][str(m)])
+    result = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "us_per_call": us,
+              "setup": {**vars(args), "date": time.strftime("%Y-%m-%d"), **machine_info()}}
+    write_json(args.output, result)
+    plot(result, str(Path(args.output).with_suffix(".png")))
+
+
+if __name__ == "__main__":
+    main()
