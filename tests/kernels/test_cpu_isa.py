@@ -83,3 +83,17 @@ def test_host_json_names_the_model_and_flags():
     record = isa.host().to_json()
     assert record["model"] and isinstance(record["isa_flags"], list)
     assert record["int8_dot_product"] == bool(set(record["isa_flags"]) & isa.INT8_DOT_FLAGS)
+
+
+@pytest.mark.parametrize("cpuinfo,setting,expected", [
+    (SAPPHIRE_RAPIDS, "", ()),                                           # the build's own width (16)
+    (SAPPHIRE_RAPIDS, "avx2", ("ATTN_LANES=8", "LINEAR_LANES=8")),      # held to AVX2: the AVX2 build
+    (SAPPHIRE_RAPIDS, "avx512_vnni", ()),
+    (ZEN3, "", ()),                                                      # builds 8 wide by itself
+    (ZEN3, "avx2", ()),
+])
+def test_vector_width_defines_follow_the_preset(monkeypatch, cpuinfo, setting, expected):
+    """A run held to AVX2 on an AVX-512 CPU builds the generic-vector C kernels at AVX2's width."""
+    monkeypatch.setattr(isa, "host", lambda: isa.parse_cpuinfo(cpuinfo))
+    monkeypatch.setenv("DEEPSERVE_CPU_ISA", setting)
+    assert isa.vector_width_defines() == expected

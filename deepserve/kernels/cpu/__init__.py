@@ -22,6 +22,7 @@ import torch
 
 from deepserve import envs
 from deepserve.kernels.cpu import build as _build
+from deepserve.kernels.cpu import isa
 
 _SOURCE = Path(__file__).with_name("paged_attention.c")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -44,7 +45,9 @@ _VARIANTS = {torch.float32: (), torch.bfloat16: ("KV_BF16",), torch.float8_e4m3f
 
 @functools.lru_cache(maxsize=None)
 def _load(cache_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
-    return _build.load(_SOURCE, {"paged_decode_attention": _ARGTYPES}, defines=_VARIANTS[cache_dtype])
+    # DEEPSERVE_CPU_ISA's width first: a define the caller's variant forces (a test's ATTN_LANES) comes later and wins.
+    return _build.load(_SOURCE, {"paged_decode_attention": _ARGTYPES},
+                       defines=isa.vector_width_defines() + _VARIANTS[cache_dtype])
 
 
 def library(cache_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:

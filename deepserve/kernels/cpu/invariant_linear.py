@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from deepserve.kernels.cpu import build as _build
-from deepserve.kernels.cpu import enabled
+from deepserve.kernels.cpu import enabled, isa
 
 _SOURCE = Path(__file__).with_name("invariant_linear.c")
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -23,7 +23,7 @@ _DEFINES: tuple[str, ...] = ()   # e.g. ("LINEAR_LANES=8",): a width other than 
 @functools.lru_cache(maxsize=None)
 def _load() -> ctypes.CDLL | None:
     return _build.load(_SOURCE, {"invariant_linear": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT]},
-                       defines=_DEFINES)
+                       defines=isa.vector_width_defines() + _DEFINES)
 
 
 def _library() -> ctypes.CDLL | None:

@@ -127,4 +127,14 @@ def current() -> CpuFeatures:
     return host() if name in ("", "auto") else restrict(host(), name)
 
 
-__all__ = ["CpuFeatures", "INT8_DOT_FLAGS", "PRESETS", "current", "host", "parse_cpuinfo", "preset", "read", "restrict"]
+def vector_width_defines() -> tuple[str, ...]:
+    """Defines for the C kernels built with -march=native whose generic vectors take the CPU's width
+    (paged_attention.c, invariant_linear.c: 16 floats with AVX-512, else 8): 8 where DEEPSERVE_CPU_ISA takes AVX-512
+    away from a CPU that has it, so that a run held to AVX2 runs the AVX2 build; () otherwise (the build's choice)."""
+    if host().has("avx512f") and not current().has("avx512f"):
+        return ("ATTN_LANES=8", "LINEAR_LANES=8")
+    return ()
+
+
+__all__ = ["CpuFeatures", "INT8_DOT_FLAGS", "PRESETS", "current", "host", "parse_cpuinfo", "preset", "read", "restrict",
+           "vector_width_defines"]

@@ -20,6 +20,7 @@ from deepserve.kernels.cpu import build as _build
 from deepserve.kernels.cpu import enabled
 from deepserve.kernels.cpu import gguf_a8
 from deepserve.kernels.cpu import gguf_linear as gk
+from deepserve.kernels.cpu import isa
 from deepserve.kernels.reference.attention import gather_blocks, masked_decode_attention, write_kv
 from deepserve.kernels.reference.norm import rms_norm
 from deepserve.kernels.reference.rotary import apply_rotate_half
@@ -59,7 +60,7 @@ PHASES = ("norms", "qkv_gemv", "rotary_kv_write", "attention", "o_gemv_add", "ga
 
 @functools.lru_cache(maxsize=None)
 def _load(cache_dtype: torch.dtype, phase_times: bool) -> ctypes.CDLL | None:
-    defines = _VARIANTS[cache_dtype] + (("PHASE_TIMES",) if phase_times else ())
+    defines = isa.vector_width_defines() + _VARIANTS[cache_dtype] + (("PHASE_TIMES",) if phase_times else ())
     lib = _build.load(_SOURCE, {"llama_decode_phase_times": [_P]}, defines=defines)
     if lib is not None:
         lib.llama_decode_step.argtypes = [_P, _P, _I64, _P, _P, _P, _I64, _P, _INT]
