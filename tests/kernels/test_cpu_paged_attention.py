@@ -90,6 +90,21 @@ def test_kernel_matches_reference(seq_lens, group, head_dim, lanes):
                              reference_decode(q, kv_cache, tables, lens, scale))
 
 
+# Around PART_KEYS (1024 keys) of paged_attention.c: one partition, two, several; with short ones in the batch.
+LONG_SEQ_LENS = [[1024], [1025], [2049], [3000, 5, 1024, 1040]]
+
+
+@requires_kernel
+@pytest.mark.parametrize("seq_lens", LONG_SEQ_LENS, ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("block_size", [16, 48])       # 48: partitions of 21 blocks (1008 keys)
+def test_long_sequences_fold_in_partitions(seq_lens, block_size, lanes):
+    """Sequences longer than PART_KEYS fold in partitions (several work items each) merged afterwards."""
+    q, kv_cache, tables, lens = random_case(seq_lens, hkv=3, group=3, head_dim=64, block_size=block_size)
+    kv_cache[0] *= 2.0                  # a wider spread of scores: partitions' maxes differ
+    assert_matches_reference(run_kernel(q, kv_cache, tables, lens, 0.125),
+                             reference_decode(q, kv_cache, tables, lens, 0.125))
+
+
 @requires_kernel
 @pytest.mark.parametrize("block_size", [1, 8, 32])
 def test_other_block_sizes(block_size, lanes):
@@ -129,7 +144,7 @@ def test_strided_rows_of_a_mixed_batch():
 @requires_kernel
 def test_rows_do_not_depend_on_the_batch_or_threads(lanes):
     """Bitwise: a sequence alone, in a batch, and with 1 or 2 threads (which changes how work is split)."""
-    lens = [300, 17, 1, 64, 15, 128, 16, 99, 5, 250]
+    lens = [300, 17, 1, 64, 15, 128, 16, 99, 5, 250, 2100]     # 2100: three partitions
     q, kv_cache, tables, seq_lens = random_case(lens, hkv=3, group=3, head_dim=64)
     before = torch.get_num_threads()
     try:

@@ -17,7 +17,9 @@
  *    accumulators of up to 16 vectors stay in registers for a chunk of 16 keys;
  *  - a chunk's 16 scores per head come out of one transposed reduction of the keys' lane partial sums, not
  *    16 horizontal sums;
- *  - an online softmax (running max, running sum, rescaled accumulator) needs no second pass.
+ *  - an online softmax (running max, running sum, rescaled accumulator) needs no second pass;
+ *  - a long sequence folds in partitions of PART_KEYS keys, separate work items merged afterwards, so that a
+ *    batch of one sequence still keeps every thread busy.
  *
  * Everything accumulates in fp32 in a fixed order that depends only on the sequence's own data: a row's
  * result does not depend on the rest of the batch, on the thread count, nor on which thread ran it.
@@ -34,6 +36,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if !(defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
@@ -361,9 +364,23 @@ static int64_t group_size(int64_t D)
     return per_head == 4 || per_head == 8 || per_head == 16 ? MAX_VEC / per_head : 1;
 }
 
-/* One work item: sequence b, kv heads [h0, h0 + nh). Block by block (each block is read front to back
- * once), every query head of those kv heads folds the block into its running state. */
-static void run_item(const Args *a, int64_t b, int64_t h0, int64_t nh)
+/* A sequence longer than PART_KEYS keys (rounded down to whole blocks) is folded in partitions of that many keys,
+ * each its own work item, whose running states are merged afterwards in partition order. At batch 1 the items are
+ * otherwise only the KV heads (3 for the default model, on 2 threads: one thread does two, the other waits); split
+ * by partitions a 4k-key sequence gives 12. The partitioning depends on the sequence's length and the block size
+ * alone, so a row's result still does not depend on its batch or the thread count; sequences of up to PART_KEYS
+ * keys are one partition, computed exactly as without it. */
+#define PART_KEYS 1024
+
+/* Partial state of one query head over one partition: its accumulator (D floats, in the kernel's own layout),
+ * then its max score and its sum. */
+static inline int64_t partial_floats(int64_t D) { return D + 2; }
+
+/* One work item: sequence b, kv heads [h0, h0 + nh), blocks [j0, j1) of its table. Block by block (each block is
+ * read front to back once), every query head of those kv heads folds the block into its running state. The states
+ * go out normalized into the output rows, or (partial != NULL: one partition of several) as they are into
+ * partial, D + 2 floats per query head. */
+static void run_item(const Args *a, int64_t b, int64_t h0, int64_t nh, int64_t j0, int64_t j1, float *partial)
 {
     const int64_t G = a->H / a->Hkv, D = a->D, bs = a->block_size, nq = nh * G, gmax = group_size(D);
     const int64_t token_stride = a->Hkv * D, block_stride = bs * token_stride, len = a->seq_lens[b];
@@ -375,11 +392,11 @@ static void run_item(const Args *a, int64_t b, int64_t h0, int64_t nh)
         st[i].m = -INFINITY;
         st[i].l = 0.f;
     }
-    for (int64_t start = 0, j = 0; start < len; start += bs, ++j) {
+    for (int64_t j = j0, start = j0 * bs; j < j1 && start < len; start += bs, ++j) {
         const int64_t n = len - start < bs ? len - start : bs;
         const int64_t base = table[j] * block_stride;
-        /* The next block's slices, prefetched row by row while this one is computed. */
-        const int64_t next = start + bs < len ? table[j + 1] * block_stride : -1;
+        /* The next block's slices (of this partition), prefetched row by row while this one is computed. */
+        const int64_t next = start + bs < len && j + 1 < j1 ? table[j + 1] * block_stride : -1;
         for (int64_t h = 0; h < nh; ++h) {
             const int64_t offset = base + (h0 + h) * D;
             const kv_t *pk = next < 0 ? NULL : a->k_cache + next + (h0 + h) * D;
@@ -390,12 +407,64 @@ static void run_item(const Args *a, int64_t b, int64_t h0, int64_t nh)
                            G - i < gmax ? G - i : gmax, D);
         }
     }
+    if (partial) {
+        for (int64_t i = 0; i < nq; ++i) {
+            float *rec = partial + i * partial_floats(D);
+            for (int64_t c = 0; c < D / W; ++c)
+                store_f(rec + c * W, st[i].acc[c]);
+            rec[D] = st[i].m;
+            rec[D + 1] = st[i].l;
+        }
+        return;
+    }
     float *ob = a->out + a->rows[b] * a->out_row_stride + h0 * G * a->out_head_stride;
     for (int64_t i = 0; i < nq; ++i) {
         const float inv = st[i].l > 0.f ? 1.f / st[i].l : 0.f;   /* len == 0 gives zeros, not NaN */
         for (int64_t c = 0; c < D / W; c += 2)
             store_pair(ob + i * a->out_head_stride + c * W, st[i].acc[c] * inv, st[i].acc[c + 1] * inv);
     }
+}
+
+/* Query head qh of sequence b from its parts partial states (records parts_stride floats apart), merged in
+ * partition order: each rescaled to the largest max, then summed, then normalized, as fold_chunk does per chunk. */
+static void merge_partitions(const Args *a, int64_t b, int64_t qh, const float *rec, int64_t parts,
+                             int64_t parts_stride)
+{
+    const int64_t D = a->D;
+    float mx = -INFINITY;
+    for (int64_t p = 0; p < parts; ++p)
+        mx = fmaxf(mx, rec[p * parts_stride + D]);
+    vf acc[MAX_DV];
+    for (int64_t c = 0; c < D / W; ++c)
+        acc[c] = splat(0.f);
+    float l = 0.f;
+    for (int64_t p = 0; p < parts; ++p) {
+        const float *r = rec + p * parts_stride;
+        const float w = exp_nonpos(splat(r[D] - mx))[0];
+        l += r[D + 1] * w;
+        for (int64_t c = 0; c < D / W; ++c)
+            acc[c] += load_f(r + c * W) * w;
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    float *ob = a->out + a->rows[b] * a->out_row_stride + qh * a->out_head_stride;
+    for (int64_t c = 0; c < D / W; c += 2)
+        store_pair(ob + c * W, acc[c] * inv, acc[c + 1] * inv);
+}
+
+/* Scratch of the calling thread for partial states, grown as needed and kept for its next calls (a step calls
+ * once per layer); NULL when it cannot be had. */
+static float *partial_scratch(size_t floats)
+{
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (floats > cap) {
+        float *grown = realloc(buf, floats * sizeof *buf);
+        if (!grown)
+            return NULL;
+        buf = grown;
+        cap = floats;
+    }
+    return buf;
 }
 
 /* q, out: [T, H, D] with the given row/head strides (dim stride 1); decode sequence b reads q row rows[b]
@@ -414,9 +483,63 @@ void paged_decode_attention(const float *q, int64_t q_row_stride, int64_t q_head
      * them by kv head instead so that every thread gets work. */
     const int64_t nh = B >= 4 * (int64_t)num_threads ? Hkv : 1;
     const int64_t per_seq = Hkv / nh;
+    const int64_t part_blocks = PART_KEYS >= block_size ? PART_KEYS / block_size : 1;
+    /* Items: sequence by sequence, partition by partition, kv-head range by range. first[b]: sequence b's first
+     * item; base[b]: its first partition among the partial states of the sequences that have several. */
+    int64_t stack_first[65], stack_base[64];
+    int64_t *first = B < 64 ? stack_first : malloc((size_t)(2 * B + 1) * sizeof *first);
+    int64_t *base = B < 64 ? stack_base : first + B + 1;
+    float *scratch = NULL;
+    int64_t items = 0, partials = 0;
+    if (first) {
+        for (int64_t b = 0; b < B; ++b) {
+            const int64_t blocks = (seq_lens[b] + block_size - 1) / block_size;
+            const int64_t parts = blocks > part_blocks ? (blocks + part_blocks - 1) / part_blocks : 1;
+            first[b] = items;
+            base[b] = parts > 1 ? partials : -1;
+            items += parts * per_seq;
+            partials += parts > 1 ? parts : 0;
+        }
+        first[B] = items;
+    }
+    const int64_t rec = partial_floats(D), stride = H * rec;      /* floats per query head, per partition */
+    if (first && partials)
+        scratch = partial_scratch((size_t)(partials * stride));
+    if (!first || (partials && !scratch)) {
+        /* Out of memory for the bookkeeping: every sequence in one partition (the same result for those of up
+         * to PART_KEYS keys; longer ones fold in one pass, which rounds differently). */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
+        for (int64_t i = 0; i < B * per_seq; ++i)
+            run_item(&a, i / per_seq, i % per_seq * nh, nh, 0, max_blocks, NULL);
+        if (first != stack_first)
+            free(first);
+        return;
+    }
     /* Dynamic scheduling evens out mixed sequence lengths; it cannot change results, since each item
      * is computed whole by one thread. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t i = 0; i < B * per_seq; ++i)
-        run_item(&a, i / per_seq, i % per_seq * nh, nh);
+    for (int64_t i = 0; i < items; ++i) {
+        int64_t lo = 0, hi = B - 1;             /* the sequence of item i: first[b] <= i < first[b + 1] */
+        while (lo < hi) {
+            const int64_t mid = (lo + hi + 1) / 2;
+            if (first[mid] <= i)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        const int64_t b = lo, k = i - first[b], part = k / per_seq, h0 = k % per_seq * nh;
+        float *partial = base[b] < 0 ? NULL : scratch + (base[b] + part) * stride + h0 * (H / Hkv) * rec;
+        run_item(&a, b, h0, nh, part * part_blocks, (part + 1) * part_blocks, partial);
+    }
+    if (partials) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+        for (int64_t i = 0; i < B * H; ++i) {
+            const int64_t b = i / H, qh = i % H;
+            if (base[b] >= 0)
+                merge_partitions(&a, b, qh, scratch + base[b] * stride + qh * rec,
+                                 (first[b + 1] - first[b]) / per_seq, stride);
+        }
+    }
+    if (first != stack_first)
+        free(first);
 }
