@@ -1,24 +1,25 @@
 /* Batch-invariant linear layer on the CPU: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), fp32.
  *
- * The invariant: every output element is computed by one fixed sequence of operations that depends only on K,
- * never on M (the number of rows), on the row's place among them, on N, on the thread count or on which thread
- * ran it. That sequence: 16 lane accumulators, lane j summing x[k] * w[k] for k = j, j + 16, j + 32, ... in
- * increasing k (one vector FMA per 16 k), then one fixed tree over the 16 lanes, then the bias (16: the vector
- * width W of an AVX-512 CPU; other CPUs build W = 8, see below). BLAS libraries
- * do not promise this: MKL picks a GEMV for one row and other kernels (and K splits) by M and thread count, so a
- * row's result moves by an ulp when its batch changes (tests/engine/test_batch_invariant_mode.py shows it).
+ * The invariant: every output element is computed by one fixed sequence of operations that depends only on K
+ * (and the CPU's vector width W), never on M (the number of rows), on the row's place among them, on N, on the
+ * thread count or on which thread ran it. That sequence: W lane accumulators, lane j summing x[k] * w[k] for
+ * k = j, j + W, j + 2 W, ... in increasing k (one vector FMA per W k), then one fixed tree over the W lanes, then
+ * the bias. BLAS libraries do not promise this: MKL picks a GEMV for one row and other kernels (and K splits) by M
+ * and thread count, so a row's result moves by an ulp when its batch changes (tests/engine/test_batch_invariant_mode.py
+ * shows it).
  *
- * The work is blocked 4 rows x 4 weight rows (16 vector accumulators held in registers, 8 loads per 16 FMAs);
- * edge blocks use the same inline micro-kernel with smaller constant sizes, so their arithmetic per element is
- * the same. K must be a multiple of 16 (the Python side checks it and otherwise pads nothing: it falls back).
- * Rows are taken 64 at a time (their x stays in L2) and weight rows are split over threads in blocks of 4.
+ * The work is blocked MR rows x NR weight rows (4 x 4 at W = 16, 4 x 3 at W = 8: the vector accumulators held in
+ * registers); edge blocks use the same inline micro-kernel with smaller constant sizes, so their arithmetic per
+ * element is the same. K must be a multiple of 16 (the Python side checks it and otherwise pads nothing: it falls
+ * back). Rows are taken 64 at a time (their x stays in L2) and weight rows are split over threads in blocks of NR.
  *
- * Written with GCC/Clang vector extensions, not intrinsics; no -ffast-math, so the compiler keeps the written
- * order. Vectors are one register of what -march=native has: W = 16 floats (AVX-512), else 8 (AVX2) with a 4 x 3
- * block for its 16 registers. 16-float vectors on 256-bit registers compile to code that goes through the stack:
- * on an AVX2-only Zen 3 the 16-float build ran 2.8-9.2x slower than the 8-float one, and 1.5-10.6x slower than
- * F.linear (1 to 256 rows, 576 <-> 1536; benchmarks/cpu_invariant_linear_avx2_lanes_s52.json). -DLINEAR_LANES=8 / 16 forces a width (the tests build
- * both); the width is part of the fixed order, so results are invariant on a CPU, not between widths.
+ * Written with GCC/Clang vector extensions, not intrinsics (but the FMAs, see fma_v); no -ffast-math, so the
+ * compiler keeps the written order. Vectors are one register of what -march=native has: W = 16 floats (AVX-512),
+ * else 8 (AVX2). 16-float vectors on 256-bit registers compile to code that goes through the stack: on an
+ * AVX2-only Zen 3 the 16-float build ran 2.8-9.2x slower than the 8-float one, and 1.5-10.6x slower than F.linear
+ * (1 to 256 rows, 576 <-> 1536; benchmarks/cpu_invariant_linear_avx2_lanes_s52.json). -DLINEAR_LANES=8 / 16
+ * forces a width (the tests build both); the width is part of the fixed order, so results are invariant on a
+ * CPU, not between widths.
  */
 
 #include <stdint.h>
