@@ -21,9 +21,6 @@ from deepserve.bench.throughput import machine_info, write_json
 from deepserve.kernels.cpu import build as cpu_build
 from deepserve.kernels.cpu import invariant_linear as il
 
-SIGNATURE = {"invariant_linear": [il._P, il._I64, il._P, il._I64, il._P, il._P, il._I64, il._I64, il._I64, il._I64,
-                                  il._INT]}
-
 
 def kernel_call(lib, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor):
     (m, k), n = x.shape, w.shape[0]
@@ -68,7 +65,7 @@ def main() -> None:
     args = ap.parse_args()
     builds = {f"C@{lanes}": (f"LINEAR_LANES={lanes}",) for lanes in args.lanes.split(",")} if args.lanes \
         else {"C": ()}
-    libs = {name: cpu_build.load(il._SOURCE, SIGNATURE, defines=defines) for name, defines in builds.items()}
+    libs = {name: cpu_build.load(il._SOURCE, il.SIGNATURE, defines=defines) for name, defines in builds.items()}
     gen = torch.Generator().manual_seed(0)
     us: dict = {}
     for n, k in [(1536, 576), (576, 1536)]:

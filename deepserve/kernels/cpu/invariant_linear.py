@@ -17,13 +17,13 @@ from deepserve.kernels.cpu import enabled, isa
 _SOURCE = Path(__file__).with_name("invariant_linear.c")
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 K_MULTIPLE = 16     # the kernel's widest vector: K must be a multiple of it
+SIGNATURE = {"invariant_linear": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT]}
 _DEFINES: tuple[str, ...] = ()   # e.g. ("LINEAR_LANES=8",): a width other than this CPU's (tests build both)
 
 
 @functools.lru_cache(maxsize=None)
 def _load() -> ctypes.CDLL | None:
-    return _build.load(_SOURCE, {"invariant_linear": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT]},
-                       defines=isa.vector_width_defines() + _DEFINES)
+    return _build.load(_SOURCE, SIGNATURE, defines=isa.vector_width_defines() + _DEFINES)
 
 
 def _library() -> ctypes.CDLL | None:
