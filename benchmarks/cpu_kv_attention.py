@@ -50,11 +50,11 @@ def plot(result: dict, path: str) -> None:
     for b, v in zip(bars, us.values()):
         ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
     setup = result["setup"]
+    flags = " ".join(f for f in setup["cpu"]["isa_flags"] if "avx" in f or "amx" in f)
     ax.set_ylabel("us per call (one layer)")
-    ax.set_title(f"CPU decode attention, batch {setup['batch']}, {setup['context']} keys, {setup['kv_heads']} KV heads x"
-                 f" {setup['head_dim']}, group {setup['group']}, {setup['torch_threads']} threads\n"
-                 f"{setup['cpu']['model']}: {' '.join(f for f in setup['cpu']['isa_flags'] if 'avx' in f or 'amx' in f)}",
-                 fontsize=8)
+    ax.set_title(f"CPU decode attention, batch {setup['batch']}, {setup['context']} keys, {setup['kv_heads']} KV heads"
+                 f" x {setup['head_dim']}, group {setup['group']}, {setup['torch_threads']} threads\n"
+                 f"{setup['cpu']['model']}: {flags}", fontsize=8)
     ax.tick_params(axis="x", labelrotation=45, labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
