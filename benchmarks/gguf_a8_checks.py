@@ -1,7 +1,7 @@
 """The side measurements behind quantization="gguf_a8"'s notes in docs/cpu.md, in one run on the CPU (default model):
 
 - rows: ms of one 3072 x 576 Q4_1 GEMM by activation rows, gguf_a8's kernel on each vector path this CPU runs
-  against dequantize + sgemm (why gguf_a8.MANY_ROWS is 32); with --baseline-rev, the same for gguf_a8.c as it was
+  against dequantize + sgemm (where gguf_a8.MANY_ROWS stands); with --baseline-rev, the same for gguf_a8.c as it was
   at that git revision, built beside the current one (a same-run A/B of a kernel change);
 - sensitivity: the default model's 30 layers in the one-call decode stack (random residual-stream input, 2 rows),
   relative change of the output when the input moves by 1e-7 (relative), gguf against gguf_a8;

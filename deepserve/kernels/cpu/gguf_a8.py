@@ -4,7 +4,7 @@ llama.cpp's numerics: x is quantized per 32-block (scale max|x| / 127, round hal
 blocks' integers in integer dot products (AVX-512 VNNI, AVX-VNNI, AVX2's maddubs, or plain C). The weights are the
 file's, but repacked once at load (`repack`: per row the same bytes in another order, the layout in gguf_a8.c), so
 two blocks go through one 512-bit instruction with no unpacking beyond an and / shift. Rows from MANY_ROWS on (a
-prefill chunk) take dequantize + sgemm with fp32 activations, as quantization="gguf" does.
+longer prefill chunk) take dequantize + sgemm with fp32 activations, as quantization="gguf" does.
 
 Without the C library the PyTorch references below run: `repack_ref` / `unpack_ref` for the layout, `linear_ref`
 (the same quantization, then exact integer sums in float64) for the product.
@@ -28,9 +28,12 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 QK, Q4_1, Q8_0 = gk.QK, gk.Q4_1, gk.Q8_0
 
 ISAS = {"scalar": 0, "avx2": 1, "avx_vnni": 3, "avx512_vnni": 4}
-# From this many rows on, dequantize + sgemm (fp32 activations). Module-level so a measurement can move it: NLL of int8
-# activations everywhere, as llama.cpp computes a prompt (benchmarks/cpu_vs_llamacpp.py).
-MANY_ROWS = gk.MANY_ROWS
+# From this many rows on, dequantize + sgemm (fp32 activations). 48, not gguf_linear's 32: with the int8 kernel at
+# 32-47 rows a 32- or 40-token prompt reached 312-360 against 216-279 tokens/s to its first token (best of four; AVX2
+# EPYC, session 53, benchmarks/cpu_prefill_many_rows_ab_s53.json); at 48-63 rows the two were within that host's noise
+# and an AVX-512 VNNI Xeon's sgemm won at 64 (gguf_a8_checks.json). Module-level so a measurement can move it: NLL of
+# int8 activations everywhere, as llama.cpp computes a prompt (cpu_vs_llamacpp.py).
+MANY_ROWS = 48
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
 _AVX2_FLAGS = ("avx2", "fma", "f16c")
 _AVX512_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni") + _AVX2_FLAGS
