@@ -90,6 +90,10 @@ _DECLARED = [
     EnvVar("DEEPSERVE_CPU_KERNELS", "bool", True,
            "use the CPU C kernels (decode attention, rotary, argmax, token bitmask, int8 quantizer); 0: the PyTorch "
            "paths"),
+    EnvVar("DEEPSERVE_CPU_FEW_ROW_LINEAR", "int", 32,
+           "float32 CPU linears of at most this many rows (decode steps, short prompts) run the C kernel of "
+           "kernels/cpu/invariant_linear.c, which streams the weight faster than F.linear's BLAS there; 0: always "
+           "F.linear (read at import)"),
     EnvVar("DEEPSERVE_CPU_FUSED_DECODE", "bool", True,
            "CPU decode steps of few rows through a GGUF-packed Llama stack: every layer in one C call "
            "(kernels/cpu/llama_decode.c); 0: layer by layer through the modules (read when the model is built)"),

@@ -1,7 +1,8 @@
 """Linear layers: `F.linear`, except for one activation row on the GPU (batch-1 decode), where a Triton GEMV reads
 the weight faster than cuBLAS does (deepserve/kernels/gemv.py has the measurements), and for 2-32 rows (small-batch
 decode; 2-16 for narrow weights of rows 2049-4095 long), where the skinny Triton GEMM takes them
-(deepserve/kernels/skinny_gemm.py).
+(deepserve/kernels/skinny_gemm.py); and for 1-32 float32 rows on the CPU, where kernels/cpu/invariant_linear.c
+streams the weight faster than the BLAS (`_few_rows_on_cpu`).
 
 Models build `Linear` (an nn.Linear: loading, quantization and `isinstance` checks see no difference) and call
 `linear()` where they multiply by a weight they do not own as a module (a tied LM head).
@@ -22,6 +23,8 @@ from deepserve.layers.kernel_dispatch import use_triton
 
 # A/B switch (DEEPSERVE_SKINNY_GEMM=0): GEMMs of 2-32 rows on the GPU stay on cuBLAS.
 _SKINNY = envs.DEEPSERVE_SKINNY_GEMM
+# float32 CPU GEMMs of up to this many rows take the C kernel (0: F.linear always; `_few_rows_on_cpu` says why).
+_CPU_FEW_ROWS = envs.DEEPSERVE_CPU_FEW_ROW_LINEAR
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -50,6 +53,22 @@ def _few_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False
         return False
     from deepserve.kernels.skinny_gemm import skinny_applies
     return skinny_applies(x, weight, swiglu)
+
+
+def _few_rows_on_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """1-32 float32 activation rows on the CPU, no autograd: where kernels/cpu/invariant_linear.c beats F.linear. Its
+    threads each stream whole weight rows; MKL's GEMV / small GEMM read the weight at 8-14 GB/s on an AVX2 EPYC
+    against its 19-23 (a model's worth of distinct weights, 1-4 rows), and the default model's fp32 decode ran
+    ~1.3x (batch 1) to ~2x (batch 4) faster through it (benchmarks/cpu_few_row_linear_ab_*_s53.json). Any result
+    the kernel cannot take (K not a multiple of 16, a strided weight) falls back to F.linear."""
+    return (x.is_cpu and x.dim() == 2 and x.shape[0] <= _CPU_FEW_ROWS and x.dtype is torch.float32
+            and weight.dtype is torch.float32 and not torch.is_grad_enabled())
+
+
+def _cpu_few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from deepserve.kernels.cpu.invariant_linear import invariant_linear as c_linear
+    y = c_linear(x, weight, bias)
+    return F.linear(x, weight, bias) if y is None else y
 
 
 def _plain(layer: nn.Module) -> bool:
@@ -117,6 +136,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if _writes_into(out, x):
             return skinny_linear(x, weight, bias, out=out)
         y = skinny_linear(x, weight, bias)
+    elif _few_rows_on_cpu(x, weight):
+        y = _cpu_few_rows_linear(x, weight, bias)
     elif out is not None and bias is None and x.dim() == 2 and out.dtype == x.dtype == weight.dtype:
         return torch.mm(x, weight.t(), out=out)
     else:
