@@ -4,7 +4,11 @@ a fresh process (the switch is read at import). Measures batch 1 / 4 / 16 / 32 /
 prompts, 64 new tokens, EOS ignored; run_latency), the time to the first token of a 16- and a 128-token prompt
 (prefix caching off), and whether the greedy tokens of the quick start's chat question match across settings.
 
-Run:  python benchmarks/cpu_few_row_linear_ab.py [--settings 0,32] [--rounds 3] [--threads 2] --output F.json
+`--variable DEEPSERVE_CPU_FUSED_DECODE --settings 0,1` A/Bs another switch the same way (there: the float32 model's
+decode steps of up to 16 rows in one C call, kernels/cpu/llama_decode.c's f32_gemv, against layer by layer).
+
+Run:  python benchmarks/cpu_few_row_linear_ab.py [--variable NAME] [--settings 0,32] [--rounds 3] [--threads 2] \
+          --output F.json
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def plot(payload: dict, path: Path) -> None:
     for k, s in enumerate(settings):
         values = [payload["median"][s][key] for key in keys]
         bars = ax.bar([i + k * width for i in range(len(keys))], values, width,
-                      label=f"DEEPSERVE_CPU_FEW_ROW_LINEAR={s}")
+                      label=f"{payload['variable']}={s}")
         for b, v in zip(bars, values):
             ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks([i + width * (len(settings) - 1) / 2 for i in range(len(keys))], [f"batch {b}" for b in BATCHES])
@@ -71,6 +75,7 @@ def plot(payload: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variable", default="DEEPSERVE_CPU_FEW_ROW_LINEAR")
     ap.add_argument("--settings", default="0,32")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -85,7 +90,7 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {s: [] for s in settings}
     for _ in range(args.rounds):
         for s in settings:
-            env = {**os.environ, "DEEPSERVE_CPU_FEW_ROW_LINEAR": s}
+            env = {**os.environ, args.variable: s}
             done = subprocess.run([sys.executable, __file__, "--worker", "--threads", str(args.threads)], env=env,
                                   capture_output=True, text=True, check=True)
             rounds[s].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -96,6 +101,7 @@ def main() -> None:
     payload = {
         "command": "python " + shlex.join(sys.argv),
         "threads": args.threads,
+        "variable": args.variable,
         "workload": {"model": "the default (SmolLM2-135M-Instruct GGUF, dequantized: float32)",
                      "decode": "run_latency: batch b, 32-token prompts, 64 new tokens, EOS ignored",
                      "ttft": "LLM.generate of one random-token prompt, max_tokens=1, prefix caching off"},

@@ -84,7 +84,7 @@ class CausalLM(nn.Module):
         hidden = cfg["hidden_size"]
         self.embed_tokens = Embedding(cfg["vocab_size"], hidden)
         self.layers = nn.ModuleList(layers)
-        # CPU decode steps through GGUF-packed Llama layers: all layers in one C call (None where it does not apply).
+        # CPU decode steps through GGUF-packed or float32 Llama layers: all layers in one C call (where it applies).
         self.cpu_decode = CpuDecodeStack(self.layers)
         self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))

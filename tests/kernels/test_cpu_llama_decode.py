@@ -86,6 +86,28 @@ def test_step_matches_reference(isa_name, qtype, seq_lens):
 
 
 @needs_kernel
+@pytest.mark.parametrize("seq_lens", [[1], [16, 70, 5], [3, 9, 20, 33, 1, 7]])    # 3 and 6 rows: f32_gemv's tail
+def test_float32_step_matches_reference(seq_lens):
+    """Plain float32 weights (the dequantized model's Linears, qtype F32: llama_decode.c's f32_gemv), mixed with a
+    packed matrix in the same stack, with a bias."""
+    gen = torch.Generator().manual_seed(7 + len(seq_lens))
+    layers = make_layers(2, g.Q4_1, torch.float32, gen, bias=True)
+    for w in layers:
+        for name in ("qkv", "o", "down"):
+            packed = getattr(w, name)
+            k = packed.blocks.shape[1] // g.BLOCK_BYTES[packed.qtype] * g.QK
+            dense = torch.randn(packed.blocks.shape[0], k, generator=gen) * k ** -0.5
+            setattr(w, name, ld.PackedWeight(dense, ld.F32, packed.bias))
+    out, ref, layers, ref_layers = run_both(layers, seq_lens, gen)
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    for w, r in zip(layers, ref_layers):
+        assert torch.allclose(w.kv_cache, r.kv_cache, rtol=1e-5, atol=1e-5 * r.kv_cache.abs().max().item())
+    bad = ld.LayerWeights(**{**layers[0].__dict__, "o": ld.PackedWeight(layers[0].o.blocks.double(), ld.F32)})
+    with pytest.raises(ValueError, match="o: needs a float32"):
+        ld.DecodeStack([bad], SHAPE, *rotary_tables())
+
+
+@needs_kernel
 @pytest.mark.parametrize("a8_isa", A8_HOST_ISAS)
 @pytest.mark.parametrize("mix", [(True, True), (True, False), (False, True)], ids=["all", "qkv_down", "o_gate_up"])
 @pytest.mark.parametrize("seq_lens", [[1], [16, 70, 5]])

@@ -1,5 +1,6 @@
-"""CPU decode steps of the GGUF-packed default model in one C call (layers/cpu_decode.py) against the layer-by-layer
-module path: the same greedy tokens, logprobs within float noise; where the kernel does not apply, the module path."""
+"""CPU decode steps of the default model in one C call (layers/cpu_decode.py), GGUF-packed and dequantized (fp32),
+against the layer-by-layer module path: the same greedy tokens, logprobs within float noise; where the kernel does
+not apply, the module path."""
 
 import pytest
 import torch
@@ -67,9 +68,45 @@ def test_rebuilt_for_new_caches(packed):
     assert fused.stack.layers[0].kv_cache is old
 
 
+@pytest.mark.parametrize("rows", [1, 3, 6])          # 6: llama_decode.c's f32_gemv takes inputs four at a time
+def test_float32_model_same_tokens_as_layer_by_layer(smollm, rows):
+    """The dequantized (fp32) default model: its float32 Linears go to the stack too (f32_gemv), with the module
+    path's greedy tokens and its logprobs within float noise."""
+    fused = smollm.engine.runner.model.cpu_decode
+    calls = []
+    generate(smollm, True, max_tokens=2)
+    stack = fused.stack
+    assert stack is not None and stack.layers[0].qkv.qtype == llama_decode.F32
+    real = stack.run
+    stack.run = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    try:
+        prompts = (PROMPTS * 2)[:rows]
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16, logprobs=3)
+        outs = {}
+        for on in (True, False):
+            fused.enabled = on
+            outs[on] = smollm.generate(prompts, params, use_tqdm=False)
+    finally:
+        fused.enabled = True
+        del stack.run
+    assert calls and set(calls) == {rows}
+    for a, b in zip(outs[True], outs[False]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok, lp in step_b.items():
+                assert abs(step_a[tok].logprob - lp.logprob) < 1e-4
+
+
 def test_refused_where_it_does_not_apply(packed, smollm):
-    with pytest.raises(ValueError, match="not GGUF-packed"):            # the fp32 model: nn.Linear projections
-        build_stack(list(smollm.engine.runner.model.layers))
+    float_layers = list(smollm.engine.runner.model.layers)
+    assert isinstance(build_stack(float_layers), llama_decode.DecodeStack)      # float32 Linears: taken
+    o_proj = float_layers[2].self_attn.o_proj
+    o_proj.batch_invariant = True                       # batch-invariant mode's product: not the kernel's
+    try:
+        with pytest.raises(ValueError, match="layer 2: .*neither GGUF-packed nor a float32 Linear"):
+            build_stack(float_layers)
+    finally:
+        o_proj.batch_invariant = False
     layers = list(packed.engine.runner.model.layers)
     mlp = layers[5].mlp
     mlp.swiglu_limit = 7.0                                              # not what the C step computes

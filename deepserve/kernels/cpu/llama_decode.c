@@ -1,5 +1,5 @@
 /* One decode step of a whole Llama-style decoder stack on the CPU, in one call: weights kept as GGUF's packed blocks
- * (Q4_1 / Q8_0), activations fp32 (a GEMV's input quantized to int8 per 32-block for a matrix in gguf_a8.c's
+ * (Q4_1 / Q8_0) or plain float32 (the dequantized model: f32_gemv), activations fp32 (a GEMV's input quantized to int8 per 32-block for a matrix in gguf_a8.c's
  * layout: quantization="gguf_a8"), the KV cache paged (fp32, or bf16 built with -DKV_BF16, or fp8 with
  * -DKV_FP8_E4M3 / -DKV_FP8_E5M2).
  *
@@ -29,8 +29,10 @@
 #include "gguf_a8.c"             /* includes gguf_linear.c */
 #include "paged_attention.c"
 
+enum { GGML_F32 = 0 };             /* a plain float32 matrix (the dequantized model), ggml's type number */
+
 typedef struct {
-    const uint8_t *blocks;         /* [rows, K / 32 * block bytes] */
+    const uint8_t *blocks;         /* [rows, K / 32 * block bytes]; GGML_F32: float32 [rows, K] */
     const float *bias;             /* [rows] or NULL */
     int64_t rows, qtype;
     int64_t int8_activations;      /* blocks in gguf_a8.c's layout: int8 activations (else the file's, fp32) */
@@ -148,11 +150,49 @@ static void store_kv(kv_t *dst, const float *src, int64_t n)
         dst[i] = to_kv(src[i]);
 }
 
+/* y [B, N] = x [B, K] @ w^T for a float32 w [N, K], K a multiple of 2 W (the stack's shapes are of 32): the threads
+ * take contiguous ranges of w's rows and stream them once; each row meets the inputs four at a time (one load of
+ * the weight for four products, four independent sums), then the rest one at a time. */
+static void f32_gemv(const float *w, int64_t N, int64_t K, const float *x, int64_t B, float *y, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (N * K > 65536)
+    for (int64_t n = 0; n < N; ++n) {
+        const float *wr = w + n * K;
+        int64_t b = 0;
+        for (; b + 4 <= B; b += 4) {
+            const float *x0 = x + b * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+            vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t k = 0; k < K; k += W) {
+                const vf wv = load_f(wr + k);
+                a0 += wv * load_f(x0 + k);
+                a1 += wv * load_f(x1 + k);
+                a2 += wv * load_f(x2 + k);
+                a3 += wv * load_f(x3 + k);
+            }
+            y[b * N + n] = sum_lanes(a0);
+            y[(b + 1) * N + n] = sum_lanes(a1);
+            y[(b + 2) * N + n] = sum_lanes(a2);
+            y[(b + 3) * N + n] = sum_lanes(a3);
+        }
+        for (; b < B; ++b) {
+            const float *xr = x + b * K;
+            vf acc0 = {0}, acc1 = {0};
+            for (int64_t k = 0; k < K; k += 2 * W) {
+                acc0 += load_f(wr + k) * load_f(xr + k);
+                acc1 += load_f(wr + k + W) * load_f(xr + k + W);
+            }
+            y[b * N + n] = sum_lanes(acc0 + acc1);
+        }
+    }
+}
+
 /* y [B, m.rows] = x [B, K] @ W^T (+ bias). xq: room for B quantized rows of x (gguf_a8_row_bytes(K) each). */
 static void packed_gemv(const Stack *s, const PackedMat *m, const float *x, int64_t B, int64_t K, float *y,
                         uint8_t *xq, int num_threads)
 {
-    if (m->int8_activations)
+    if (m->qtype == GGML_F32)
+        f32_gemv((const float *)m->blocks, m->rows, K, x, B, y, num_threads);
+    else if (m->int8_activations)
         gguf_a8_linear((int)m->qtype, (int)s->isa_a8, m->blocks, m->rows, K, x, B, K, y, m->rows, num_threads, xq);
     else
         gguf_linear((int)m->qtype, (int)s->isa, m->blocks, m->rows, K, x, B, K, y, m->rows, num_threads);

@@ -86,10 +86,16 @@ def library(cache_dtype: torch.dtype = torch.float32, phase_times: bool = False)
     return _load(cache_dtype, phase_times) if enabled() and cache_dtype in _VARIANTS else None
 
 
+# ggml's type number of a plain float32 matrix: a PackedWeight of this qtype holds the float32 weight [rows, K] itself
+# (the dequantized model's Linear), multiplied by llama_decode.c's f32_gemv.
+F32 = 0
+
+
 @dataclass
 class PackedWeight:
-    """One projection: GGUF blocks uint8 [rows, row_bytes] of ggml type `qtype`, an optional fp32 bias [rows];
-    `int8_activations`: the blocks are in gguf_a8's layout (`gguf_a8.repack`) and its input is quantized to int8."""
+    """One projection: GGUF blocks uint8 [rows, row_bytes] of ggml type `qtype` (F32: the float32 weight [rows, K]),
+    an optional fp32 bias [rows]; `int8_activations`: the blocks are in gguf_a8's layout (`gguf_a8.repack`) and its
+    input is quantized to int8."""
     blocks: torch.Tensor
     qtype: int
     bias: torch.Tensor | None = None
@@ -124,7 +130,12 @@ def _fp32_vector(t: torch.Tensor, n: int, what: str) -> None:
 
 
 def _check_weight(w: PackedWeight, rows: int, k: int, what: str) -> None:
-    gk.check_blocks(w.blocks, w.qtype, k)
+    if w.qtype == F32:
+        if w.blocks.dtype != torch.float32 or w.blocks.shape != (rows, k) or w.int8_activations:
+            raise ValueError(f"{what}: needs a float32 [{rows}, {k}] weight, got {w.blocks.dtype} "
+                             f"{tuple(w.blocks.shape)}")
+    else:
+        gk.check_blocks(w.blocks, w.qtype, k)
     if w.blocks.shape[0] != rows or not w.blocks.is_contiguous() or not w.blocks.is_cpu:
         raise ValueError(f"{what}: needs contiguous CPU blocks with {rows} rows, got {tuple(w.blocks.shape)}")
     if w.bias is not None:
@@ -218,6 +229,8 @@ class DecodeStack:
 
 
 def _linear_ref(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    if w.qtype == F32:
+        return F.linear(x, w.blocks, w.bias)
     k = w.blocks.shape[1] // gk.BLOCK_BYTES[w.qtype] * gk.QK
     if w.int8_activations:
         y = gguf_a8.linear_ref(x, gguf_a8.unpack_ref(w.blocks, w.qtype, k), w.qtype, k)
@@ -249,4 +262,4 @@ def decode_step_ref(h: torch.Tensor, layers: list[LayerWeights], shape: StackSha
     return h
 
 
-__all__ = ["DecodeStack", "LayerWeights", "PHASES", "PackedWeight", "StackShape", "decode_step_ref", "library"]
+__all__ = ["F32", "DecodeStack", "LayerWeights", "PHASES", "PackedWeight", "StackShape", "decode_step_ref", "library"]
