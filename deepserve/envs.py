@@ -95,7 +95,7 @@ _DECLARED = [
            "kernels/cpu/invariant_linear.c, which streams the weight faster than F.linear's BLAS there; 0: always "
            "F.linear (read at import)"),
     EnvVar("DEEPSERVE_CPU_FUSED_DECODE", "bool", True,
-           "CPU decode steps of few rows through a GGUF-packed Llama stack: every layer in one C call "
+           "CPU decode steps of few rows through a GGUF-packed or float32 Llama stack: every layer in one C call "
            "(kernels/cpu/llama_decode.c); 0: layer by layer through the modules (read when the model is built)"),
     EnvVar("DEEPSERVE_MIXED_CUDA_GRAPHS", "bool", True,
            "replay steps with prompt work (prompt chunks beside decodes, up to 2,048 tokens) from CUDA graphs too, "

@@ -57,10 +57,11 @@ def _few_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False
 
 def _few_rows_on_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """1-32 float32 activation rows on the CPU, no autograd: where kernels/cpu/invariant_linear.c beats F.linear. Its
-    threads each stream whole weight rows; MKL's GEMV / small GEMM read the weight at 8-14 GB/s on an AVX2 EPYC
-    against its 19-23 (a model's worth of distinct weights, 1-4 rows), and the default model's fp32 decode ran
-    ~1.3x (batch 1) to ~2x (batch 4) faster through it (benchmarks/cpu_few_row_linear_ab_*_s53.json). Any result
-    the kernel cannot take (K not a multiple of 16, a strided weight) falls back to F.linear."""
+    threads each stream whole weight rows; MKL's GEMV / small GEMM read the weight at 8-16 GB/s on an AVX2 EPYC
+    against its 20-27 (a model's worth of distinct weights, 1-4 rows: cpu_invariant_linear_stream_avx2_s53.json),
+    and the default model's fp32 decode ran ~1.3x (batch 1) to ~2x (batch 4) faster through it
+    (benchmarks/cpu_few_row_linear_ab_*_s53.json). What the kernel cannot take (K not a multiple of 16, a strided
+    weight) falls back to F.linear."""
     return (x.is_cpu and x.dim() == 2 and x.shape[0] <= _CPU_FEW_ROWS and x.dtype is torch.float32
             and weight.dtype is torch.float32 and not torch.is_grad_enabled())
 

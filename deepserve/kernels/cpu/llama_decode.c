@@ -1,7 +1,7 @@
 /* One decode step of a whole Llama-style decoder stack on the CPU, in one call: weights kept as GGUF's packed blocks
- * (Q4_1 / Q8_0) or plain float32 (the dequantized model: f32_gemv), activations fp32 (a GEMV's input quantized to int8 per 32-block for a matrix in gguf_a8.c's
- * layout: quantization="gguf_a8"), the KV cache paged (fp32, or bf16 built with -DKV_BF16, or fp8 with
- * -DKV_FP8_E4M3 / -DKV_FP8_E5M2).
+ * (Q4_1 / Q8_0) or plain float32 (the dequantized model: f32_gemv), activations fp32 (a GEMV's input quantized to
+ * int8 per 32-block for a matrix in gguf_a8.c's layout: quantization="gguf_a8"), the KV cache paged (fp32, or bf16
+ * built with -DKV_BF16, or fp8 with -DKV_FP8_E4M3 / -DKV_FP8_E5M2).
  *
  * Why: at batch 1 the default model's GEMVs are ~7 ms of a 12.5 ms step and the rest was ~5 ms of Python and ~25
  * small PyTorch ops per layer (norms, rotary, cache writes, SwiGLU, residual adds: a few microseconds of dispatch

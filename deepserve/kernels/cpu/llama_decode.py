@@ -1,8 +1,9 @@
 """One decode step of a whole Llama-style decoder stack in one C call (llama_decode.c), and its PyTorch twin.
 
-Weights stay GGUF's packed blocks (Q4_1 / Q8_0, gguf_linear.c's GEMVs), activations fp32, the KV cache paged (fp32,
-bf16 or fp8). At batch 1 the module path spends as long in Python and small PyTorch ops as in the GEMVs; here the ~25 ops per
-layer are loops between the GEMVs of one C call per step. `DecodeStack` holds the tensors (their pointers sit in C
+Weights stay GGUF's packed blocks (Q4_1 / Q8_0, gguf_linear.c's GEMVs) or plain float32 (F32: the dequantized
+model's), activations fp32, the KV cache paged (fp32, bf16 or fp8). At batch 1 the module path spends as long in
+Python and small PyTorch ops as in the GEMVs; here the ~25 ops per layer are loops between the GEMVs of one C call
+per step. `DecodeStack` holds the tensors (their pointers sit in C
 structs built once); `decode_step_ref` computes the same step with PyTorch ops and dequantized weights.
 """
 
