@@ -53,8 +53,13 @@ def plot(result: dict, path: str) -> None:
         ax.set_ylabel("time / F.linear's")
         ax.set_title(shape, fontsize=9)
         ax.legend(fontsize=8)
+    finish(fig, result, "invariant_linear (C) vs F.linear", path)
+
+
+def finish(fig, result: dict, what: str, path: str) -> None:
+    """The figure's title (what, threads, the CPU and its vector flags), then the PNG."""
     cpu = result["setup"]["cpu"]
-    fig.suptitle(f"invariant_linear (C) vs F.linear, {result['setup']['torch_threads']} threads: {cpu['model']}, "
+    fig.suptitle(f"{what}, {result['setup']['torch_threads']} threads: {cpu['model']}, "
                  f"{' '.join(f for f in cpu['isa_flags'] if 'avx' in f or 'amx' in f)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -73,11 +78,7 @@ def plot_stream(result: dict, path: str) -> None:
         ax.set_ylabel("GB/s of weight read")
         ax.set_title({"layers": "120 distinct layer weights (425 MB)", "lm_head": "LM head (113 MB)"}[case], fontsize=9)
         ax.legend(fontsize=8)
-    cpu = result["setup"]["cpu"]
-    fig.suptitle(f"float32, {result['setup']['torch_threads']} threads: {cpu['model']}, "
-                 f"{' '.join(f for f in cpu['isa_flags'] if 'avx' in f or 'amx' in f)}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    finish(fig, result, "float32", path)
 
 
 def stream(args) -> dict:
