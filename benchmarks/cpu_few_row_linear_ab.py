@@ -5,7 +5,8 @@ prompts, 64 new tokens, EOS ignored; run_latency), the time to the first token o
 (prefix caching off), and whether the greedy tokens of the quick start's chat question match across settings.
 
 `--variable DEEPSERVE_CPU_FUSED_DECODE --settings 0,1` A/Bs another switch the same way (there: the float32 model's
-decode steps of up to 16 rows in one C call, kernels/cpu/llama_decode.c's f32_gemv, against layer by layer).
+decode steps of up to 16 rows in one C call, kernels/cpu/llama_decode.c's f32_gemv, against layer by layer);
+`--quantization int8` runs that mode instead of float32.
 
 Run:  python benchmarks/cpu_few_row_linear_ab.py [--variable NAME] [--settings 0,32] [--rounds 3] [--threads 2] \
           --output F.json
@@ -28,13 +29,13 @@ BATCHES = (1, 4, 16, 32, 64)
 PROMPTS = (16, 128)
 
 
-def measure(threads: int) -> dict:
+def measure(threads: int, quantization: str | None) -> dict:
     """In this process (the switch as the environment set it): the numbers of one round."""
     import torch
     from deepserve import LLM, SamplingParams
     from deepserve.bench.throughput import random_prompts, run_latency
     torch.set_num_threads(threads)
-    llm = LLM(max_model_len=2048, seed=0, enable_prefix_caching=False)
+    llm = LLM(max_model_len=2048, seed=0, enable_prefix_caching=False, quantization=quantization)
     row = {f"decode_b{b}": round(run_latency(llm, batch_size=b, input_len=32, output_len=64)["decode_tokens_per_s"],
                                  2) for b in BATCHES}
     first = SamplingParams(temperature=0.0, max_tokens=1)
@@ -66,7 +67,8 @@ def plot(payload: dict, path: Path) -> None:
     ax.set_xticks([i + width * (len(settings) - 1) / 2 for i in range(len(keys))], [f"batch {b}" for b in BATCHES])
     ax.set_ylabel("decode tokens/s (median of rounds)")
     cpu = payload["machine"]["cpu"]
-    ax.set_title(f"SmolLM2-135M float32 on the CPU, {payload['threads']} threads\n{cpu['model']}, "
+    mode = payload["workload"].get("quantization") or "float32"
+    ax.set_title(f"SmolLM2-135M {mode} on the CPU, {payload['threads']} threads\n{cpu['model']}, "
                  f"{' '.join(cpu['isa_flags'][:4])}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -79,11 +81,12 @@ def main() -> None:
     ap.add_argument("--settings", default="0,32")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default=None, help="the model's mode (default: none, float32), e.g. int8")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--output", default=str(HERE / "cpu_few_row_linear_ab.json"))
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.threads)))
+        print(json.dumps(measure(args.threads, args.quantization)))
         return
     from deepserve.bench.throughput import machine_info, write_json
     settings = args.settings.split(",")
@@ -91,8 +94,10 @@ def main() -> None:
     for _ in range(args.rounds):
         for s in settings:
             env = {**os.environ, args.variable: s}
-            done = subprocess.run([sys.executable, __file__, "--worker", "--threads", str(args.threads)], env=env,
-                                  capture_output=True, text=True, check=True)
+            command = [sys.executable, __file__, "--worker", "--threads", str(args.threads)]
+            if args.quantization:
+                command += ["--quantization", args.quantization]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
             rounds[s].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(s, {k: v for k, v in rounds[s][-1].items() if k != "chat_tokens"}, flush=True)
     numeric = [k for k in rounds[settings[0]][0] if k != "chat_tokens"]
@@ -103,6 +108,7 @@ def main() -> None:
         "threads": args.threads,
         "variable": args.variable,
         "workload": {"model": "the default (SmolLM2-135M-Instruct GGUF, dequantized: float32)",
+                     "quantization": args.quantization,
                      "decode": "run_latency: batch b, 32-token prompts, 64 new tokens, EOS ignored",
                      "ttft": "LLM.generate of one random-token prompt, max_tokens=1, prefix caching off"},
         "median": median,

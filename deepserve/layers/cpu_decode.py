@@ -3,8 +3,8 @@
 At batch 1 the module path makes ~25 small PyTorch ops and ~10 Python calls per layer around its 4 packed GEMVs: as
 much time as the GEMVs take on the default model. `CpuDecodeStack` hands all the layers to one C call instead, when
 the model is exactly what that kernel computes: pre-norm Llama layers (no q/k norm, plain NeoX rotary, SwiGLU without a
-limit), every projection a GGUFLinear or a float32 Linear (the dequantized model, since session 53), the reference
-attention backend (not batch-invariant), no tensor parallelism.
+limit), every projection a GGUFLinear, a float32 Linear (the dequantized model) or an Int8Linear (quantization="int8"
+/ "w8a8"; both since session 53), the reference attention backend (not batch-invariant), no tensor parallelism.
 Anything else, and any step that is not a decode of at most MAX_ROWS rows, takes the module path (the twin).
 
 The kernel is bound to the layers' KV caches: when the model runner binds others (a profiling run's, then the real
@@ -24,6 +24,7 @@ from deepserve.layers.attention import TorchPagedAttention
 from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.gguf_linear import GGUFLinear
 from deepserve.layers.linear import Linear
+from deepserve.layers.quantization import Int8Linear
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import RotaryEmbedding
 
@@ -34,14 +35,19 @@ MAX_ROWS = 16
 
 
 def _packed(m: nn.Module) -> kernel.PackedWeight | None:
-    """The projection as the kernel takes it: a GGUFLinear's blocks, or a float32 Linear's weight (the dequantized
-    model: the kernel's f32_gemv); None for anything else."""
+    """The projection as the kernel takes it: a GGUFLinear's blocks, a float32 Linear's weight (the dequantized
+    model: the kernel's f32_gemv) or an Int8Linear's int8 rows and scales (i8_gemv, fp32 activations); None for
+    anything else."""
     bias = None if m.bias is None else m.bias.detach()
     if type(m) is GGUFLinear:
         return kernel.PackedWeight(m.blocks, m.qtype, bias, m.int8_activations)
+    if bias is not None and bias.dtype != torch.float32:
+        return None
     if type(m) is Linear and not m.batch_invariant and m.weight.dtype == torch.float32 and m.weight.is_cpu \
-            and m.weight.is_contiguous() and (bias is None or bias.dtype == torch.float32):
+            and m.weight.is_contiguous():
         return kernel.PackedWeight(m.weight.detach(), kernel.F32, bias)
+    if type(m) is Int8Linear and m.qweight.is_cpu and m.qweight.is_contiguous():
+        return kernel.PackedWeight(m.qweight, kernel.I8, bias, scales=m.scales)
     return None
 
 
@@ -67,7 +73,7 @@ def _why_not(layer: nn.Module) -> str | None:
     if attn.attn.kv_cache is None:
         return "no KV cache bound yet"
     if any(_packed(p) is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-        return "a projection that is neither GGUF-packed nor a float32 Linear"
+        return "a projection that is not GGUF-packed, a float32 Linear or an Int8Linear"
     if any(_norm_weight(n) is None for n in (layer.input_layernorm, layer.post_attention_layernorm)):
         return "a norm that is not an fp32 RMSNorm"
     return None

@@ -87,9 +87,9 @@ def test_step_matches_reference(isa_name, qtype, seq_lens):
 
 @needs_kernel
 @pytest.mark.parametrize("seq_lens", [[1], [16, 70, 5], [3, 9, 20, 33, 1, 7]])    # 3 and 6 rows: f32_gemv's tail
-def test_float32_step_matches_reference(seq_lens):
-    """Plain float32 weights (the dequantized model's Linears, qtype F32: llama_decode.c's f32_gemv), mixed with a
-    packed matrix in the same stack, with a bias."""
+def test_float32_and_int8_steps_match_reference(seq_lens):
+    """Plain float32 weights (the dequantized model's Linears, qtype F32: llama_decode.c's f32_gemv) and int8 rows
+    with a scale each (Int8Linear's, I8: i8_gemv), mixed with a packed matrix in the same stack, with a bias."""
     gen = torch.Generator().manual_seed(7 + len(seq_lens))
     layers = make_layers(2, g.Q4_1, torch.float32, gen, bias=True)
     for w in layers:
@@ -97,13 +97,21 @@ def test_float32_step_matches_reference(seq_lens):
             packed = getattr(w, name)
             k = packed.blocks.shape[1] // g.BLOCK_BYTES[packed.qtype] * g.QK
             dense = torch.randn(packed.blocks.shape[0], k, generator=gen) * k ** -0.5
-            setattr(w, name, ld.PackedWeight(dense, ld.F32, packed.bias))
+            if name == "o":                     # int8 rows, scaled as Int8Linear scales them
+                scales = dense.abs().amax(dim=1) / 127
+                q = torch.round(dense / scales[:, None]).to(torch.int8)
+                setattr(w, name, ld.PackedWeight(q, ld.I8, packed.bias, scales=scales))
+            else:
+                setattr(w, name, ld.PackedWeight(dense, ld.F32, packed.bias))
     out, ref, layers, ref_layers = run_both(layers, seq_lens, gen)
     assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     for w, r in zip(layers, ref_layers):
         assert torch.allclose(w.kv_cache, r.kv_cache, rtol=1e-5, atol=1e-5 * r.kv_cache.abs().max().item())
-    bad = ld.LayerWeights(**{**layers[0].__dict__, "o": ld.PackedWeight(layers[0].o.blocks.double(), ld.F32)})
-    with pytest.raises(ValueError, match="o: needs a float32"):
+    bad = ld.LayerWeights(**{**layers[0].__dict__, "qkv": ld.PackedWeight(layers[0].qkv.blocks.double(), ld.F32)})
+    with pytest.raises(ValueError, match="qkv: needs a torch.float32"):
+        ld.DecodeStack([bad], SHAPE, *rotary_tables())
+    bad = ld.LayerWeights(**{**layers[0].__dict__, "o": ld.PackedWeight(layers[0].o.blocks, ld.I8)})
+    with pytest.raises(ValueError, match="o: an int8 weight takes its row scales"):
         ld.DecodeStack([bad], SHAPE, *rotary_tables())
 
 

@@ -97,13 +97,35 @@ def test_float32_model_same_tokens_as_layer_by_layer(smollm, rows):
                 assert abs(step_a[tok].logprob - lp.logprob) < 1e-4
 
 
+def test_int8_model_equals_its_fp32_path(default_model_path):
+    """quantization="int8": its Int8Linears go to the stack (i8_gemv, fp32 activations). The module path computes
+    the same with the layers' few-row path set to fp32 (the dequantized int8 weight, exact activations; the LM head
+    too, in both runs): same greedy tokens, logprobs within float noise."""
+    from deepserve.layers.quantization import FP32_PLAN, Int8Linear
+    llm = LLM(default_model_path, max_model_len=512, seed=0, quantization="int8")
+    for m in llm.engine.runner.model.modules():
+        if isinstance(m, Int8Linear):
+            m.set_plan(FP32_PLAN)
+    stack = llm.engine.runner.model.cpu_decode
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12, logprobs=3)
+    one_call = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert stack.stack is not None and stack.stack.layers[0].qkv.qtype == llama_decode.I8
+    stack.enabled = False
+    by_layer = llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(one_call, by_layer):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok, lp in step_b.items():
+                assert abs(step_a[tok].logprob - lp.logprob) < 1e-4
+
+
 def test_refused_where_it_does_not_apply(packed, smollm):
     float_layers = list(smollm.engine.runner.model.layers)
     assert isinstance(build_stack(float_layers), llama_decode.DecodeStack)      # float32 Linears: taken
     o_proj = float_layers[2].self_attn.o_proj
     o_proj.batch_invariant = True                       # batch-invariant mode's product: not the kernel's
     try:
-        with pytest.raises(ValueError, match="layer 2: .*neither GGUF-packed nor a float32 Linear"):
+        with pytest.raises(ValueError, match="layer 2: .*not GGUF-packed, a float32 Linear or an Int8Linear"):
             build_stack(float_layers)
     finally:
         o_proj.batch_invariant = False

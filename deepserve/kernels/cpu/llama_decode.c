@@ -1,5 +1,5 @@
 /* One decode step of a whole Llama-style decoder stack on the CPU, in one call: weights kept as GGUF's packed blocks
- * (Q4_1 / Q8_0) or plain float32 (the dequantized model: f32_gemv), activations fp32 (a GEMV's input quantized to
+ * (Q4_1 / Q8_0) or plain float32 / int8 rows (f32_gemv, i8_gemv), activations fp32 (a GEMV's input quantized to
  * int8 per 32-block for a matrix in gguf_a8.c's layout: quantization="gguf_a8"), the KV cache paged (fp32, or bf16
  * built with -DKV_BF16, or fp8 with -DKV_FP8_E4M3 / -DKV_FP8_E5M2).
  *
@@ -29,13 +29,16 @@
 #include "gguf_a8.c"             /* includes gguf_linear.c */
 #include "paged_attention.c"
 
-enum { GGML_F32 = 0 };             /* a plain float32 matrix (the dequantized model), ggml's type number */
+/* ggml's type numbers of the plain matrices: float32 (the dequantized model), int8 with a float32 scale a row
+ * (quantization="int8" / "w8a8": layers/quantization.py's Int8Linear). */
+enum { GGML_F32 = 0, GGML_I8 = 24 };
 
 typedef struct {
-    const uint8_t *blocks;         /* [rows, K / 32 * block bytes]; GGML_F32: float32 [rows, K] */
+    const uint8_t *blocks;         /* [rows, K / 32 * block bytes]; GGML_F32: float32 [rows, K]; GGML_I8: int8 */
     const float *bias;             /* [rows] or NULL */
     int64_t rows, qtype;
     int64_t int8_activations;      /* blocks in gguf_a8.c's layout: int8 activations (else the file's, fp32) */
+    const float *scales;           /* GGML_I8: [rows], the weight row r = blocks[r] * scales[r]; else NULL */
 } PackedMat;
 
 typedef struct {
@@ -150,48 +153,74 @@ static void store_kv(kv_t *dst, const float *src, int64_t n)
         dst[i] = to_kv(src[i]);
 }
 
-/* y [B, N] = x [B, K] @ w^T for a float32 w [N, K], K a multiple of 2 W (the stack's shapes are of 32): the threads
- * take contiguous ranges of w's rows and stream them once; each row meets the inputs four at a time (one load of
- * the weight for four products, four independent sums), then the rest one at a time. */
-static void f32_gemv(const float *w, int64_t N, int64_t K, const float *x, int64_t B, float *y, int num_threads)
+typedef int8_t vi8_u __attribute__((vector_size(W), aligned(1)));     /* W int8 lanes, unaligned */
+
+/* W weights widened to floats: float32 as they are, int8 converted exactly (the row's scale comes after the sum;
+ * the sign extension as one instruction where the ISA has it: GCC's generic conversion goes byte by byte). */
+static inline vf load_w(const float *p) { return load_f(p); }
+#if W == 16 && defined(__AVX512F__)
+static inline vf load_w_i8(const int8_t *p)
 {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (N * K > 65536)
-    for (int64_t n = 0; n < N; ++n) {
-        const float *wr = w + n * K;
-        int64_t b = 0;
-        for (; b + 4 <= B; b += 4) {
-            const float *x0 = x + b * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
-            vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int64_t k = 0; k < K; k += W) {
-                const vf wv = load_f(wr + k);
-                a0 += wv * load_f(x0 + k);
-                a1 += wv * load_f(x1 + k);
-                a2 += wv * load_f(x2 + k);
-                a3 += wv * load_f(x3 + k);
-            }
-            y[b * N + n] = sum_lanes(a0);
-            y[(b + 1) * N + n] = sum_lanes(a1);
-            y[(b + 2) * N + n] = sum_lanes(a2);
-            y[(b + 3) * N + n] = sum_lanes(a3);
-        }
-        for (; b < B; ++b) {
-            const float *xr = x + b * K;
-            vf acc0 = {0}, acc1 = {0};
-            for (int64_t k = 0; k < K; k += 2 * W) {
-                acc0 += load_f(wr + k) * load_f(xr + k);
-                acc1 += load_f(wr + k + W) * load_f(xr + k + W);
-            }
-            y[b * N + n] = sum_lanes(acc0 + acc1);
-        }
-    }
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+#elif W == 8 && defined(__AVX2__)
+static inline vf load_w_i8(const int8_t *p)
+{
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+static inline vf load_w_i8(const int8_t *p) { return __builtin_convertvector(*(const vi8_u *)p, vf); }
+#endif
+
+/* y [B, N] = x [B, K] @ w^T (times scales[n] per output for int8 weights), K a multiple of 2 W (the stack's shapes
+ * are of 32): the threads take contiguous ranges of w's rows and stream them once; each row meets the inputs four
+ * at a time (one load of the weight for four products, four independent sums), then the rest one at a time. */
+#define PLAIN_GEMV(NAME, T, LOAD)                                                                                \
+static void NAME(const T *w, const float *scales, int64_t N, int64_t K, const float *x, int64_t B, float *y,   \
+                 int num_threads)                                                                               \
+{                                                                                                               \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (N * K > 65536)")                   \
+    for (int64_t n = 0; n < N; ++n) {                                                                           \
+        const T *wr = w + n * K;                                                                                \
+        const float sc = scales ? scales[n] : 1.f;                                                              \
+        int64_t b = 0;                                                                                          \
+        for (; b + 4 <= B; b += 4) {                                                                            \
+            const float *x0 = x + b * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;                              \
+            vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                                          \
+            for (int64_t k = 0; k < K; k += W) {                                                                \
+                const vf wv = LOAD(wr + k);                                                                     \
+                a0 += wv * load_f(x0 + k);                                                                      \
+                a1 += wv * load_f(x1 + k);                                                                      \
+                a2 += wv * load_f(x2 + k);                                                                      \
+                a3 += wv * load_f(x3 + k);                                                                      \
+            }                                                                                                   \
+            y[b * N + n] = sc * sum_lanes(a0);                                                                  \
+            y[(b + 1) * N + n] = sc * sum_lanes(a1);                                                            \
+            y[(b + 2) * N + n] = sc * sum_lanes(a2);                                                            \
+            y[(b + 3) * N + n] = sc * sum_lanes(a3);                                                            \
+        }                                                                                                       \
+        for (; b < B; ++b) {                                                                                    \
+            const float *xr = x + b * K;                                                                        \
+            vf acc0 = {0}, acc1 = {0};                                                                          \
+            for (int64_t k = 0; k < K; k += 2 * W) {                                                            \
+                acc0 += LOAD(wr + k) * load_f(xr + k);                                                          \
+                acc1 += LOAD(wr + k + W) * load_f(xr + k + W);                                                  \
+            }                                                                                                   \
+            y[b * N + n] = sc * sum_lanes(acc0 + acc1);                                                         \
+        }                                                                                                       \
+    }                                                                                                           \
+}
+PLAIN_GEMV(f32_gemv, float, load_w)
+PLAIN_GEMV(i8_gemv, int8_t, load_w_i8)
 
 /* y [B, m.rows] = x [B, K] @ W^T (+ bias). xq: room for B quantized rows of x (gguf_a8_row_bytes(K) each). */
 static void packed_gemv(const Stack *s, const PackedMat *m, const float *x, int64_t B, int64_t K, float *y,
                         uint8_t *xq, int num_threads)
 {
     if (m->qtype == GGML_F32)
-        f32_gemv((const float *)m->blocks, m->rows, K, x, B, y, num_threads);
+        f32_gemv((const float *)m->blocks, NULL, m->rows, K, x, B, y, num_threads);
+    else if (m->qtype == GGML_I8)
+        i8_gemv((const int8_t *)m->blocks, m->scales, m->rows, K, x, B, y, num_threads);
     else if (m->int8_activations)
         gguf_a8_linear((int)m->qtype, (int)s->isa_a8, m->blocks, m->rows, K, x, B, K, y, m->rows, num_threads, xq);
     else

@@ -1,10 +1,10 @@
 """One decode step of a whole Llama-style decoder stack in one C call (llama_decode.c), and its PyTorch twin.
 
-Weights stay GGUF's packed blocks (Q4_1 / Q8_0, gguf_linear.c's GEMVs) or plain float32 (F32: the dequantized
-model's), activations fp32, the KV cache paged (fp32, bf16 or fp8). At batch 1 the module path spends as long in
-Python and small PyTorch ops as in the GEMVs; here the ~25 ops per layer are loops between the GEMVs of one C call
-per step. `DecodeStack` holds the tensors (their pointers sit in C
-structs built once); `decode_step_ref` computes the same step with PyTorch ops and dequantized weights.
+Weights stay GGUF's packed blocks (Q4_1 / Q8_0, gguf_linear.c's GEMVs) or plain float32 / int8 rows (F32: the
+dequantized model's, I8: quantization="int8" / "w8a8"'s), activations fp32, the KV cache paged (fp32, bf16 or fp8).
+At batch 1 the module path spends as long in Python and small PyTorch ops as in the GEMVs; here the ~25 ops per layer
+are loops between the GEMVs of one C call per step. `DecodeStack` holds the tensors (their pointers sit in C structs
+built once); `decode_step_ref` computes the same step with PyTorch ops and dequantized weights.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ _HEAD_DIMS = range(32, 257, 32)
 
 
 class _Mat(ctypes.Structure):
-    _fields_ = [("blocks", _P), ("bias", _P), ("rows", _I64), ("qtype", _I64), ("int8_activations", _I64)]
+    _fields_ = [("blocks", _P), ("bias", _P), ("rows", _I64), ("qtype", _I64), ("int8_activations", _I64),
+                ("scales", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -87,20 +88,22 @@ def library(cache_dtype: torch.dtype = torch.float32, phase_times: bool = False)
     return _load(cache_dtype, phase_times) if enabled() and cache_dtype in _VARIANTS else None
 
 
-# ggml's type number of a plain float32 matrix: a PackedWeight of this qtype holds the float32 weight [rows, K] itself
-# (the dequantized model's Linear), multiplied by llama_decode.c's f32_gemv.
-F32 = 0
+# ggml's type numbers of plain matrices: a PackedWeight of qtype F32 holds the float32 weight [rows, K] itself (the
+# dequantized model's Linear, llama_decode.c's f32_gemv); of qtype I8 the int8 weight [rows, K] and its float32 scale
+# a row (quantization="int8" / "w8a8"'s Int8Linear, i8_gemv: fp32 activations).
+F32, I8 = 0, 24
 
 
 @dataclass
 class PackedWeight:
-    """One projection: GGUF blocks uint8 [rows, row_bytes] of ggml type `qtype` (F32: the float32 weight [rows, K]),
-    an optional fp32 bias [rows]; `int8_activations`: the blocks are in gguf_a8's layout (`gguf_a8.repack`) and its
-    input is quantized to int8."""
+    """One projection: GGUF blocks uint8 [rows, row_bytes] of ggml type `qtype` (F32: the float32 weight [rows, K];
+    I8: the int8 weight [rows, K], with `scales`), an optional fp32 bias [rows]; `int8_activations`: the blocks are in
+    gguf_a8's layout (`gguf_a8.repack`) and its input is quantized to int8."""
     blocks: torch.Tensor
     qtype: int
     bias: torch.Tensor | None = None
     int8_activations: bool = False
+    scales: torch.Tensor | None = None      # I8: float32 [rows]
 
 
 @dataclass
@@ -131,10 +134,15 @@ def _fp32_vector(t: torch.Tensor, n: int, what: str) -> None:
 
 
 def _check_weight(w: PackedWeight, rows: int, k: int, what: str) -> None:
-    if w.qtype == F32:
-        if w.blocks.dtype != torch.float32 or w.blocks.shape != (rows, k) or w.int8_activations:
-            raise ValueError(f"{what}: needs a float32 [{rows}, {k}] weight, got {w.blocks.dtype} "
+    if w.qtype in (F32, I8):
+        dtype = torch.float32 if w.qtype == F32 else torch.int8
+        if w.blocks.dtype != dtype or w.blocks.shape != (rows, k) or w.int8_activations:
+            raise ValueError(f"{what}: needs a {dtype} [{rows}, {k}] weight, got {w.blocks.dtype} "
                              f"{tuple(w.blocks.shape)}")
+        if (w.qtype == I8) != (w.scales is not None):
+            raise ValueError(f"{what}: an int8 weight takes its row scales, another none")
+        if w.scales is not None:
+            _fp32_vector(w.scales, rows, f"{what} scales")
     else:
         gk.check_blocks(w.blocks, w.qtype, k)
     if w.blocks.shape[0] != rows or not w.blocks.is_contiguous() or not w.blocks.is_cpu:
@@ -159,7 +167,7 @@ def _check_layer(w: LayerWeights, shape: StackShape, cache_shape: tuple, cache_d
 
 def _mat(w: PackedWeight) -> _Mat:
     return _Mat(w.blocks.data_ptr(), None if w.bias is None else w.bias.data_ptr(), w.blocks.shape[0], w.qtype,
-                int(w.int8_activations))
+                int(w.int8_activations), None if w.scales is None else w.scales.data_ptr())
 
 
 class DecodeStack:
@@ -232,6 +240,8 @@ class DecodeStack:
 def _linear_ref(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     if w.qtype == F32:
         return F.linear(x, w.blocks, w.bias)
+    if w.qtype == I8:
+        return F.linear(x, w.blocks.float() * w.scales[:, None], w.bias)
     k = w.blocks.shape[1] // gk.BLOCK_BYTES[w.qtype] * gk.QK
     if w.int8_activations:
         y = gguf_a8.linear_ref(x, gguf_a8.unpack_ref(w.blocks, w.qtype, k), w.qtype, k)
@@ -263,4 +273,5 @@ def decode_step_ref(h: torch.Tensor, layers: list[LayerWeights], shape: StackSha
     return h
 
 
-__all__ = ["F32", "DecodeStack", "LayerWeights", "PHASES", "PackedWeight", "StackShape", "decode_step_ref", "library"]
+__all__ = ["F32", "I8", "DecodeStack", "LayerWeights", "PHASES", "PackedWeight", "StackShape", "decode_step_ref",
+           "library"]
