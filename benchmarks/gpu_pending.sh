@@ -43,7 +43,7 @@
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
 #   bash benchmarks/gpu_pending.sh side-streams  # ~9 min: the side-stream switches: GPU tests, V2-Lite steps 64-256
 #   bash benchmarks/gpu_pending.sh s50        # ~5 min: (d9ec60b) MLA warp chunks: tests, calls, steps; capture priority
-#   bash benchmarks/gpu_pending.sh s51-wgmma  # ~7 min: DEEPSERVE_MLA_WGMMA: tests, kernel calls, V2-Lite steps
+#   bash benchmarks/gpu_pending.sh s51-wgmma  # ~3 min: DEEPSERVE_MLA_WGMMA: tests, kernel calls, V2-Lite steps
 #   bash benchmarks/gpu_pending.sh s51        # ~5 min: V2-Lite steps over E4M3, MLA decode tiles 32x4x3 / 32x4x4
 #   bash benchmarks/gpu_pending.sh s51-v41    # ~3 min: DeepSeek-V4.1 decode kernel tables at batch 1 / 8
 #   bash benchmarks/gpu_pending.sh s50-v41    # ~2 min: DeepSeek-V4.1 decode steps, shared experts on a side stream 0/1
@@ -65,6 +65,8 @@
 #   bash benchmarks/gpu_pending.sh mapped-io  # ~7 min: DEEPSERVE_MAPPED_STEP_IO: its GPU tests, then 1B steps 0 / 1
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 #   (two stages in one call: `for s in tests sweeps; do bash benchmarks/gpu_pending.sh $s; done`)
+# The stages that time kernels/mla_decode.py's Triton kernel over an 8-bit cache (kernels, mla-ab, mla-splits,
+# mla-sm-ab, s50, s51) turn DEEPSERVE_MLA_WGMMA off, the default since session 54 there.
 # MLA_TILES="32x4x3,16x4x3" narrows mla-ab to the settings the kernels stage favoured (default: all four).
 set -u
 STAGE=${1:?"a stage, one of those listed at the top of this script"}
@@ -146,6 +148,7 @@ PY
 
 case "$STAGE" in
 kernels)
+    export DEEPSERVE_MLA_WGMMA=0
     timeout 240 python3 benchmarks/fp8_attention_kernels.py --settings "DEEPSERVE_FP8_PRODUCTS=f16" \
         --cases deepseek-v2-lite --tiles 32x4x3,16x4x3,32x4x2,32x4x2r168,16x4x3r128,32x4x2r128 \
         --output "$OUT/mla_tiles_kernels.json" > /tmp/mla_tiles.log 2>&1
@@ -159,6 +162,7 @@ tests)
     tail -3 "$OUT/pytest_gpu_alone.log"; elapsed "gpu_alone"
     ;;
 mla-ab)
+    export DEEPSERVE_MLA_WGMMA=0
     timeout 570 python3 benchmarks/ab_env_sweep.py \
         --setting "DEEPSERVE_MLA_DECODE_TILES=${MLA_TILES:-32x4x3,16x4x3,32x4x2r168,16x4x3r128}" --passes 1 \
         --timeout 130 --output "$OUT/mla_tiles_ab.json" -- --shapes deepseek-v2-lite --batches 8,64,128,256 \
@@ -166,6 +170,7 @@ mla-ab)
     tail -3 /tmp/mla_ab.log; summarise_steps "$OUT/mla_tiles_ab.json"; elapsed "mla-ab"
     ;;
 mla-splits)
+    export DEEPSERVE_MLA_WGMMA=0
     # Batch 256 runs one split (256 programs, two an SM by registers) and its E4M3 kernel reads at about 1.4 TB/s
     # (H100, session 30): does a second split or a deeper pipeline read faster? (Session 34, H100,
     # mla_splits_kernels_h100_s34.json: no; nor the token-major kernel it also timed.)
@@ -180,6 +185,7 @@ mla-splits)
     elapsed "mla-splits"
     ;;
 mla-sm-ab)
+    export DEEPSERVE_MLA_WGMMA=0
     # The split heuristic's programs an SM (2: one split at batch 256) against others, with and without a register
     # cap that lets more programs share an SM; MLA_SM / MLA_SM_TILES set the values.
     timeout 570 python3 benchmarks/ab_env_sweep.py --setting "DEEPSERVE_MLA_PROGRAMS_PER_SM=${MLA_SM:-2,4}" \
@@ -702,6 +708,7 @@ s49-short)
     summarise_steps "$OUT/side_stream_priority_v2lite_ab.json"; elapsed "fork / priority A/B"
     ;;
 s50)
+    export DEEPSERVE_MLA_WGMMA=0
     # (Both switches were removed after this stage timed them on an H100: slower, or no gain. Their code is at commit
     # d9ec60b, where this stage runs as written: mla_warp_chunks_*_h100_s50.json and
     # graph_priority_v2lite_ab_h100_s50.json.)
@@ -742,13 +749,14 @@ s51-wgmma)
     # Session 51: DEEPSERVE_MLA_WGMMA, the MLA decode over an 8-bit cache with tokens as the products' rows on
     # warpgroup MMAs, in Gluon (kernels/mla_decode_wgmma.py; sm_90 build: 179 registers, 2 programs an SM,
     # kernel_resources_mla_wgmma_triton36_s51.json). Its tests, then kernel calls at V2-Lite batch 64 / 128 / 256
-    # against the default kernel (E4M3), then V2-Lite steps over E4M3 at batch 64 / 256, one pass.
+    # against the Triton kernel (E4M3), then V2-Lite steps over E4M3 at batch 64 / 256, one pass. Run in session
+    # 54 (mla_wgmma_*_h100_s54.json): the kernel is the default since.
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_decode_wgmma.py -x \
         > "$OUT/pytest_mla_wgmma.log" 2>&1
     tail -2 "$OUT/pytest_mla_wgmma.log" | cut -c1-300; grep -E "^(FAILED|E )" "$OUT/pytest_mla_wgmma.log" | head -8
     elapsed "wgmma tests"
     timeout 150 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes float8_e4m3fn \
-        --settings "DEEPSERVE_FP8_PRODUCTS=f16;DEEPSERVE_FP8_PRODUCTS=f16+DEEPSERVE_MLA_WGMMA=1" \
+        --settings "DEEPSERVE_FP8_PRODUCTS=f16+DEEPSERVE_MLA_WGMMA=0;DEEPSERVE_FP8_PRODUCTS=f16+DEEPSERVE_MLA_WGMMA=1" \
         --cases "v2-lite b64 ctx1024,v2-lite b128,v2-lite b256" --output "$OUT/mla_wgmma_kernels.json" \
         > /tmp/mla_wgmma_kernels.log 2>&1
     tail -1 /tmp/mla_wgmma_kernels.log | cut -c1-300; summarise_kernels "$OUT/mla_wgmma_kernels.json"
@@ -762,7 +770,7 @@ if " passed" not in open(sys.argv[2]).read() or " failed" in open(sys.argv[2]).r
     sys.exit(1)
 us = {s: [r.get("us") for case, rows in cases.items() if "b256" in case for r in rows.values()]
       for s, cases in json.load(open(sys.argv[1]))["by_setting"].items()}
-base, wgmma = (us[s][0] for s in sorted(us, key=lambda s: "WGMMA" in s))
+base, wgmma = (us[s][0] for s in sorted(us, key=lambda s: "WGMMA=1" in s))
 print("batch 256 kernel us: default", base, "wgmma", wgmma)
 sys.exit(0 if wgmma and base and wgmma < base else 1)
 PY
@@ -773,6 +781,7 @@ PY
     elapsed "wgmma steps"
     ;;
 s51)
+    export DEEPSERVE_MLA_WGMMA=0
     # Session 51. Session 50's kernel calls had the MLA decode kernel over an E4M3 cache 1-2% faster at 32x4x4 (four
     # cp.async stages) than at the default 32x4x3 (34.4 / 56.8 / 99.1 against 34.6 / 57.6 / 101.1 us at V2-Lite batch
     # 64 / 128 / 256, mla_warp_chunks_kernels_h100_s50.json); its builds hold 2 programs an SM either way. Here in

@@ -158,9 +158,11 @@ _DECLARED = [
            "GPU MLA decode: the context is split until (sequences x head tiles x splits) reaches this many programs "
            "an SM (kernels/mla_decode.py mla_num_splits; 2 measured best on an H200 with the unchunked kernel), an "
            "A/B switch with DEEPSERVE_MLA_DECODE_TILES' register cap (read at import)"),
-    EnvVar("DEEPSERVE_MLA_WGMMA", "bool", False,
-           "GPU MLA decode over an 8-bit cache on sm_90: the Gluon kernel with tokens as the products' rows on "
-           "warpgroup MMAs (kernels/mla_decode_wgmma.py), an experiment off by default (read at each launch)"),
+    EnvVar("DEEPSERVE_MLA_WGMMA", "bool", True,
+           "GPU MLA decode over an 8-bit cache on sm_90 with f16 products (DEEPSERVE_FP8_PRODUCTS): the Gluon kernel "
+           "with tokens as the products' rows on warpgroup MMAs (kernels/mla_decode_wgmma.py; H100, V2-Lite batch "
+           "256: kernel 101.9 -> 90.5 us, step 15.03 -> 14.61 ms, mla_wgmma_prefetch_*_h100_s54.json); 0: "
+           "kernels/mla_decode.py's Triton kernel (read at each launch)"),
     EnvVar("DEEPSERVE_MOE_ALIGN_GATHER", "bool", True,
            "GPU MoE align of a decode batch (one program): a pair's run start by tl.gather and the blocks labelled by "
            "stores, no round trips through its scratch (kernels/moe_align.py; H100: 7.3 -> 4.8 us at Qwen3-MoE's 256 "

@@ -392,8 +392,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         max_seq_len = int(seq_lens.max().item())
     if num_splits is None:
         num_splits = mla_num_splits(bsz, heads, max_seq_len, q_lat.device)
-    # DEEPSERVE_MLA_WGMMA: kernels/mla_decode_wgmma.py's kernel where it applies, the same splits in its 64-key tiles.
-    wgmma = envs.DEEPSERVE_MLA_WGMMA and mla_decode_wgmma.wgmma_supported(q_lat, kv_cache)
+    # DEEPSERVE_MLA_WGMMA (the default): kernels/mla_decode_wgmma.py's kernel where it applies, the same splits in its
+    # 64-key tiles. It computes as this file's kernel does with f16 products, so only where those are chosen.
+    wgmma = (envs.DEEPSERVE_MLA_WGMMA and envs.DEEPSERVE_FP8_PRODUCTS == "f16"
+             and mla_decode_wgmma.wgmma_supported(q_lat, kv_cache))
     if wgmma:
         block_n = mla_decode_wgmma.TOKENS
     partition = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n

@@ -1,14 +1,14 @@
-"""MLA decode over an 8-bit latent cache on Hopper's warpgroup MMAs (an experiment, DEEPSERVE_MLA_WGMMA=1): the
+"""MLA decode over an 8-bit latent cache on Hopper's warpgroup MMAs (DEEPSERVE_MLA_WGMMA, the default on sm_90): the
 work of `mla_decode._mla_decode_kernel` with tokens as the products' rows, written in Gluon (Triton's explicit-layout
 dialect) so that every operand's place is chosen here, not by the compiler.
 
-Why: at DeepSeek-V2-Lite's 16 heads the default kernel's products have 16 rows, so they run as warp MMAs fed by
+Why: at DeepSeek-V2-Lite's 16 heads the Triton kernel's products have 16 rows, so they run as warp MMAs fed by
 ldmatrix, and each of its four warps reads the whole [16, 576] query from shared memory for every 32-key tile. Over
 an E4M3 cache it reads HBM at 1.4 TB/s with its shared-memory pipe 75% busy (session 34's Nsight Compute run), and
 no Triton rewrite of it ran faster (sessions 34-50, docs/gpu.md). Token-major, a 64-key tile is a warpgroup MMA's
 64 rows, and the MMA reads both operands from shared memory itself, once a warpgroup. By operand sizes a 64-key
 tile moves ~246 KB through shared memory here (the widened tile's 72 KB stored, 90 KB read by the score products,
-80 KB by the output's, the probabilities) against ~432 KB in the default kernel (two 32-key tiles of session 50's
+80 KB by the output's, the probabilities) against ~432 KB in the Triton kernel (two 32-key tiles of session 50's
 count). Session 34's plain-Triton try at this shape (commit 591fe71) left Triton to place the widened keys, which
 it held in registers as the MMAs' left operand; here they stay in shared memory.
 
@@ -16,11 +16,13 @@ One program: one sequence, 16 heads (one head tile), one split of its keys, one 
   1. the 64 keys' 8-bit rows [64, RANK + 64] load into registers (a [64, 64] chunk at a time: 16 bytes a load),
      widen to fp16 and go to shared memory, C [9 chunks, 64 keys, 64];
   2. scores^T [64 keys, 16 heads] = sum over chunks of C_j q_j^T (the query in shared memory as fp16 [9, 16, 64]);
-  3. the online softmax down the key axis (float32 statistics, log2 domain, as the default kernel);
+  3. the online softmax down the key axis (float32 statistics, log2 domain, as the Triton kernel);
   4. the probabilities go to shared memory as fp16 [16 heads, 64 keys] (p, read as p^T);
   5. out_j^T [64 latent columns, 16 heads] += C_j^T p^T for the 8 latent chunks (C_j read transposed: 16-bit
      operands may be).
-A tile's keys load while the previous tile's out products run. Arithmetic as the default kernel's
+The next tile's first three chunks load while a tile's products and softmax run (Nsight Compute, before that
+prefetch: warps waited mostly on the tiles' global loads, DRAM 43% busy); its other six while the previous tile's out
+products run (all nine at once would not fit the registers: spills). Arithmetic as mla_decode.py's kernel
 with FP8_F16_PRODUCTS: the query clamped to fp16's range and rounded to fp16, the cache's codes widened exactly,
 probabilities in fp16, float32 accumulation; summation order differs inside the products.
 
@@ -68,6 +70,14 @@ if HAVE_GLUON:
     def _load_chunk(rows, first: gl.constexpr, cols, t_ok):
         """Columns first + cols of the tile's key rows (pointers [64, 1]): 8-bit codes, 0 on masked keys."""
         return gl.load(rows + first + cols[None, :], mask=t_ok[:, None], other=0.0)
+
+    @gluon.jit
+    def _tile_rows(table, cache_ptr, n0, keys, end, block_size, stride_c_block, stride_c_slot):
+        """The row pointers ([64, 1]) of the 64 keys from n0 on, through the block table, and which are < end."""
+        tok = n0 + keys
+        t_ok = tok < end
+        blk = gl.load(table + tok // block_size, mask=t_ok, other=0).to(gl.int64)
+        return (cache_ptr + blk * stride_c_block + (tok % block_size).to(gl.int64) * stride_c_slot)[:, None], t_ok
 
     @gluon.jit
     def _stage_chunk(c_smem, j: gl.constexpr, codes):
@@ -148,14 +158,13 @@ if HAVE_GLUON:
             o5 = zero
             o6 = zero
             o7 = zero
+            # The first tile's keys: its first chunks here, the rest in the loop. Each later tile's first chunks
+            # load while the tile before it is computed (below).
+            rows, t_ok = _tile_rows(table, cache_ptr, start, keys, end, block_size, stride_c_block, stride_c_slot)
+            k0 = _load_chunk(rows, 0 * COLS, cols, t_ok)
+            k1 = _load_chunk(rows, 1 * COLS, cols, t_ok)
+            k2 = _load_chunk(rows, 2 * COLS, cols, t_ok)
             for n0 in range(start, end, TOKENS):
-                tok = n0 + keys
-                t_ok = tok < end
-                blk = gl.load(table + tok // block_size, mask=t_ok, other=0).to(gl.int64)
-                rows = (cache_ptr + blk * stride_c_block + (tok % block_size).to(gl.int64) * stride_c_slot)[:, None]
-                k0 = _load_chunk(rows, 0 * COLS, cols, t_ok)
-                k1 = _load_chunk(rows, 1 * COLS, cols, t_ok)
-                k2 = _load_chunk(rows, 2 * COLS, cols, t_ok)
                 k3 = _load_chunk(rows, 3 * COLS, cols, t_ok)
                 k4 = _load_chunk(rows, 4 * COLS, cols, t_ok)
                 k5 = _load_chunk(rows, 5 * COLS, cols, t_ok)
@@ -175,11 +184,18 @@ if HAVE_GLUON:
                 _stage_chunk(c_smem, 8, k8)
                 fence_async_shared()
                 cta_barrier()
+                # The next tile's first chunks go in flight now, to arrive while this tile's products and softmax
+                # run (all masked off after the last tile: no memory is read).
+                rows, t_ok = _tile_rows(table, cache_ptr, n0 + TOKENS, keys, end, block_size, stride_c_block,
+                                        stride_c_slot)
+                k0 = _load_chunk(rows, 0 * COLS, cols, t_ok)
+                k1 = _load_chunk(rows, 1 * COLS, cols, t_ok)
+                k2 = _load_chunk(rows, 2 * COLS, cols, t_ok)
 
                 # z is 0, but not to the compiler: the products' shared-memory descriptors are then computed in
                 # the loop (uniform registers, cheap) instead of hoisted out of it, where 68 of them held 255
-                # registers with spills (sm_90 builds with Triton 3.6: 179 registers, no spills; commit 121d439:
-                # 255 and spills).
+                # registers with spills (sm_90 builds with Triton 3.6 / 3.9: 250 / 240 registers with the prefetched
+                # chunks, no spills; commit 121d439: 255 and spills).
                 z = (n0 < 0).to(gl.int32)
                 s = warpgroup_mma(c_smem.index(z), q_smem.index(z).permute((1, 0)), zero, use_acc=False,
                                   is_async=True)
