@@ -35,14 +35,17 @@ from __future__ import annotations
 
 from deepserve.kernels import triton
 
-try:        # Gluon ships with Triton 3.5+; without it the switch stays unusable (wgmma_supported says so)
+try:        # Gluon ships with Triton 3.5+, but its API moved between releases: this kernel was built and run with 3.6
+    # (and builds with 3.9), so older ones keep mla_decode.py's kernel (wgmma_supported says so)
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 6):
+        raise ImportError(f"Triton {triton.__version__}: the kernel needs 3.6+")
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     HAVE_GLUON = True
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier      # Triton 3.6's name, then 3.9's
-except ImportError:         # pragma: no cover - older Triton
+except (ImportError, AttributeError, ValueError):       # pragma: no cover - no Triton, or an older one
     HAVE_GLUON = False
 
 TOKENS = 64         # keys a tile: a warpgroup MMA's rows
