@@ -5,8 +5,10 @@ layer's decode attention of `--batch` sequences over `--context` keys, the defau
 group 3); the best of `--repeats` timed loops is reported, the dtypes alternating within each repeat.
 `--lanes 8,16` builds each dtype at both vector widths (-DATTN_LANES: 16 floats, one AVX-512 register, or 8, one
 AVX one; without it each build takes the CPU's own width) and times them all in the same run ("fp32@8", ...).
+`--dtypes fp32,bf16` times those builds only; `--ab-define ATTN_MAX_VEC=16,ATTN_MAX_VEC=32` each of them also with
+each define.
 
-Run:  python benchmarks/cpu_kv_attention.py [--context 4096] [--batch 1] [--lanes 8,16]
+Run:  python benchmarks/cpu_kv_attention.py [--context 4096] [--batch 1] [--lanes 8,16] [--dtypes ...] [--ab-define D]
           [--output benchmarks/cpu_kv_attention.json]
 """
 
@@ -70,12 +72,19 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--lanes", default="", help="comma-separated vector widths to build each dtype at (8, 16)")
+    ap.add_argument("--dtypes", default="", help="comma-separated builds to time (default: all of BUILDS)")
+    ap.add_argument("--ab-define", default="",
+                    help="DEFINE[=VALUE],...: each build also with each -DDEFINE[=VALUE] (named BUILD+DEFINE), in the "
+                         "same run")
     ap.add_argument("--output", default="benchmarks/cpu_kv_attention.json")
     args = ap.parse_args()
-    builds = dict(BUILDS)
+    builds = {name: b for name, b in BUILDS.items() if not args.dtypes or name in args.dtypes.split(",")}
+    if args.ab_define:
+        builds = {**builds, **{f"{name}+{define}": (dtype, extra + (define,))
+                               for define in args.ab_define.split(",") for name, (dtype, extra) in builds.items()}}
     if args.lanes:
         builds = {f"{name}@{lanes}": (dtype, extra + (f"ATTN_LANES={lanes}",))
-                  for lanes in args.lanes.split(",") for name, (dtype, extra) in BUILDS.items()}
+                  for lanes in args.lanes.split(",") for name, (dtype, extra) in builds.items()}
     bs = 16
     blocks_per_seq = -(-args.context // bs)
     num_blocks = args.batch * blocks_per_seq + 1

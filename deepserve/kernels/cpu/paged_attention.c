@@ -13,8 +13,8 @@
  *  - each block is read front to back once, for all the query heads of the kv heads in a work item, and the
  *    next block is prefetched row by row while this one is computed (a block is a few pages: too short for
  *    the hardware prefetcher);
- *  - a key or value row, once loaded, serves all query heads of its group (GQA) from registers: queries and
- *    accumulators of up to 16 vectors stay in registers for a chunk of 16 keys;
+ *  - a key or value row, once loaded, serves all query heads of its group (GQA): queries and accumulators of up
+ *    to MAX_VEC vectors, in registers where they fit, for a chunk of W keys;
  *  - a chunk's 16 scores per head come out of one transposed reduction of the keys' lane partial sums, not
  *    16 horizontal sums;
  *  - an online softmax (running max, running sum, rescaled accumulator) needs no second pass;
@@ -53,7 +53,20 @@
 #if W != 8 && W != 16
 #error "ATTN_LANES must be 8 or 16"
 #endif
-#define MAX_VEC 16    /* query heads x (D / W) kept in registers at once */
+/* Query heads x (D / W) folded together (a group): each key or value row loaded (and widened) once serves them
+ * all. At W = 16 (AVX-512: 32 registers) 16 keeps them in registers. At W = 8 (16 AVX registers) they do not fit either
+ * way, and 32 (the default model's 3 heads of 64 in one group, not 2 + 1) took one call over 4096 keys on an AVX2 Zen 3
+ * from 500 to 346 us over E4M3, 310 to 255 over E5M2, 265 to 262 over fp32 (128-wide heads in groups of 4: 915 to
+ * 642, 508 to 391, 386 to 359), but bf16 from 277 to 287 (369 to 407): the bf16 build keeps 16
+ * (benchmarks/cpu_kv_attention_max_vec{,_d128}_avx2_s54.json). -DATTN_MAX_VEC forces it. */
+#ifndef ATTN_MAX_VEC
+#if W == 8 && !defined(KV_BF16)
+#define ATTN_MAX_VEC 32
+#else
+#define ATTN_MAX_VEC 16
+#endif
+#endif
+#define MAX_VEC ATTN_MAX_VEC
 #define MAX_GROUP 4   /* query heads per group */
 #define MAX_DV (256 / W)  /* vectors per head: head_dim <= 256 */
 
@@ -349,7 +362,10 @@ static void fold_group(const float *q, int64_t q_stride, const kv_t *k, const kv
     case 4 * 8 + 4: FOLD(4, 4); return;
     case 8 * 8 + 1: FOLD(1, 8); return;
     case 8 * 8 + 2: FOLD(2, 8); return;
+    case 8 * 8 + 3: FOLD(3, 8); return;
+    case 8 * 8 + 4: FOLD(4, 8); return;
     case 16 * 8 + 1: FOLD(1, 16); return;
+    case 16 * 8 + 2: FOLD(2, 16); return;
     }
 #undef FOLD
     for (int64_t i = 0; i < gs; ++i)   /* other head sizes: a head at a time, its vectors counted at run time */
@@ -361,7 +377,8 @@ static void fold_group(const float *q, int64_t q_stride, const kv_t *k, const kv
 static int64_t group_size(int64_t D)
 {
     const int64_t per_head = D / W;
-    return per_head == 4 || per_head == 8 || per_head == 16 ? MAX_VEC / per_head : 1;
+    const int64_t gs = per_head == 4 || per_head == 8 || per_head == 16 ? MAX_VEC / per_head : 1;
+    return gs < MAX_GROUP ? gs : MAX_GROUP;
 }
 
 /* A sequence longer than PART_KEYS keys (rounded down to whole blocks) is folded in partitions of that many keys,
