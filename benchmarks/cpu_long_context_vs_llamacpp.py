@@ -31,18 +31,13 @@ from pathlib import Path
 import torch
 
 from deepserve import LLM
-from deepserve.bench.throughput import machine_info, random_prompts, run_latency, write_json
+from deepserve.bench.throughput import machine_info, run_latency, write_json
 from deepserve.loader.gguf_loader import default_model_path
 
+from cpu_prefill_vs_llamacpp import plot_by_length, prompt
 from cpu_vs_llamacpp import import_llama_cpp
 
 HERE = Path(__file__).resolve().parent
-VOCAB = 49152
-
-
-def prompt(length: int, repeat: int) -> list[int]:
-    """The prompt of that length and repeat: run_latency's, for the seed time_deepserve gives it."""
-    return random_prompts(1, length, VOCAB, seed=1000 * length + repeat)[0]["prompt_token_ids"]
 
 
 def time_deepserve(mode: str, contexts: list[int], output_len: int, repeat: int) -> dict[int, float]:
@@ -51,6 +46,7 @@ def time_deepserve(mode: str, contexts: list[int], output_len: int, repeat: int)
     quantization, _, kv = mode.partition("+")
     llm = LLM(quantization=None if quantization == "none" else quantization, kv_cache_dtype=kv or "auto",
               max_model_len=max(contexts) + output_len + 64, seed=0, enable_prefix_caching=False)
+    # The prompt of length n is prompt(n, repeat), as llama.cpp's: run_latency draws it from the same seed.
     rates = {n: run_latency(llm, batch_size=1, input_len=n, output_len=output_len, seed=1000 * n + repeat)
              ["decode_tokens_per_s"] for n in contexts}
     del llm
@@ -85,24 +81,9 @@ def time_llama_cpp(llama_cpp, path: str, threads: int, flash_attn: bool, context
 
 
 def plot(payload: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for engine, rows in payload["decode_tokens_per_s"].items():
-        style = dict(linewidth=2.5, linestyle="--" if "fa" in engine else "-") if engine.startswith("llama") else {}
-        ax.plot([int(n) for n in rows], list(rows.values()), marker="o", label=engine.replace("none", "fp32"),
-                **style)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (prompt tokens)")
-    ax.set_ylabel("batch-1 decode tokens/s")
-    ax.set_title(f"SmolLM2-135M Q4_1 GGUF, batch 1, {payload['workload']['threads']} threads\n"
-                 f"{payload['machine']['cpu']['model']}, {' '.join(payload['machine']['cpu']['isa_flags'][:4])}",
-                 fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_by_length(payload["decode_tokens_per_s"], payload, "context (prompt tokens)", "batch-1 decode tokens/s",
+                   path, lambda engine: dict(linewidth=2.5, linestyle="--" if engine.endswith("+fa") else "-")
+                   if engine.startswith("llama") else {})
 
 
 def main() -> None:

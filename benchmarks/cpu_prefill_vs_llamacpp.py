@@ -80,18 +80,19 @@ def time_llama_cpp(llama_cpp, path: str, threads: int, lengths: list[int], repea
     return seconds
 
 
-def plot(payload: dict, path: Path) -> None:
+def plot_by_length(series: dict, payload: dict, xlabel: str, ylabel: str, path: Path, style=lambda engine: {}) -> None:
+    """One line per engine of `series` ({engine: {length: value}}) over a log2 length axis, titled with the model,
+    the threads and the CPU of `payload` (cpu_long_context_vs_llamacpp.py plots this way too)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    for engine, rows in payload["prompt_tokens_per_s"].items():
-        lengths = [int(n) for n in rows]
-        style = dict(color="#d68b6a", linewidth=2.5) if engine == "llama_cpp" else {}
-        ax.plot(lengths, list(rows.values()), marker="o", label=engine.replace("none", "fp32"), **style)
+    for engine, rows in series.items():
+        ax.plot([int(n) for n in rows], list(rows.values()), marker="o", label=engine.replace("none", "fp32"),
+                **style(engine))
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("prompt tokens/s (to the first token)")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(f"SmolLM2-135M Q4_1 GGUF, batch 1, {payload['workload']['threads']} threads\n"
                  f"{payload['machine']['cpu']['model']}, {' '.join(payload['machine']['cpu']['isa_flags'][:4])}",
                  fontsize=9)
@@ -99,6 +100,11 @@ def plot(payload: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot(payload: dict, path: Path) -> None:
+    plot_by_length(payload["prompt_tokens_per_s"], payload, "prompt tokens", "prompt tokens/s (to the first token)",
+                   path, lambda engine: dict(color="#d68b6a", linewidth=2.5) if engine == "llama_cpp" else {})
 
 
 def main() -> None:
