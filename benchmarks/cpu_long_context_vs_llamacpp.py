@@ -34,7 +34,7 @@ from deepserve import LLM
 from deepserve.bench.throughput import machine_info, run_latency, write_json
 from deepserve.loader.gguf_loader import default_model_path
 
-from cpu_prefill_vs_llamacpp import plot_by_length, prompt
+from cpu_prefill_vs_llamacpp import plot_by_length, prompt, take_turns
 from cpu_vs_llamacpp import import_llama_cpp
 
 HERE = Path(__file__).resolve().parent
@@ -103,15 +103,11 @@ def main() -> None:
     path = default_model_path()
     llama_cpp = import_llama_cpp(args.llama_cpp_site)
     peers = [] if isinstance(llama_cpp, str) else ["llama_cpp", "llama_cpp+fa"]
-    samples: dict[str, dict[int, list[float]]] = {e: {n: [] for n in contexts} for e in modes + peers}
-    for rep in range(args.repeats):
-        for engine in samples:
-            rates = (time_llama_cpp(llama_cpp, path, args.threads, engine.endswith("+fa"), contexts,
-                                    args.output_len, rep) if engine in peers
-                     else time_deepserve(engine, contexts, args.output_len, rep))
-            for n, r in rates.items():
-                samples[engine][n].append(r)
-        print({e: {n: round(v[-1], 1) for n, v in rows.items()} for e, rows in samples.items()}, flush=True)
+    samples = take_turns(modes + peers, contexts, args.repeats,
+                         lambda engine, rep: (time_llama_cpp(llama_cpp, path, args.threads, engine.endswith("+fa"),
+                                                             contexts, args.output_len, rep) if engine in peers
+                                              else time_deepserve(engine, contexts, args.output_len, rep)),
+                         lambda rate, n: round(rate, 1))
     best = {e: {n: round(max(v), 1) for n, v in rows.items()} for e, rows in samples.items()}
     peer_best = {n: max(best[p][n] for p in peers) for n in contexts} if peers else None
     payload = {

@@ -107,6 +107,18 @@ def plot(payload: dict, path: Path) -> None:
                    path, lambda engine: dict(color="#d68b6a", linewidth=2.5) if engine == "llama_cpp" else {})
 
 
+def take_turns(engines: list[str], lengths: list[int], repeats: int, run, show) -> dict[str, dict[int, list[float]]]:
+    """samples[engine][length]: run(engine, repeat) -> {length: value}, the engines taking turns within each repeat
+    so that load from other processes falls on all of them; show(value, length) prints each repeat's row."""
+    samples: dict[str, dict[int, list[float]]] = {e: {n: [] for n in lengths} for e in engines}
+    for rep in range(repeats):
+        for engine in engines:
+            for n, value in run(engine, rep).items():
+                samples[engine][n].append(value)
+        print({e: {n: show(v[-1], n) for n, v in rows.items()} for e, rows in samples.items()}, flush=True)
+    return samples
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -123,15 +135,10 @@ def main() -> None:
     path = default_model_path()
     llama_cpp = import_llama_cpp(args.llama_cpp_site)
     engines = modes + ([] if isinstance(llama_cpp, str) else ["llama_cpp"])
-    samples: dict[str, dict[int, list[float]]] = {e: {n: [] for n in lengths} for e in engines}
-    # Engines take turns within each repeat, so that load from other processes falls on all of them.
-    for rep in range(args.repeats):
-        for engine in engines:
-            seconds = (time_llama_cpp(llama_cpp, path, args.threads, lengths, rep) if engine == "llama_cpp"
-                       else time_deepserve(engine, lengths, rep))
-            for n, s in seconds.items():
-                samples[engine][n].append(s)
-        print({e: {n: round(n / v[-1], 1) for n, v in rows.items()} for e, rows in samples.items()}, flush=True)
+    samples = take_turns(engines, lengths, args.repeats,
+                         lambda engine, rep: (time_llama_cpp(llama_cpp, path, args.threads, lengths, rep)
+                                              if engine == "llama_cpp" else time_deepserve(engine, lengths, rep)),
+                         lambda seconds, n: round(n / seconds, 1))
     tokens_per_s = {e: {n: round(n / min(v), 1) for n, v in rows.items()} for e, rows in samples.items()}
     payload = {
         "command": "python " + shlex.join(sys.argv),
