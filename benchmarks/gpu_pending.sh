@@ -43,6 +43,7 @@
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
 #   bash benchmarks/gpu_pending.sh side-streams  # ~9 min: the side-stream switches: GPU tests, V2-Lite steps 64-256
 #   bash benchmarks/gpu_pending.sh s50        # ~5 min: (d9ec60b) MLA warp chunks: tests, calls, steps; capture priority
+#   bash benchmarks/gpu_pending.sh s55-async  # ~8 min: DEEPSERVE_MLA_WGMMA_ASYNC: tests, kernel calls, V2-Lite steps
 #   bash benchmarks/gpu_pending.sh s51-wgmma  # ~3 min: DEEPSERVE_MLA_WGMMA: tests, kernel calls, V2-Lite steps
 #   bash benchmarks/gpu_pending.sh s51        # ~5 min: V2-Lite steps over E4M3, MLA decode tiles 32x4x3 / 32x4x4
 #   bash benchmarks/gpu_pending.sh s51-v41    # ~3 min: DeepSeek-V4.1 decode kernel tables at batch 1 / 8
@@ -779,6 +780,30 @@ PY
         --batches 64,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_wgmma_ab.log 2>&1
     tail -1 /tmp/mla_wgmma_ab.log | cut -c1-300; summarise_steps "$OUT/mla_wgmma_v2lite_ab.json"
     elapsed "wgmma steps"
+    ;;
+s55-async)
+    # Session 55: DEEPSERVE_MLA_WGMMA_ASYNC, the wgmma MLA decode with the next tile's chunks 3-7 carried by cp.async
+    # into shared memory (20 KB more a program, still two an SM) instead of loaded into registers at a tile's start.
+    # Its tests (both paths), kernel calls at V2-Lite batch 64 / 128 / 256 over E4M3, then V2-Lite steps over E4M3
+    # at batch 8 / 64 / 128 / 256, two passes. Run in session 55 before the block table was read a tile ahead
+    # (mla_wgmma_async_*_h100_s55.json; with it: mla_wgmma_table_ahead_*_h100_s55.json); the default since.
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_decode_wgmma.py -x \
+        > "$OUT/pytest_mla_wgmma_async.log" 2>&1
+    tail -2 "$OUT/pytest_mla_wgmma_async.log" | cut -c1-300
+    grep -E "^(FAILED|E )" "$OUT/pytest_mla_wgmma_async.log" | head -8
+    elapsed "wgmma tests"
+    timeout 150 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes float8_e4m3fn \
+        --settings "DEEPSERVE_MLA_WGMMA_ASYNC=0;DEEPSERVE_MLA_WGMMA_ASYNC=1;DEEPSERVE_MLA_WGMMA=0" \
+        --cases "v2-lite b64 ctx1024,v2-lite b128,v2-lite b256" --output "$OUT/mla_wgmma_async_kernels.json" \
+        > /tmp/mla_wgmma_async_kernels.log 2>&1
+    tail -1 /tmp/mla_wgmma_async_kernels.log | cut -c1-300; summarise_kernels "$OUT/mla_wgmma_async_kernels.json"
+    elapsed "wgmma kernels"
+    grep -q " failed" "$OUT/pytest_mla_wgmma_async.log" && { echo "tests failed: no steps"; exit 0; }
+    timeout 330 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MLA_WGMMA_ASYNC=0,1 --passes 2 --timeout 70 \
+        --output "$OUT/mla_wgmma_async_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
+        --batches 8,64,128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_wgmma_async_ab.log 2>&1
+    tail -1 /tmp/mla_wgmma_async_ab.log | cut -c1-300; summarise_steps "$OUT/mla_wgmma_async_v2lite_ab.json"
+    elapsed "wgmma async steps"
     ;;
 s51)
     export DEEPSERVE_MLA_WGMMA=0

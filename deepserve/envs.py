@@ -163,6 +163,12 @@ _DECLARED = [
            "with tokens as the products' rows on warpgroup MMAs (kernels/mla_decode_wgmma.py; H100, V2-Lite batch "
            "256: kernel 101.9 -> 90.5 us, step 15.03 -> 14.61 ms, mla_wgmma_prefetch_*_h100_s54.json); 0: "
            "kernels/mla_decode.py's Triton kernel (read at each launch)"),
+    EnvVar("DEEPSERVE_MLA_WGMMA_ASYNC", "bool", True,
+           "GPU MLA decode on warpgroup MMAs (DEEPSERVE_MLA_WGMMA): the next key tile's chunks 3-7 travel by cp.async "
+           "into shared memory while a tile computes, and the block table is read a tile ahead (kernels/"
+           "mla_decode_wgmma.py; H100, V2-Lite batch 256: kernel 91.0 -> 77.3 us, step 14.61 -> 14.21 ms, "
+           "mla_wgmma_{async,table_ahead}_*_h100_s55.json); 0: the next tile's chunks 3-8 load into registers at its "
+           "start, session 54's kernel (read at each launch)"),
     EnvVar("DEEPSERVE_MOE_ALIGN_GATHER", "bool", True,
            "GPU MoE align of a decode batch (one program): a pair's run start by tl.gather and the blocks labelled by "
            "stores, no round trips through its scratch (kernels/moe_align.py; H100: 7.3 -> 4.8 us at Qwen3-MoE's 256 "

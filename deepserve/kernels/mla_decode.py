@@ -417,7 +417,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"      # fp32 inputs: no TF32 rounding
     if wgmma:
         mla_decode_wgmma.launch_mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out,
-                                                 part_lse, scale * _LOG2E, num_splits)
+                                                 part_lse, scale * _LOG2E, num_splits,
+                                                 copy_async=envs.DEEPSERVE_MLA_WGMMA_ASYNC)
     else:
         _mla_decode_kernel[(bsz, cdiv(heads, MLA_BLOCK_H), num_splits)](
             q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse,

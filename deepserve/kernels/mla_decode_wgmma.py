@@ -20,9 +20,13 @@ One program: one sequence, 16 heads (one head tile), one split of its keys, one 
   4. the probabilities go to shared memory as fp16 [16 heads, 64 keys] (p, read as p^T);
   5. out_j^T [64 latent columns, 16 heads] += C_j^T p^T for the 8 latent chunks (C_j read transposed: 16-bit
      operands may be).
-The next tile's first three chunks load while a tile's products and softmax run (Nsight Compute, before that
-prefetch: warps waited mostly on the tiles' global loads, DRAM 43% busy); its other six while the previous tile's out
-products run (all nine at once would not fit the registers: spills). Arithmetic as mla_decode.py's kernel
+The next tile's first three chunks load into registers while a tile's products and softmax run (Nsight Compute,
+before that prefetch: warps waited mostly on the tiles' global loads, DRAM 43% busy). All nine at once would not fit
+the registers (spills), so with ASYNC (DEEPSERVE_MLA_WGMMA_ASYNC, the default) chunks 3-7 travel by cp.async into
+shared memory, 8-bit, at the same time (20 KB more a program: two still fit an SM), and only the RoPE chunk loads at
+the tile's start; the block table is read a tile ahead of the loads that need it, whose addresses otherwise waited
+on it (session 55, H100, V2-Lite batch 256: 91 -> 77 us a call). Without ASYNC chunks 3-8 load into registers at the
+tile's start, while the previous tile's out products finish (session 54's kernel). Arithmetic as mla_decode.py's kernel
 with FP8_F16_PRODUCTS: the query clamped to fp16's range and rounded to fp16, the cache's codes widened exactly,
 probabilities in fp16, float32 accumulation; summation order differs inside the products.
 
@@ -41,10 +45,13 @@ try:        # Gluon ships with Triton 3.5+, but its API moved between releases: 
         raise ImportError(f"Triton {triton.__version__}: the kernel needs 3.6+")
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     HAVE_GLUON = True
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier      # Triton 3.6's name, then 3.9's
+    # cp.async of a pointer tensor into shared memory: Triton 3.9's name, then 3.6's (3.9 keeps the old one to raise)
+    copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 except (ImportError, AttributeError, ValueError):       # pragma: no cover - no Triton, or an older one
     HAVE_GLUON = False
 
@@ -75,17 +82,46 @@ if HAVE_GLUON:
         return gl.load(rows + first + cols[None, :], mask=t_ok[:, None], other=0.0)
 
     @gluon.jit
+    def _tile_blocks(table, n0, keys, end, block_size):
+        """The cache blocks of the 64 keys from n0 on (0 past end), from the block table."""
+        tok = n0 + keys
+        return gl.load(table + tok // block_size, mask=tok < end, other=0)
+
+    @gluon.jit
+    def _block_rows(blk, cache_ptr, n0, keys, end, block_size, stride_c_block, stride_c_slot):
+        """The row pointers ([64, 1]) of the 64 keys from n0 on, in their cache blocks blk, and which are < end."""
+        tok = n0 + keys
+        rows = cache_ptr + blk.to(gl.int64) * stride_c_block + (tok % block_size).to(gl.int64) * stride_c_slot
+        return rows[:, None], tok < end
+
+    @gluon.jit
     def _tile_rows(table, cache_ptr, n0, keys, end, block_size, stride_c_block, stride_c_slot):
         """The row pointers ([64, 1]) of the 64 keys from n0 on, through the block table, and which are < end."""
-        tok = n0 + keys
-        t_ok = tok < end
-        blk = gl.load(table + tok // block_size, mask=t_ok, other=0).to(gl.int64)
-        return (cache_ptr + blk * stride_c_block + (tok % block_size).to(gl.int64) * stride_c_slot)[:, None], t_ok
+        blk = _tile_blocks(table, n0, keys, end, block_size)
+        return _block_rows(blk, cache_ptr, n0, keys, end, block_size, stride_c_block, stride_c_slot)
 
     @gluon.jit
     def _stage_chunk(c_smem, j: gl.constexpr, codes):
         """Chunk j of the tile, widened to fp16 (exact for E4M3 / E5M2 codes), into shared memory."""
         c_smem.index(j).store(codes.to(gl.float16))
+
+    @gluon.jit
+    def _copy_chunks(raw4, raw1, rows, cols, t_ok):
+        """cp.async of chunks 3-7 of the tile's key rows into raw4 [4, 64, 64] and raw1 [64, 64] (8-bit codes;
+        masked keys read nothing and fill 0), one commit group."""
+        for j in gl.static_range(4):
+            copy_to_shared(raw4.index(j), rows + (3 + j) * COLS_C + cols[None, :], mask=t_ok[:, None])
+        copy_to_shared(raw1, rows + 7 * COLS_C + cols[None, :], mask=t_ok[:, None])
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _stage_copied_chunks(c_smem, raw4, raw1, layout: gl.constexpr):
+        """The cp.async'd chunks 3-7 (every thread's copies landed: wait, then barrier) widened into c_smem."""
+        async_copy.wait_group(0)
+        cta_barrier()
+        for j in gl.static_range(4):
+            c_smem.index(3 + j).store(raw4.index(j).load(layout).to(gl.float16))
+        c_smem.index(7).store(raw1.load(layout).to(gl.float16))
 
     @gluon.jit
     def _stage_query(q_smem, j: gl.constexpr, rows, cols, h_ok):
@@ -105,7 +141,7 @@ if HAVE_GLUON:
                                  stride_c_block, stride_c_slot, stride_bt, stride_ob, stride_oh,
                                  stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
                                  num_heads, block_size,
-                                 RANK: gl.constexpr, SPLIT: gl.constexpr):
+                                 RANK: gl.constexpr, SPLIT: gl.constexpr, ASYNC: gl.constexpr = False):
         TOKENS: gl.constexpr = TOKENS_C
         HEADS: gl.constexpr = HEADS_C
         COLS: gl.constexpr = COLS_C
@@ -122,6 +158,14 @@ if HAVE_GLUON:
         c_smem = gl.allocate_shared_memory(gl.float16, [CHUNKS + 1, TOKENS, COLS], c_shared)
         q_smem = gl.allocate_shared_memory(gl.float16, [CHUNKS + 1, HEADS, COLS], q_shared)
         p_smem = gl.allocate_shared_memory(gl.float16, [HEADS, TOKENS], p_shared)
+        if ASYNC:
+            # The next tile's chunks 3-7 as cp.async carries them, 8-bit (20 KB: two programs still fit an SM,
+            # 2 x (94.5 + 20 + 1 reserved) of 228 KB). Rows of 64 bytes: a warp's 16-byte copies and loads cover 512
+            # contiguous bytes, no swizzle needed. Two buffers: shapes are powers of 2.
+            raw4 = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [4, TOKENS, COLS],
+                                             gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+            raw1 = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [TOKENS, COLS],
+                                             gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 
         b = gl.program_id(0).to(gl.int64)
         head_tile = gl.program_id(1)
@@ -161,39 +205,57 @@ if HAVE_GLUON:
             o5 = zero
             o6 = zero
             o7 = zero
-            # The first tile's keys: its first chunks here, the rest in the loop. Each later tile's first chunks
-            # load while the tile before it is computed (below).
+            # The first tile's keys: its first chunks here (with ASYNC chunks 3-7 too), the rest in the loop. Each
+            # later tile's first chunks load while the tile before it is computed (below).
             rows, t_ok = _tile_rows(table, cache_ptr, start, keys, end, block_size, stride_c_block, stride_c_slot)
+            if ASYNC:     # the block table a tile ahead of the loads that use it
+                blk_next = _tile_blocks(table, start + TOKENS, keys, end, block_size)
             k0 = _load_chunk(rows, 0 * COLS, cols, t_ok)
             k1 = _load_chunk(rows, 1 * COLS, cols, t_ok)
             k2 = _load_chunk(rows, 2 * COLS, cols, t_ok)
+            if ASYNC:
+                _copy_chunks(raw4, raw1, rows, cols, t_ok)
             for n0 in range(start, end, TOKENS):
-                k3 = _load_chunk(rows, 3 * COLS, cols, t_ok)
-                k4 = _load_chunk(rows, 4 * COLS, cols, t_ok)
-                k5 = _load_chunk(rows, 5 * COLS, cols, t_ok)
-                k6 = _load_chunk(rows, 6 * COLS, cols, t_ok)
-                k7 = _load_chunk(rows, 7 * COLS, cols, t_ok)
-                k8 = _load_chunk(rows, RANK, cols, t_ok)
+                if ASYNC:
+                    k8 = _load_chunk(rows, RANK, cols, t_ok)
+                else:
+                    k3 = _load_chunk(rows, 3 * COLS, cols, t_ok)
+                    k4 = _load_chunk(rows, 4 * COLS, cols, t_ok)
+                    k5 = _load_chunk(rows, 5 * COLS, cols, t_ok)
+                    k6 = _load_chunk(rows, 6 * COLS, cols, t_ok)
+                    k7 = _load_chunk(rows, 7 * COLS, cols, t_ok)
+                    k8 = _load_chunk(rows, RANK, cols, t_ok)
                 # The previous tile's out products read C and p: done before they are overwritten.
                 o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
                 _stage_chunk(c_smem, 0, k0)
                 _stage_chunk(c_smem, 1, k1)
                 _stage_chunk(c_smem, 2, k2)
-                _stage_chunk(c_smem, 3, k3)
-                _stage_chunk(c_smem, 4, k4)
-                _stage_chunk(c_smem, 5, k5)
-                _stage_chunk(c_smem, 6, k6)
-                _stage_chunk(c_smem, 7, k7)
+                if ASYNC:
+                    _stage_copied_chunks(c_smem, raw4, raw1, load_layout)
+                else:
+                    _stage_chunk(c_smem, 3, k3)
+                    _stage_chunk(c_smem, 4, k4)
+                    _stage_chunk(c_smem, 5, k5)
+                    _stage_chunk(c_smem, 6, k6)
+                    _stage_chunk(c_smem, 7, k7)
                 _stage_chunk(c_smem, 8, k8)
                 fence_async_shared()
                 cta_barrier()
                 # The next tile's first chunks go in flight now, to arrive while this tile's products and softmax
-                # run (all masked off after the last tile: no memory is read).
-                rows, t_ok = _tile_rows(table, cache_ptr, n0 + TOKENS, keys, end, block_size, stride_c_block,
-                                        stride_c_slot)
+                # run (all masked off after the last tile: no memory is read). With ASYNC its chunks 3-7 too, into
+                # shared memory (every thread has read this tile's copies there: the barrier above).
+                if ASYNC:
+                    rows, t_ok = _block_rows(blk_next, cache_ptr, n0 + TOKENS, keys, end, block_size, stride_c_block,
+                                             stride_c_slot)
+                    blk_next = _tile_blocks(table, n0 + 2 * TOKENS, keys, end, block_size)
+                else:
+                    rows, t_ok = _tile_rows(table, cache_ptr, n0 + TOKENS, keys, end, block_size, stride_c_block,
+                                            stride_c_slot)
                 k0 = _load_chunk(rows, 0 * COLS, cols, t_ok)
                 k1 = _load_chunk(rows, 1 * COLS, cols, t_ok)
                 k2 = _load_chunk(rows, 2 * COLS, cols, t_ok)
+                if ASYNC:
+                    _copy_chunks(raw4, raw1, rows, cols, t_ok)
 
                 # z is 0, but not to the compiler: the products' shared-memory descriptors are then computed in
                 # the loop (uniform registers, cheap) instead of hoisted out of it, where 68 of them held 255
@@ -229,6 +291,8 @@ if HAVE_GLUON:
                 # Back to tensors for the loop (no wait yet: the next tile's keys load first).
                 o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(8, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
             o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
+            if ASYNC:
+                async_copy.wait_group(0)        # the last (masked, empty) group: none in flight at exit
 
             oh = head_tile * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma_layout))
             r = gl.arange(0, COLS, layout=gl.SliceLayout(1, mma_layout))
@@ -249,10 +313,10 @@ if HAVE_GLUON:
 
 
 def launch_mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse, qk_scale: float,
-                            num_splits: int) -> None:
+                            num_splits: int, copy_async: bool = False) -> None:
     """One launch of the kernel over a (bsz, head tiles, num_splits) grid; the caller sized the split partials
     (part_out [B, H, S, R] float32, part_lse [B, H, S]) where num_splits > 1 and merges them (mla_reduce, 64-key
-    partitions). qk_scale: the softmax scale times log2(e)."""
+    partitions). qk_scale: the softmax scale times log2(e). copy_async: the next tile's chunks 3-7 by cp.async."""
     bsz, heads, rank = q_lat.shape
     split = num_splits > 1
     po = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
@@ -261,7 +325,7 @@ def launch_mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, 
         q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse, qk_scale,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        *po, *pl, heads, kv_cache.shape[1], RANK=rank, SPLIT=split, num_warps=4)
+        *po, *pl, heads, kv_cache.shape[1], RANK=rank, SPLIT=split, ASYNC=copy_async, num_warps=4)
 
 
 __all__ = ["HAVE_GLUON", "TOKENS", "launch_mla_decode_wgmma", "wgmma_supported"]

@@ -1,6 +1,7 @@
 """The warpgroup-MMA MLA decode kernel (kernels/mla_decode_wgmma.py, DEEPSERVE_MLA_WGMMA=1) against the float32
 reference, over E4M3 and E5M2 caches: partial head tiles, block sizes, contexts inside one tile and across many,
-split launches merged by the reduce, strided output, a CUDA graph. It needs an sm_90 GPU (Gluon has no
+split launches merged by the reduce, strided output, a CUDA graph; the next tile's chunks by registers and by
+cp.async. It needs an sm_90 GPU (Gluon has no
 interpreter); elsewhere only `wgmma_supported`'s refusal is checked."""
 
 import math
@@ -24,11 +25,14 @@ def _hopper(device) -> bool:
             and torch.cuda.get_device_capability()[0] == 9)
 
 
-@pytest.fixture
-def wgmma(device, monkeypatch):
+@pytest.fixture(params=["0", "1"], ids=["registers", "cp_async"])
+def wgmma(device, monkeypatch, request):
+    """The kernel, with the next tile's chunks 3-7 loaded into registers or carried by cp.async
+    (DEEPSERVE_MLA_WGMMA_ASYNC)."""
     if not _hopper(device):
         pytest.skip("the warpgroup-MMA kernel needs an sm_90 GPU and Gluon")
     monkeypatch.setenv("DEEPSERVE_MLA_WGMMA", "1")
+    monkeypatch.setenv("DEEPSERVE_MLA_WGMMA_ASYNC", request.param)
 
 
 def _case(device, heads, lens, block_size, cache_dtype, rank=512, rope=64):
