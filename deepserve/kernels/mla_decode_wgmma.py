@@ -316,7 +316,8 @@ def launch_mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, 
                             num_splits: int, copy_async: bool = False) -> None:
     """One launch of the kernel over a (bsz, head tiles, num_splits) grid; the caller sized the split partials
     (part_out [B, H, S, R] float32, part_lse [B, H, S]) where num_splits > 1 and merges them (mla_reduce, 64-key
-    partitions). qk_scale: the softmax scale times log2(e). copy_async: the next tile's chunks 3-7 by cp.async."""
+    partitions). qk_scale: the softmax scale times log2(e). copy_async: the next tile's chunks 3-7 by cp.async
+    and the block table a tile ahead (DEEPSERVE_MLA_WGMMA_ASYNC)."""
     bsz, heads, rank = q_lat.shape
     split = num_splits > 1
     po = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)

@@ -1,8 +1,8 @@
 """The warpgroup-MMA MLA decode kernel (kernels/mla_decode_wgmma.py, DEEPSERVE_MLA_WGMMA=1) against the float32
 reference, over E4M3 and E5M2 caches: partial head tiles, block sizes, contexts inside one tile and across many,
-split launches merged by the reduce, strided output, a CUDA graph; the next tile's chunks by registers and by
-cp.async. It needs an sm_90 GPU (Gluon has no
-interpreter); elsewhere only `wgmma_supported`'s refusal is checked."""
+split launches merged by the reduce, strided output, a CUDA graph; each with the next tile's chunks by registers and
+by cp.async (DEEPSERVE_MLA_WGMMA_ASYNC). It needs an sm_90 GPU (Gluon has no interpreter); elsewhere only
+`wgmma_supported`'s refusal is checked."""
 
 import math
 
