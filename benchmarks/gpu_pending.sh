@@ -43,6 +43,7 @@
 #   bash benchmarks/gpu_pending.sh moe-b256   # ~5 min: V2-Lite's MoE at 256 tokens: down tiles, shared fused / apart
 #   bash benchmarks/gpu_pending.sh side-streams  # ~9 min: the side-stream switches: GPU tests, V2-Lite steps 64-256
 #   bash benchmarks/gpu_pending.sh s50        # ~5 min: (d9ec60b) MLA warp chunks: tests, calls, steps; capture priority
+#   bash benchmarks/gpu_pending.sh s56-first  # ~3 min: the MLA decode under Nsight Compute, V2-Lite b256 timeline
 #   bash benchmarks/gpu_pending.sh s55-async  # ~8 min: DEEPSERVE_MLA_WGMMA_ASYNC: tests, kernel calls, V2-Lite steps
 #   bash benchmarks/gpu_pending.sh s51-wgmma  # ~3 min: DEEPSERVE_MLA_WGMMA: tests, kernel calls, V2-Lite steps
 #   bash benchmarks/gpu_pending.sh s51        # ~5 min: V2-Lite steps over E4M3, MLA decode tiles 32x4x3 / 32x4x4
@@ -780,6 +781,20 @@ PY
         --batches 64,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_wgmma_ab.log 2>&1
     tail -1 /tmp/mla_wgmma_ab.log | cut -c1-300; summarise_steps "$OUT/mla_wgmma_v2lite_ab.json"
     elapsed "wgmma steps"
+    ;;
+s56-first)
+    # For session 56: where V2-Lite batch 256 stands after session 55 (1.504x its experts' roofline,
+    # h100_decode_sweep_moe_fp8_s55.json). The wgmma MLA decode in its committed form (cp.async, the block table a tile
+    # ahead) under Nsight Compute at batch 256 (the stalls left: ncu_mla_wgmma_async_b256_h100_s55.json had the form
+    # before the table moved), then the step's graph timeline: what each launch adds to the span.
+    ncu_kernels _mla_decode_wgmma_kernel "$OUT/ncu_mla_wgmma_table_ahead.csv" \
+        python3 benchmarks/ncu_decode_attention.py --mla-large
+    elapsed "ncu"
+    timeout 200 python3 benchmarks/h200_decode_sweep.py \
+        --shapes deepseek-v2-lite --batches 256 --contexts 1024 --kv-cache-dtype fp8 --profile-batch 0 \
+        --timeline-batch 256 --output "$OUT/v2lite_timeline_b256.json" > /tmp/v2lite_timeline_b256.log 2>&1
+    tail -1 /tmp/v2lite_timeline_b256.log | cut -c1-200
+    summarise_timelines "$OUT/v2lite_timeline_b256.json" 1024 deepseek-v2-lite; elapsed "timeline"
     ;;
 s55-async)
     # Session 55: DEEPSERVE_MLA_WGMMA_ASYNC, the wgmma MLA decode with the next tile's chunks 3-7 carried by cp.async
