@@ -169,6 +169,11 @@ _DECLARED = [
            "mla_decode_wgmma.py; H100, V2-Lite batch 256: kernel 91.0 -> 77.3 us, step 14.61 -> 14.21 ms, "
            "mla_wgmma_{async,table_ahead}_*_h100_s55.json); 0: the next tile's chunks 3-8 load into registers at its "
            "start, session 54's kernel (read at each launch)"),
+    EnvVar("DEEPSERVE_ROUTER_SPLITS", "int", 0,
+           "GPU MoE router GEMM on the split-K kernel (17-512 tokens on tensor cores): its hidden dim in this many "
+           "parts, rounded up to a power of two (at most 16 and the K steps), instead of the rule of two programs an "
+           "SM (kernels/moe_routing.py router_splits; 16 at 256 tokens of V2-Lite's gate); an A/B switch (read at "
+           "import)"),
     EnvVar("DEEPSERVE_MOE_ALIGN_GATHER", "bool", True,
            "GPU MoE align of a decode batch (one program): a pair's run start by tl.gather and the blocks labelled by "
            "stores, no round trips through its scratch (kernels/moe_align.py; H100: 7.3 -> 4.8 us at Qwen3-MoE's 256 "

@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import torch
 
+from deepserve import envs
 from deepserve.kernels import USE_LIBDEVICE, cdiv, libdevice, next_pow2, num_sms, require_triton, tl, triton
 from deepserve.kernels.gemv import gemv_rows
 from deepserve.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
@@ -415,15 +416,23 @@ def router_logit_partials_supported(x: torch.Tensor, weight: torch.Tensor) -> bo
     return ROUTER_GEMV_MAX_TOKENS < x.shape[0] <= most
 
 
+# DEEPSERVE_ROUTER_SPLITS (read at import; 0: the rule in router_splits): an A/B switch for the split count.
+FORCED_SPLITS = envs.DEEPSERVE_ROUTER_SPLITS
+
+
 def router_splits(num_tokens: int, num_experts: int, hidden: int, device: torch.device,
-                  tiles: RouterTiles = FMA_TILES) -> int:
+                  tiles: RouterTiles = FMA_TILES, forced: int | None = None) -> int:
     """S for `router_logit_partials`: the smallest power of two that gives the grid 2 programs an SM (1 once the
     tiles alone do), at most _MAX_SPLITS and at most the K steps. Powers of two: `fused_route` compiles a kernel
-    per S, so a model sees at most five (1, 2, 4, 8, 16) over all batch sizes."""
-    num_tiles = cdiv(num_tokens, tiles.block_t) * cdiv(num_experts, tiles.block_e)
+    per S, so a model sees at most five (1, 2, 4, 8, 16) over all batch sizes. `forced` (default:
+    DEEPSERVE_ROUTER_SPLITS) > 0 replaces the rule, rounded up to a power of two and held to the same limits."""
+    forced = FORCED_SPLITS if forced is None else forced
     steps = cdiv(hidden, tiles.block_k)
-    wanted = next_pow2(cdiv(2 * num_sms(device), num_tiles))
-    return min(wanted, _MAX_SPLITS, 1 << (steps.bit_length() - 1))
+    most = min(_MAX_SPLITS, 1 << (steps.bit_length() - 1))
+    if forced > 0:
+        return min(next_pow2(forced), most)
+    num_tiles = cdiv(num_tokens, tiles.block_t) * cdiv(num_experts, tiles.block_e)
+    return min(next_pow2(cdiv(2 * num_sms(device), num_tiles)), most)
 
 
 def router_logit_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
