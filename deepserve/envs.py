@@ -166,9 +166,10 @@ _DECLARED = [
     EnvVar("DEEPSERVE_MLA_WGMMA_ASYNC", "bool", True,
            "GPU MLA decode on warpgroup MMAs (DEEPSERVE_MLA_WGMMA): the next key tile's chunks 3-7 travel by cp.async "
            "into shared memory while a tile computes, and the block table is read a tile ahead (kernels/"
-           "mla_decode_wgmma.py; H100, V2-Lite batch 256: kernel 91.0 -> 77.3 us, step 14.61 -> 14.21 ms, "
-           "mla_wgmma_{async,table_ahead}_*_h100_s55.json); 0: the next tile's chunks 3-8 load into registers at its "
-           "start, session 54's kernel (read at each launch)"),
+           "mla_decode_wgmma.py; H100, V2-Lite batch 256: kernel 91.0 -> 77.3 us, steps 14.61 -> 14.31 (cp.async) "
+           "and 14.34 -> 14.21 ms (the table ahead) in two runs, mla_wgmma_{async,table_ahead}_*_h100_s55.json); "
+           "0: the next tile's chunks 3-8 load into registers at its start, session 54's kernel (read at each "
+           "launch)"),
     EnvVar("DEEPSERVE_ROUTER_SPLITS", "int", 0,
            "GPU MoE router GEMM on the split-K kernel (17-512 tokens on tensor cores): its hidden dim in this many "
            "parts, rounded up to a power of two (at most 16 and the K steps), instead of the rule of two programs an "
