@@ -44,7 +44,7 @@
 #   bash benchmarks/gpu_pending.sh side-streams  # ~9 min: the side-stream switches: GPU tests, V2-Lite steps 64-256
 #   bash benchmarks/gpu_pending.sh s50        # ~5 min: (d9ec60b) MLA warp chunks: tests, calls, steps; capture priority
 #   bash benchmarks/gpu_pending.sh s56-first  # ~3 min: the MLA decode under Nsight Compute, V2-Lite b256 timeline
-#   bash benchmarks/gpu_pending.sh router-splits  # ~5 min: DEEPSERVE_ROUTER_SPLITS=0,2,4 in MoE steps at batch 64 / 256
+#   bash benchmarks/gpu_pending.sh router-splits  # ~7 min: DEEPSERVE_ROUTER_SPLITS=0,2,4 in MoE steps at batch 64 / 256
 #   bash benchmarks/gpu_pending.sh s55-async  # ~8 min: DEEPSERVE_MLA_WGMMA_ASYNC: tests, kernel calls, V2-Lite steps
 #   bash benchmarks/gpu_pending.sh s51-wgmma  # ~3 min: DEEPSERVE_MLA_WGMMA: tests, kernel calls, V2-Lite steps
 #   bash benchmarks/gpu_pending.sh s51        # ~5 min: V2-Lite steps over E4M3, MLA decode tiles 32x4x3 / 32x4x4
@@ -787,7 +787,7 @@ router-splits)
     # Session 55, not run yet: the MoE router GEMM's split-K count (16 by the rule at 256 tokens of V2-Lite's and
     # Qwen3-MoE's gates) against 2 and 4. In V2-Lite batch 256's timeline (v2lite_side_timeline_h100_s49.json) the
     # partials kernel added 7.0 us a layer to the span and the routing chain before the routed gate/up ~18 us.
-    timeout 400 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_ROUTER_SPLITS=0,2,4 --passes 1 --timeout 120 \
+    timeout 480 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_ROUTER_SPLITS=0,2,4 --passes 1 --timeout 150 \
         --output "$OUT/router_splits_moe_ab.json" -- --shapes deepseek-v2-lite,qwen3-moe --contexts 1024 \
         --batches 64,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/router_splits_ab.log 2>&1
     tail -1 /tmp/router_splits_ab.log | cut -c1-300; summarise_steps "$OUT/router_splits_moe_ab.json"
