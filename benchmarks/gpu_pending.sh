@@ -126,6 +126,14 @@ for setting, cases in d["by_setting"].items():
 PY
 }
 
+v2lite_b256_timeline() {   # NAME: V2-Lite batch 256's graph timeline over E4M3 at 1k into $OUT/NAME.json, summarised
+    timeout 200 python3 benchmarks/h200_decode_sweep.py \
+        --shapes deepseek-v2-lite --batches 256 --contexts 1024 --kv-cache-dtype fp8 --profile-batch 0 \
+        --timeline-batch 256 --output "$OUT/$1.json" > "/tmp/$1.log" 2>&1
+    tail -1 "/tmp/$1.log" | cut -c1-200
+    summarise_timelines "$OUT/$1.json" 1024 deepseek-v2-lite
+}
+
 ncu_kernels() {   # KERNELS CSV COMMAND...: Nsight Compute's view of COMMAND's launches of KERNELS (a regex)
     command -v ncu > /dev/null || { echo "no ncu on this machine"; return; }
     timeout 200 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
@@ -801,11 +809,7 @@ s56-first)
     ncu_kernels _mla_decode_wgmma_kernel "$OUT/ncu_mla_wgmma_table_ahead.csv" \
         python3 benchmarks/ncu_decode_attention.py --mla-large
     elapsed "ncu"
-    timeout 200 python3 benchmarks/h200_decode_sweep.py \
-        --shapes deepseek-v2-lite --batches 256 --contexts 1024 --kv-cache-dtype fp8 --profile-batch 0 \
-        --timeline-batch 256 --output "$OUT/v2lite_timeline_b256.json" > /tmp/v2lite_timeline_b256.log 2>&1
-    tail -1 /tmp/v2lite_timeline_b256.log | cut -c1-200
-    summarise_timelines "$OUT/v2lite_timeline_b256.json" 1024 deepseek-v2-lite; elapsed "timeline"
+    v2lite_b256_timeline v2lite_timeline_b256; elapsed "timeline"
     ;;
 s55-async)
     # Session 55: DEEPSERVE_MLA_WGMMA_ASYNC, the wgmma MLA decode with the next tile's chunks 3-7 carried by cp.async
@@ -881,11 +885,7 @@ side-timeline)
     # V2-Lite batch 256's graph timeline over E4M3 with the shared experts on the side stream (session 49's
     # DEEPSERVE_MOE_SHARED_STREAM, then also with DEEPSERVE_MLA_WRITE_STREAM=1, since removed): what each launch adds
     # to the span (v2lite_timeline_h100_s48.json is the same without them).
-    timeout 200 python3 benchmarks/h200_decode_sweep.py \
-        --shapes deepseek-v2-lite --batches 256 --contexts 1024 --kv-cache-dtype fp8 --profile-batch 0 \
-        --timeline-batch 256 --output "$OUT/v2lite_side_timeline.json" > /tmp/v2lite_side_timeline.log 2>&1
-    tail -1 /tmp/v2lite_side_timeline.log | cut -c1-200
-    summarise_timelines "$OUT/v2lite_side_timeline.json" 1024 deepseek-v2-lite; elapsed "side-timeline"
+    v2lite_b256_timeline v2lite_side_timeline; elapsed "side-timeline"
     ;;
 v2lite-timeline)
     # Where DeepSeek-V2-Lite's batch 64 / 256 steps over an E4M3 cache go today (its batch 256 is issue 21's last MoE
