@@ -83,35 +83,47 @@ def kernel_us(fn, calls: int = 6) -> dict:
     return {name: round(v[0] / v[1], 2) for name, v in sums.items()}
 
 
+def cache_tensor(num_blocks: int, hkv: int, d: int, dtype: torch.dtype, heads_major: bool) -> torch.Tensor:
+    """A zeroed [2, blocks, BLOCK, KV heads, d] cache; `heads_major`: stored [2, blocks, KV heads, BLOCK, d] (each
+    head's slots of a block one contiguous run) and returned as a view in the engine's index order."""
+    if heads_major:
+        return torch.zeros(2, num_blocks, hkv, BLOCK, d, dtype=dtype, device="cuda").transpose(2, 3)
+    return torch.zeros(2, num_blocks, BLOCK, hkv, d, dtype=dtype, device="cuda")
+
+
 def layer_caches(num_blocks: int, hkv: int, d: int, layers: int, pool_gb: float,
-                 dtype: torch.dtype = torch.bfloat16) -> list:
+                 dtype: torch.dtype = torch.bfloat16, heads_major: bool = False) -> list:
     """One cache, or (--layers) one per layer as the engine allocates them: each sized to its share of a pool of
-    pool_gb GB, the blocks in use at its start (random values there, zeros beyond); `dtype` the cache's."""
+    pool_gb GB, the blocks in use at its start (random values there, zeros beyond); `dtype` the cache's;
+    `heads_major` (--cache-layout heads): `cache_tensor`'s."""
     if layers <= 1:
-        return [torch.randn(2, num_blocks, BLOCK, hkv, d, dtype=torch.bfloat16, device="cuda").to(dtype)]
+        c = cache_tensor(num_blocks, hkv, d, dtype, heads_major)
+        c.copy_(torch.randn(2, num_blocks, BLOCK, hkv, d, dtype=torch.bfloat16, device="cuda").to(dtype))
+        return [c]
     per_block = 2 * BLOCK * hkv * d * dtype.itemsize
     pool_blocks = max(num_blocks, int(pool_gb * 1e9 / layers / per_block))
     caches = []
     for _ in range(layers):
-        c = torch.zeros(2, pool_blocks, BLOCK, hkv, d, dtype=dtype, device="cuda")
+        c = cache_tensor(pool_blocks, hkv, d, dtype, heads_major)
         c[:, :num_blocks] = torch.randn(2, num_blocks, BLOCK, hkv, d, dtype=torch.bfloat16, device="cuda").to(dtype)
         caches.append(c)
     return caches
 
 
 def run_case(shape, batch: int, context: int, layout: str, candidates, weights, x, layers: int = 1,
-             pool_gb: float = 0.0, cache_dtype: torch.dtype = torch.bfloat16) -> dict:
+             pool_gb: float = 0.0, cache_dtype: torch.dtype = torch.bfloat16, heads_major: bool = False) -> dict:
     h, hkv, d = shape
     keys = context + EXTRA_KEYS
     gen = torch.Generator().manual_seed(batch + context)
     num_blocks, table = block_table(batch, keys, layout, gen)
-    caches = layer_caches(num_blocks, hkv, d, layers, pool_gb, cache_dtype)
+    caches = layer_caches(num_blocks, hkv, d, layers, pool_gb, cache_dtype, heads_major)
     q = torch.randn(batch, h, d, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
     rows = torch.arange(batch, device="cuda")
     lens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
     kv_bytes = batch * keys * 2 * hkv * d * cache_dtype.itemsize
     res = {"batch": batch, "context": keys, "layout": layout, "cache_dtype": str(cache_dtype),
+           "cache_layout": "heads" if heads_major else "slots",
            "kv_MB": round(kv_bytes / 1e6, 1), "layers": len(caches),
            "engine_splits": launch_num_splits(batch, h, caches[0], keys, SPLIT_MERGE == "last"), "us": {}}
     for splits, tiles in candidates:
@@ -144,8 +156,10 @@ def main() -> None:
     ap.add_argument("--weights", type=int, default=1, help="distinct 235 MB GEMM weights, cycled over the layers")
     ap.add_argument("--few-tiles", action="store_true", help="only the first two tile candidates")
     ap.add_argument("--tiles", default="", help="the tile candidates in fp8_attention_kernels.py's notation, e.g. "
-                    "64x4x2,64x4x3h (default: TILES)")
+                    "64x4x2,64x4x3h (default: TILES; none: the engine's launch alone)")
     ap.add_argument("--cache-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+    ap.add_argument("--cache-layout", default="slots", choices=["slots", "heads", "both"],
+                    help="a block's [slots, KV heads, d] (the engine's) or [KV heads, slots, d] (heads-major)")
     ap.add_argument("--output", default="decode_attention_in_step.json")
     args = ap.parse_args()
     out = {"command": "DEEPSERVE_PDL=" + os.environ.get("DEEPSERVE_PDL", "1") + " python " + " ".join(sys.argv),
@@ -153,19 +167,24 @@ def main() -> None:
     weights = [torch.randn(28672, 4096, dtype=torch.bfloat16, device="cuda") * 0.01 for _ in range(args.weights)]
     layouts = ["runs", "shuffled"] if args.layout == "both" else [args.layout]
     splits = [int(s) for s in args.splits.split(",")]
-    tiles = [forced_tiles(t) for t in args.tiles.split(",")] if args.tiles else TILES[:2] if args.few_tiles else TILES
+    if args.tiles == "none":        # the engine's own launch only
+        tiles = []
+    else:
+        tiles = [forced_tiles(t) for t in args.tiles.split(",")] if args.tiles else TILES[:2] if args.few_tiles else TILES
     for case in args.cases.split(";"):
         name, batches, contexts = case.split(":")
         for context in map(int, contexts.split(",")):
             for batch in map(int, batches.split(",")):
                 x = torch.randn(batch, 4096, dtype=torch.bfloat16, device="cuda")
                 candidates = [(None, None)] + [(s, t) for s in splits for t in tiles]
-                for layout in layouts:
+                cache_layouts = ["slots", "heads"] if args.cache_layout == "both" else [args.cache_layout]
+                for layout, cache_layout in [(lo, cl) for lo in layouts for cl in cache_layouts]:
                     r = run_case(SHAPES[name], batch, context, layout, candidates, weights, x, args.layers,
-                                 args.pool_gb, getattr(torch, args.cache_dtype))
+                                 args.pool_gb, getattr(torch, args.cache_dtype), cache_layout == "heads")
                     r["shape"] = name
                     out["results"].append(r)
-                    print(name, batch, context, layout, "engine", r["us"]["None None"], "best", r["best"], flush=True)
+                    print(name, batch, context, layout, cache_layout, "engine", r["us"]["None None"], "best",
+                          r["best"], flush=True)
                     with open(args.output, "w") as f:
                         json.dump(out, f, indent=1)
                 torch.cuda.empty_cache()

@@ -248,13 +248,28 @@ def in_step_candidates(path: Path, title: str) -> plt.Figure:
             if key == "None None":
                 bars["engine"] = v[0]
                 continue
-            t = key.split(" ", 1)[1]     # "DecodeTiles(block_n=64, num_warps=4, ...)"
+            splits, t = key.split(" ", 1)     # "9 DecodeTiles(block_n=64, num_warps=4, ...)"
             f = dict(kv.split("=") for kv in t[t.index("(") + 1:-1].split(", "))
             label = f"{f['block_n']}x{f['num_warps']}x{f['num_stages']}" + ("e" if f["early_v"] == "True" else "") + \
-                ("h" if f.get("heads_first") == "True" else "")
+                ("h" if f.get("heads_first") == "True" else "") + (f"s{splits}" if splits != "None" else "")
             bars[label] = v[0]
-        groups[f"{r.get('shape', '')} b{r['batch']} {r['layout']}"] = bars
+        groups[f"{r.get('shape', '')} b{r['batch']} {r['context']} {r['layout']}"] = bars
     grouped_bars(ax, groups, "decode kernel, us per layer", title)
+    fig.tight_layout()
+    return fig
+
+
+def cache_layouts(path: Path, title: str) -> plt.Figure:
+    """decode_attention_in_step.py --cache-layout both --tiles none: per (shape, batch, context) the engine's launch
+    over a slots-major cache (the engine's) and a heads-major one."""
+    data = json.loads(path.read_text())
+    fig, ax = plt.subplots(figsize=(12, 4))
+    groups: dict[str, dict] = {}
+    for r in data["results"]:
+        label = f"{r.get('shape', '')} b{r['batch']} {r['context']}"
+        groups.setdefault(label, {})[r.get("cache_layout", "slots")] = r["us"]["None None"][0]
+    grouped_bars(ax, groups, "decode (+ reduce), us per layer", title)
+    ax.tick_params(axis="x", labelrotation=40)
     fig.tight_layout()
     return fig
 
@@ -427,6 +442,12 @@ def main() -> None:
                                                                            "(H100, 1k, 48 layer caches, PDL off)"),
         "gqa_in_step_1b_bf16_h100_s36": lambda p: in_step_candidates(p, "paged GQA decode, Llama-3.2-1B over bf16 "
                                                                         "(H100, 1k, 16 layer caches, PDL off)"),
+        "small_batch_tiles_1b_in_step_h100_s56": lambda p: in_step_candidates(p, "paged GQA decode, Llama-3.2-1B over "
+                                                                              "bf16 (H100, PDL off): splits x tiles"),
+        "cache_layout_in_step_h100_s56": lambda p: cache_layouts(p, "paged GQA decode over bf16 (H100, PDL off): "
+                                                                    "slots- against heads-major cache blocks"),
+        "cache_layout_in_step_e4m3_h100_s56": lambda p: cache_layouts(p, "paged GQA decode over E4M3 (H100, PDL off): "
+                                                                         "slots- against heads-major cache blocks"),
         "decode_small_batch_in_step_h200": lambda p: decode_in_step(p, "paged GQA decode at small batch (H200, 1k, "
                                                                        "PDL off)"),
         "inflight_patch_ab_h200": lambda p: steps_by_batch(p, "decode steps (H200, 1k): the in-flight token patch "
