@@ -792,9 +792,10 @@ PY
     elapsed "wgmma steps"
     ;;
 router-splits)
-    # Session 55, not run yet: the MoE router GEMM's split-K count (16 by the rule at 256 tokens of V2-Lite's and
-    # Qwen3-MoE's gates) against 2 and 4. In V2-Lite batch 256's timeline (v2lite_side_timeline_h100_s49.json) the
-    # partials kernel added 7.0 us a layer to the span and the routing chain before the routed gate/up ~18 us.
+    # Session 55's, run in session 56 (router_splits_moe_ab_h100_s56.json: the rule was the fastest): the MoE router
+    # GEMM's split-K count (16 by the rule at 256 tokens of V2-Lite's and Qwen3-MoE's gates) against 2 and 4. In
+    # V2-Lite batch 256's timeline (v2lite_side_timeline_h100_s49.json) the partials kernel added 7.0 us a layer to
+    # the span and the routing chain before the routed gate/up ~18 us.
     timeout 480 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_ROUTER_SPLITS=0,2,4 --passes 1 --timeout 150 \
         --output "$OUT/router_splits_moe_ab.json" -- --shapes deepseek-v2-lite,qwen3-moe --contexts 1024 \
         --batches 64,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/router_splits_ab.log 2>&1

@@ -226,12 +226,6 @@ _DECLARED = [
            "E4M3 110.7 -> 104.9 us, gqa_heads_first_kernels_h100_s36.json), or session 35's rule: one KV head's "
            "rows side by side, two stages there (read at import)",
            choices=("heads-first", "rows-first")),
-    EnvVar("DEEPSERVE_GQA_KV_LAYOUT", "str", "slots",
-           "GPU paged KV cache of GQA layers, within a block: slots (a block's [slots, KV heads, head_dim], a "
-           "token's heads side by side) or heads ([KV heads, slots, head_dim]: each head's keys of a block one "
-           "contiguous run, which a decode program of one KV head reads whole; layers/attention.py new_kv_cache). "
-           "The cache keeps its [2, blocks, slots, KV heads, head_dim] indexing either way (a view) and every "
-           "kernel takes its strides (read at import)", choices=("slots", "heads")),
     EnvVar("DEEPSERVE_GQA_KV_HEADS_PER_PROGRAM", "str", "auto",
            "GPU paged decode attention: KV heads of at most 128 bytes a token read two adjacent ones a program "
            "(kernels/decode_launch.py kv_heads_a_program: 256-byte pieces of a token's row instead of 128), where "

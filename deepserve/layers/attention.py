@@ -18,7 +18,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from deepserve import envs
 from deepserve.kernels import cpu as cpu_kernels
 from deepserve.kernels.reference.attention import (causal_prefill_attention, gather_blocks,  # noqa: F401
                                                   masked_decode_attention, write_kv)
@@ -26,8 +25,6 @@ from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.linear import fused_qkv_rotary_rows, fused_qkv_rotary_write
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import RotaryEmbedding
-
-KV_LAYOUT = envs.DEEPSERVE_GQA_KV_LAYOUT      # "slots" or "heads" (Attention.new_kv_cache)
 
 
 class AttentionBackend(Protocol):
@@ -194,18 +191,6 @@ class Attention(nn.Module):
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=dtype).element_size()
-
-    def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed cache of kv_cache_shape. On a GPU under DEEPSERVE_GQA_KV_LAYOUT=heads it is stored
-        [2, blocks, KV heads, slots, head_dim] and returned as a view in kv_cache_shape's order: a decode program
-        reads one KV head, whose keys of a block are then one run of block_size * head_dim elements instead of
-        block_size pieces of head_dim, a row apart. Kernels take the cache's strides; the CPU's C kernels want it
-        contiguous (they keep the slots layout)."""
-        shape = self.kv_cache_shape(num_blocks, block_size)
-        if KV_LAYOUT == "heads" and torch.device(device).type == "cuda":
-            two, blocks, slots, heads, dim = shape
-            return torch.zeros(two, blocks, heads, slots, dim, dtype=dtype, device=device).transpose(2, 3)
-        return torch.zeros(shape, dtype=dtype, device=device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 rotary: RotaryEmbedding | None = None, qk_norm: tuple[RMSNorm, RMSNorm] | None = None,

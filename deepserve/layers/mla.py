@@ -185,10 +185,6 @@ class MLAAttention(nn.Module):
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return (self.kv_lora_rank + self.rope_dim) * torch.empty(0, dtype=dtype).element_size()
 
-    def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed cache of kv_cache_shape (the model runner allocates every layer's cache through this)."""
-        return torch.zeros(self.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device)
-
     def forward(self, q_nope, q_pe, latent, k_pe, weights: MLAWeights, batch: ForwardBatch,
                 rotary: MLARotaryEmbedding | None = None, latent_norm: RMSNorm | None = None) -> torch.Tensor:
         assert self.kv_cache is not None, "the model runner binds a KV cache before the first forward"

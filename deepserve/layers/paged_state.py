@@ -67,10 +67,6 @@ class PagedState(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, self.slots_per_block(block_size), self.width)
 
-    def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed cache of kv_cache_shape (the model runner allocates every layer's cache through this)."""
-        return torch.zeros(self.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device)
-
     def kv_bytes_per_block(self, dtype: torch.dtype, block_size: int) -> int:
         dtype = self.cache_dtype or dtype
         return self.slots_per_block(block_size) * self.width * torch.empty(0, dtype=dtype).element_size()

@@ -117,8 +117,8 @@ class KVCacheBudget:
         sched = self.config.scheduler
         layers = self.model.attention_layers()
         for layer in layers:
-            layer.kv_cache = layer.new_kv_cache(1, self.config.cache.block_size, self.kv_layout.cache_dtype(layer),
-                                                self.device)
+            layer.kv_cache = torch.zeros(layer.kv_cache_shape(1, self.config.cache.block_size),
+                                         dtype=self.kv_layout.cache_dtype(layer), device=self.device)
         peaks = {}
         n = sched.max_num_batched_tokens
         while n >= 1:

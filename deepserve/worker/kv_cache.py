@@ -101,7 +101,8 @@ class KVCacheLayout:
         caches = []
         for layer in self.model.attention_layers():
             blocks = (num_window_blocks if id(layer) in self.window_ids else num_blocks) + (1 if scratch else 0)
-            layer.kv_cache = layer.new_kv_cache(blocks, self.block_size, self.cache_dtype(layer), device)
+            layer.kv_cache = torch.zeros(layer.kv_cache_shape(blocks, self.block_size), dtype=self.cache_dtype(layer),
+                                         device=device)
             caches.append(layer.kv_cache)
         return caches
 

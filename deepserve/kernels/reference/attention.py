@@ -25,11 +25,7 @@ def as_bytes(cache: torch.Tensor) -> torch.Tensor:
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """cache[blocks] for a cache [num_blocks, ...]: index_select on a 2-D view copies each block as one
     row, several times faster than advanced indexing on the full shape."""
-    raw = as_bytes(cache)
-    if cache.is_contiguous():
-        rows = raw.reshape(cache.shape[0], -1).index_select(0, blocks.reshape(-1)).view(cache.dtype)
-    else:       # a heads-major view (Attention.new_kv_cache): gathered in its index order, which comes out contiguous
-        rows = raw.index_select(0, blocks.reshape(-1)).contiguous().view(cache.dtype)
+    rows = as_bytes(cache).reshape(cache.shape[0], -1).index_select(0, blocks.reshape(-1)).view(cache.dtype)
     return rows.view(*blocks.shape, *cache.shape[1:])
 
 
@@ -48,15 +44,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     """The cache may hold another dtype than the activations (kv_cache_dtype): values are rounded into it
     (`to_cache_dtype`); readers widen them back."""
     raw = as_bytes(kv_cache)
-    k, v = as_bytes(to_cache_dtype(k, kv_cache.dtype)), as_bytes(to_cache_dtype(v, kv_cache.dtype))
-    if kv_cache.is_contiguous():
-        raw[0].view(-1, *k.shape[1:])[slot_mapping] = k
-        raw[1].view(-1, *v.shape[1:])[slot_mapping] = v
-    else:       # a GPU cache stored heads-major (Attention.new_kv_cache): (block, offset) pairs, not flat slots
-        bs = kv_cache.shape[2]
-        blocks, offsets = slot_mapping // bs, slot_mapping % bs
-        raw[0][blocks, offsets] = k
-        raw[1][blocks, offsets] = v
+    raw[0].view(-1, *k.shape[1:])[slot_mapping] = as_bytes(to_cache_dtype(k, kv_cache.dtype))
+    raw[1].view(-1, *v.shape[1:])[slot_mapping] = as_bytes(to_cache_dtype(v, kv_cache.dtype))
 
 
 def write_latents(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
