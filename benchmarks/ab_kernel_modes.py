@@ -43,6 +43,9 @@
                       previous step's in order (worker/launched_step.patch_inflight_tokens)
   ablate_rotary       a diagnostic, not a setting: the GQA attention's rotary + KV-cache write launch skipped (q left
                       unrotated, the cache unwritten: wrong tokens), to time what that launch costs inside a step
+  ablate_routing      a diagnostic, not a setting: the MoE router (gate GEMM + routing kernel) replaced by fixed
+                      uniform random ids (one draw per batch size, every layer the same), to time what routing costs
+                      inside a step (the align and the experts' GEMMs run as before)
 (The shared experts' fusion into the MoE grouped GEMMs has its own switch: DEEPSERVE_MOE_FUSED_SHARED=0. Session 24's
 run of a since-removed mode, shared_blocks_s23, is in session24_steps_ab_h200.json.)
 The switch (several, comma-separated, apply together) patches deepserve/kernels in this process, then runs
@@ -145,6 +148,20 @@ for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switch
     elif mode == "ablate_rotary":
         import deepserve.layers.attention_triton as attention_triton
         attention_triton.rotary_write_kv = lambda kv_cache, q, *args, **kwargs: q
+    elif mode == "ablate_routing":
+        import deepserve.layers.moe as moe_layers
+        _routes: dict = {}
+
+        def _fixed_route(self, x, expert_load=None):
+            key = (x.shape[0], x.device, self.weight.shape[0], self.cfg.top_k)
+            if key not in _routes:     # made once, outside any capture: each capture's warm-up runs its size first
+                assert not torch.cuda.is_current_stream_capturing(), f"ablate_routing: no fixed route for {key} yet"
+                t, e, k = key[0], key[2], key[3]
+                gen = torch.Generator().manual_seed(t)
+                ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(x.device)
+                _routes[key] = (torch.full((t, k), 1.0 / k, device=x.device), ids)
+            return _routes[key]
+        moe_layers.Router.forward = _fixed_route
     elif mode == "inflight_index_s25":
         import deepserve.worker.model_runner as model_runner
 
@@ -161,7 +178,7 @@ for mode in os.environ.get("AB", "default").split(","):    # AB=a,b: both switch
                          "skinny_two_off, skinny_tiles_s19, decode_tiles_s20, int64_decode_inputs, router_s21, "
                          "shared_fusion_s21, mla_decode_before, align_s23, mla_inputs_apart, logits_fp32, "
                          "absorb_mma_64, shared_fusion_256, skinny_s24, logits_copy, moe_no_pair, align_one_hot, "
-                         "inflight_index_s25 or ablate_rotary")
+                         "inflight_index_s25, ablate_rotary or ablate_routing")
 
 sys.argv = [os.path.join(ROOT, "benchmarks", "h200_decode_sweep.py")] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
