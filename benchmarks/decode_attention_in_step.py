@@ -169,8 +169,10 @@ def main() -> None:
     splits = [int(s) for s in args.splits.split(",")]
     if args.tiles == "none":        # the engine's own launch only
         tiles = []
+    elif args.tiles:
+        tiles = [forced_tiles(t) for t in args.tiles.split(",")]
     else:
-        tiles = [forced_tiles(t) for t in args.tiles.split(",")] if args.tiles else TILES[:2] if args.few_tiles else TILES
+        tiles = TILES[:2] if args.few_tiles else TILES
     for case in args.cases.split(";"):
         name, batches, contexts = case.split(":")
         for context in map(int, contexts.split(",")):

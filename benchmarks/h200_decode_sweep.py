@@ -157,6 +157,7 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
             eng.step()
         sync(device)
         before = [s.num_output_tokens for s in seqs]
+        tokens_at_start = sorted({s.num_tokens for s in seqs})     # where the timed steps cross block boundaries
         preempted = eng.scheduler.num_preemptions
         import profile_gpu_step
         waits = []
@@ -187,10 +188,14 @@ def decode_batch(llm: LLM, name: str, batch: int, context: int, steps: int, devi
     # Each step's wall time between returns (steady, the device paces them): a median well under step_ms means a few
     # steps stalled (a host pause: the first H200 run of session 29 had V2-Lite batch 256 at 15.0 ms against an 11.7
     # ms graph replay, and 11.7 in the next run), and step_ms_max says how long.
-    step_walls = sorted(b - a for a, b in zip([t0] + stamps[:-1], stamps))
+    walls = [b - a for a, b in zip([t0] + stamps[:-1], stamps)]
+    step_walls = sorted(walls)
     out = {"batch": batch, "context": round(context_mean, 1), "prefill_s": round(prefill_s, 3),
            "step_ms": round(step_ms, 4), "step_ms_median": round(step_walls[len(step_walls) // 2] * 1e3, 4),
-           "step_ms_max": round(step_walls[-1] * 1e3, 4), "tokens_per_s": round(batch / step_ms * 1e3, 1), **roof,
+           "step_ms_max": round(step_walls[-1] * 1e3, 4),
+           "step_ms_each": [round(w * 1e3, 3) for w in walls],      # in order: a slow step's place (block crossings)
+           "tokens_at_start": tokens_at_start[:8],
+           "tokens_per_s": round(batch / step_ms * 1e3, 1), **roof,
            "fraction_of_roofline": round(roof["roofline_ms"] / step_ms, 4),
            "achieved_TBps": round((roof["weight_bytes"] + roof["expert_bytes"] + roof["kv_bytes"]) / step_ms / 1e9, 3)}
     if replay is not None:
