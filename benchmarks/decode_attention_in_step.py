@@ -15,6 +15,9 @@ kernel's own time (torch profiler, kernel durations; run with DEEPSERVE_PDL=0 so
 alone) and the split reduce's, for each (splits, tiles) candidate, and the KV bandwidth of the best.
 
 Run (GPU machine):  DEEPSERVE_PDL=0 python benchmarks/decode_attention_in_step.py --output decode_attention_in_step.json
+  --tiles none: the engine's launch alone; --cache-layout heads | both: the caches also (or only) stored heads-major
+  within a block ([2, blocks, KV heads, slots, d], handed to the kernel as a view in the engine's index order), the
+  layout session 56 timed (cache_layout_in_step_h100_s56.json; docs/gpu.md).
 """
 
 from __future__ import annotations
