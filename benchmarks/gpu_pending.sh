@@ -803,7 +803,8 @@ router-splits)
     elapsed "router splits"
     ;;
 s56-first)
-    # For session 56: where V2-Lite batch 256 stands after session 55 (1.504x its experts' roofline,
+    # Run in session 56 (ncu_mla_wgmma_table_ahead_b256_h200_s56.json, an H200; the timeline printed on an H100 by
+    # side-timeline). For session 56: where V2-Lite batch 256 stands after session 55 (1.504x its experts' roofline,
     # h100_decode_sweep_moe_fp8_s55.json). The wgmma MLA decode in its committed form (cp.async, the block table a tile
     # ahead) under Nsight Compute at batch 256 (the stalls left: ncu_mla_wgmma_async_b256_h100_s55.json had the form
     # before the table moved), then the step's graph timeline: what each launch adds to the span.

@@ -274,6 +274,22 @@ def cache_layouts(path: Path, title: str) -> plt.Figure:
     return fig
 
 
+def ncu_stalls(path: Path, title: str) -> plt.Figure:
+    """An Nsight Compute summary ({"results": {setting: {launch: {"stall X": "v inst", ...}}}}): per setting's first
+    launch, warps stalled for each reason per issued instruction (the reasons above 0.05)."""
+    data = json.loads(path.read_text())
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    groups = {}
+    for setting, launches in data["results"].items():
+        first = launches[sorted(launches)[0]]
+        stalls = {k[len("stall "):].replace("_per_issue_active.ratio", ""): float(v.split()[0])
+                  for k, v in first.items() if k.startswith("stall ")}
+        groups[setting[:48]] = {k: v for k, v in sorted(stalls.items(), key=lambda kv: -kv[1]) if v > 0.05}
+    grouped_bars(ax, groups, "warps stalled per issued instruction", title)
+    fig.tight_layout()
+    return fig
+
+
 def outside_graph(path: Path) -> plt.Figure:
     """step_outside_graph.py's last interval per (shape, batch): each operation as a bar at its offset from the end
     of the previous graph replay."""
@@ -442,6 +458,8 @@ def main() -> None:
                                                                            "(H100, 1k, 48 layer caches, PDL off)"),
         "gqa_in_step_1b_bf16_h100_s36": lambda p: in_step_candidates(p, "paged GQA decode, Llama-3.2-1B over bf16 "
                                                                         "(H100, 1k, 16 layer caches, PDL off)"),
+        "ncu_mla_wgmma_table_ahead_b256_h200_s56": lambda p: ncu_stalls(p, "wgmma MLA decode, V2-Lite batch 256 over "
+                                                                           "E4M3 (H200, Nsight Compute): stalls"),
         "small_batch_tiles_1b_in_step_h100_s56": lambda p: in_step_candidates(p, "paged GQA decode, Llama-3.2-1B over "
                                                                               "bf16 (H100, PDL off): splits x tiles"),
         "cache_layout_in_step_h100_s56": lambda p: cache_layouts(p, "paged GQA decode over bf16 (H100, PDL off): "
