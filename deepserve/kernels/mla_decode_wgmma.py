@@ -130,6 +130,38 @@ if HAVE_GLUON:
         q_smem.index(j).store(gl.minimum(gl.maximum(x, -65504.0), 65504.0).to(gl.float16))
 
     @gluon.jit
+    def _score_columns(k):
+        """REG_SCORES: the cache column (of a 64-wide chunk) that the score operand's column k holds, 16c + 4s + 2p + e
+        for k = 16s + 8p + 2c + e (_score_operand's reorder; the query is staged in the same order)."""
+        return ((k // 2) % 4) * 16 + (k // 16) * 4 + ((k // 8) % 2) * 2 + k % 2
+
+    @gluon.jit
+    def _score_operand(w, a_layout: gl.constexpr):
+        """REG_SCORES: a widened chunk ([64 keys, 64 columns] fp16, in REG_SCORES' load layout) as the score
+        product's A operand in registers. Its columns are reordered (_score_columns) so that the 16 bytes a thread
+        loaded are, as they stand, the fragment the MMA wants of it: no data moves between threads (asserted)."""
+        y = gl.permute(gl.reshape(w, [TOKENS_C, 4, 4, 2, 2]), (0, 2, 3, 1, 4))
+        return gl.convert_layout(gl.reshape(y, [TOKENS_C, COLS_C]), a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _widen_and_score(c_smem, j: gl.constexpr, q_smem, z, codes, s, a_prev, a_layout: gl.constexpr,
+                         first: gl.constexpr, stage: gl.constexpr):
+        """REG_SCORES: chunk j's 8-bit codes widened, into shared memory for the output products (stage: latent
+        chunks, not the RoPE part), and from registers into the scores: s += C_j q_j^T, in flight. The wait leaves
+        this chunk's product alone in flight, so the chunk before it is done and its registers (a_prev) are free;
+        this chunk's are kept (returned) until the next wait."""
+        w = codes.to(gl.float16)
+        if stage:
+            c_smem.index(j).store(w)
+        a = _score_operand(w, a_layout)
+        s = warpgroup_mma(a, q_smem.index(j + z).permute((1, 0)), s, use_acc=not first, is_async=True)
+        if first:
+            s, a = warpgroup_mma_wait(1, deps=(s, a))
+        else:
+            s, a_prev, a = warpgroup_mma_wait(1, deps=(s, a_prev, a))
+        return s, a
+
+    @gluon.jit
     def _store_out(rows, j: gl.constexpr, r, h_ok, acc, l_i):
         """out^T chunk j ([64 columns, 16 heads] float32) / l into the heads' rows (pointers [1, 16])."""
         gl.store(rows + j * COLS_C + r[:, None], (acc / l_i[None, :]).to(rows.dtype.element_ty), mask=h_ok[None, :])
@@ -141,21 +173,31 @@ if HAVE_GLUON:
                                  stride_c_block, stride_c_slot, stride_bt, stride_ob, stride_oh,
                                  stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
                                  num_heads, block_size,
-                                 RANK: gl.constexpr, SPLIT: gl.constexpr, ASYNC: gl.constexpr = False):
+                                 RANK: gl.constexpr, SPLIT: gl.constexpr, ASYNC: gl.constexpr = False,
+                                 REG_SCORES: gl.constexpr = False):
         TOKENS: gl.constexpr = TOKENS_C
         HEADS: gl.constexpr = HEADS_C
         COLS: gl.constexpr = COLS_C
         CHUNKS: gl.constexpr = RANK // COLS
         gl.static_assert(CHUNKS == 8, "eight latent chunks (k0..k7, o0..o7 below)")
-        # Loads: 16 bytes a thread a row, 4 threads a 64-byte chunk row, 8 rows a warp.
-        load_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        # Loads: 16 bytes a thread a row, 4 threads a 64-byte chunk row, 8 rows a warp. REG_SCORES: the same, but
+        # a warp's rows are the 16 of its MMA fragment (rows l and l + 8 of them a thread, l = lane / 4).
+        if REG_SCORES:
+            load_layout: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]], lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+                warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[TOKENS, COLS])
+        else:
+            load_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEADS, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
         c_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TOKENS, COLS], gl.float16)
         q_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, COLS], gl.float16)
         p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, TOKENS], gl.float16)
-        c_smem = gl.allocate_shared_memory(gl.float16, [CHUNKS + 1, TOKENS, COLS], c_shared)
+        # The widened chunks the products read from shared memory: with REG_SCORES only the output's 8
+        C_SLOTS: gl.constexpr = CHUNKS if REG_SCORES else CHUNKS + 1
+        c_smem = gl.allocate_shared_memory(gl.float16, [C_SLOTS, TOKENS, COLS], c_shared)
         q_smem = gl.allocate_shared_memory(gl.float16, [CHUNKS + 1, HEADS, COLS], q_shared)
         p_smem = gl.allocate_shared_memory(gl.float16, [HEADS, TOKENS], p_shared)
         if ASYNC:
@@ -183,6 +225,8 @@ if HAVE_GLUON:
             # The query: latent chunks then the RoPE part, fp16 in shared memory.
             qh = head_tile * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, q_layout))
             qc = gl.arange(0, COLS, layout=gl.SliceLayout(0, q_layout))
+            if REG_SCORES:      # in the score operand's column order
+                qc = _score_columns(qc)
             q_rows = q_lat_ptr + b * stride_qlb + qh[:, None] * stride_qlh
             qh_ok = qh < num_heads
             for j in gl.static_range(CHUNKS):
@@ -190,6 +234,9 @@ if HAVE_GLUON:
             pe = gl.load(q_pe_ptr + b * stride_qpb + qh[:, None] * stride_qph + qc[None, :], mask=qh_ok[:, None],
                          other=0.0).to(gl.float32)
             q_smem.index(CHUNKS).store(gl.minimum(gl.maximum(pe, -65504.0), 65504.0).to(gl.float16))
+            if REG_SCORES:      # the first tile's score products read it before the loop's first barrier
+                fence_async_shared()
+                cta_barrier()
 
             cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, load_layout))
             keys = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, load_layout))
@@ -227,18 +274,44 @@ if HAVE_GLUON:
                     k8 = _load_chunk(rows, RANK, cols, t_ok)
                 # The previous tile's out products read C and p: done before they are overwritten.
                 o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
-                _stage_chunk(c_smem, 0, k0)
-                _stage_chunk(c_smem, 1, k1)
-                _stage_chunk(c_smem, 2, k2)
-                if ASYNC:
-                    _stage_copied_chunks(c_smem, raw4, raw1, load_layout)
+                # z is 0, but not to the compiler: the products' shared-memory descriptors are then computed in
+                # the loop (uniform registers, cheap) instead of hoisted out of it, where 68 of them held 255
+                # registers with spills (sm_90 builds with Triton 3.6 / 3.9: 250 / 240 registers with the prefetched
+                # chunks, no spills; commit 121d439: 255 and spills).
+                z = (n0 < 0).to(gl.int32)
+                if REG_SCORES:
+                    # Each chunk goes into the scores as it is widened (ASYNC: chunks 3-7 from the cp.async copies).
+                    s, a = _widen_and_score(c_smem, 0, q_smem, z, k0, zero, zero, a_layout, True, True)
+                    s, a = _widen_and_score(c_smem, 1, q_smem, z, k1, s, a, a_layout, False, True)
+                    s, a = _widen_and_score(c_smem, 2, q_smem, z, k2, s, a, a_layout, False, True)
+                    if ASYNC:
+                        async_copy.wait_group(0)
+                        cta_barrier()
+                        for j in gl.static_range(4):
+                            s, a = _widen_and_score(c_smem, 3 + j, q_smem, z, raw4.index(j).load(load_layout), s, a,
+                                                    a_layout, False, True)
+                        s, a = _widen_and_score(c_smem, 7, q_smem, z, raw1.load(load_layout), s, a, a_layout, False,
+                                                True)
+                    else:
+                        s, a = _widen_and_score(c_smem, 3, q_smem, z, k3, s, a, a_layout, False, True)
+                        s, a = _widen_and_score(c_smem, 4, q_smem, z, k4, s, a, a_layout, False, True)
+                        s, a = _widen_and_score(c_smem, 5, q_smem, z, k5, s, a, a_layout, False, True)
+                        s, a = _widen_and_score(c_smem, 6, q_smem, z, k6, s, a, a_layout, False, True)
+                        s, a = _widen_and_score(c_smem, 7, q_smem, z, k7, s, a, a_layout, False, True)
+                    s, a = _widen_and_score(c_smem, 8, q_smem, z, k8, s, a, a_layout, False, False)
                 else:
-                    _stage_chunk(c_smem, 3, k3)
-                    _stage_chunk(c_smem, 4, k4)
-                    _stage_chunk(c_smem, 5, k5)
-                    _stage_chunk(c_smem, 6, k6)
-                    _stage_chunk(c_smem, 7, k7)
-                _stage_chunk(c_smem, 8, k8)
+                    _stage_chunk(c_smem, 0, k0)
+                    _stage_chunk(c_smem, 1, k1)
+                    _stage_chunk(c_smem, 2, k2)
+                    if ASYNC:
+                        _stage_copied_chunks(c_smem, raw4, raw1, load_layout)
+                    else:
+                        _stage_chunk(c_smem, 3, k3)
+                        _stage_chunk(c_smem, 4, k4)
+                        _stage_chunk(c_smem, 5, k5)
+                        _stage_chunk(c_smem, 6, k6)
+                        _stage_chunk(c_smem, 7, k7)
+                    _stage_chunk(c_smem, 8, k8)
                 fence_async_shared()
                 cta_barrier()
                 # The next tile's first chunks go in flight now, to arrive while this tile's products and softmax
@@ -257,16 +330,14 @@ if HAVE_GLUON:
                 if ASYNC:
                     _copy_chunks(raw4, raw1, rows, cols, t_ok)
 
-                # z is 0, but not to the compiler: the products' shared-memory descriptors are then computed in
-                # the loop (uniform registers, cheap) instead of hoisted out of it, where 68 of them held 255
-                # registers with spills (sm_90 builds with Triton 3.6 / 3.9: 250 / 240 registers with the prefetched
-                # chunks, no spills; commit 121d439: 255 and spills).
-                z = (n0 < 0).to(gl.int32)
-                s = warpgroup_mma(c_smem.index(z), q_smem.index(z).permute((1, 0)), zero, use_acc=False,
-                                  is_async=True)
-                for j in gl.static_range(1, CHUNKS + 1):
-                    s = warpgroup_mma(c_smem.index(j + z), q_smem.index(j + z).permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s,))
+                if REG_SCORES:
+                    s, a = warpgroup_mma_wait(0, deps=(s, a))
+                else:
+                    s = warpgroup_mma(c_smem.index(z), q_smem.index(z).permute((1, 0)), zero, use_acc=False,
+                                      is_async=True)
+                    for j in gl.static_range(1, CHUNKS + 1):
+                        s = warpgroup_mma(c_smem.index(j + z), q_smem.index(j + z).permute((1, 0)), s, is_async=True)
+                    s = warpgroup_mma_wait(0, deps=(s,))
 
                 s_ok = (n0 + s_keys) < end
                 s = gl.where(s_ok[:, None], s * qk_scale, float("-inf"))
@@ -313,11 +384,12 @@ if HAVE_GLUON:
 
 
 def launch_mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse, qk_scale: float,
-                            num_splits: int, copy_async: bool = False) -> None:
+                            num_splits: int, copy_async: bool = False, reg_scores: bool = False) -> None:
     """One launch of the kernel over a (bsz, head tiles, num_splits) grid; the caller sized the split partials
     (part_out [B, H, S, R] float32, part_lse [B, H, S]) where num_splits > 1 and merges them (mla_reduce, 64-key
     partitions). qk_scale: the softmax scale times log2(e). copy_async: the next tile's chunks 3-7 by cp.async
-    and the block table a tile ahead (DEEPSERVE_MLA_WGMMA_ASYNC)."""
+    and the block table a tile ahead (DEEPSERVE_MLA_WGMMA_ASYNC). reg_scores: the score products' keys from
+    registers (DEEPSERVE_MLA_WGMMA_REG_SCORES)."""
     bsz, heads, rank = q_lat.shape
     split = num_splits > 1
     po = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if split else (0, 0, 0)
@@ -326,7 +398,8 @@ def launch_mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, 
         q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse, qk_scale,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        *po, *pl, heads, kv_cache.shape[1], RANK=rank, SPLIT=split, ASYNC=copy_async, num_warps=4)
+        *po, *pl, heads, kv_cache.shape[1], RANK=rank, SPLIT=split, ASYNC=copy_async,
+        REG_SCORES=reg_scores, num_warps=4)
 
 
 __all__ = ["HAVE_GLUON", "TOKENS", "launch_mla_decode_wgmma", "wgmma_supported"]

@@ -3,7 +3,7 @@ without a GPU, over E4M3 and E5M2 caches, unsplit and split: both products run a
 heads (36 for the scores over 9 column chunks of 4 K-steps, 32 for the output's 8 chunks), the output products read
 the widened tile transposed, nothing spills and two programs fit an SM (the reason for its opaque-zero buffer
 index; tests/gpu checks the numbers), with the next tile's chunks 3-7 in registers or by cp.async
-(DEEPSERVE_MLA_WGMMA_ASYNC)."""
+(DEEPSERVE_MLA_WGMMA_ASYNC), and with the score products' keys from registers (DEEPSERVE_MLA_WGMMA_REG_SCORES)."""
 
 import re
 import tempfile
@@ -24,11 +24,11 @@ def _fp_fusion(monkeypatch):
 PTRS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
 
 
-def _build(cache: str, split: bool, copy_async: bool = False):
+def _build(cache: str, split: bool, copy_async: bool = False, reg_scores: bool = False):
     kernel = wgmma._mla_decode_wgmma_kernel
     return compile_sm90_kernel(kernel, {**PTRS, "cache_ptr": f"*{cache}"},
-                               dict(RANK=512, SPLIT=split, ASYNC=copy_async), {"qk_scale": "fp32"}, aligned(kernel),
-                               num_warps=4, num_stages=1)
+                               dict(RANK=512, SPLIT=split, ASYNC=copy_async, REG_SCORES=reg_scores),
+                               {"qk_scale": "fp32"}, aligned(kernel), num_warps=4, num_stages=1)
 
 
 @pytest.mark.parametrize("cache", ["fp8e4nv", "fp8e5"])
@@ -43,14 +43,35 @@ def test_products_are_warpgroup_mmas(cache, split, copy_async):
     assert "ldmatrix" not in ptx
 
 
+@pytest.mark.parametrize("cache", ["fp8e4nv", "fp8e5"])
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("copy_async", [False, True], ids=["registers", "cp_async"])
-def test_two_programs_an_sm_without_spills(copy_async):
+def test_register_scores_take_the_keys_from_registers(cache, split, copy_async):
+    """REG_SCORES: the 36 score MMAs read the widened keys from registers (an A operand of four 32-bit registers)
+    and only the query from shared memory; the 32 output MMAs are unchanged (both operands in shared memory, A
+    transposed). The reorder that makes a thread's loaded bytes its fragment moves nothing between threads (the
+    kernel asserts a trivial layout conversion at compile time); the key loads stay 16 bytes wide."""
+    ptx = _build(cache, split, copy_async, reg_scores=True).asm["ptx"]
+    from_registers = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.f16\.f16 \{[^}]*\}, "
+                                r"\{(?:%r\d+, ?){3}%r\d+\}, %rd\d+, [^,]+, 1, 1, ([01]);", ptx)
+    from_shared = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.f16\.f16 \{[^}]*\}, %rd\d+, %rd\d+, "
+                             r"[^,]+, 1, 1, ([01]), ([01]);", ptx)
+    assert len(from_registers) == 36 and set(from_registers) == {"0"}
+    assert len(from_shared) == 32 and set(from_shared) == {("1", "0")}
+    assert "ldmatrix" not in ptx
+    loads = re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)
+    assert len(loads) >= (4 if copy_async else 9) * 2
+
+
+@pytest.mark.parametrize("copy_async", [False, True], ids=["registers", "cp_async"])
+@pytest.mark.parametrize("reg_scores", [False, True], ids=["smem_scores", "reg_scores"])
+def test_two_programs_an_sm_without_spills(copy_async, reg_scores):
     """No local memory; registers (allocated per warp in units of 256) and shared memory (+1 KB reserved a
     program) for two 4-warp programs of an SM's 64K registers and 228 KB."""
     import os
     import subprocess
     import triton
-    compiled = _build("fp8e4nv", False, copy_async)
+    compiled = _build("fp8e4nv", False, copy_async, reg_scores)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
