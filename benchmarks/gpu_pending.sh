@@ -45,7 +45,7 @@
 #   bash benchmarks/gpu_pending.sh s50        # ~5 min: (d9ec60b) MLA warp chunks: tests, calls, steps; capture priority
 #   bash benchmarks/gpu_pending.sh s56-first  # ~3 min: the MLA decode under Nsight Compute, V2-Lite b256 timeline
 #   bash benchmarks/gpu_pending.sh router-splits  # ~7 min: DEEPSERVE_ROUTER_SPLITS=0,2,4 in MoE steps at batch 64 / 256
-#   bash benchmarks/gpu_pending.sh reg-scores  # ~8 min: DEEPSERVE_MLA_WGMMA_REG_SCORES: tests, kernel calls, V2-Lite steps
+#   bash benchmarks/gpu_pending.sh reg-scores  # ~8 min: DEEPSERVE_MLA_WGMMA_REG_SCORES: tests, kernel calls, steps
 #   bash benchmarks/gpu_pending.sh s55-async  # ~8 min: DEEPSERVE_MLA_WGMMA_ASYNC: tests, kernel calls, V2-Lite steps
 #   bash benchmarks/gpu_pending.sh s51-wgmma  # ~3 min: DEEPSERVE_MLA_WGMMA: tests, kernel calls, V2-Lite steps
 #   bash benchmarks/gpu_pending.sh s51        # ~5 min: V2-Lite steps over E4M3, MLA decode tiles 32x4x3 / 32x4x4

@@ -184,7 +184,8 @@ if HAVE_GLUON:
         # a warp's rows are the 16 of its MMA fragment (rows l and l + 8 of them a thread, l = lane / 4).
         if REG_SCORES:
             load_layout: gl.constexpr = gl.DistributedLinearLayout(
-                reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]], lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+                reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+                lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
                 warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[TOKENS, COLS])
         else:
             load_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
