@@ -26,9 +26,18 @@ the registers (spills), so with ASYNC (DEEPSERVE_MLA_WGMMA_ASYNC, the default) c
 shared memory, 8-bit, at the same time (20 KB more a program: two still fit an SM), and only the RoPE chunk loads at
 the tile's start; the block table is read a tile ahead of the loads that need it, whose addresses otherwise waited
 on it (session 55, H100, V2-Lite batch 256: 91 -> 77 us a call). Without ASYNC chunks 3-8 load into registers at the
-tile's start, while the previous tile's out products finish (session 54's kernel). Arithmetic as mla_decode.py's kernel
-with FP8_F16_PRODUCTS: the query clamped to fp16's range and rounded to fp16, the cache's codes widened exactly,
-probabilities in fp16, float32 accumulation; summation order differs inside the products.
+tile's start, while the previous tile's out products finish (session 54's kernel).
+
+REG_SCORES (DEEPSERVE_MLA_WGMMA_REG_SCORES): session 56's Nsight Compute had the warps waiting on shared memory most
+(short scoreboard), so the score products take the widened keys as their A operand in registers, each chunk as it is
+widened, and only the output products read the widened tile back (~166 KB a tile through shared memory, the RoPE
+chunk no longer stored). A thread loads 16 contiguous bytes of each of its two rows, which hold other columns than
+its MMA fragment does; so the operand's columns are reordered (_score_operand, _score_columns) until the loaded
+bytes are the fragment, and the query is staged in the same column order: a sum over columns does not care.
+
+Arithmetic as mla_decode.py's kernel with FP8_F16_PRODUCTS: the query clamped to fp16's range and rounded to fp16,
+the cache's codes widened exactly, probabilities in fp16, float32 accumulation; summation order differs inside the
+products.
 
 Scope: a 512-wide latent (DeepSeek-V2 / V3's; eight chunks, written out) and a 64-wide RoPE part, any head
 count (16 a program, padded heads masked), 8-bit caches (E4M3 / E5M2), sm_90 (warpgroup MMAs), Gluon as Triton 3.6
