@@ -45,7 +45,6 @@
 #   bash benchmarks/gpu_pending.sh s50        # ~5 min: (d9ec60b) MLA warp chunks: tests, calls, steps; capture priority
 #   bash benchmarks/gpu_pending.sh s56-first  # ~3 min: the MLA decode under Nsight Compute, V2-Lite b256 timeline
 #   bash benchmarks/gpu_pending.sh router-splits  # ~7 min: DEEPSERVE_ROUTER_SPLITS=0,2,4 in MoE steps at batch 64 / 256
-#   bash benchmarks/gpu_pending.sh early-loads  # ~4 min: DEEPSERVE_MLA_WGMMA_EARLY_LOADS: tests, calls, V2-Lite b256
 #   bash benchmarks/gpu_pending.sh reg-scores  # ~8 min: DEEPSERVE_MLA_WGMMA_REG_SCORES: tests, kernel calls, steps
 #   bash benchmarks/gpu_pending.sh s55-async  # ~8 min: DEEPSERVE_MLA_WGMMA_ASYNC: tests, kernel calls, V2-Lite steps
 #   bash benchmarks/gpu_pending.sh s51-wgmma  # ~3 min: DEEPSERVE_MLA_WGMMA: tests, kernel calls, V2-Lite steps
@@ -814,29 +813,6 @@ s56-first)
         python3 benchmarks/ncu_decode_attention.py --mla-large
     elapsed "ncu"
     v2lite_b256_timeline v2lite_timeline_b256; elapsed "timeline"
-    ;;
-early-loads)
-    # Session 57: DEEPSERVE_MLA_WGMMA_EARLY_LOADS, the next key tile's first three chunks loaded into registers as
-    # soon as this tile's are in the (register) scores instead of after the whole tile is staged. Its tests (the
-    # register-score paths, with it on), kernel calls at V2-Lite batch 64 / 128 / 256 over E4M3, then V2-Lite steps
-    # over E4M3 at batch 256, two passes.
-    DEEPSERVE_MLA_WGMMA_EARLY_LOADS=1 timeout 200 python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_mla_decode_wgmma.py -x -k reg_scores > "$OUT/pytest_mla_wgmma_early_loads.log" 2>&1
-    tail -2 "$OUT/pytest_mla_wgmma_early_loads.log" | cut -c1-300
-    grep -E "^(FAILED|E )" "$OUT/pytest_mla_wgmma_early_loads.log" | head -8
-    elapsed "wgmma tests"
-    timeout 150 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes float8_e4m3fn \
-        --settings "DEEPSERVE_MLA_WGMMA_EARLY_LOADS=0;DEEPSERVE_MLA_WGMMA_EARLY_LOADS=1" \
-        --cases "v2-lite b64 ctx1024,v2-lite b128,v2-lite b256" --output "$OUT/mla_early_loads_kernels.json" \
-        > /tmp/mla_early_loads_kernels.log 2>&1
-    tail -1 /tmp/mla_early_loads_kernels.log | cut -c1-300; summarise_kernels "$OUT/mla_early_loads_kernels.json"
-    elapsed "wgmma kernels"
-    grep -q " failed" "$OUT/pytest_mla_wgmma_early_loads.log" && { echo "tests failed: no steps"; exit 0; }
-    timeout 200 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MLA_WGMMA_EARLY_LOADS=0,1 --passes 2 \
-        --timeout 70 --output "$OUT/mla_early_loads_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
-        --batches 256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_early_loads_ab.log 2>&1
-    tail -1 /tmp/mla_early_loads_ab.log | cut -c1-300; summarise_steps "$OUT/mla_early_loads_v2lite_ab.json"
-    elapsed "early-loads steps"
     ;;
 reg-scores)
     # Session 57: DEEPSERVE_MLA_WGMMA_REG_SCORES, the wgmma MLA decode's score products with the widened keys as

@@ -176,11 +176,6 @@ _DECLARED = [
            "memory traffic ~246 -> ~166 KB; kernels/mla_decode_wgmma.py; H100, V2-Lite batch 256: kernel 78.3 -> "
            "75.6 us, steps 14.53 / 14.51 -> 14.45 / 14.45 ms in two passes, mla_reg_scores_*_h100_s57.json); 0: "
            "session 55's kernel (read at each launch)"),
-    EnvVar("DEEPSERVE_MLA_WGMMA_EARLY_LOADS", "bool", False,
-           "GPU MLA decode on warpgroup MMAs with cp.async and register scores (DEEPSERVE_MLA_WGMMA_ASYNC, "
-           "DEEPSERVE_MLA_WGMMA_REG_SCORES): the next key tile's first three chunks are loaded as soon as this "
-           "tile's are in the scores, not after the whole tile is staged; an A/B switch (kernels/mla_decode_wgmma.py, "
-           "read at each launch)"),
     EnvVar("DEEPSERVE_ROUTER_SPLITS", "int", 0,
            "GPU MoE router GEMM on the split-K kernel (17-512 tokens on tensor cores): its hidden dim in this many "
            "parts, rounded up to a power of two (at most 16 and the K steps), instead of the rule of two programs an "

@@ -419,8 +419,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         mla_decode_wgmma.launch_mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out,
                                                  part_lse, scale * _LOG2E, num_splits,
                                                  copy_async=envs.DEEPSERVE_MLA_WGMMA_ASYNC,
-                                                 reg_scores=envs.DEEPSERVE_MLA_WGMMA_REG_SCORES,
-                                                 early_loads=envs.DEEPSERVE_MLA_WGMMA_EARLY_LOADS)
+                                                 reg_scores=envs.DEEPSERVE_MLA_WGMMA_REG_SCORES)
     else:
         _mla_decode_kernel[(bsz, cdiv(heads, MLA_BLOCK_H), num_splits)](
             q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse,

@@ -184,12 +184,11 @@ if HAVE_GLUON:
                                  stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
                                  num_heads, block_size,
                                  RANK: gl.constexpr, SPLIT: gl.constexpr, ASYNC: gl.constexpr = False,
-                                 REG_SCORES: gl.constexpr = False, EARLY_LOADS: gl.constexpr = False):
+                                 REG_SCORES: gl.constexpr = False):
         TOKENS: gl.constexpr = TOKENS_C
         HEADS: gl.constexpr = HEADS_C
         COLS: gl.constexpr = COLS_C
         CHUNKS: gl.constexpr = RANK // COLS
-        gl.static_assert(not EARLY_LOADS or (ASYNC and REG_SCORES), "EARLY_LOADS: with ASYNC and REG_SCORES")
         gl.static_assert(CHUNKS == 8, "eight latent chunks (k0..k7, o0..o7 below)")
         # Loads: 16 bytes a thread a row, 4 threads a 64-byte chunk row, 8 rows a warp. REG_SCORES: the same, but
         # a warp's rows are the 16 of its MMA fragment (rows l and l + 8 of them a thread, l = lane / 4).
@@ -296,13 +295,6 @@ if HAVE_GLUON:
                     s, a = _widen_and_score(c_smem, 0, q_smem, z, k0, zero, zero, a_layout, True, True)
                     s, a = _widen_and_score(c_smem, 1, q_smem, z, k1, s, a, a_layout, False, True)
                     s, a = _widen_and_score(c_smem, 2, q_smem, z, k2, s, a, a_layout, False, True)
-                    if EARLY_LOADS:     # the next tile's first chunks in flight already, their registers free
-                        rows, t_ok = _block_rows(blk_next, cache_ptr, n0 + TOKENS, keys, end, block_size,
-                                                 stride_c_block, stride_c_slot)
-                        blk_next = _tile_blocks(table, n0 + 2 * TOKENS, keys, end, block_size)
-                        k0 = _load_chunk(rows, 0 * COLS, cols, t_ok)
-                        k1 = _load_chunk(rows, 1 * COLS, cols, t_ok)
-                        k2 = _load_chunk(rows, 2 * COLS, cols, t_ok)
                     if ASYNC:
                         async_copy.wait_group(0)
                         cta_barrier()
@@ -336,21 +328,18 @@ if HAVE_GLUON:
                 # The next tile's first chunks go in flight now, to arrive while this tile's products and softmax
                 # run (all masked off after the last tile: no memory is read). With ASYNC its chunks 3-7 too, into
                 # shared memory (every thread has read this tile's copies there: the barrier above).
-                if EARLY_LOADS:
-                    _copy_chunks(raw4, raw1, rows, cols, t_ok)
+                if ASYNC:
+                    rows, t_ok = _block_rows(blk_next, cache_ptr, n0 + TOKENS, keys, end, block_size, stride_c_block,
+                                             stride_c_slot)
+                    blk_next = _tile_blocks(table, n0 + 2 * TOKENS, keys, end, block_size)
                 else:
-                    if ASYNC:
-                        rows, t_ok = _block_rows(blk_next, cache_ptr, n0 + TOKENS, keys, end, block_size,
-                                                 stride_c_block, stride_c_slot)
-                        blk_next = _tile_blocks(table, n0 + 2 * TOKENS, keys, end, block_size)
-                    else:
-                        rows, t_ok = _tile_rows(table, cache_ptr, n0 + TOKENS, keys, end, block_size,
-                                                stride_c_block, stride_c_slot)
-                    k0 = _load_chunk(rows, 0 * COLS, cols, t_ok)
-                    k1 = _load_chunk(rows, 1 * COLS, cols, t_ok)
-                    k2 = _load_chunk(rows, 2 * COLS, cols, t_ok)
-                    if ASYNC:
-                        _copy_chunks(raw4, raw1, rows, cols, t_ok)
+                    rows, t_ok = _tile_rows(table, cache_ptr, n0 + TOKENS, keys, end, block_size, stride_c_block,
+                                            stride_c_slot)
+                k0 = _load_chunk(rows, 0 * COLS, cols, t_ok)
+                k1 = _load_chunk(rows, 1 * COLS, cols, t_ok)
+                k2 = _load_chunk(rows, 2 * COLS, cols, t_ok)
+                if ASYNC:
+                    _copy_chunks(raw4, raw1, rows, cols, t_ok)
 
                 if REG_SCORES:
                     s, a = warpgroup_mma_wait(0, deps=(s, a))
@@ -406,8 +395,7 @@ if HAVE_GLUON:
 
 
 def launch_mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out, part_lse, qk_scale: float,
-                            num_splits: int, copy_async: bool = False, reg_scores: bool = False,
-                            early_loads: bool = False) -> None:
+                            num_splits: int, copy_async: bool = False, reg_scores: bool = False) -> None:
     """One launch of the kernel over a (bsz, head tiles, num_splits) grid; the caller sized the split partials
     (part_out [B, H, S, R] float32, part_lse [B, H, S]) where num_splits > 1 and merges them (mla_reduce, 64-key
     partitions). qk_scale: the softmax scale times log2(e). copy_async: the next tile's chunks 3-7 by cp.async
@@ -422,7 +410,7 @@ def launch_mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, 
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         *po, *pl, heads, kv_cache.shape[1], RANK=rank, SPLIT=split, ASYNC=copy_async,
-        REG_SCORES=reg_scores, EARLY_LOADS=early_loads and copy_async and reg_scores, num_warps=4)
+        REG_SCORES=reg_scores, num_warps=4)
 
 
 __all__ = ["HAVE_GLUON", "TOKENS", "launch_mla_decode_wgmma", "wgmma_supported"]

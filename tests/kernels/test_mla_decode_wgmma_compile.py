@@ -24,11 +24,10 @@ def _fp_fusion(monkeypatch):
 PTRS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
 
 
-def _build(cache: str, split: bool, copy_async: bool = False, reg_scores: bool = False, early_loads: bool = False):
+def _build(cache: str, split: bool, copy_async: bool = False, reg_scores: bool = False):
     kernel = wgmma._mla_decode_wgmma_kernel
     return compile_sm90_kernel(kernel, {**PTRS, "cache_ptr": f"*{cache}"},
-                               dict(RANK=512, SPLIT=split, ASYNC=copy_async, REG_SCORES=reg_scores,
-                                    EARLY_LOADS=early_loads),
+                               dict(RANK=512, SPLIT=split, ASYNC=copy_async, REG_SCORES=reg_scores),
                                {"qk_scale": "fp32"}, aligned(kernel), num_warps=4, num_stages=1)
 
 
@@ -64,17 +63,15 @@ def test_register_scores_take_the_keys_from_registers(cache, split, copy_async):
     assert len(loads) >= (4 if copy_async else 9) * 2
 
 
-@pytest.mark.parametrize("copy_async, reg_scores, early_loads",
-                         [(False, False, False), (True, False, False), (False, True, False), (True, True, False),
-                          (True, True, True)],
-                         ids=["registers", "cp_async", "registers-reg_scores", "cp_async-reg_scores", "early_loads"])
-def test_two_programs_an_sm_without_spills(copy_async, reg_scores, early_loads):
+@pytest.mark.parametrize("copy_async", [False, True], ids=["registers", "cp_async"])
+@pytest.mark.parametrize("reg_scores", [False, True], ids=["smem_scores", "reg_scores"])
+def test_two_programs_an_sm_without_spills(copy_async, reg_scores):
     """No local memory; registers (allocated per warp in units of 256) and shared memory (+1 KB reserved a
     program) for two 4-warp programs of an SM's 64K registers and 228 KB."""
     import os
     import subprocess
     import triton
-    compiled = _build("fp8e4nv", False, copy_async, reg_scores, early_loads)
+    compiled = _build("fp8e4nv", False, copy_async, reg_scores)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
