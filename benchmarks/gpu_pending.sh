@@ -96,6 +96,27 @@ for setting, rows in d["results"].items():
 PY
 }
 
+mla_switch_ab() {   # A/B of a wgmma MLA decode switch $2 (0 / 1), files named $1_*: its GPU tests
+    # (tests/gpu/test_mla_decode_wgmma.py, `-k $5` unless empty), kernel calls at V2-Lite batch 64 / 128 / 256 over
+    # E4M3 under the settings $3, then (tests passed) V2-Lite steps over E4M3 at batches $4, two passes
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_decode_wgmma.py -x ${5:+-k "$5"} \
+        > "$OUT/pytest_$1.log" 2>&1
+    tail -2 "$OUT/pytest_$1.log" | cut -c1-300
+    grep -E "^(FAILED|E )" "$OUT/pytest_$1.log" | head -8
+    elapsed "wgmma tests"
+    timeout 150 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes float8_e4m3fn --settings "$3" \
+        --cases "v2-lite b64 ctx1024,v2-lite b128,v2-lite b256" --output "$OUT/$1_kernels.json" \
+        > "/tmp/$1_kernels.log" 2>&1
+    tail -1 "/tmp/$1_kernels.log" | cut -c1-300; summarise_kernels "$OUT/$1_kernels.json"
+    elapsed "wgmma kernels"
+    grep -q " failed" "$OUT/pytest_$1.log" && { echo "tests failed: no steps"; return; }
+    timeout 330 python3 benchmarks/ab_env_sweep.py --setting "$2=0,1" --passes 2 --timeout 70 \
+        --output "$OUT/$1_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
+        --batches "$4" --kv-cache-dtype fp8 --profile-batch 0 > "/tmp/$1_ab.log" 2>&1
+    tail -1 "/tmp/$1_ab.log" | cut -c1-300; summarise_steps "$OUT/$1_v2lite_ab.json"
+    elapsed "$1 steps"
+}
+
 summarise_timelines() {   # the graph timelines of an h200_decode_sweep.py JSON's shape $3 (Llama-3.2-1B) at context $2
     # (1k): step, span, idle, one layer's launches in order (sequence), the replay's ten longest kernels by name
     # (by_kernel) and the eight that add the most to the span (exposed_by_kernel)
@@ -820,47 +841,17 @@ reg-scores)
     # from shared memory: a tile's shared-memory traffic ~246 -> ~166 KB, where session 56's Nsight Compute had the
     # kernel's warps waiting on shared memory most. Its tests (its two paths), kernel calls at V2-Lite batch 64 /
     # 128 / 256 over E4M3, then V2-Lite steps over E4M3 at batch 64 / 256, two passes.
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_decode_wgmma.py -x -k reg_scores \
-        > "$OUT/pytest_mla_wgmma_reg_scores.log" 2>&1
-    tail -2 "$OUT/pytest_mla_wgmma_reg_scores.log" | cut -c1-300
-    grep -E "^(FAILED|E )" "$OUT/pytest_mla_wgmma_reg_scores.log" | head -8
-    elapsed "wgmma tests"
-    timeout 150 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes float8_e4m3fn \
-        --settings "DEEPSERVE_MLA_WGMMA_REG_SCORES=0;DEEPSERVE_MLA_WGMMA_REG_SCORES=1" \
-        --cases "v2-lite b64 ctx1024,v2-lite b128,v2-lite b256" --output "$OUT/mla_reg_scores_kernels.json" \
-        > /tmp/mla_reg_scores_kernels.log 2>&1
-    tail -1 /tmp/mla_reg_scores_kernels.log | cut -c1-300; summarise_kernels "$OUT/mla_reg_scores_kernels.json"
-    elapsed "wgmma kernels"
-    grep -q " failed" "$OUT/pytest_mla_wgmma_reg_scores.log" && { echo "tests failed: no steps"; exit 0; }
-    timeout 300 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MLA_WGMMA_REG_SCORES=0,1 --passes 2 \
-        --timeout 70 --output "$OUT/mla_reg_scores_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
-        --batches 64,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_reg_scores_ab.log 2>&1
-    tail -1 /tmp/mla_reg_scores_ab.log | cut -c1-300; summarise_steps "$OUT/mla_reg_scores_v2lite_ab.json"
-    elapsed "reg-scores steps"
+    mla_switch_ab mla_reg_scores DEEPSERVE_MLA_WGMMA_REG_SCORES \
+        "DEEPSERVE_MLA_WGMMA_REG_SCORES=0;DEEPSERVE_MLA_WGMMA_REG_SCORES=1" 64,256 reg_scores
     ;;
 s55-async)
     # Session 55: DEEPSERVE_MLA_WGMMA_ASYNC, the wgmma MLA decode with the next tile's chunks 3-7 carried by cp.async
     # into shared memory (20 KB more a program, still two an SM) instead of loaded into registers at a tile's start.
-    # Its tests (both paths), kernel calls at V2-Lite batch 64 / 128 / 256 over E4M3, then V2-Lite steps over E4M3
+    # Its tests (all paths), kernel calls at V2-Lite batch 64 / 128 / 256 over E4M3, then V2-Lite steps over E4M3
     # at batch 8 / 64 / 128 / 256, two passes. Run in session 55 before the block table was read a tile ahead
     # (mla_wgmma_async_*_h100_s55.json; with it: mla_wgmma_table_ahead_*_h100_s55.json); the default since.
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_decode_wgmma.py -x \
-        > "$OUT/pytest_mla_wgmma_async.log" 2>&1
-    tail -2 "$OUT/pytest_mla_wgmma_async.log" | cut -c1-300
-    grep -E "^(FAILED|E )" "$OUT/pytest_mla_wgmma_async.log" | head -8
-    elapsed "wgmma tests"
-    timeout 150 python3 benchmarks/fp8_attention_kernels.py --cache-dtypes float8_e4m3fn \
-        --settings "DEEPSERVE_MLA_WGMMA_ASYNC=0;DEEPSERVE_MLA_WGMMA_ASYNC=1;DEEPSERVE_MLA_WGMMA=0" \
-        --cases "v2-lite b64 ctx1024,v2-lite b128,v2-lite b256" --output "$OUT/mla_wgmma_async_kernels.json" \
-        > /tmp/mla_wgmma_async_kernels.log 2>&1
-    tail -1 /tmp/mla_wgmma_async_kernels.log | cut -c1-300; summarise_kernels "$OUT/mla_wgmma_async_kernels.json"
-    elapsed "wgmma kernels"
-    grep -q " failed" "$OUT/pytest_mla_wgmma_async.log" && { echo "tests failed: no steps"; exit 0; }
-    timeout 330 python3 benchmarks/ab_env_sweep.py --setting DEEPSERVE_MLA_WGMMA_ASYNC=0,1 --passes 2 --timeout 70 \
-        --output "$OUT/mla_wgmma_async_v2lite_ab.json" -- --shapes deepseek-v2-lite --contexts 1024 \
-        --batches 8,64,128,256 --kv-cache-dtype fp8 --profile-batch 0 > /tmp/mla_wgmma_async_ab.log 2>&1
-    tail -1 /tmp/mla_wgmma_async_ab.log | cut -c1-300; summarise_steps "$OUT/mla_wgmma_async_v2lite_ab.json"
-    elapsed "wgmma async steps"
+    mla_switch_ab mla_wgmma_async DEEPSERVE_MLA_WGMMA_ASYNC \
+        "DEEPSERVE_MLA_WGMMA_ASYNC=0;DEEPSERVE_MLA_WGMMA_ASYNC=1;DEEPSERVE_MLA_WGMMA=0" 8,64,128,256 ""
     ;;
 s51)
     export DEEPSERVE_MLA_WGMMA=0
