@@ -206,7 +206,7 @@ if HAVE_GLUON:
         c_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TOKENS, COLS], gl.float16)
         q_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, COLS], gl.float16)
         p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, TOKENS], gl.float16)
-        # The widened chunks the products read from shared memory: with REG_SCORES only the output's 8
+        # The widened chunks the products read from shared memory: with REG_SCORES only the output's 8.
         C_SLOTS: gl.constexpr = CHUNKS if REG_SCORES else CHUNKS + 1
         c_smem = gl.allocate_shared_memory(gl.float16, [C_SLOTS, TOKENS, COLS], c_shared)
         q_smem = gl.allocate_shared_memory(gl.float16, [CHUNKS + 1, HEADS, COLS], q_shared)
