@@ -45,6 +45,7 @@
 #   bash benchmarks/gpu_pending.sh s50        # ~5 min: (d9ec60b) MLA warp chunks: tests, calls, steps; capture priority
 #   bash benchmarks/gpu_pending.sh s56-first  # ~3 min: the MLA decode under Nsight Compute, V2-Lite b256 timeline
 #   bash benchmarks/gpu_pending.sh router-splits  # ~7 min: DEEPSERVE_ROUTER_SPLITS=0,2,4 in MoE steps at batch 64 / 256
+#   bash benchmarks/gpu_pending.sh reg-out     # ~8 min: DEEPSERVE_MLA_WGMMA_REG_OUT: tests, kernel calls, steps
 #   bash benchmarks/gpu_pending.sh reg-scores  # ~8 min: DEEPSERVE_MLA_WGMMA_REG_SCORES: tests, kernel calls, steps
 #   bash benchmarks/gpu_pending.sh s55-async  # ~8 min: DEEPSERVE_MLA_WGMMA_ASYNC: tests, kernel calls, V2-Lite steps
 #   bash benchmarks/gpu_pending.sh s51-wgmma  # ~3 min: DEEPSERVE_MLA_WGMMA: tests, kernel calls, V2-Lite steps
@@ -834,6 +835,14 @@ s56-first)
         python3 benchmarks/ncu_decode_attention.py --mla-large
     elapsed "ncu"
     v2lite_b256_timeline v2lite_timeline_b256; elapsed "timeline"
+    ;;
+reg-out)
+    # Session 58: DEEPSERVE_MLA_WGMMA_REG_OUT, kernels/mla_decode_wgmma_regs.py: the 8-bit key tiles stay 8-bit in
+    # shared memory (a ring of two, cp.async a whole tile ahead) and both products take the keys from registers,
+    # nothing widened stored (~145 KB of shared-memory traffic a tile against ~200). Its tests, kernel calls at V2-Lite
+    # batch 64 / 128 / 256 over E4M3, then V2-Lite steps over E4M3 at batch 64 / 256, two passes.
+    mla_switch_ab mla_reg_out DEEPSERVE_MLA_WGMMA_REG_OUT \
+        "DEEPSERVE_MLA_WGMMA_REG_OUT=0;DEEPSERVE_MLA_WGMMA_REG_OUT=1" 64,256 reg_out
     ;;
 reg-scores)
     # Session 57: DEEPSERVE_MLA_WGMMA_REG_SCORES, the wgmma MLA decode's score products with the widened keys as

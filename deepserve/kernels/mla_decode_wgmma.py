@@ -92,13 +92,13 @@ if HAVE_GLUON:
         return gl.load(rows + first + cols[None, :], mask=t_ok[:, None], other=0.0)
 
     @gluon.jit
-    def _tile_blocks(table, n0, keys, end, block_size):
+    def tile_blocks(table, n0, keys, end, block_size):
         """The cache blocks of the 64 keys from n0 on (0 past end), from the block table."""
         tok = n0 + keys
         return gl.load(table + tok // block_size, mask=tok < end, other=0)
 
     @gluon.jit
-    def _block_rows(blk, cache_ptr, n0, keys, end, block_size, stride_c_block, stride_c_slot):
+    def block_rows(blk, cache_ptr, n0, keys, end, block_size, stride_c_block, stride_c_slot):
         """The row pointers ([64, 1]) of the 64 keys from n0 on, in their cache blocks blk, and which are < end."""
         tok = n0 + keys
         rows = cache_ptr + blk.to(gl.int64) * stride_c_block + (tok % block_size).to(gl.int64) * stride_c_slot
@@ -107,8 +107,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _tile_rows(table, cache_ptr, n0, keys, end, block_size, stride_c_block, stride_c_slot):
         """The row pointers ([64, 1]) of the 64 keys from n0 on, through the block table, and which are < end."""
-        blk = _tile_blocks(table, n0, keys, end, block_size)
-        return _block_rows(blk, cache_ptr, n0, keys, end, block_size, stride_c_block, stride_c_slot)
+        blk = tile_blocks(table, n0, keys, end, block_size)
+        return block_rows(blk, cache_ptr, n0, keys, end, block_size, stride_c_block, stride_c_slot)
 
     @gluon.jit
     def _stage_chunk(c_smem, j: gl.constexpr, codes):
@@ -135,9 +135,26 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _stage_query(q_smem, j: gl.constexpr, rows, cols, h_ok):
-        """Query columns j * 64 + cols of the program's heads (pointers [16, 1]) as fp16, clamped to its range."""
-        x = gl.load(rows + j * COLS_C + cols[None, :], mask=h_ok[:, None], other=0.0).to(gl.float32)
+        """Columns cols of the program's query heads from rows (pointers [16, 1]) into chunk j of q_smem as fp16,
+        clamped to its range."""
+        x = gl.load(rows + cols[None, :], mask=h_ok[:, None], other=0.0).to(gl.float32)
         q_smem.index(j).store(gl.minimum(gl.maximum(x, -65504.0), 65504.0).to(gl.float16))
+
+    @gluon.jit
+    def stage_queries(q_smem, q_lat_ptr, q_pe_ptr, head_tile, stride_qlh, stride_qph, num_heads,
+                       REG_SCORES: gl.constexpr):
+        """The program's query heads (one sequence's rows at q_lat_ptr / q_pe_ptr) into q_smem [9, 16, 64] as fp16:
+        the eight latent chunks, then the RoPE part; with REG_SCORES each chunk's columns in the score operand's
+        order (_score_columns)."""
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        qh = head_tile * HEADS_C + gl.arange(0, HEADS_C, layout=gl.SliceLayout(1, q_layout))
+        qc = gl.arange(0, COLS_C, layout=gl.SliceLayout(0, q_layout))
+        if REG_SCORES:
+            qc = _score_columns(qc)
+        qh_ok = qh < num_heads
+        for j in gl.static_range(8):
+            _stage_query(q_smem, j, q_lat_ptr + qh[:, None] * stride_qlh + j * COLS_C, qc, qh_ok)
+        _stage_query(q_smem, 8, q_pe_ptr + qh[:, None] * stride_qph, qc, qh_ok)
 
     @gluon.jit
     def _score_columns(k):
@@ -157,14 +174,20 @@ if HAVE_GLUON:
     def _widen_and_score(c_smem, j: gl.constexpr, q_smem, z, codes, s, a_prev, a_layout: gl.constexpr,
                          first: gl.constexpr, stage: gl.constexpr):
         """REG_SCORES: chunk j's 8-bit codes widened, into shared memory for the output products (stage: latent
-        chunks, not the RoPE part), and from registers into the scores: s += C_j q_j^T, in flight. The wait leaves
-        this chunk's product alone in flight, so the chunk before it is done and its registers (a_prev) are free;
-        this chunk's are kept (returned) until the next wait."""
+        chunks, not the RoPE part), and from registers into the scores: s += C_j q_j^T, in flight (score_chunk)."""
         w = codes.to(gl.float16)
         if stage:
             c_smem.index(j).store(w)
+        return score_chunk(w, q_smem.index(j + z), s, a_prev, a_layout, first)
+
+    @gluon.jit
+    def score_chunk(w, q_chunk, s, a_prev, a_layout: gl.constexpr, first: gl.constexpr):
+        """REG_SCORES: s += w q^T in flight, w a widened chunk ([64 keys, 64 columns] fp16 in the load layout) from
+        registers, q_chunk the query's [16 heads, 64 columns] in shared memory. The wait leaves this product alone
+        in flight: the one before it is done, and so are its operand's registers (a_prev); this one's are kept
+        (returned) until the next wait."""
         a = _score_operand(w, a_layout)
-        s = warpgroup_mma(a, q_smem.index(j + z).permute((1, 0)), s, use_acc=not first, is_async=True)
+        s = warpgroup_mma(a, q_chunk.permute((1, 0)), s, use_acc=not first, is_async=True)
         if first:
             s, a = warpgroup_mma_wait(1, deps=(s, a))
         else:
@@ -199,7 +222,6 @@ if HAVE_GLUON:
                 warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[TOKENS, COLS])
         else:
             load_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEADS, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
@@ -233,18 +255,8 @@ if HAVE_GLUON:
             start = 0
             end = seq_len
         if start < end:
-            # The query: latent chunks then the RoPE part, fp16 in shared memory.
-            qh = head_tile * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, q_layout))
-            qc = gl.arange(0, COLS, layout=gl.SliceLayout(0, q_layout))
-            if REG_SCORES:      # in the score operand's column order
-                qc = _score_columns(qc)
-            q_rows = q_lat_ptr + b * stride_qlb + qh[:, None] * stride_qlh
-            qh_ok = qh < num_heads
-            for j in gl.static_range(CHUNKS):
-                _stage_query(q_smem, j, q_rows, qc, qh_ok)
-            pe = gl.load(q_pe_ptr + b * stride_qpb + qh[:, None] * stride_qph + qc[None, :], mask=qh_ok[:, None],
-                         other=0.0).to(gl.float32)
-            q_smem.index(CHUNKS).store(gl.minimum(gl.maximum(pe, -65504.0), 65504.0).to(gl.float16))
+            stage_queries(q_smem, q_lat_ptr + b * stride_qlb, q_pe_ptr + b * stride_qpb, head_tile, stride_qlh,
+                           stride_qph, num_heads, REG_SCORES)
             if REG_SCORES:      # the first tile's score products read it before the loop's first barrier
                 fence_async_shared()
                 cta_barrier()
@@ -267,7 +279,7 @@ if HAVE_GLUON:
             # later tile's first chunks load while the tile before it is computed (below).
             rows, t_ok = _tile_rows(table, cache_ptr, start, keys, end, block_size, stride_c_block, stride_c_slot)
             if ASYNC:     # the block table a tile ahead of the loads that use it
-                blk_next = _tile_blocks(table, start + TOKENS, keys, end, block_size)
+                blk_next = tile_blocks(table, start + TOKENS, keys, end, block_size)
             k0 = _load_chunk(rows, 0 * COLS, cols, t_ok)
             k1 = _load_chunk(rows, 1 * COLS, cols, t_ok)
             k2 = _load_chunk(rows, 2 * COLS, cols, t_ok)
@@ -329,9 +341,9 @@ if HAVE_GLUON:
                 # run (all masked off after the last tile: no memory is read). With ASYNC its chunks 3-7 too, into
                 # shared memory (every thread has read this tile's copies there: the barrier above).
                 if ASYNC:
-                    rows, t_ok = _block_rows(blk_next, cache_ptr, n0 + TOKENS, keys, end, block_size, stride_c_block,
+                    rows, t_ok = block_rows(blk_next, cache_ptr, n0 + TOKENS, keys, end, block_size, stride_c_block,
                                              stride_c_slot)
-                    blk_next = _tile_blocks(table, n0 + 2 * TOKENS, keys, end, block_size)
+                    blk_next = tile_blocks(table, n0 + 2 * TOKENS, keys, end, block_size)
                 else:
                     rows, t_ok = _tile_rows(table, cache_ptr, n0 + TOKENS, keys, end, block_size, stride_c_block,
                                             stride_c_slot)
