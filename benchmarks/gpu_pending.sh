@@ -840,9 +840,9 @@ reg-out)
     # Session 58: DEEPSERVE_MLA_WGMMA_REG_OUT, kernels/mla_decode_wgmma_regs.py: the 8-bit key tiles stay 8-bit in
     # shared memory (a ring of two, cp.async a whole tile ahead) and both products take the keys from registers,
     # nothing widened stored (~145 KB of shared-memory traffic a tile against ~200). Its tests, kernel calls at V2-Lite
-    # batch 64 / 128 / 256 over E4M3, then V2-Lite steps over E4M3 at batch 64 / 256, two passes.
+    # batch 64 / 128 / 256 over E4M3, then V2-Lite steps over E4M3 at batch 64 / 256 (REG_OUT_BATCHES), two passes.
     mla_switch_ab mla_reg_out DEEPSERVE_MLA_WGMMA_REG_OUT \
-        "DEEPSERVE_MLA_WGMMA_REG_OUT=0;DEEPSERVE_MLA_WGMMA_REG_OUT=1" 64,256 reg_out
+        "DEEPSERVE_MLA_WGMMA_REG_OUT=0;DEEPSERVE_MLA_WGMMA_REG_OUT=1" "${REG_OUT_BATCHES:-64,256}" reg_out
     ;;
 reg-scores)
     # Session 57: DEEPSERVE_MLA_WGMMA_REG_SCORES, the wgmma MLA decode's score products with the widened keys as
