@@ -195,6 +195,38 @@ if HAVE_GLUON:
         return s, a
 
     @gluon.jit
+    def key_range(seq_len, split, SPLIT: gl.constexpr):
+        """[start, end) of the keys a program takes: with SPLIT, its split's partition (whole 64-key tiles) of the
+        sequence's seq_len keys, else all of them."""
+        if SPLIT:
+            partition = gl.cdiv(gl.cdiv(seq_len, gl.num_programs(2)), TOKENS_C) * TOKENS_C
+            start = split * partition
+            return start, gl.minimum(start + partition, seq_len)
+        return 0, seq_len
+
+    @gluon.jit
+    def softmax_step(s, s_ok, m_i, l_i, qk_scale):
+        """One tile of the online softmax down the key axis (scores^T [64 keys, 16 heads], keys s_ok valid; float32
+        statistics in the log2 domain): (probabilities, the rescale of what came before, new max, new sum)."""
+        s = gl.where(s_ok[:, None], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[None, :])
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 0)
+
+    @gluon.jit
+    def output_rows(out_ptr, part_out_ptr, part_lse_ptr, b, split, oh, oh_ok, m_i, l_i, stride_ob, stride_oh,
+                    stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, SPLIT: gl.constexpr):
+        """Pointers [1, 16] to the output rows of heads oh: with SPLIT the split's partial rows, whose log-sum-exp
+        (m_i + log2 l_i) is stored here, else the final ones."""
+        if SPLIT:       # (a constexpr branch: one of the two pointer types is built)
+            gl.store(part_lse_ptr + b * stride_pl_b + oh * stride_pl_h + split, m_i + gl.log2(l_i), mask=oh_ok)
+            rows = part_out_ptr + b * stride_po_b + oh[None, :] * stride_po_h + split * stride_po_s
+        else:
+            rows = out_ptr + b * stride_ob + oh[None, :] * stride_oh
+        return rows
+
+    @gluon.jit
     def _store_out(rows, j: gl.constexpr, r, h_ok, acc, l_i):
         """out^T chunk j ([64 columns, 16 heads] float32) / l into the heads' rows (pointers [1, 16])."""
         gl.store(rows + j * COLS_C + r[:, None], (acc / l_i[None, :]).to(rows.dtype.element_ty), mask=h_ok[None, :])
@@ -246,14 +278,7 @@ if HAVE_GLUON:
         head_tile = gl.program_id(1)
         split = gl.program_id(2)
         table = block_tables_ptr + b * stride_bt
-        seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
-        if SPLIT:
-            partition = gl.cdiv(gl.cdiv(seq_len, gl.num_programs(2)), TOKENS) * TOKENS
-            start = split * partition
-            end = gl.minimum(start + partition, seq_len)
-        else:
-            start = 0
-            end = seq_len
+        start, end = key_range(gl.load(seq_lens_ptr + b).to(gl.int32), split, SPLIT)
         if start < end:
             stage_queries(q_smem, q_lat_ptr + b * stride_qlb, q_pe_ptr + b * stride_qpb, head_tile, stride_qlh,
                            stride_qph, num_heads, REG_SCORES)
@@ -362,13 +387,7 @@ if HAVE_GLUON:
                         s = warpgroup_mma(c_smem.index(j + z), q_smem.index(j + z).permute((1, 0)), s, is_async=True)
                     s = warpgroup_mma_wait(0, deps=(s,))
 
-                s_ok = (n0 + s_keys) < end
-                s = gl.where(s_ok[:, None], s * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 0))
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(s - m_new[None, :])
-                l_i = l_i * alpha + gl.sum(p, 0)
-                m_i = m_new
+                p, alpha, m_i, l_i = softmax_step(s, (n0 + s_keys) < end, m_i, l_i, qk_scale)
                 p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
                 fence_async_shared()
                 cta_barrier()
@@ -391,11 +410,8 @@ if HAVE_GLUON:
             oh = head_tile * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma_layout))
             r = gl.arange(0, COLS, layout=gl.SliceLayout(1, mma_layout))
             oh_ok = oh < num_heads
-            if SPLIT:
-                o_rows = part_out_ptr + b * stride_po_b + oh[None, :] * stride_po_h + split * stride_po_s
-                gl.store(part_lse_ptr + b * stride_pl_b + oh * stride_pl_h + split, m_i + gl.log2(l_i), mask=oh_ok)
-            else:
-                o_rows = out_ptr + b * stride_ob + oh[None, :] * stride_oh
+            o_rows = output_rows(out_ptr, part_out_ptr, part_lse_ptr, b, split, oh, oh_ok, m_i, l_i, stride_ob,
+                                 stride_oh, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, SPLIT)
             _store_out(o_rows, 0, r, oh_ok, o0, l_i)
             _store_out(o_rows, 1, r, oh_ok, o1, l_i)
             _store_out(o_rows, 2, r, oh_ok, o2, l_i)

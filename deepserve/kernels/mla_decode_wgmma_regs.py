@@ -40,8 +40,9 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                                    warpgroup_mma_wait)
-    from deepserve.kernels.mla_decode_wgmma import (COLS_C, HEADS_C, TOKENS_C, block_rows, score_chunk,
-                                                    stage_queries, tile_blocks, copy_to_shared, cta_barrier)
+    from deepserve.kernels.mla_decode_wgmma import (COLS_C, HEADS_C, TOKENS_C, block_rows, copy_to_shared,
+                                                    cta_barrier, key_range, output_rows, score_chunk, softmax_step,
+                                                    stage_queries, tile_blocks)
 
     def lat_shared_layout(rows: int):
         """The latent ring's shared layout for `rows` rows of 128 bytes (a power of two >= 8): a row's 16-byte
@@ -149,14 +150,7 @@ if HAVE_GLUON:
         head_tile = gl.program_id(1)
         split = gl.program_id(2)
         table = block_tables_ptr + b * stride_bt
-        seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
-        if SPLIT:
-            partition = gl.cdiv(gl.cdiv(seq_len, gl.num_programs(2)), TOKENS) * TOKENS
-            start = split * partition
-            end = gl.minimum(start + partition, seq_len)
-        else:
-            start = 0
-            end = seq_len
+        start, end = key_range(gl.load(seq_lens_ptr + b).to(gl.int32), split, SPLIT)
         if start < end:
             # The first tile's copies go out before anything else, then the query is staged.
             keys = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, copy_layout))
@@ -211,13 +205,7 @@ if HAVE_GLUON:
                 s, a = score_chunk(w, q_smem.index(8 + z), s, a, a_layout, False)
                 s, a = warpgroup_mma_wait(0, deps=(s, a))
 
-                s_ok = (n0 + s_keys) < end
-                s = gl.where(s_ok[:, None], s * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 0))
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(s - m_new[None, :])
-                l_i = l_i * alpha + gl.sum(p, 0)
-                m_i = m_new
+                p, alpha, m_i, l_i = softmax_step(s, (n0 + s_keys) < end, m_i, l_i, qk_scale)
                 p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
                 fence_async_shared()
                 cta_barrier()
@@ -263,11 +251,8 @@ if HAVE_GLUON:
             oh = head_tile * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma_layout))
             m = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, mma_layout))
             oh_ok = oh < num_heads
-            if SPLIT:
-                o_rows = part_out_ptr + b * stride_po_b + oh[None, :] * stride_po_h + split * stride_po_s
-                gl.store(part_lse_ptr + b * stride_pl_b + oh * stride_pl_h + split, m_i + gl.log2(l_i), mask=oh_ok)
-            else:
-                o_rows = out_ptr + b * stride_ob + oh[None, :] * stride_oh
+            o_rows = output_rows(out_ptr, part_out_ptr, part_lse_ptr, b, split, oh, oh_ok, m_i, l_i, stride_ob,
+                                 stride_oh, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, SPLIT)
             _store_out(o_rows, m, 0, oh_ok, o0, l_i)
             _store_out(o_rows, m, 1, oh_ok, o1, l_i)
             _store_out(o_rows, m, 2, oh_ok, o2, l_i)
