@@ -843,6 +843,7 @@ reg-out)
     # batch 64 / 128 / 256 over E4M3, then V2-Lite steps over E4M3 at batch 64 / 256 (REG_OUT_BATCHES), two passes.
     mla_switch_ab mla_reg_out DEEPSERVE_MLA_WGMMA_REG_OUT \
         "DEEPSERVE_MLA_WGMMA_REG_OUT=0;DEEPSERVE_MLA_WGMMA_REG_OUT=1" "${REG_OUT_BATCHES:-64,256}" reg_out
+    grep -q " failed" "$OUT/pytest_mla_reg_out.log" && timeout 60 python3 benchmarks/mla_decode_wgmma_check.py
     ;;
 reg-scores)
     # Session 57: DEEPSERVE_MLA_WGMMA_REG_SCORES, the wgmma MLA decode's score products with the widened keys as
