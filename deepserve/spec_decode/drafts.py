@@ -31,6 +31,16 @@ class Drafts:
         return Drafts(self.token_ids[:n], self.confidences[:n], self.match_length, self.seq_id, probs)
 
 
+class ScheduledRows(Protocol):
+    """What a model drafter reads of one scheduled sequence in a step: the fields of the worker's
+    ScheduledSequence (worker/scheduler_output.py), stated here because the worker imports this floor, not the
+    other way round."""
+    seq: Sequence
+    start: int              # first position computed in the step
+    num_new_tokens: int     # positions [start, start + num_new_tokens) are computed
+    samples: bool           # the step samples this sequence's next token
+
+
 class Drafter(Protocol):
     def propose(self, seq: Sequence, max_drafts: int) -> Drafts:
         """Up to `max_drafts` drafts following `seq`'s known tokens (none is a valid answer)."""

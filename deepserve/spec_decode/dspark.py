@@ -27,7 +27,6 @@ max(P - Q e^-5e-5, 0). Greedy drafts are argmaxes: point masses.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,10 +35,7 @@ from deepserve.kernels.reference.sampling import sample_from_probs, shaped_probs
 from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.paged_state import RowSlots
 from deepserve.sequence import Sequence
-from deepserve.spec_decode.drafts import ModelDrafter
-
-if TYPE_CHECKING:     # the worker's step contract, by type only: the worker imports this floor
-    from deepserve.worker.scheduler_output import ScheduledSequence
+from deepserve.spec_decode.drafts import ModelDrafter, ScheduledRows
 
 MTP_SEED_OFFSET = 1000000007        # §6.3: the draft ("mtp") random stream
 GREEDY_TEMPERATURE = 1e-5           # §6.3: greedy rows' temperature (the confidence head divides by it)
@@ -63,7 +59,7 @@ class _Block:
     count: int
 
 
-def draft_blocks(scheduled: list[ScheduledSequence], sampled: dict[int, int], emitted: dict[int, list[int]],
+def draft_blocks(scheduled: list[ScheduledRows], sampled: dict[int, int], emitted: dict[int, list[int]],
                  num_drafts: int, max_position: int, table_rows: list[int] | None = None) -> list[_Block]:
     """The sequences of the step that know their next token now, with what their blocks need. `table_rows`: the
     row of each scheduled sequence's block table in the step's batch (default: row i for sequence i; a decode

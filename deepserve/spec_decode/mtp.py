@@ -32,15 +32,11 @@ confidence the MTP's probability of it (given the drafts before it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from deepserve.layers.forward_batch import ForwardBatch, upload_int64
-from deepserve.spec_decode.drafts import ModelDrafter
-
-if TYPE_CHECKING:     # the worker's step contract, by type only: the worker imports this floor
-    from deepserve.worker.scheduler_output import ScheduledSequence
+from deepserve.spec_decode.drafts import ModelDrafter, ScheduledRows
 
 
 @dataclass
@@ -75,7 +71,7 @@ class MTPScratch:
         return table + list(range(first, first + extra))
 
 
-def mtp_rows(s: ScheduledSequence, sampled: int | None, emitted: list[int] | None) -> list[int] | None:
+def mtp_rows(s: ScheduledRows, sampled: int | None, emitted: list[int] | None) -> list[int] | None:
     """Next tokens of the step's rows of `s` that the MTP layer takes (a prefix of them); None: no row (the
     sequence's token is not known here)."""
     seq, start, n = s.seq, s.start, s.num_new_tokens
@@ -112,7 +108,7 @@ def _forward_batch(input_ids, positions: list[int], q_lens: list[int], tables: l
         seq_lens_cpu=s_lens, logits_indices=idx, block_size=block_size, data_lens_cpu=s_lens)
 
 
-def mtp_batch(scheduled: list[ScheduledSequence], next_tokens: list[list[int] | None], block_size: int,
+def mtp_batch(scheduled: list[ScheduledRows], next_tokens: list[list[int] | None], block_size: int,
               device: torch.device) -> tuple[ForwardBatch, list[int], list[int]]:
     """A ForwardBatch over the kept rows (the step's positions and KV slots), the index of each kept sequence in
     `scheduled`, and the row of the step's hidden states each kept row reads (a row per scheduled position, in
@@ -143,7 +139,7 @@ class _Chain:
     picks: list[int] = field(default_factory=list)
 
 
-def _chains(scheduled: list[ScheduledSequence], seq_index: list[int], next_tokens: list[list[int] | None],
+def _chains(scheduled: list[ScheduledRows], seq_index: list[int], next_tokens: list[list[int] | None],
             num_drafts: int, max_model_len: int, block_size: int, scratch: MTPScratch | None) -> list[_Chain]:
     chains = []
     for row, i in enumerate(seq_index):
@@ -161,7 +157,7 @@ def _chains(scheduled: list[ScheduledSequence], seq_index: list[int], next_token
 
 
 @torch.inference_mode()
-def run_mtp(model, build_metadata, scheduled: list[ScheduledSequence], next_tokens: list[list[int] | None],
+def run_mtp(model, build_metadata, scheduled: list[ScheduledRows], next_tokens: list[list[int] | None],
             hidden: torch.Tensor, num_drafts: int, max_model_len: int, block_size: int,
             scratch: MTPScratch | None) -> dict[int, MTPDraft]:
     """Drafts for the next step: the MTP layer over the step's rows whose next token is known (`hidden`: the target's
