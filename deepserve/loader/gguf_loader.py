@@ -244,6 +244,9 @@ def build_config(reader: GGUFFile) -> dict:
     pad_token_id = read_field(reader, "tokenizer.ggml.padding_token_id")
     if pad_token_id is not None:
         config["pad_token_id"] = pad_token_id
+    window = arch_field("attention.sliding_window")
+    if window:      # a file that declares a window (0: none) is read with it, so the models can refuse it
+        config["sliding_window"] = window
     return config
 
 

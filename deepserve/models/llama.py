@@ -18,7 +18,7 @@ from deepserve.layers.mlp import GatedMLP
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rank_group import SINGLE, RankGroup
 from deepserve.layers.tensor_parallel import shard_column, shard_row, split_evenly, split_kv_heads
-from deepserve.models.base import CausalLM, DecoderLayer
+from deepserve.models.base import CausalLM, DecoderLayer, refuse_sliding_window
 from deepserve.layers.rotary import RotaryEmbedding
 from deepserve.layers.forward_batch import ForwardBatch
 
@@ -101,6 +101,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
         super().__init__()
         self.config = cfg
+        refuse_sliding_window(cfg, max_position)
         qk_norm = cfg.get("model_type") == "qwen3"
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads

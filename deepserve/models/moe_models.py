@@ -20,7 +20,7 @@ from torch import nn
 from deepserve.layers.moe import FusedMoE, GatedMLP, RoutingConfig, copy_checked
 from deepserve.layers.rotary import RotaryEmbedding
 from deepserve.models.llama import LlamaAttention
-from deepserve.models.base import CausalLM, DecoderLayer
+from deepserve.models.base import CausalLM, DecoderLayer, refuse_sliding_window
 
 
 class _MoECausalLM(CausalLM):
@@ -31,7 +31,7 @@ class _MoECausalLM(CausalLM):
     def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
         super().__init__()
         self.config = cfg
-        _check_no_sliding_window(cfg, max_position)
+        refuse_sliding_window(cfg, max_position)
         if cfg.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"activation {cfg['hidden_act']!r} is not supported (silu only)")
         hidden = cfg["hidden_size"]
@@ -95,10 +95,3 @@ class Qwen3MoeForCausalLM(_MoECausalLM):
             return GatedMLP(cfg["hidden_size"], cfg["intermediate_size"])
         routing = RoutingConfig(top_k=cfg["num_experts_per_tok"], renormalize=bool(cfg.get("norm_topk_prob")))
         return FusedMoE(cfg["hidden_size"], cfg["moe_intermediate_size"], num_experts, routing)
-
-
-def _check_no_sliding_window(cfg: dict[str, Any], max_position: int) -> None:
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    if window is not None and window < max_position:
-        raise NotImplementedError(f"sliding-window attention (window {window}) is not supported yet; "
-                                  f"use max_model_len <= {window}")

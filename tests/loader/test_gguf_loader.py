@@ -16,6 +16,7 @@ from deepserve.loader.gguf_loader import (
     load_gguf,
     unpermute_rope_rows,
 )
+from deepserve.models.llama import LlamaForCausalLM
 
 
 @pytest.fixture(scope="module")
@@ -205,9 +206,11 @@ GGUF_NAMES = {
 }
 
 
-def write_tiny_gguf(path: str, arch: str, weights: dict[str, np.ndarray]) -> str:
+def write_tiny_gguf(path: str, arch: str, weights: dict[str, np.ndarray], sliding_window: int | None = None) -> str:
     """A GGUF laid out as llama.cpp's converter would write these HF weights."""
     writer = gguf.GGUFWriter(path, arch)
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
     writer.add_block_count(1)
     writer.add_context_length(128)
     writer.add_embedding_length(HIDDEN)
@@ -252,6 +255,19 @@ def test_tiny_gguf_round_trips_to_hf_layout(tmp_path, arch):
     for name, expected in weights.items():
         expected = expected.astype(np.float16).astype(np.float32) if expected.ndim == 2 else expected
         assert torch.equal(loaded[name], torch.from_numpy(expected)), name
+
+
+def test_a_declared_sliding_window_reaches_the_config_and_is_refused_past_it(tmp_path):
+    """The file's `{arch}.attention.sliding_window` (a Mistral v0.1 conversion) is kept, so the model refuses a
+    context longer than the window instead of attending past it; without the key there is no window."""
+    weights = tiny_hf_weights(seed=1, with_bias=False)
+    windowed = load_gguf(write_tiny_gguf(str(tmp_path / "windowed.gguf"), "llama", weights, sliding_window=16))
+    assert windowed.config["sliding_window"] == 16
+    with pytest.raises(NotImplementedError, match="max_model_len <= 16"):
+        LlamaForCausalLM(windowed.config, max_position=128)
+    plain = load_gguf(write_tiny_gguf(str(tmp_path / "plain.gguf"), "llama", weights))
+    assert "sliding_window" not in plain.config
+    LlamaForCausalLM(plain.config, max_position=128)
 
 
 def test_unsupported_architecture_is_rejected(tmp_path):
