@@ -2,7 +2,8 @@
 # The GPU work that waits for a device machine, in stages that each fit one device call (10 minutes at most): the
 # A/B switches written while no GPU was lent (docs/gpu.md lists them), the GPU tests of the committed defaults, and
 # the decode sweeps that issue 21's targets are read from. Each stage writes its files into $OUT (the device tool
-# returns them) and prints a summary; the full logs stay in /tmp.
+# returns them) and prints a summary; the full logs stay in /tmp. docs/gpu_stages.md says what each stage ran in its
+# sessions and which files it wrote.
 #
 # Run from the repository root on the device machine, one stage per call, with the wheels of the packages the image
 # lacks in .whl/ (README "GPU"; the device tool's `carry: [".whl"]`):
