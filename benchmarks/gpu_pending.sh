@@ -46,8 +46,6 @@
 #   bash benchmarks/gpu_pending.sh s50        # ~5 min: (d9ec60b) MLA warp chunks: tests, calls, steps; capture priority
 #   bash benchmarks/gpu_pending.sh s56-first  # ~3 min: the MLA decode under Nsight Compute, V2-Lite b256 timeline
 #   bash benchmarks/gpu_pending.sh router-splits  # ~7 min: DEEPSERVE_ROUTER_SPLITS=0,2,4 in MoE steps at batch 64 / 256
-#   bash benchmarks/gpu_pending.sh s59-first   # ~9 min: reg-out at batch 256, then the E4M3 MoE sweep at its winner
-#   bash benchmarks/gpu_pending.sh reg-out     # ~8 min: DEEPSERVE_MLA_WGMMA_REG_OUT: tests, kernel calls, steps
 #   bash benchmarks/gpu_pending.sh reg-scores  # ~8 min: DEEPSERVE_MLA_WGMMA_REG_SCORES: tests, kernel calls, steps
 #   bash benchmarks/gpu_pending.sh s55-async  # ~8 min: DEEPSERVE_MLA_WGMMA_ASYNC: tests, kernel calls, V2-Lite steps
 #   bash benchmarks/gpu_pending.sh s51-wgmma  # ~3 min: DEEPSERVE_MLA_WGMMA: tests, kernel calls, V2-Lite steps
@@ -855,41 +853,6 @@ s56-first)
         python3 benchmarks/ncu_decode_attention.py --mla-large
     elapsed "ncu"
     v2lite_b256_timeline v2lite_timeline_b256; elapsed "timeline"
-    ;;
-s59-first)
-    # One machine start for both of session 58's pending runs (starts were the scarce part in sessions 56-59):
-    # reg-out at V2-Lite batch 256 only, then the MoE sweep over an E4M3 cache with DEEPSERVE_MLA_WGMMA_REG_OUT at
-    # whichever setting gave the faster batch-256 steps in both passes (0 where the A/B failed or split). ~9 min.
-    mla_switch_ab mla_reg_out DEEPSERVE_MLA_WGMMA_REG_OUT \
-        "DEEPSERVE_MLA_WGMMA_REG_OUT=0;DEEPSERVE_MLA_WGMMA_REG_OUT=1" 256 reg_out
-    grep -q " failed" "$OUT/pytest_mla_reg_out.log" && timeout 60 python3 benchmarks/mla_decode_wgmma_check.py
-    REG_OUT=$(python3 - "$OUT/mla_reg_out_v2lite_ab.json" <<'PY'
-import json, sys
-try:
-    results = json.load(open(sys.argv[1]))["results"]
-    ms = {k: [r["step_ms"] for r in rows if r["label"].endswith("b256")][0] for k, rows in results.items()}
-    wins = [ms[f"DEEPSERVE_MLA_WGMMA_REG_OUT=1, pass {p}"] < ms[f"DEEPSERVE_MLA_WGMMA_REG_OUT=0, pass {p}"]
-            for p in (1, 2)]
-    print(1 if all(wins) else 0)
-except Exception:       # no steps (tests failed, a timeout): the default
-    print(0)
-PY
-)
-    elapsed "REG_OUT=$REG_OUT for the sweep"
-    timeout 140 env DEEPSERVE_MLA_WGMMA_REG_OUT=$REG_OUT python3 benchmarks/h200_decode_sweep.py \
-        --shapes qwen3-moe,deepseek-v2-lite --batches 8,64,128,256 --contexts 1024 --kv-cache-dtype fp8 \
-        --output "$OUT/moe_fp8.json" > /tmp/moe_fp8.log 2>&1
-    elapsed "moe sweep, fp8 cache"
-    summarise_sweeps | grep -v missing
-    ;;
-reg-out)
-    # Session 58: DEEPSERVE_MLA_WGMMA_REG_OUT, kernels/mla_decode_wgmma_regs.py: the 8-bit key tiles stay 8-bit in
-    # shared memory (a ring of two, cp.async a whole tile ahead) and both products take the keys from registers,
-    # nothing widened stored (~145 KB of shared-memory traffic a tile against ~200). Its tests, kernel calls at V2-Lite
-    # batch 64 / 128 / 256 over E4M3, then V2-Lite steps over E4M3 at batch 64 / 256 (REG_OUT_BATCHES), two passes.
-    mla_switch_ab mla_reg_out DEEPSERVE_MLA_WGMMA_REG_OUT \
-        "DEEPSERVE_MLA_WGMMA_REG_OUT=0;DEEPSERVE_MLA_WGMMA_REG_OUT=1" "${REG_OUT_BATCHES:-64,256}" reg_out
-    grep -q " failed" "$OUT/pytest_mla_reg_out.log" && timeout 60 python3 benchmarks/mla_decode_wgmma_check.py
     ;;
 reg-scores)
     # Session 57: DEEPSERVE_MLA_WGMMA_REG_SCORES, the wgmma MLA decode's score products with the widened keys as

@@ -176,12 +176,6 @@ _DECLARED = [
            "memory traffic ~246 -> ~166 KB; kernels/mla_decode_wgmma.py; H100, V2-Lite batch 256: kernel 78.3 -> "
            "75.6 us, steps 14.53 / 14.51 -> 14.45 / 14.45 ms in two passes, mla_reg_scores_*_h100_s57.json); 0: "
            "session 55's kernel (read at each launch)"),
-    EnvVar("DEEPSERVE_MLA_WGMMA_REG_OUT", "bool", False,
-           "GPU MLA decode on warpgroup MMAs (DEEPSERVE_MLA_WGMMA): kernels/mla_decode_wgmma_regs.py's kernel, whose "
-           "8-bit key tiles stay 8-bit in shared memory (a ring of two that cp.async fills a tile ahead) and whose "
-           "score and output products both take the keys from registers (nothing widened is stored); "
-           "DEEPSERVE_MLA_WGMMA_ASYNC / _REG_SCORES then do not apply. Off: kernels/mla_decode_wgmma.py's (read at "
-           "each launch)"),
     EnvVar("DEEPSERVE_ROUTER_SPLITS", "int", 0,
            "GPU MoE router GEMM on the split-K kernel (17-512 tokens on tensor cores): its hidden dim in this many "
            "parts, rounded up to a power of two (at most 16 and the K steps), instead of the rule of two programs an "

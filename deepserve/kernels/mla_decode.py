@@ -25,7 +25,7 @@ import torch
 
 from deepserve import envs
 from deepserve.kernels import and_scalar, cdiv, next_pow2, num_sms, require_triton, tl, triton
-from deepserve.kernels import mla_decode_wgmma, mla_decode_wgmma_regs
+from deepserve.kernels import mla_decode_wgmma
 from deepserve.kernels.kv_rounding import for_products, store_rounded, widen_values
 from deepserve.kernels.norm import rms_normed
 from deepserve.kernels.kv_write import copy_heads, rotary_write_prologue
@@ -415,10 +415,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     # 64-token tiles on 2 stages took the kernel alone from 101 to 87 us, but V2-Lite's decode step from 12.10-12.24
     # to 12.28-12.31 ms (two A/B pairs in one run, session23_steps_ab_h200.json): not taken.
     precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"      # fp32 inputs: no TF32 rounding
-    if wgmma and envs.DEEPSERVE_MLA_WGMMA_REG_OUT:
-        mla_decode_wgmma_regs.launch_mla_decode_wgmma_regs(q_lat, q_pe, kv_cache, block_tables, seq_lens, out,
-                                                           part_out, part_lse, scale * _LOG2E, num_splits)
-    elif wgmma:
+    if wgmma:
         mla_decode_wgmma.launch_mla_decode_wgmma(q_lat, q_pe, kv_cache, block_tables, seq_lens, out, part_out,
                                                  part_lse, scale * _LOG2E, num_splits,
                                                  copy_async=envs.DEEPSERVE_MLA_WGMMA_ASYNC,

@@ -2,9 +2,8 @@
 reference, over E4M3 and E5M2 caches: partial head tiles, block sizes, contexts inside one tile and across many,
 split launches merged by the reduce, strided output, a CUDA graph; each with the next tile's chunks by registers and
 by cp.async (DEEPSERVE_MLA_WGMMA_ASYNC), and the score products' keys from shared memory or from registers
-(DEEPSERVE_MLA_WGMMA_REG_SCORES); and the kernel whose products both take the keys from registers
-(kernels/mla_decode_wgmma_regs.py, DEEPSERVE_MLA_WGMMA_REG_OUT). It needs an sm_90 GPU (Gluon has no
-interpreter); elsewhere only `wgmma_supported`'s refusal is checked."""
+(DEEPSERVE_MLA_WGMMA_REG_SCORES). It needs an sm_90 GPU (Gluon has no interpreter); elsewhere only
+`wgmma_supported`'s refusal is checked."""
 
 import math
 
@@ -27,19 +26,18 @@ def _hopper(device) -> bool:
             and torch.cuda.get_device_capability()[0] == 9)
 
 
-@pytest.fixture(params=[("0", "0", "0"), ("1", "0", "0"), ("0", "1", "0"), ("1", "1", "0"), ("0", "0", "1")],
-                ids=["registers", "cp_async", "registers-reg_scores", "cp_async-reg_scores", "reg_out"])
+@pytest.fixture(params=[("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")],
+                ids=["registers", "cp_async", "registers-reg_scores", "cp_async-reg_scores"])
 def wgmma(device, monkeypatch, request):
     """The kernel, with the next tile's chunks 3-7 loaded into registers or carried by cp.async
     (DEEPSERVE_MLA_WGMMA_ASYNC), the score products' keys from shared memory or registers
-    (DEEPSERVE_MLA_WGMMA_REG_SCORES); and kernels/mla_decode_wgmma_regs.py's (DEEPSERVE_MLA_WGMMA_REG_OUT)."""
+    (DEEPSERVE_MLA_WGMMA_REG_SCORES)."""
     if not _hopper(device):
         pytest.skip("the warpgroup-MMA kernel needs an sm_90 GPU and Gluon")
-    copy_async, reg_scores, reg_out = request.param
+    copy_async, reg_scores = request.param
     monkeypatch.setenv("DEEPSERVE_MLA_WGMMA", "1")
     monkeypatch.setenv("DEEPSERVE_MLA_WGMMA_ASYNC", copy_async)
     monkeypatch.setenv("DEEPSERVE_MLA_WGMMA_REG_SCORES", reg_scores)
-    monkeypatch.setenv("DEEPSERVE_MLA_WGMMA_REG_OUT", reg_out)
 
 
 def _case(device, heads, lens, block_size, cache_dtype, rank=512, rope=64):
