@@ -1078,7 +1078,8 @@ mapped-io)
     tail -2 /tmp/mapped_io.log | cut -c1-300; summarise_steps "$OUT/mapped_io_1b_ab.json"; elapsed "A/B"
     ;;
 sweeps)
-    for kv in ${SWEEP_KV:-fp8 auto}; do       # SWEEP_KV=fp8: the MoE sweep over an E4M3 cache only
+    # SWEEP_KV=fp8: the MoE sweep over an E4M3 cache only; SWEEP_KV=' ' (a blank): no MoE sweep, the dense one alone
+    for kv in ${SWEEP_KV:-fp8 auto}; do
         timeout 140 python3 benchmarks/h200_decode_sweep.py --shapes qwen3-moe,deepseek-v2-lite --batches 8,64,128,256 \
             --contexts 1024 --kv-cache-dtype $kv --output "$OUT/moe_$kv.json" > /tmp/moe_$kv.log 2>&1
         elapsed "moe sweep, $kv cache"
