@@ -68,6 +68,7 @@
 #   bash benchmarks/gpu_pending.sh s47-all   # ~8 min: V4.1's GPU tests, step_io_paths.py, then mapped-io at b1 / 8 / 64
 #   bash benchmarks/gpu_pending.sh s47-check  # ~9 min: tests/gpu with mapped step I/O on, then Qwen3-MoE steps 0 / 1
 #   bash benchmarks/gpu_pending.sh mapped-io  # ~7 min: DEEPSERVE_MAPPED_STEP_IO: its GPU tests, then 1B steps 0 / 1
+#   bash benchmarks/gpu_pending.sh window    # ~2 min: sliding-window attention: its GPU tests, one layer's kernels
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 #   (two stages in one call: `for s in tests sweeps; do bash benchmarks/gpu_pending.sh $s; done`)
 # The stages that time kernels/mla_decode.py's Triton kernel over an 8-bit cache (kernels, mla-ab, mla-splits,
@@ -1076,6 +1077,18 @@ mapped-io)
         --output "$OUT/mapped_io_1b_ab.json" -- --shapes llama-3.2-1b --contexts 1024 \
         --batches "${BATCHES:-1,2,8,64}" --profile-batch 0 > /tmp/mapped_io.log 2>&1
     tail -2 /tmp/mapped_io.log | cut -c1-300; summarise_steps "$OUT/mapped_io_1b_ab.json"; elapsed "A/B"
+    ;;
+window)
+    # Session 60's sliding-window attention (Mistral v0.1, Qwen's windowed layers): the decode and prefill kernels
+    # against their PyTorch twins, the backends against each other, a windowed Mistral's greedy tokens on the GPU
+    # (CUDA graphs, mixed steps, the batch-1 fused projection) against the CPU engine's; then one Mistral-7B layer's
+    # kernels with and without its 4096-key window (sliding_window_attention_*.json).
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_paged_attention.py \
+        tests/gpu/test_paged_prefill.py tests/gpu/test_engine_gpu.py -k window > "$OUT/pytest_window.log" 2>&1
+    tail -3 "$OUT/pytest_window.log"; grep -E "^(FAILED|E )" "$OUT/pytest_window.log" | head -8; elapsed "tests"
+    timeout 150 python3 benchmarks/sliding_window_attention.py --output "$OUT/sliding_window_attention.json" \
+        > /tmp/window_bench.log 2>&1
+    tail -16 /tmp/window_bench.log | cut -c1-200; elapsed "kernels"
     ;;
 sweeps)
     # SWEEP_KV=fp8: the MoE sweep over an E4M3 cache only; SWEEP_KV=' ' (a blank): no MoE sweep, the dense one alone

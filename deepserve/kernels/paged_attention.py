@@ -69,6 +69,24 @@ def active_splits(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def window_first_key(seq_len, WINDOW: tl.constexpr):
+    """The first key a decode row of `seq_len` keys sees: seq_len - WINDOW through a sliding window (WINDOW > 0,
+    never below 0), else 0. The splits partition the keys from there (`window_split_bounds`)."""
+    first = seq_len * 0
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0)
+    return first
+
+
+@triton.jit
+def window_split_bounds(seq_len, split, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """`split_bounds` over a sliding window's keys: the splits partition keys window_first_key .. seq_len - 1."""
+    first = window_first_key(seq_len, WINDOW)
+    start, end = split_bounds(seq_len - first, split, SPLIT, BLOCK_N)
+    return first + start, first + end
+
+
+@triton.jit
 def tile_blocks(table, tok, end, block_size):
     """Block ids (int64) of the keys `tok` of a sequence with block-table row `table`; 0 past `end`."""
     return tl.load(table + tok // block_size, mask=tok < end, other=0).to(tl.int64)
@@ -84,12 +102,12 @@ def decode_row(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, i):
 
 @triton.jit
 def decode_row_inputs(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, block_tables_ptr, stride_bt, i, split, block_size,
-                      SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+                      SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = 0):
     """What decode row i's program needs from the step's inputs: (its q row, its sequence, the sequence's length,
     the sequence's block-table row, the block ids of the first tile of split `split`)."""
     row, seq, seq_len = decode_row(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, i)
     table = block_tables_ptr + seq * stride_bt
-    start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
+    start, end = window_split_bounds(seq_len, split, SPLIT, BLOCK_N, WINDOW)
     return row, seq, seq_len, table, tile_blocks(table, start + tl.arange(0, BLOCK_N), end, block_size)
 
 
@@ -158,7 +176,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
                    SPLIT: tl.constexpr, EARLY_V: tl.constexpr, HEADS_FIRST: tl.constexpr, VALUES_T: tl.constexpr,
                    KV_HEADS: tl.constexpr, INPUTS_READY: tl.constexpr, USE_PDL: tl.constexpr,
                    MERGE_LAST: tl.constexpr = False, MERGE_G: tl.constexpr = 1, MERGE_S: tl.constexpr = 1,
-                   LATE_TRIGGER: tl.constexpr = False):
+                   LATE_TRIGGER: tl.constexpr = False, WINDOW: tl.constexpr = 0):
     """One (decode row, KV_HEADS adjacent KV heads, split). KV_HEADS 2 (DecodeTiles.kv_heads): a tile row holds
     both heads' HEAD_DIM columns side by side (one load of 2 * HEAD_DIM contiguous elements a token), and the q tile
     stacks both heads' query groups, each row zero outside its own head's columns (`_own_columns`): the scores are
@@ -166,7 +184,9 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     MERGE_LAST (split launches): each program counts itself done in count_ptr's counter of its (row, KV heads), and
     the last of the row's active splits to do so merges them all into `out` (`_merge_own_splits`) and zeroes the
     counter for the next launch: no reduce launch. The order is CUTLASS's semaphore's: every thread's stores, a CTA
-    barrier, then one release-acquire atomic at GPU scope; the merge reads the partials after it."""
+    barrier, then one release-acquire atomic at GPU scope; the merge reads the partials after it.
+    WINDOW > 0 (a sliding window): a row reads its last WINDOW keys only, the splits partitioning those; 0 (every
+    model without one) compiles to the kernel without it."""
     if HEADS_FIRST:                # the KV heads of one row launch side by side (DecodeTiles.heads_first)
         kvh = tl.program_id(0) * KV_HEADS
         i = tl.program_id(1)
@@ -181,9 +201,9 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
     # steps by 7% (H100, split_merge_*_h100_s42.json); at batch 1 the early start pays (o_proj is a GEMV there).
     pdl_wait_for_inputs(INPUTS_READY, USE_PDL, not LATE_TRIGGER)
     row, seq, seq_len, table, first_blk = decode_row_inputs(q_rows_ptr, seq_ids_ptr, seq_lens_ptr, block_tables_ptr,
-                                                            stride_bt, i, split, block_size, SPLIT, BLOCK_N)
+                                                            stride_bt, i, split, block_size, SPLIT, BLOCK_N, WINDOW)
     pdl_wait_after_inputs(INPUTS_READY, USE_PDL, not LATE_TRIGGER)
-    start, end = split_bounds(seq_len, split, SPLIT, BLOCK_N)
+    start, end = window_split_bounds(seq_len, split, SPLIT, BLOCK_N, WINDOW)
     if SPLIT:
         if start >= end:        # an empty split: the reduce does not read it, so nothing to load or store
             return
@@ -249,7 +269,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_rows_ptr,
             counter = count_ptr + i * kvh_programs + kvh // KV_HEADS
             tl.debug_barrier()          # every thread's partial is stored before the count says so
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            used = active_splits(seq_len, tl.num_programs(2), BLOCK_N)
+            used = active_splits(seq_len - window_first_key(seq_len, WINDOW), tl.num_programs(2), BLOCK_N)
             if done == used - 1:
                 # The partials are packed here (decode_attention): row i's heads from i * all heads.
                 first = i.to(tl.int64) * (kvh_programs * KV_HEADS * group) + kvh * group
@@ -268,7 +288,8 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, q_rows_ptr, seq_ids_ptr, s
                           stride_ot, stride_oh, num_splits, pf_ptr, pf_bytes, num_rows,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_N: tl.constexpr, INPUTS_READY: tl.constexpr, PREFETCH: tl.constexpr,
-                          PF_PIECES: tl.constexpr, PF_PIECE: tl.constexpr, USE_PDL: tl.constexpr):
+                          PF_PIECES: tl.constexpr, PF_PIECE: tl.constexpr, USE_PDL: tl.constexpr,
+                          WINDOW: tl.constexpr = 0):
     """Merge the splits of one (decode row, head) by their log-sum-exp, in one [BLOCK_S, BLOCK_D] tile. Only the
     active splits are loaded: the empty ones' lanes take lse = -inf and o = 0 (weight 0), the values their
     programs used to store, so the sum is the same, lane for lane.
@@ -288,7 +309,7 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, q_rows_ptr, seq_ids_ptr, s
     pdl_wait_after_inputs(INPUTS_READY, USE_PDL)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    smask = s < active_splits(seq_len, num_splits, BLOCK_N)
+    smask = s < active_splits(seq_len - window_first_key(seq_len, WINDOW), num_splits, BLOCK_N)
     lse = tl.load(part_lse_ptr + i * stride_pl_r + h * stride_pl_h + s, mask=smask, other=float("-inf"))
     lse_max = tl.max(lse, 0)                       # finite: split 0 always holds key 0
     w = tl.math.exp2(lse - lse_max)                 # 0 for empty splits
@@ -303,7 +324,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      seq_ids: Optional[torch.Tensor] = None, max_seq_len: Optional[int] = None,
                      num_splits: Optional[int] = None, inputs_ready: bool = False,
                      tiles: Optional[DecodeTiles] = None, l2_prefetch: Optional[torch.Tensor] = None,
-                     split_merge: Optional[str] = None) -> torch.Tensor:
+                     split_merge: Optional[str] = None, window: int = 0) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys.
 
     q: [T, H, D]; the decode rows are `q_rows` (default: all T rows), row i belonging to sequence `seq_ids[i]`
@@ -314,6 +335,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     `tiles` forces the launch settings (tuning); None: `DecodeTiles()`. `l2_prefetch`: the weight read next
     (o_proj's), which a split launch's reduce may ask into L2 (kernels/l2_prefetch.py); it changes no result.
     `split_merge` ("reduce" / "last", default SPLIT_MERGE): how a split launch's partials merge.
+    `window` > 0: a sliding window, each row attends to its last `window` keys (the split is sized for at most that).
     """
     require_triton(q)
     t, h, d = q.shape
@@ -333,6 +355,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 1
+    window = max(0, window)
+    if window:
+        max_seq_len = min(max_seq_len, window)      # the keys a row reads, which the splits partition
     merging = (split_merge or SPLIT_MERGE) == "last" and l2_prefetch_plan(l2_prefetch, n, out, "reduce").programs == 0
     if num_splits is None:
         num_splits = launch_num_splits(n, h, kv_cache, max_seq_len, merging)
@@ -379,23 +404,24 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n, SPLIT=split, EARLY_V=tiles.early_v,
         HEADS_FIRST=tiles.heads_first, VALUES_T=tiles.values_t, KV_HEADS=tiles.kv_heads,
         INPUTS_READY=inputs_ready and EARLY_INPUTS, MERGE_LAST=merge is not None,
-        LATE_TRIGGER=merge is not None and n > 1,
+        LATE_TRIGGER=merge is not None and n > 1, WINDOW=window,
         **(dict(zip(("MERGE_G", "MERGE_S"), merge)) if merge else {}),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"maxnreg": tiles.maxnreg} if tiles.maxnreg else {}),
         **pdl_launch_args(q))
     if split and merge is None:
         # The decode kernel, the reduce's predecessor, writes none of the inputs: they are ready for it.
         decode_reduce(part_out, part_lse, q_rows, seq_ids, seq_lens, out, inputs_ready=EARLY_INPUTS,
-                      block_n=block_n, l2_prefetch=l2_prefetch)
+                      block_n=block_n, l2_prefetch=l2_prefetch, window=window)
     return out
 
 
 def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, q_rows: torch.Tensor, seq_ids: torch.Tensor,
                   seq_lens: torch.Tensor, out: torch.Tensor, inputs_ready: bool = False,
-                  block_n: int = DECODE_BLOCK_N, l2_prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  block_n: int = DECODE_BLOCK_N, l2_prefetch: Optional[torch.Tensor] = None,
+                  window: int = 0) -> torch.Tensor:
     """Merge the split-K partials of decode row i (normalised outputs part_out [n, H, S, D] float32 and their
     log2-sum-exps part_lse [n, H, S]) into out[q_rows[i]]. Only the splits that hold keys of sequence seq_ids[i]
-    (DECODE_BLOCK_N tiles, see `split_partition`) are read. `inputs_ready` and `l2_prefetch` as in
+    (DECODE_BLOCK_N tiles, see `split_partition`) are read. `inputs_ready`, `l2_prefetch` and `window` as in
     `decode_attention`."""
     n, h, num_splits, d = part_out.shape
     assert part_out.stride(-1) == 1 and part_lse.stride(-1) == 1
@@ -406,7 +432,7 @@ def decode_reduce(part_out: torch.Tensor, part_lse: torch.Tensor, q_rows: torch.
         out.stride(0), out.stride(1), num_splits, prefetch.tensor, prefetch.nbytes, n,
         HEAD_DIM=d, BLOCK_D=next_pow2(d), BLOCK_S=max(64, next_pow2(num_splits)), BLOCK_N=block_n,
         INPUTS_READY=inputs_ready, PREFETCH=prefetch.policy, PF_PIECES=L2_PREFETCH_PIECES,
-        PF_PIECE=L2_PREFETCH_PIECE, num_warps=4, **pdl_launch_args(out))
+        PF_PIECE=L2_PREFETCH_PIECE, WINDOW=window, num_warps=4, **pdl_launch_args(out))
     return out
 
 
@@ -427,16 +453,20 @@ def merge_splits_ref(part_out: torch.Tensor, part_lse: torch.Tensor, used: torch
     return (o * w[..., None]).sum(-2) / w.sum(-1, keepdim=True)
 
 
-def decode_reduce_ref(part_out, part_lse, q_rows, seq_ids, seq_lens, out):
+def decode_reduce_ref(part_out, part_lse, q_rows, seq_ids, seq_lens, out, window: int = 0):
     """The PyTorch twin of `decode_reduce`."""
-    used = active_splits_ref(seq_lens[seq_ids], part_out.shape[2], DECODE_BLOCK_N)
+    lens = seq_lens[seq_ids]
+    if window > 0:
+        lens = lens.clamp(max=window)       # the keys of each row's window
+    used = active_splits_ref(lens, part_out.shape[2], DECODE_BLOCK_N)
     out[q_rows] = merge_splits_ref(part_out, part_lse, used).to(out.dtype)
     return out
 
 
 def decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, out=None, q_rows=None, seq_ids=None,
-                         max_seq_len=None, num_splits=None):
-    """The PyTorch twin: gathers each row's keys and runs the reference backend's decode attention."""
+                         max_seq_len=None, num_splits=None, window: int = 0):
+    """The PyTorch twin: gathers each row's keys (its last `window` ones, window > 0) and runs the reference
+    backend's decode attention."""
     t = q.shape[0]
     if out is None:
         out = torch.empty_like(q)
@@ -454,6 +484,8 @@ def decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, out=None, q
     slots = tables.gather(1, (pos // bs)[None, :].expand(len(seq_ids), -1).clamp(max=tables.shape[1] - 1)) * bs \
         + pos % bs
     mask = pos[None, :] < lens[:, None]
+    if window > 0:
+        mask &= pos[None, :] >= lens[:, None] - window
     slots = torch.where(mask, slots, 0)
     k_flat = reference.as_bytes(kv_cache[0]).flatten(0, 1)      # fp8 codes gathered as bytes
     v_flat = reference.as_bytes(kv_cache[1]).flatten(0, 1)

@@ -28,7 +28,10 @@ def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
                     stride_bt, block_size, group,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    WINDOW: tl.constexpr = 0):
+    """One (query head, tile of BLOCK_M query rows of one sequence). WINDOW > 0 (a sliding window): query i sees
+    keys q_pos - WINDOW < j <= q_pos, and the tile's keys start at its first query's first."""
     h = tl.program_id(0)
     tile = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
@@ -55,10 +58,38 @@ def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # Keys below ctx + m0 are visible to every query of the tile: no causal mask, no bounds mask.
-    full_end = ((ctx + m0) // BLOCK_N) * BLOCK_N
     hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
-    for n0 in range(0, full_end, BLOCK_N):
+    first_pos = ctx + m0
+    # Keys below full_end are at or before every query of the tile: no causal mask, no bounds mask.
+    full_end = (first_pos // BLOCK_N) * BLOCK_N
+    if WINDOW > 0:
+        # Through a window the tile's keys start at its first query's first (lo, down to a tile). Those visible to
+        # every query (from its last query's first) need no mask either; the ones below them do.
+        lo = (tl.maximum(first_pos - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+        every_row = tl.cdiv(tl.maximum(hi - WINDOW, 0), BLOCK_N) * BLOCK_N
+        mid = tl.maximum(tl.minimum(every_row, full_end), lo)
+        m_i, l_i, acc = _masked_key_tiles(q, k_base, v_base, table, m_i, l_i, acc, q_pos, d, dmask, lo, mid, hi,
+                                          block_size, stride_c_block, stride_c_slot, qk_scale, WINDOW, BLOCK_N)
+    else:
+        mid = 0
+    m_i, l_i, acc = _unmasked_key_tiles(q, k_base, v_base, table, m_i, l_i, acc, d, dmask, mid, full_end, block_size,
+                                        stride_c_block, stride_c_slot, qk_scale, BLOCK_N)
+    # The diagonal band: causal mask (without a window key 0 is visible to every row, so no row is ever all -inf
+    # here at its first tile, and later fully masked tiles leave m_i unchanged).
+    m_i, l_i, acc = _masked_key_tiles(q, k_base, v_base, table, m_i, l_i, acc, q_pos, d, dmask, full_end, hi, hi,
+                                      block_size, stride_c_block, stride_c_slot, qk_scale, WINDOW, BLOCK_N)
+
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=imask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _unmasked_key_tiles(q, k_base, v_base, table, m_i, l_i, acc, d, dmask, lo, end, block_size, stride_c_block,
+                        stride_c_slot, qk_scale, BLOCK_N: tl.constexpr):
+    """Fold keys lo .. end - 1 (whole BLOCK_N tiles, each visible to every query of the tile) into the running
+    softmax state (m_i, l_i, acc)."""
+    for n0 in range(lo, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         blk = tl.load(table + tok // block_size).to(tl.int64)
         off = blk * stride_c_block + (tok % block_size).to(tl.int64) * stride_c_slot
@@ -71,9 +102,17 @@ def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q
         v = widen_values(tl.load(v_base + off[:, None] + d[None, :], mask=dmask[None, :], other=0.0), q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    # The diagonal band: causal mask (key 0 is visible to every row, so no row is ever all -inf here at its
-    # first tile, and later fully masked tiles leave m_i unchanged).
-    for n0 in range(full_end, hi, BLOCK_N):
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _masked_key_tiles(q, k_base, v_base, table, m_i, l_i, acc, q_pos, d, dmask, lo, end, hi, block_size,
+                      stride_c_block, stride_c_slot, qk_scale, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Fold keys lo .. end - 1 (BLOCK_N tiles, none at or past `hi`) into the running state, each query seeing the
+    keys at or before its position q_pos, and through a window (WINDOW > 0) after q_pos - WINDOW. Through a window a
+    row may see no key of a tile before its first: its maximum stays -inf there, so the rescaling uses 0 in its
+    place (exp2(-inf - 0) = 0: nothing added, nothing lost)."""
+    for n0 in range(lo, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < hi
         blk = tl.load(table + tok // block_size, mask=tmask, other=0).to(tl.int64)
@@ -82,18 +121,20 @@ def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q
         k = widen_keys(tl.load(k_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         visible = tmask[None, :] & (tok[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (tok[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        m_use = m_new
+        if WINDOW > 0:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = widen_values(tl.load(v_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0), q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-
-    o = acc / l_i[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=imask[:, None] & dmask[None, :])
+    return m_i, l_i, acc
 
 
 def prefill_tiles(query_lens: list, seqs: list, device: torch.device,
@@ -113,10 +154,11 @@ def prefill_tiles(query_lens: list, seqs: list, device: torch.device,
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, scale: float, tile_seq: torch.Tensor, tile_m0: torch.Tensor,
-                      out: Optional[torch.Tensor] = None, num_warps: Optional[int] = None) -> torch.Tensor:
+                      out: Optional[torch.Tensor] = None, num_warps: Optional[int] = None,
+                      window: int = 0) -> torch.Tensor:
     """Causal attention of each tiled sequence's query rows over its paged keys (cached prefix + new tokens,
-    already written to the cache). Tiles come from `prefill_tiles` (BLOCK_M = PREFILL_BLOCK_M); rows of
-    sequences without tiles are left untouched in `out`."""
+    already written to the cache); through a sliding window of `window` keys where window > 0. Tiles come from
+    `prefill_tiles` (BLOCK_M = PREFILL_BLOCK_M); rows of sequences without tiles are left untouched in `out`."""
     require_triton(q)
     t, h, d = q.shape
     hkv = kv_cache.shape[3]
@@ -134,12 +176,12 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), kv_cache.shape[2], h // hkv,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64 if block_d <= 128 else 32,
-        num_warps=num_warps or 4, num_stages=2)
+        WINDOW=max(0, window), num_warps=num_warps or 4, num_stages=2)
     return out
 
 
 def prefill_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, tile_seq=None, tile_m0=None,
-                          out=None, seqs: Optional[list] = None):
+                          out=None, seqs: Optional[list] = None, window: int = 0):
     """The PyTorch twin: the reference backend's per-sequence prefill attention (sequences `seqs`, default all
     sequences with a tile, or all)."""
     if out is None:
@@ -157,7 +199,8 @@ def prefill_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, 
         slots = block_tables[b, pos // bs] * bs + pos % bs
         rows = slice(starts[b], starts[b + 1])
         out[rows] = reference.causal_prefill_attention(q[rows], k_flat[slots].view(kv_cache.dtype),
-                                                       v_flat[slots].view(kv_cache.dtype), seq_len - n, scale)
+                                                       v_flat[slots].view(kv_cache.dtype), seq_len - n, scale,
+                                                       window)
     return out
 
 

@@ -12,7 +12,7 @@ KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 
 from deepserve.kernels import cpu as cpu_kernels
 from deepserve.kernels.reference.attention import (causal_prefill_attention, gather_blocks,  # noqa: F401
-                                                  masked_decode_attention, write_kv)
+                                                  masked_decode_attention, window_start, write_kv)
 from deepserve.layers.forward_batch import ForwardBatch
 from deepserve.layers.linear import fused_qkv_rotary_rows, fused_qkv_rotary_write
 from deepserve.layers.norm import RMSNorm
@@ -32,8 +32,11 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 batch: ForwardBatch, scale: float, rotary: RotaryEmbedding | None = None,
-                qk_norm: tuple[RMSNorm, RMSNorm] | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, H, D], k, v [T, Hkv, D] -> [T, H, D]. With `rotary`, q and k are first rotated at
+                qk_norm: tuple[RMSNorm, RMSNorm] | None = None, prefetch: torch.Tensor | None = None,
+                window: int = 0) -> torch.Tensor:
+        """q [T, H, D], k, v [T, Hkv, D] -> [T, H, D]. `window` > 0: a sliding window, each query attends to the
+        `window` keys ending at its own position (HF's rule: key j visible to query i when i - window < j <= i);
+        0: to every key up to its position. With `rotary`, q and k are first rotated at
         batch.positions (`rotary(batch.positions, q, k)`), so that a backend may fuse that with its cache write;
         with `qk_norm` (Qwen3's per-head q_norm, k_norm), q and k are normalised before that, fused there too.
         `prefetch`: the weight read right after the attention (o_proj's), which a backend may ask into the GPU's
@@ -55,11 +58,22 @@ class TorchAttentionMetadata:
     decode_rows: torch.Tensor | None      # [Bd] rows of 1-token sequences
     decode_blocks: torch.Tensor | None    # [Bd, max_blocks] their block tables (padded with block 0)
     decode_mask: torch.Tensor | None      # [Bd, max_blocks * block_size] True where a slot is a real key
+    decode_lens: torch.Tensor | None      # [Bd] keys per decode row (the sliding windows' masks start from them)
     prefills: list[_PrefillSegment]
     decode_plan: cpu_kernels.DecodePlan | None = None   # the decode rows for the CPU kernel (None: no kernel)
     # Batch-invariant mode: each decode row's own key count; the PyTorch fallback then attends row by row over
     # exactly those keys (no padding to the batch's longest sequence, which would change the sums' shapes).
     row_seq_lens: list[int] | None = None
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)    # decode_mask within each sliding window
+
+    def decode_mask_within(self, window: int) -> torch.Tensor:
+        """decode_mask narrowed to each row's last `window` keys (0: decode_mask), built once per step and window."""
+        if window <= 0:
+            return self.decode_mask
+        if window not in self.window_masks:
+            positions = torch.arange(self.decode_mask.shape[1], device=self.decode_mask.device)
+            self.window_masks[window] = self.decode_mask & (positions[None, :] >= self.decode_lens[:, None] - window)
+        return self.window_masks[window]
 
 
 class TorchPagedAttention:
@@ -92,7 +106,7 @@ class TorchPagedAttention:
         decode_b = [b for b, d in enumerate(as_decode) if d]
         prefill_b = [b for b, d in enumerate(as_decode) if not d]
         starts = batch.query_start_loc.tolist()
-        meta = TorchAttentionMetadata(None, None, None, [])
+        meta = TorchAttentionMetadata(None, None, None, None, [])
         if decode_b:
             if any(drafts) or self.rows_as_decodes:
                 rows = [(starts[b] + j, b, batch.seq_lens_cpu[b] - batch.query_lens_cpu[b] + 1 + j)
@@ -109,6 +123,7 @@ class TorchPagedAttention:
             meta.decode_blocks = batch.block_tables[idx, :num_blocks].contiguous()
             positions = torch.arange(num_blocks * bs, device=device)
             meta.decode_mask = positions[None, :] < seq_lens[:, None]
+            meta.decode_lens = seq_lens
             if device.type == "cpu" and cpu_kernels.library() is not None:
                 meta.decode_plan = cpu_kernels.DecodePlan(meta.decode_rows, meta.decode_blocks, seq_lens)
             if self.rows_as_decodes:
@@ -124,16 +139,17 @@ class TorchPagedAttention:
         views of the batch's tensors: no per-sequence index lists to build and copy at every decode step."""
         bs, device = batch.block_size, batch.input_ids.device
         num_blocks = -(-max(batch.seq_lens_cpu) // bs)
-        meta = TorchAttentionMetadata(None, None, None, [])
+        meta = TorchAttentionMetadata(None, None, None, None, [])
         meta.decode_rows = batch.query_start_loc[:-1]           # = 0, 1, ..., B - 1
         meta.decode_blocks = batch.block_tables[:, :num_blocks].contiguous()
         positions = torch.arange(num_blocks * bs, device=device)
         meta.decode_mask = positions[None, :] < batch.seq_lens[:, None]
+        meta.decode_lens = batch.seq_lens
         if device.type == "cpu" and cpu_kernels.library() is not None:
             meta.decode_plan = cpu_kernels.DecodePlan(meta.decode_rows, meta.decode_blocks, batch.seq_lens)
         return meta
 
-    def forward(self, q, k, v, kv_cache, batch, scale, rotary=None, qk_norm=None, prefetch=None):
+    def forward(self, q, k, v, kv_cache, batch, scale, rotary=None, qk_norm=None, prefetch=None, window=0):
         meta: TorchAttentionMetadata = batch.attn_metadata
         if qk_norm is not None:
             q, k = qk_norm[0](q), qk_norm[1](k)
@@ -144,41 +160,57 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             plan = meta.decode_plan
-            if plan is not None and plan.run(q, kv_cache, out, scale):
+            if plan is not None and plan.run(q, kv_cache, out, scale, window):
                 pass
             elif meta.row_seq_lens is not None:
-                _decode_rows_one_by_one(q, k_cache, v_cache, meta, out, scale)
+                _decode_rows_one_by_one(q, k_cache, v_cache, meta, out, scale, window)
             else:
                 keys = gather_blocks(k_cache, meta.decode_blocks).flatten(1, 2)    # [Bd, max_blocks * bs, Hkv, D]
                 values = gather_blocks(v_cache, meta.decode_blocks).flatten(1, 2)
                 out[meta.decode_rows] = masked_decode_attention(q[meta.decode_rows], keys, values,
-                                                                meta.decode_mask, scale)
+                                                                meta.decode_mask_within(window), scale)
         for seg in meta.prefills:
             rows = slice(seg.row_start, seg.row_start + seg.num_rows)
-            keys = gather_blocks(k_cache, seg.blocks).flatten(0, 1)[: seg.seq_len].to(q.dtype)
-            values = gather_blocks(v_cache, seg.blocks).flatten(0, 1)[: seg.seq_len].to(q.dtype)
-            out[rows] = causal_prefill_attention(q[rows], keys, values, seg.first_position, scale)
+            # Keys from the first one the segment's first query sees (through a window, not always key 0).
+            first_key = window_start(seg.first_position + 1, window)
+            skip = first_key // k_cache.shape[1]
+            keys = _segment_keys(k_cache, seg, skip, first_key).to(q.dtype)
+            values = _segment_keys(v_cache, seg, skip, first_key).to(q.dtype)
+            out[rows] = causal_prefill_attention(q[rows], keys, values, seg.first_position - first_key, scale, window)
         return out
 
 
-def _decode_rows_one_by_one(q, k_cache, v_cache, meta: TorchAttentionMetadata, out, scale: float) -> None:
-    """Each decode row over exactly its own keys (the batch-invariant fallback without the C kernel): every tensor
-    a row's result is computed from has a shape fixed by that row alone."""
+def _segment_keys(cache: torch.Tensor, seg: _PrefillSegment, skip_blocks: int, first_key: int) -> torch.Tensor:
+    """A prefill segment's keys (or values) `first_key` .. seq_len - 1, gathered from its blocks past the first
+    `skip_blocks` (whole blocks before first_key)."""
+    skipped = skip_blocks * cache.shape[1]
+    return gather_blocks(cache, seg.blocks[skip_blocks:]).flatten(0, 1)[first_key - skipped: seg.seq_len - skipped]
+
+
+def _decode_rows_one_by_one(q, k_cache, v_cache, meta: TorchAttentionMetadata, out, scale: float,
+                            window: int = 0) -> None:
+    """Each decode row over exactly its own keys (the last `window` of them, window > 0: the batch-invariant fallback
+    without the C kernel): every tensor a row's result is computed from has a shape fixed by that row alone."""
     block_size = k_cache.shape[1]
     for i, (row, seq_len) in enumerate(zip(meta.decode_rows.tolist(), meta.row_seq_lens)):
         blocks = meta.decode_blocks[i, : -(-seq_len // block_size)]
-        keys = gather_blocks(k_cache, blocks).flatten(0, 1)[None, :seq_len]
-        values = gather_blocks(v_cache, blocks).flatten(0, 1)[None, :seq_len]
-        every_key = torch.ones(1, seq_len, dtype=torch.bool, device=q.device)
+        first = window_start(seq_len, window)
+        keys = gather_blocks(k_cache, blocks).flatten(0, 1)[None, first:seq_len]
+        values = gather_blocks(v_cache, blocks).flatten(0, 1)[None, first:seq_len]
+        every_key = torch.ones(1, seq_len - first, dtype=torch.bool, device=q.device)
         out[row:row + 1] = masked_decode_attention(q[row:row + 1], keys, values, every_key, scale)
 
 
 class Attention(nn.Module):
     """One layer's attention over the paged cache; the cache is bound by the model runner."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # > 0: a query attends to the sliding_window keys ending at its position (Mistral v0.1, Qwen's windowed
+        # layers). Every key stays cached: the window bounds what is read, not what is kept.
+        self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend = TorchPagedAttention()
 
@@ -200,7 +232,7 @@ class Attention(nn.Module):
         AttentionBackend.forward)."""
         assert self.kv_cache is not None, "the model runner binds a KV cache before the first forward"
         return self.backend.forward(q, k, v, self.kv_cache, batch, self.scale, rotary=rotary, qk_norm=qk_norm,
-                                    prefetch=prefetch)
+                                    prefetch=prefetch, window=self.sliding_window)
 
     def forward_from_hidden(self, x: torch.Tensor, qkv_proj: nn.Module, batch: ForwardBatch,
                             rotary: RotaryEmbedding, norm: nn.Module | None = None,
@@ -215,4 +247,5 @@ class Attention(nn.Module):
             return None
         q = fused_qkv_rotary_write(x, qkv_proj, self.kv_cache, batch, rotary, self.num_heads, self.num_kv_heads,
                                    norm)
-        return None if q is None else attend_cached(q, self.kv_cache, batch, self.scale, prefetch=prefetch)
+        return None if q is None else attend_cached(q, self.kv_cache, batch, self.scale, prefetch=prefetch,
+                                                    window=self.sliding_window)

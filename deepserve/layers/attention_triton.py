@@ -157,7 +157,8 @@ class TritonPagedAttention:
         return TritonAttentionMetadata(rows, rows, max_seq_len, None, None, batch.num_seqs, 0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch,
-                scale: float, rotary=None, qk_norm=None, prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                scale: float, rotary=None, qk_norm=None, prefetch: Optional[torch.Tensor] = None,
+                window: int = 0) -> torch.Tensor:
         meta = batch.attn_metadata
         if not isinstance(meta, TritonAttentionMetadata):
             meta = self.build_metadata(batch)
@@ -173,27 +174,27 @@ class TritonPagedAttention:
             if q.stride(-1) != 1:
                 q = q.contiguous()
             write_kv(kv_cache, k, v, batch.slot_mapping)
-        return self._attend(q, kv_cache, batch, meta, scale, prefetch)
+        return self._attend(q, kv_cache, batch, meta, scale, prefetch, window)
 
     def attend_cached(self, q: torch.Tensor, kv_cache: torch.Tensor, batch, scale: float,
-                      prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      prefetch: Optional[torch.Tensor] = None, window: int = 0) -> torch.Tensor:
         """`forward` once this step's keys and values are in the cache already (the batch-1 fused qkv projection
         wrote them: kernels/qkv_rotary.py); q [T, H, D] is rotated."""
         meta = batch.attn_metadata
         return self._attend(q, kv_cache, batch, meta if isinstance(meta, TritonAttentionMetadata)
-                            else self.build_metadata(batch), scale, prefetch)
+                            else self.build_metadata(batch), scale, prefetch, window)
 
     def _attend(self, q, kv_cache, batch, meta: TritonAttentionMetadata, scale: float,
-                prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                prefetch: Optional[torch.Tensor] = None, window: int = 0) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             tables, lens, rows, seqs = decode_inputs(meta, batch)
             decode_attention(q, kv_cache, tables, lens, scale, out=out, q_rows=rows, seq_ids=seqs,
                              max_seq_len=meta.decode_max_len, num_splits=self.num_splits, inputs_ready=True,
-                             l2_prefetch=prefetch)
+                             l2_prefetch=prefetch, window=window)
         if meta.num_prefill_tiles:
             prefill_attention(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale,
-                              meta.tile_seq, meta.tile_m0, out=out)
+                              meta.tile_seq, meta.tile_m0, out=out, window=window)
         return out
 
 

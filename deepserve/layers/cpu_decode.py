@@ -103,7 +103,7 @@ def build_stack(layers: list[nn.Module], phase_times: bool = False) -> kernel.De
         input_norm=_norm_weight(layer.input_layernorm), qkv=_packed(layer.self_attn.qkv_proj),
         o=_packed(layer.self_attn.o_proj), post_norm=_norm_weight(layer.post_attention_layernorm),
         gate_up=_packed(layer.mlp.gate_up_proj), down=_packed(layer.mlp.down_proj),
-        kv_cache=layer.self_attn.attn.kv_cache) for layer in layers]
+        kv_cache=layer.self_attn.attn.kv_cache, window=layer.self_attn.attn.sliding_window) for layer in layers]
     return kernel.DecodeStack(weights, shape, rotary.cos_cache, rotary.sin_cache, phase_times=phase_times)
 
 

@@ -245,8 +245,9 @@ def build_config(reader: GGUFFile) -> dict:
     if pad_token_id is not None:
         config["pad_token_id"] = pad_token_id
     window = arch_field("attention.sliding_window")
-    if window:      # a file that declares a window (0: none) is read with it, so the models can refuse it
+    if window:      # a file that declares a window (0: none): every layer attends through it (models/base.py)
         config["sliding_window"] = window
+        config["layer_types"] = ["sliding_attention"] * config["num_hidden_layers"]
     return config
 
 

@@ -73,28 +73,19 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-def attention_window(cfg: dict[str, Any]) -> int | None:
-    """The sliding window some layer of an HF config attends through, None where every layer sees all keys.
-    Mistral's configs give `sliding_window` alone (null from v0.2 on); Qwen's turn it on with `use_sliding_window`
-    and leave layers below `max_window_layers` unwindowed; newer transformers write each layer's kind in
-    `layer_types`."""
-    window = cfg.get("sliding_window")
-    if window is None or not cfg.get("use_sliding_window", True):
-        return None
+def layer_windows(cfg: dict[str, Any]) -> list[int]:
+    """Each layer's sliding window in an HF config (0: the layer attends to every key), read as transformers 5 reads
+    it: the per-layer `layer_types` where the config lists them; else Mistral's (and Mixtral's, Qwen3-MoE's)
+    `sliding_window` on every layer (null from Mistral v0.2 on), Qwen2 / Qwen3's from layer `max_window_layers`
+    on; nothing unless Qwen's `use_sliding_window` is on."""
+    n = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window") or 0
+    if window <= 0 or not cfg.get("use_sliding_window", True):
+        return [0] * n
     if cfg.get("layer_types") is not None:
-        return window if "sliding_attention" in cfg["layer_types"] else None
-    if cfg.get("max_window_layers", 0) >= cfg["num_hidden_layers"]:
-        return None
-    return window
-
-
-def refuse_sliding_window(cfg: dict[str, Any], max_position: int) -> None:
-    """Sliding-window attention is not implemented for the Llama-family and MoE models: a window shorter than the
-    context the engine serves would silently attend too far back, so such a config is refused with a way out."""
-    window = attention_window(cfg)
-    if window is not None and window < max_position:
-        raise NotImplementedError(f"sliding-window attention (window {window}) is not supported yet for "
-                                  f"{cfg.get('model_type', 'this model')}; use max_model_len <= {window}")
+        return [window if kind == "sliding_attention" else 0 for kind in cfg["layer_types"]]
+    first = cfg.get("max_window_layers", 28) if cfg.get("model_type") in ("qwen2", "qwen3") else 0
+    return [window if i >= first else 0 for i in range(n)]
 
 
 class CausalLM(nn.Module):

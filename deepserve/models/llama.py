@@ -18,13 +18,14 @@ from deepserve.layers.mlp import GatedMLP
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rank_group import SINGLE, RankGroup
 from deepserve.layers.tensor_parallel import shard_column, shard_row, split_evenly, split_kv_heads
-from deepserve.models.base import CausalLM, DecoderLayer, refuse_sliding_window
+from deepserve.models.base import CausalLM, DecoderLayer, layer_windows
 from deepserve.layers.rotary import RotaryEmbedding
 from deepserve.layers.forward_batch import ForwardBatch
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], rotary: RotaryEmbedding, qk_norm: bool) -> None:
+    def __init__(self, cfg: dict[str, Any], rotary: RotaryEmbedding, qk_norm: bool, window: int = 0) -> None:
+        """`window` > 0: this layer's sliding window (models/base.py's `layer_windows`)."""
         super().__init__()
         hidden = cfg["hidden_size"]
         self.num_heads = cfg["num_attention_heads"]
@@ -39,7 +40,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, window)
         # Tensor parallelism (shard_tensor_parallel): this rank's heads' o_proj output is summed over `tp`.
         self.tp: RankGroup = SINGLE
 
@@ -101,15 +102,14 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
         super().__init__()
         self.config = cfg
-        refuse_sliding_window(cfg, max_position)
         qk_norm = cfg.get("model_type") == "qwen3"
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rotary = RotaryEmbedding.from_config(head_dim, max_position, cfg)
         hidden, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
-        self.build_trunk(cfg, (DecoderLayer(hidden, eps, LlamaAttention(cfg, rotary, qk_norm),
+        self.build_trunk(cfg, (DecoderLayer(hidden, eps, LlamaAttention(cfg, rotary, qk_norm, window),
                                             GatedMLP(hidden, cfg["intermediate_size"]))
-                               for _ in range(cfg["num_hidden_layers"])))
+                               for window in layer_windows(cfg)))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())

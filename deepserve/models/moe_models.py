@@ -20,7 +20,7 @@ from torch import nn
 from deepserve.layers.moe import FusedMoE, GatedMLP, RoutingConfig, copy_checked
 from deepserve.layers.rotary import RotaryEmbedding
 from deepserve.models.llama import LlamaAttention
-from deepserve.models.base import CausalLM, DecoderLayer, refuse_sliding_window
+from deepserve.models.base import CausalLM, DecoderLayer, layer_windows
 
 
 class _MoECausalLM(CausalLM):
@@ -31,15 +31,15 @@ class _MoECausalLM(CausalLM):
     def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
         super().__init__()
         self.config = cfg
-        refuse_sliding_window(cfg, max_position)
         if cfg.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"activation {cfg['hidden_act']!r} is not supported (silu only)")
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
         rotary = RotaryEmbedding.from_config(head_dim, max_position, cfg)
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.build_trunk(cfg, (DecoderLayer(hidden, eps, LlamaAttention(cfg, rotary, self.qk_norm), self.make_mlp(cfg, i))
-                               for i in range(cfg["num_hidden_layers"])))
+        self.build_trunk(cfg, (DecoderLayer(hidden, eps, LlamaAttention(cfg, rotary, self.qk_norm, window),
+                                            self.make_mlp(cfg, i))
+                               for i, window in enumerate(layer_windows(cfg))))
 
     def make_mlp(self, cfg: dict[str, Any], layer: int) -> nn.Module:
         raise NotImplementedError

@@ -27,6 +27,27 @@ def test_gpu_greedy_equals_cpu(model, request):
     assert a == b
 
 
+def test_gpu_sliding_window_greedy_equals_cpu(tmp_path):
+    """A Mistral with a 12-key window (tests/models/test_sliding_window.py holds the CPU engine to HF's tokens):
+    prompts past the window in 16-token chunks beside decodes, CUDA graphs (decode and mixed steps) and the batch-1
+    fused projection; the GPU's greedy tokens are the CPU's."""
+    import transformers
+    from tests.models.hf_compare import random_prompt, save_tiny
+    from tests.conftest import TINY
+    config = transformers.MistralConfig(**{**TINY, "hidden_size": 128, "head_dim": 32}, sliding_window=12)
+    path = save_tiny(tmp_path, config, transformers.MistralForCausalLM)
+    prompts = [{"prompt_token_ids": random_prompt(n, seed=n)} for n in (70, 5, 33, 90)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(skip_tokenizer_init=True, dtype="float32", max_num_batched_tokens=16, enable_chunked_prefill=True)
+    cpu = LLM(path, device="cpu", **kw)
+    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+    gpu = LLM(path, device="cuda", kv_cache_memory_bytes=1 << 26, **kw)
+    assert gpu.engine.runner.cuda_graphs is not None
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)] == want
+    alone = gpu.generate(prompts[0], params, use_tqdm=False)[0].outputs[0].token_ids     # batch 1: the fused path
+    assert alone == want[0]
+
+
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
 def test_gpu_fp8_kv_cache_greedy_equals_cpu(model, kv, request):

@@ -811,3 +811,37 @@ def test_decode_values_transposed_matches_reference(device, cache_dtype, block_s
             decode_attention(q, transposed, batch.block_tables, batch.seq_lens, 0.1, out=out, max_seq_len=max(lens),
                              num_splits=splits, tiles=tiles)
             assert_attention_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("window", [1, 7, 64, 100, 700])
+@pytest.mark.parametrize("splits,split_merge", [(1, None), (3, "last"), (3, "reduce"), (17, "last"), (40, "reduce")])
+def test_decode_sliding_window_matches_reference(device, window, splits, split_merge):
+    """A sliding window (key j visible when j >= seq_len - window): the splits partition each row's window, merged in
+    the kernel or by the reduce, over a CUDA graph's grid (max_seq_len far above the contexts) too; rows shorter than
+    the window see every key. Against the reference, and not the unwindowed result."""
+    dtype = torch.float16
+    lens = [1, 7, 65, 193, 1000, 1500]
+    batch, cache, q = _decode_case(device, dtype, 64, 4, lens, 16, cdiv_total(lens, 16) + 8)
+    ref = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.5, window=window)
+    for max_seq_len in (None, 8192):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, batch.block_tables, batch.seq_lens, 0.5, out=out, max_seq_len=max_seq_len,
+                         num_splits=splits, split_merge=split_merge, window=window)
+        assert_attention_close(out, ref, dtype)
+    full = decode_attention_ref(q, cache, batch.block_tables, batch.seq_lens, 0.5)
+    assert not torch.allclose(out[-1].float(), full[-1].float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("window", [5, 100])
+def test_backends_agree_through_a_sliding_window(device, window):
+    """A mixed step (prefills, a chunk over a cached prefix, decodes) through both backends with a window."""
+    dtype, head_dim, group, bs = torch.float16, 64, 2, 16
+    batch = make_batch(MIXED_SEQS, bs, 160, device)
+    h, hkv, t = NUM_KV_HEADS * group, NUM_KV_HEADS, batch.num_tokens
+    q, k, v = (torch.randn(t, n, head_dim, device=device).to(dtype) for n in (h, hkv, hkv))
+    cache = random_cache(160, bs, hkv, head_dim, dtype, device)
+    outs = []
+    for backend in (TorchPagedAttention(), TritonPagedAttention()):
+        batch.attn_metadata = backend.build_metadata(batch)
+        outs.append(backend.forward(q, k, v, cache.clone(), batch, 0.125, window=window))
+    assert_attention_close(outs[1], outs[0], dtype)

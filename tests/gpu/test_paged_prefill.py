@@ -59,3 +59,29 @@ def test_prefill_over_fp8_cache_matches_reference(device, cache_dtype, head_dim,
     ref = prefill_attention_ref(q, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.1,
                                 seqs=list(range(len(seqs))))
     assert_attention_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("window", [1, 5, 64, 100, 300, 3000])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_prefill_sliding_window_matches_reference(device, window, head_dim):
+    """Query i sees keys i - window < j <= i: windows shorter than a tile (some rows see no key of the band's first
+    tiles), starting mid-tile, with unmasked tiles between the window's edge and the diagonal (300 over 1200 keys),
+    and longer than every context; whole prompts, chunks over a cached prefix."""
+    dtype = torch.float16
+    seqs = PREFILL_SEQS if not INTERPRET else [(0, 37), (17, 50), (100, 70), (0, 1)]
+    bs = 16
+    nb = cdiv_total([c + n for c, n in seqs], bs) + 10
+    batch = make_batch(seqs, bs, nb, device)
+    cache = random_cache(nb, bs, NUM_KV_HEADS, head_dim, dtype, device)
+    q = torch.randn(batch.num_tokens, NUM_KV_HEADS * 4, head_dim, device=device).to(dtype)
+    tile_seq, tile_m0 = prefill_tiles(batch.query_lens_cpu, list(range(len(seqs))), device)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(q, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.5, tile_seq, tile_m0,
+                      out=out, window=window)
+    ref = prefill_attention_ref(q, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.5,
+                                seqs=list(range(len(seqs))), window=window)
+    assert_attention_close(out, ref, dtype)
+    if window < 64:
+        full = prefill_attention_ref(q, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.5,
+                                     seqs=list(range(len(seqs))))
+        assert not torch.allclose(out.float(), full.float(), atol=1e-2)

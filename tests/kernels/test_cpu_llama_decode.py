@@ -86,6 +86,21 @@ def test_step_matches_reference(isa_name, qtype, seq_lens):
 
 
 @needs_kernel
+def test_each_layer_s_sliding_window():
+    """Layers of their own windows (0: every key; 5: inside a block; 20: across blocks): each reads its rows' last
+    keys only, as the reference does; without the windows the result differs."""
+    gen = torch.Generator().manual_seed(11)
+    layers = make_layers(3, g.Q8_0, torch.float32, gen)
+    for w, window in zip(layers, (0, 5, 20)):
+        w.window = window
+    out, ref, _, _ = run_both(layers, [37, 70, 3], gen)
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    gen = torch.Generator().manual_seed(11)
+    unwindowed, _, _, _ = run_both(make_layers(3, g.Q8_0, torch.float32, gen), [37, 70, 3], gen)
+    assert not torch.allclose(out[:2], unwindowed[:2], rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+
+
+@needs_kernel
 @pytest.mark.parametrize("seq_lens", [[1], [16, 70, 5], [3, 9, 20, 33, 1, 7]])    # 3 and 6 rows: f32_gemv's tail
 def test_float32_and_int8_steps_match_reference(seq_lens):
     """Plain float32 weights (the dequantized model's Linears, qtype F32: llama_decode.c's f32_gemv) and int8 rows

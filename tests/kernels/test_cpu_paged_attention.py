@@ -23,13 +23,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def reference_decode(q, kv_cache, block_tables, seq_lens, scale):
-    """softmax(q k^T * scale) v over each sequence's first seq_len keys, in float64, slot by slot."""
+def reference_decode(q, kv_cache, block_tables, seq_lens, scale, window: int = 0):
+    """softmax(q k^T * scale) v over each sequence's first seq_len keys (the last `window` of them, window > 0), in
+    float64, slot by slot."""
     _, _, block_size, hkv, _ = kv_cache.shape
     group = q.shape[1] // hkv
     out = torch.empty(q.shape, dtype=torch.float64)
     for b, length in enumerate(seq_lens.tolist()):
-        pos = torch.arange(length)
+        pos = torch.arange(max(0, length - window) if window > 0 else 0, length)
         blocks = block_tables[b][pos // block_size]
         k = kv_cache[0, blocks, pos % block_size].double().repeat_interleave(group, dim=1)   # [L, H, D]
         v = kv_cache[1, blocks, pos % block_size].double().repeat_interleave(group, dim=1)
@@ -52,10 +53,10 @@ def random_case(seq_lens, hkv, group, head_dim, block_size=16, seed=0, spare_blo
     return q, kv_cache, tables, torch.tensor(seq_lens)
 
 
-def run_kernel(q, kv_cache, tables, seq_lens, scale, rows=None, out=None):
+def run_kernel(q, kv_cache, tables, seq_lens, scale, rows=None, out=None, window=0):
     rows = torch.arange(len(seq_lens)) if rows is None else rows
     out = torch.full_like(q, float("nan")) if out is None else out
-    assert cpu.DecodePlan(rows, tables, seq_lens).run(q, kv_cache, out, scale)
+    assert cpu.DecodePlan(rows, tables, seq_lens).run(q, kv_cache, out, scale, window)
     return out
 
 
@@ -103,6 +104,22 @@ def test_long_sequences_fold_in_partitions(seq_lens, block_size, lanes):
     kv_cache[0] *= 2.0                  # a wider spread of scores: partitions' maxes differ
     assert_matches_reference(run_kernel(q, kv_cache, tables, lens, 0.125),
                              reference_decode(q, kv_cache, tables, lens, 0.125))
+
+
+@requires_kernel
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 1100, 2100])
+@pytest.mark.parametrize("block_size", [16, 48])
+def test_a_sliding_window_reads_each_row_s_last_keys(window, block_size, lanes):
+    """window > 0: each row attends to its last `window` keys. Windows inside one block, starting mid-block, as long
+    as a row (or longer), and across PART_KEYS partitions (rows of 3000 keys: the partitions count from the
+    window's first block); rows shorter than the window see all their keys."""
+    q, kv_cache, tables, lens = random_case([3000, 5, 16, 300, 1040, 1], hkv=3, group=3, head_dim=64,
+                                            block_size=block_size)
+    kv_cache[0] *= 2.0
+    out = run_kernel(q, kv_cache, tables, lens, 0.125, window=window)
+    assert_matches_reference(out, reference_decode(q, kv_cache, tables, lens, 0.125, window))
+    if window < 300:      # not the unwindowed result: the window was read
+        assert not torch.allclose(out[0], reference_decode(q, kv_cache, tables, lens, 0.125)[0].float(), atol=1e-3)
 
 
 @requires_kernel

@@ -257,17 +257,19 @@ def test_tiny_gguf_round_trips_to_hf_layout(tmp_path, arch):
         assert torch.equal(loaded[name], torch.from_numpy(expected)), name
 
 
-def test_a_declared_sliding_window_reaches_the_config_and_is_refused_past_it(tmp_path):
-    """The file's `{arch}.attention.sliding_window` (a Mistral v0.1 conversion) is kept, so the model refuses a
-    context longer than the window instead of attending past it; without the key there is no window."""
+def test_a_declared_sliding_window_reaches_every_layer(tmp_path):
+    """The file's `{arch}.attention.sliding_window` (a Mistral v0.1 conversion) is kept, and every layer attends
+    through it (tests/models/test_sliding_window.py checks the windowed attention against HF); without the key there
+    is no window."""
     weights = tiny_hf_weights(seed=1, with_bias=False)
     windowed = load_gguf(write_tiny_gguf(str(tmp_path / "windowed.gguf"), "llama", weights, sliding_window=16))
     assert windowed.config["sliding_window"] == 16
-    with pytest.raises(NotImplementedError, match="max_model_len <= 16"):
-        LlamaForCausalLM(windowed.config, max_position=128)
+    model = LlamaForCausalLM(windowed.config, max_position=128)
+    assert [layer.self_attn.attn.sliding_window for layer in model.layers] == [16] * len(model.layers)
     plain = load_gguf(write_tiny_gguf(str(tmp_path / "plain.gguf"), "llama", weights))
     assert "sliding_window" not in plain.config
-    LlamaForCausalLM(plain.config, max_position=128)
+    model = LlamaForCausalLM(plain.config, max_position=128)
+    assert all(layer.self_attn.attn.sliding_window == 0 for layer in model.layers)
 
 
 def test_unsupported_architecture_is_rejected(tmp_path):

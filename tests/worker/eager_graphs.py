@@ -50,7 +50,7 @@ def install_twin_triton_attention(llm):
     from deepserve.layers.attention_triton import TritonPagedAttention, decode_inputs
 
     class TwinTritonAttention(TritonPagedAttention):
-        def forward(self, q, k, v, kv_cache, batch, scale, rotary=None, qk_norm=None, prefetch=None):
+        def forward(self, q, k, v, kv_cache, batch, scale, rotary=None, qk_norm=None, prefetch=None, window=0):
             meta = batch.attn_metadata if batch.attn_metadata is not None else self.build_metadata(batch)
             if qk_norm is not None:      # (Qwen3) the norms the GPU kernel applies before rotating
                 q, k = qk_norm[0](q), qk_norm[1](k)
@@ -63,10 +63,10 @@ def install_twin_triton_attention(llm):
             out = q.new_zeros(q.shape)
             if meta.num_decodes:      # the int32 copies where the GPU backend reads them (decode_inputs)
                 tables, lens, rows, seqs = decode_inputs(meta, batch)
-                decode_attention_ref(q, kv_cache, tables, lens, scale, out=out, q_rows=rows, seq_ids=seqs)
+                decode_attention_ref(q, kv_cache, tables, lens, scale, out=out, q_rows=rows, seq_ids=seqs, window=window)
             if meta.num_prefill_tiles:
                 prefill_attention_ref(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                                      scale, meta.tile_seq, meta.tile_m0, out=out)
+                                      scale, meta.tile_seq, meta.tile_m0, out=out, window=window)
             return out
 
     backend = TwinTritonAttention()

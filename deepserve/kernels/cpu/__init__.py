@@ -31,6 +31,7 @@ _ARGTYPES = [_P, _I64, _I64,                    # q, its row and head strides
              _P, _P, _P,                        # rows, block_tables, seq_lens
              _P, _I64, _I64,                    # out, its row and head strides
              _I64, _I64, _I64, _I64, _I64, _I64,   # B, H, Hkv, D, block_size, max_blocks
+             _I64,                              # window (0: none)
              ctypes.c_float, ctypes.c_int]      # scale, num_threads
 
 
@@ -99,9 +100,10 @@ class DecodePlan:
                 and heads % hkv == 0 and self.max_row < rows and self.max_block < num_blocks
                 and self.max_len <= self.max_blocks * block_size)
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float, window: int = 0) -> bool:
         """out[rows[b]] = softmax(q[rows[b]] K_b^T * scale) V_b per head, K_b and V_b being sequence b's first
-        seq_lens[b] keys and values in kv_cache [2, num_blocks, block_size, Hkv, D] (fp32, bf16, fp8). q, out:
+        seq_lens[b] keys and values in kv_cache [2, num_blocks, block_size, Hkv, D] (fp32, bf16, fp8); the last
+        `window` of them where window > 0 (a sliding window). q, out:
         [T, H, D] fp32, unit stride in D (rows and heads may be strided); out's other rows are left as they are.
         Returns False, doing nothing, when the kernel cannot take these tensors (see `supports`)."""
         if not self.supports(q, kv_cache, out):
@@ -112,7 +114,7 @@ class DecodePlan:
         q_stride, out_stride = q.stride(), out.stride()
         library(kv_cache.dtype).paged_decode_attention(q.data_ptr(), q_stride[0], q_stride[1], k_ptr, v_ptr, *self._ptrs,
                      out.data_ptr(), out_stride[0], out_stride[1], self.num_seqs, q.shape[1], hkv, d, block_size,
-                     self.max_blocks, scale, torch.get_num_threads())
+                     self.max_blocks, max(0, window), scale, torch.get_num_threads())
         return True
 
 

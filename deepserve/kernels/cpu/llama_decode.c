@@ -45,6 +45,7 @@ typedef struct {
     const float *input_norm, *post_norm;   /* [hidden] */
     PackedMat qkv, o, gate_up, down;
     kv_t *k_cache, *v_cache;               /* each [num_blocks, block_size, kv_heads, head_dim] */
+    int64_t window;                        /* > 0: the layer's sliding window (keys a query sees); 0: all */
 } Layer;
 
 typedef struct {
@@ -270,7 +271,7 @@ static void attention_block(const Stack *s, const Layer *L, float *h, int64_t B,
     }
     PHASE(PH_ROTARY_KV);
     paged_decode_attention(qkv, nqkv, D, L->k_cache, L->v_cache, rows, block_tables, seq_lens, attn, H * D, D, B, H,
-                           Hkv, D, s->block_size, max_blocks, s->scale, num_threads);
+                           Hkv, D, s->block_size, max_blocks, L->window, s->scale, num_threads);
     PHASE(PH_ATTENTION);
     packed_gemv(s, &L->o, attn, B, H * D, tmp, xq, num_threads);
     for (int64_t i = 0; i < B * E; ++i)

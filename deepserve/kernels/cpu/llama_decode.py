@@ -46,7 +46,7 @@ class _Mat(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Mat), ("o", _Mat), ("gate_up", _Mat),
-                ("down", _Mat), ("k_cache", _P), ("v_cache", _P)]
+                ("down", _Mat), ("k_cache", _P), ("v_cache", _P), ("window", _I64)]
 
 
 class _Stack(ctypes.Structure):
@@ -115,6 +115,7 @@ class LayerWeights:
     gate_up: PackedWeight             # rows: gate, then up
     down: PackedWeight
     kv_cache: torch.Tensor            # [2, num_blocks, block_size, kv_heads, head_dim] fp32, bf16 or fp8, contiguous
+    window: int = 0                   # > 0: the layer's sliding window (keys a query sees); 0: all keys
 
 
 @dataclass
@@ -201,7 +202,7 @@ class DecodeStack:
         self.cache_shape = tuple(cache.shape)
         self._layer_structs = (_Layer * len(layers))(*[
             _Layer(w.input_norm.data_ptr(), w.post_norm.data_ptr(), _mat(w.qkv), _mat(w.o), _mat(w.gate_up),
-                   _mat(w.down), w.kv_cache[0].data_ptr(), w.kv_cache[1].data_ptr()) for w in layers])
+                   _mat(w.down), w.kv_cache[0].data_ptr(), w.kv_cache[1].data_ptr(), w.window) for w in layers])
         self._stack = _Stack(ctypes.addressof(self._layer_structs), len(layers), shape.hidden, shape.intermediate,
                              shape.heads, shape.kv_heads, shape.head_dim, cache.shape[1], cache.shape[2],
                              cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0], cos_cache.stride(0),
@@ -257,8 +258,11 @@ def decode_step_ref(h: torch.Tensor, layers: list[LayerWeights], shape: StackSha
     h = h.clone()
     cos, sin = cos_cache[positions].unsqueeze(1), sin_cache[positions].unsqueeze(1)
     block_size = layers[0].kv_cache.shape[2]
-    mask = torch.arange(block_tables.shape[1] * block_size)[None, :] < seq_lens[:, None]
+    key_pos = torch.arange(block_tables.shape[1] * block_size)[None, :]
     for w in layers:
+        mask = key_pos < seq_lens[:, None]
+        if w.window > 0:
+            mask &= key_pos >= seq_lens[:, None] - w.window
         qkv = _linear_ref(rms_norm(h, w.input_norm, shape.eps), w.qkv)
         q, k, v = qkv.split([hd * d, kvh * d, kvh * d], dim=1)
         q = apply_rotate_half(q.reshape(b, hd, d), cos, sin)

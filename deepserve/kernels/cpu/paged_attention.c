@@ -335,6 +335,7 @@ typedef struct {
     float *out;
     int64_t out_row_stride, out_head_stride;
     int64_t H, Hkv, D, block_size, max_blocks;
+    int64_t window;                /* > 0: a sequence of len keys attends to its last `window` only */
     float scale;
 } Args;
 
@@ -389,6 +390,12 @@ static int64_t group_size(int64_t D)
  * keys are one partition, computed exactly as without it. */
 #define PART_KEYS 1024
 
+/* The first key a sequence of len keys attends to: len - window through a sliding window (window > 0), else 0. */
+static inline int64_t window_first_key(int64_t len, int64_t window)
+{
+    return window > 0 && len > window ? len - window : 0;
+}
+
 /* Partial state of one query head over one partition: its accumulator (D floats, in the kernel's own layout),
  * then its max score and its sum. */
 static inline int64_t partial_floats(int64_t D) { return D + 2; }
@@ -409,9 +416,13 @@ static void run_item(const Args *a, int64_t b, int64_t h0, int64_t nh, int64_t j
         st[i].m = -INFINITY;
         st[i].l = 0.f;
     }
+    const int64_t lo = window_first_key(len, a->window);
     for (int64_t j = j0, start = j0 * bs; j < j1 && start < len; start += bs, ++j) {
+        if (start + bs <= lo)
+            continue;                   /* the whole block lies before the window */
         const int64_t n = len - start < bs ? len - start : bs;
-        const int64_t base = table[j] * block_stride;
+        const int64_t skip = lo > start ? lo - start : 0;   /* the window's first key inside this block */
+        const int64_t base = table[j] * block_stride + skip * token_stride;
         /* The next block's slices (of this partition), prefetched row by row while this one is computed. */
         const int64_t next = start + bs < len && j + 1 < j1 ? table[j + 1] * block_stride : -1;
         for (int64_t h = 0; h < nh; ++h) {
@@ -420,7 +431,7 @@ static void run_item(const Args *a, int64_t b, int64_t h0, int64_t nh, int64_t j
             const kv_t *pv = next < 0 ? NULL : a->v_cache + next + (h0 + h) * D;
             for (int64_t i = 0; i < G; i += gmax, pk = pv = NULL)   /* the first group prefetches */
                 fold_group(qb + (h * G + i) * a->q_head_stride, a->q_head_stride, a->k_cache + offset,
-                           a->v_cache + offset, pk, pv, n, token_stride, a->scale, st + h * G + i,
+                           a->v_cache + offset, pk, pv, n - skip, token_stride, a->scale, st + h * G + i,
                            G - i < gmax ? G - i : gmax, D);
         }
     }
@@ -468,6 +479,12 @@ static void merge_partitions(const Args *a, int64_t b, int64_t qh, const float *
         store_pair(ob + c * W, acc[c] * inv, acc[c + 1] * inv);
 }
 
+/* Whole blocks of sequence b before its window's first key (0 without a window). */
+static inline int64_t skipped_blocks(const Args *a, int64_t b)
+{
+    return window_first_key(a->seq_lens[b], a->window) / a->block_size;
+}
+
 /* Scratch of the calling thread for partial states, grown as needed and kept for its next calls (a step calls
  * once per layer); NULL when it cannot be had. */
 static float *partial_scratch(size_t floats)
@@ -486,16 +503,17 @@ static float *partial_scratch(size_t floats)
 
 /* q, out: [T, H, D] with the given row/head strides (dim stride 1); decode sequence b reads q row rows[b]
  * and writes out row rows[b]. block_tables: [B, max_blocks]; seq_lens: [B] (each <= max_blocks * block_size).
+ * window > 0: each sequence attends to its last `window` keys only (a sliding window); 0: to all.
  * num_threads: OpenMP threads to use (the caller passes torch's setting). */
 void paged_decode_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride,
                             const kv_t *k_cache, const kv_t *v_cache,
                             const int64_t *rows, const int64_t *block_tables, const int64_t *seq_lens,
                             float *out, int64_t out_row_stride, int64_t out_head_stride,
                             int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks,
-                            float scale, int num_threads)
+                            int64_t window, float scale, int num_threads)
 {
     const Args a = {q, q_row_stride, q_head_stride, k_cache, v_cache, rows, block_tables, seq_lens,
-                    out, out_row_stride, out_head_stride, H, Hkv, D, block_size, max_blocks, scale};
+                    out, out_row_stride, out_head_stride, H, Hkv, D, block_size, max_blocks, window, scale};
     /* A whole sequence per item reads each block front to back; with few sequences per thread, split
      * them by kv head instead so that every thread gets work. */
     const int64_t nh = B >= 4 * (int64_t)num_threads ? Hkv : 1;
@@ -510,7 +528,8 @@ void paged_decode_attention(const float *q, int64_t q_row_stride, int64_t q_head
     int64_t items = 0, partials = 0;
     if (first) {
         for (int64_t b = 0; b < B; ++b) {
-            const int64_t blocks = (seq_lens[b] + block_size - 1) / block_size;
+            /* Blocks from the window's first (block 0 without a window). */
+            const int64_t blocks = (seq_lens[b] + block_size - 1) / block_size - skipped_blocks(&a, b);
             const int64_t parts = blocks > part_blocks ? (blocks + part_blocks - 1) / part_blocks : 1;
             first[b] = items;
             base[b] = parts > 1 ? partials : -1;
@@ -546,7 +565,8 @@ void paged_decode_attention(const float *q, int64_t q_row_stride, int64_t q_head
         }
         const int64_t b = lo, k = i - first[b], part = k / per_seq, h0 = k % per_seq * nh;
         float *partial = base[b] < 0 ? NULL : scratch + (base[b] + part) * stride + h0 * (H / Hkv) * rec;
-        run_item(&a, b, h0, nh, part * part_blocks, (part + 1) * part_blocks, partial);
+        const int64_t j0 = skipped_blocks(&a, b) + part * part_blocks;
+        run_item(&a, b, h0, nh, j0, j0 + part_blocks, partial);
     }
     if (partials) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)

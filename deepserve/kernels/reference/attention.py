@@ -69,10 +69,16 @@ def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     return out.reshape(b, h, d).to(q.dtype)
 
 
+def window_start(seq_len: int, window: int) -> int:
+    """The first key a query at position seq_len - 1 sees through a sliding window of `window` keys (0: no window):
+    HF transformers' rule, key j visible to query i when i - window < j <= i."""
+    return max(0, seq_len - window) if window > 0 else 0
+
+
 def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_position: int,
-                             scale: float) -> torch.Tensor:
+                             scale: float, window: int = 0) -> torch.Tensor:
     """q: [n, H, D] at positions first_position..; k, v: [L, Hkv, D] (L = first_position + n), widened to q's dtype
-    when the cache holds another."""
+    when the cache holds another. `window` > 0: query i sees only the `window` keys ending at its own position."""
     n, h, _ = q.shape
     k, v = k.to(q.dtype), v.to(q.dtype)
     group = h // k.shape[1]
@@ -81,16 +87,18 @@ def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     else:
         k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
     qh, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)    # [heads, len, D]
-    if first_position == 0:
+    if first_position == 0 and window <= 0:
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, **gqa)
     else:
-        # Query i sits at position first_position + i and sees keys 0..first_position + i.
+        # Query i sits at position first_position + i and sees keys 0..first_position + i (the last `window` of them).
         key_pos = torch.arange(k.shape[1], device=q.device)
         query_pos = torch.arange(first_position, first_position + n, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
+        if window > 0:
+            mask &= key_pos[None, :] > query_pos[:, None] - window
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, **gqa)
     return out.transpose(0, 1)
 
 
 __all__ = ["as_bytes", "causal_prefill_attention", "gather_blocks", "masked_decode_attention", "to_cache_dtype",
-           "write_kv", "write_latents"]
+           "window_start", "write_kv", "write_latents"]
