@@ -6,7 +6,7 @@ group 3); the best of `--repeats` timed loops is reported, the dtypes alternatin
 `--lanes 8,16` builds each dtype at both vector widths (-DATTN_LANES: 16 floats, one AVX-512 register, or 8, one
 AVX one; without it each build takes the CPU's own width) and times them all in the same run ("fp32@8", ...).
 `--dtypes fp32,bf16` times those builds only; `--ab-define ATTN_MAX_VEC=16,ATTN_MAX_VEC=32` each of them also with
-each define.
+each define; `--window 0,4096` each of them with each sliding window (0: none; "fp32~4096").
 
 Run:  python benchmarks/cpu_kv_attention.py [--context 4096] [--batch 1] [--lanes 8,16] [--dtypes ...] [--ab-define D]
           [--output benchmarks/cpu_kv_attention.json]
@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--group", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--window", default="0",
+                    help="comma-separated sliding windows (0: none): each build is timed at each (\"fp32~4096\")")
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--lanes", default="", help="comma-separated vector widths to build each dtype at (8, 16)")
@@ -85,6 +87,10 @@ def main() -> None:
     if args.lanes:
         builds = {f"{name}@{lanes}": (dtype, extra + (f"ATTN_LANES={lanes}",))
                   for lanes in args.lanes.split(",") for name, (dtype, extra) in builds.items()}
+    windows = [int(w) for w in args.window.split(",")]
+    if windows != [0]:
+        builds = {f"{name}~{w}" if w else name: b for w in windows for name, b in builds.items()}
+    window_of = {name: int(name.split("~")[1]) if "~" in name else 0 for name in builds}
     bs = 16
     blocks_per_seq = -(-args.context // bs)
     num_blocks = args.batch * blocks_per_seq + 1
@@ -105,7 +111,7 @@ def main() -> None:
         libs[name].paged_decode_attention(
             q.data_ptr(), q.stride(0), q.stride(1), k_ptrs[name], k_ptrs[name] + c.stride(0) * c.element_size(),
             *plan._ptrs, out.data_ptr(), out.stride(0), out.stride(1), args.batch, q.shape[1], hkv, d, block,
-            plan.max_blocks, 0.125, torch.get_num_threads())
+            plan.max_blocks, window_of[name], 0.125, torch.get_num_threads())
 
     best = {name: float("inf") for name in builds}
     for name in builds:

@@ -69,6 +69,7 @@
 #   bash benchmarks/gpu_pending.sh s47-check  # ~9 min: tests/gpu with mapped step I/O on, then Qwen3-MoE steps 0 / 1
 #   bash benchmarks/gpu_pending.sh mapped-io  # ~7 min: DEEPSERVE_MAPPED_STEP_IO: its GPU tests, then 1B steps 0 / 1
 #   bash benchmarks/gpu_pending.sh window    # ~2 min: sliding-window attention: its GPU tests, one layer's kernels
+#   bash benchmarks/gpu_pending.sh window-check  # ~4 min: window, then every GPU test file of the GQA attention paths
 #   bash benchmarks/gpu_pending.sh sweeps    # ~7 min: the MoE (E4M3 and bf16 caches) and dense decode sweeps
 #   (two stages in one call: `for s in tests sweeps; do bash benchmarks/gpu_pending.sh $s; done`)
 # The stages that time kernels/mla_decode.py's Triton kernel over an 8-bit cache (kernels, mla-ab, mla-splits,
@@ -1089,6 +1090,18 @@ window)
     timeout 150 python3 benchmarks/sliding_window_attention.py --output "$OUT/sliding_window_attention.json" \
         > /tmp/window_bench.log 2>&1
     tail -16 /tmp/window_bench.log | cut -c1-200; elapsed "kernels"
+    ;;
+window-check)
+    # The window stage, then the GPU test files whose kernels and backends the window touched (their default launches
+    # build the same code as before: the PTX of the decode kernel is unchanged, the prefill's reorders two integer
+    # ops), for when a whole `tests` stage does not fit the device time left.
+    bash "$0" window
+    n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
+    timeout 300 python3 -m pytest -q $n -p no:cacheprovider tests/gpu/test_paged_attention.py \
+        tests/gpu/test_paged_prefill.py tests/gpu/test_qkv_rotary.py tests/gpu/test_engine_gpu.py \
+        tests/gpu/test_mixed_graph_gpu.py tests/gpu/test_batch_invariant_gpu.py tests/gpu/test_spec_decode_gpu.py \
+        > "$OUT/pytest_gqa.log" 2>&1
+    tail -3 "$OUT/pytest_gqa.log"; grep -E "^(FAILED|E )" "$OUT/pytest_gqa.log" | head -8; elapsed "GQA test files"
     ;;
 sweeps)
     # SWEEP_KV=fp8: the MoE sweep over an E4M3 cache only; SWEEP_KV=' ' (a blank): no MoE sweep, the dense one alone
