@@ -623,6 +623,15 @@ def test_backend_decode_splits_forced_by_the_environment(device, monkeypatch):
     so a reduce merges them), and a mixed step still matches the reference backend."""
     monkeypatch.setenv("DEEPSERVE_DECODE_SPLITS", "32")
     launched = spy_decode_launches(monkeypatch)
+    ref, out = _mixed_step_through_both_backends(device)
+    assert TritonPagedAttention().num_splits == 32 and TritonPagedAttention(rows_as_decodes=True).num_splits == 1
+    assert [splits for _, splits in launched] == [24]
+    assert_attention_close(out, ref, torch.float16)
+
+
+def _mixed_step_through_both_backends(device, **forward_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """MIXED_SEQS' step (fp16, 64-wide heads in groups of 2) through TorchPagedAttention, then TritonPagedAttention,
+    each on its own copy of one random cache: (reference output, Triton output)."""
     dtype, head_dim, group, bs = torch.float16, 64, 2, 16
     batch = make_batch(MIXED_SEQS, bs, 160, device)
     h, hkv, t = NUM_KV_HEADS * group, NUM_KV_HEADS, batch.num_tokens
@@ -631,10 +640,8 @@ def test_backend_decode_splits_forced_by_the_environment(device, monkeypatch):
     outs = []
     for backend in (TorchPagedAttention(), TritonPagedAttention()):
         batch.attn_metadata = backend.build_metadata(batch)
-        outs.append(backend.forward(q, k, v, cache.clone(), batch, 0.125))
-    assert TritonPagedAttention().num_splits == 32 and TritonPagedAttention(rows_as_decodes=True).num_splits == 1
-    assert [splits for _, splits in launched] == [24]
-    assert_attention_close(outs[1], outs[0], dtype)
+        outs.append(backend.forward(q, k, v, cache.clone(), batch, 0.125, **forward_kwargs))
+    return outs[0], outs[1]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -835,13 +842,5 @@ def test_decode_sliding_window_matches_reference(device, window, splits, split_m
 @pytest.mark.parametrize("window", [5, 100])
 def test_backends_agree_through_a_sliding_window(device, window):
     """A mixed step (prefills, a chunk over a cached prefix, decodes) through both backends with a window."""
-    dtype, head_dim, group, bs = torch.float16, 64, 2, 16
-    batch = make_batch(MIXED_SEQS, bs, 160, device)
-    h, hkv, t = NUM_KV_HEADS * group, NUM_KV_HEADS, batch.num_tokens
-    q, k, v = (torch.randn(t, n, head_dim, device=device).to(dtype) for n in (h, hkv, hkv))
-    cache = random_cache(160, bs, hkv, head_dim, dtype, device)
-    outs = []
-    for backend in (TorchPagedAttention(), TritonPagedAttention()):
-        batch.attn_metadata = backend.build_metadata(batch)
-        outs.append(backend.forward(q, k, v, cache.clone(), batch, 0.125, window=window))
-    assert_attention_close(outs[1], outs[0], dtype)
+    ref, out = _mixed_step_through_both_backends(device, window=window)
+    assert_attention_close(out, ref, torch.float16)

@@ -63,7 +63,8 @@ def install_twin_triton_attention(llm):
             out = q.new_zeros(q.shape)
             if meta.num_decodes:      # the int32 copies where the GPU backend reads them (decode_inputs)
                 tables, lens, rows, seqs = decode_inputs(meta, batch)
-                decode_attention_ref(q, kv_cache, tables, lens, scale, out=out, q_rows=rows, seq_ids=seqs, window=window)
+                decode_attention_ref(q, kv_cache, tables, lens, scale, out=out, q_rows=rows, seq_ids=seqs,
+                                     window=window)
             if meta.num_prefill_tiles:
                 prefill_attention_ref(q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                                       scale, meta.tile_seq, meta.tile_m0, out=out, window=window)
