@@ -3,7 +3,8 @@ a window) against HF transformers, which masks key j from query i unless i - win
 keys) are far shorter than the contexts (up to 69 tokens), cross block boundaries (blocks of 8) and the prompt chunks,
 so every path that reads the cache is covered: prefill whole and chunked over a cached prefix, batched decode beside
 prompt chunks, preemption and prefix-cache hits, the CPU's C decode kernel, its fused decode stack, the PyTorch
-fallback, batch-invariant mode, and the GPU backend's dispatch (its kernels' PyTorch twins)."""
+fallback, batch-invariant mode, speculative decoding's verify rows, and the GPU backend's dispatch (its kernels'
+PyTorch twins)."""
 
 import pytest
 import torch
@@ -84,6 +85,19 @@ def test_batch_invariant_mode_reads_the_window(mistral):
                         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     for ids, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, ids, 24)[0]
+
+
+def test_speculative_decoding_verifies_drafts_through_the_window(mistral):
+    """n-gram drafts over a repetitive prompt: the verify rows (decodes of their own lengths) read each one's window;
+    the greedy tokens are HF's."""
+    path, hf = mistral
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=8,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompt = random_prompt(10, seed=8) * 4
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)[0]
+    assert llm.engine.get_stats().spec_decode_num_draft_tokens > 0
 
 
 def test_the_gpu_backend_dispatch_passes_each_layer_s_window(mistral):
