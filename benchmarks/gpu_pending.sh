@@ -1093,8 +1093,8 @@ window)
     ;;
 window-check)
     # The window stage, then the GPU test files whose kernels and backends the window touched (their default launches
-    # build the same code as before: the PTX of the decode kernel is unchanged, the prefill's reorders two integer
-    # ops), for when a whole `tests` stage does not fit the device time left.
+    # build the same PTX as before: benchmarks/compare_attention_ptx.py), for when a whole `tests` stage does not fit
+    # the device time left.
     bash "$0" window
     n=""; python3 -c "import xdist" 2>/dev/null && n="-n 8"
     timeout 300 python3 -m pytest -q $n -p no:cacheprovider tests/gpu/test_paged_attention.py \

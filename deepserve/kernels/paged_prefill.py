@@ -58,10 +58,10 @@ def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
     first_pos = ctx + m0
     # Keys below full_end are at or before every query of the tile: no causal mask, no bounds mask.
     full_end = (first_pos // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
     if WINDOW > 0:
         # Through a window the tile's keys start at its first query's first (lo, down to a tile). Those visible to
         # every query (from its last query's first) need no mask either; the ones below them do.
