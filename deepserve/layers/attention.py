@@ -173,18 +173,18 @@ class TorchPagedAttention:
             rows = slice(seg.row_start, seg.row_start + seg.num_rows)
             # Keys from the first one the segment's first query sees (through a window, not always key 0).
             first_key = window_start(seg.first_position + 1, window)
-            skip = first_key // k_cache.shape[1]
-            keys = _segment_keys(k_cache, seg, skip, first_key).to(q.dtype)
-            values = _segment_keys(v_cache, seg, skip, first_key).to(q.dtype)
+            keys = _segment_keys(k_cache, seg, first_key).to(q.dtype)
+            values = _segment_keys(v_cache, seg, first_key).to(q.dtype)
             out[rows] = causal_prefill_attention(q[rows], keys, values, seg.first_position - first_key, scale, window)
         return out
 
 
-def _segment_keys(cache: torch.Tensor, seg: _PrefillSegment, skip_blocks: int, first_key: int) -> torch.Tensor:
-    """A prefill segment's keys (or values) `first_key` .. seq_len - 1, gathered from its blocks past the first
-    `skip_blocks` (whole blocks before first_key)."""
-    skipped = skip_blocks * cache.shape[1]
-    return gather_blocks(cache, seg.blocks[skip_blocks:]).flatten(0, 1)[first_key - skipped: seg.seq_len - skipped]
+def _segment_keys(cache: torch.Tensor, seg: _PrefillSegment, first_key: int) -> torch.Tensor:
+    """A prefill segment's keys (or values) `first_key` .. seq_len - 1, gathered from the block holding first_key on
+    (the whole blocks before it are not read)."""
+    first_block = first_key // cache.shape[1]
+    skipped = first_block * cache.shape[1]          # keys in the blocks not read
+    return gather_blocks(cache, seg.blocks[first_block:]).flatten(0, 1)[first_key - skipped: seg.seq_len - skipped]
 
 
 def _decode_rows_one_by_one(q, k_cache, v_cache, meta: TorchAttentionMetadata, out, scale: float,
